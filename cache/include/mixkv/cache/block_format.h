@@ -1,0 +1,101 @@
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+#include "mixkv/cache/host_device.h"
+#include "mixkv/cache/precision.h"
+
+namespace mixkv {
+
+// The byte layout of one block: the single definition shared by the host
+// reference, the CUDA kernels, the allocator and the benchmarks.
+//
+// A block holds one layer's K and V for block_size tokens and every KV head.
+// Heads are stored one after another (head-major), so one (sequence, head)
+// reads one contiguous run of head_bytes():
+//
+//   FP16 head:  K[token][channel] half | V[token][channel] half
+//   INT4/INT2:  K codes | V codes | K params | V params
+//     K codes   channel-major, packed along tokens: channel c owns
+//               block_size * bits / 8 bytes; token t of it sits at bits
+//               [t * bits, (t + 1) * bits) counted little-endian from the
+//               run's first byte (at INT4 x 32 tokens one channel is one
+//               16-byte load).
+//     V codes   token-major, packed along channels the same way: token t
+//               owns head_dim * bits / 8 bytes.
+//     K params  per channel (scale, min) as two halves: K is quantized per
+//               channel over the block's tokens (keys have outlier channels).
+//     V params  per token (scale, min) as two halves: V is per token over the
+//               channels.
+//   Dequantized value = min + scale * code (eqs. 14-16 with the zero point
+//   folded into the stored minimum).
+struct BlockFormat {
+  Precision precision = Precision::FP16;
+  std::int32_t num_kv_heads = 0;
+  std::int32_t head_dim = 0;
+  std::int32_t block_size = 0;
+
+  MIXKV_HOST_DEVICE constexpr int bits() const { return bits_of(precision); }
+  MIXKV_HOST_DEVICE constexpr int codes_per_byte() const { return 8 / bits(); }
+
+  // Bytes of one channel's packed K codes (quantized formats).
+  MIXKV_HOST_DEVICE constexpr std::size_t k_channel_bytes() const {
+    return static_cast<std::size_t>(block_size) * bits() / 8;
+  }
+  // Bytes of one token's packed V codes (quantized formats).
+  MIXKV_HOST_DEVICE constexpr std::size_t v_token_bytes() const {
+    return static_cast<std::size_t>(head_dim) * bits() / 8;
+  }
+
+  MIXKV_HOST_DEVICE constexpr std::size_t k_offset() const { return 0; }
+  MIXKV_HOST_DEVICE constexpr std::size_t v_offset() const {
+    return precision == Precision::FP16
+               ? static_cast<std::size_t>(block_size) * head_dim * 2
+               : k_channel_bytes() * head_dim;
+  }
+  // (scale, min) half pairs; quantized formats only.
+  MIXKV_HOST_DEVICE constexpr std::size_t k_params_offset() const {
+    return v_offset() + v_token_bytes() * block_size;
+  }
+  MIXKV_HOST_DEVICE constexpr std::size_t v_params_offset() const {
+    return k_params_offset() + static_cast<std::size_t>(head_dim) * 4;
+  }
+
+  MIXKV_HOST_DEVICE constexpr std::size_t head_bytes() const {
+    return precision == Precision::FP16
+               ? static_cast<std::size_t>(block_size) * head_dim * 2 * 2
+               : v_params_offset() + static_cast<std::size_t>(block_size) * 4;
+  }
+  MIXKV_HOST_DEVICE constexpr std::size_t head_offset(int head) const {
+    return head_bytes() * static_cast<std::size_t>(head);
+  }
+  MIXKV_HOST_DEVICE constexpr std::size_t block_bytes() const {
+    return head_bytes() * static_cast<std::size_t>(num_kv_heads);
+  }
+
+  // Where code (token, channel) lives inside a head's region: byte offset and
+  // bit shift within that byte.
+  struct CodeLocation {
+    std::size_t byte;
+    int shift;
+  };
+  MIXKV_HOST_DEVICE constexpr CodeLocation k_code_location(int token, int channel) const {
+    return {k_offset() + k_channel_bytes() * channel + static_cast<std::size_t>(token) / codes_per_byte(),
+            (token % codes_per_byte()) * bits()};
+  }
+  MIXKV_HOST_DEVICE constexpr CodeLocation v_code_location(int token, int channel) const {
+    return {v_offset() + v_token_bytes() * token + static_cast<std::size_t>(channel) / codes_per_byte(),
+            (channel % codes_per_byte()) * bits()};
+  }
+};
+
+// Bytes per token per KV head of a precision, metadata included.
+MIXKV_HOST_DEVICE constexpr double bytes_per_token_per_head(Precision p, int head_dim, int block_size) {
+  return static_cast<double>(BlockFormat{p, 1, head_dim, block_size}.head_bytes()) / block_size;
+}
+
+static_assert(BlockFormat{Precision::INT4, 1, 128, 32}.head_bytes() == 148 * 32);
+static_assert(BlockFormat{Precision::INT2, 1, 128, 32}.head_bytes() == 84 * 32);
+static_assert(BlockFormat{Precision::FP16, 1, 128, 32}.head_bytes() == 512 * 32);
+
+}  // namespace mixkv
