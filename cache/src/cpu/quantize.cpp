@@ -1,0 +1,220 @@
+#include "mixkv/cpu/quantize.h"
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "detail.h"
+#include "mixkv/cache/quant_math.h"
+
+namespace mixkv::cpu {
+namespace {
+
+using detail::invalid;
+
+struct GroupParams {
+  Half scale;
+  Half min;
+};
+
+// Stored (scale, min) of a group spanning [lo, hi] (quant_math.h): codes are
+// then computed against these FP16-rounded values, exactly as the CUDA
+// store kernel does.
+GroupParams group_params(float lo, float hi, int max_code) {
+  return {float_to_half(quant_step(lo, hi, max_code)), float_to_half(lo)};
+}
+
+void store_params(std::byte* at, GroupParams params) {
+  std::memcpy(at, &params.scale, sizeof(Half));
+  std::memcpy(at + sizeof(Half), &params.min, sizeof(Half));
+}
+
+GroupParams load_params(const std::byte* at) {
+  GroupParams params;
+  std::memcpy(&params.scale, at, sizeof(Half));
+  std::memcpy(&params.min, at + sizeof(Half), sizeof(Half));
+  return params;
+}
+
+void put_code(std::byte* region, BlockFormat::CodeLocation at, int code, int bits) {
+  const unsigned mask = ((1u << bits) - 1u) << at.shift;
+  const unsigned old = std::to_integer<unsigned>(region[at.byte]);
+  region[at.byte] = static_cast<std::byte>((old & ~mask) | (static_cast<unsigned>(code) << at.shift));
+}
+
+int get_code(const std::byte* region, BlockFormat::CodeLocation at, int bits) {
+  return static_cast<int>((std::to_integer<unsigned>(region[at.byte]) >> at.shift) & ((1u << bits) - 1u));
+}
+
+float load_half(const Half* p) { return half_to_float(*p); }
+
+void check_head_format(std::string_view function, const BlockFormat& format) {
+  detail::check_format(function, "format", format);
+}
+
+void check_quantized(std::string_view function, const BlockFormat& format) {
+  if (!is_quantized(format.precision)) {
+    invalid(function, ": format.precision = FP16: expected INT4 or INT2 (FP16 heads hold no codes)");
+  }
+}
+
+void check_codes(std::string_view function, std::string_view name, const std::uint8_t* codes, std::size_t count,
+                 int max_code) {
+  for (std::size_t i = 0; i < count; ++i) {
+    if (codes[i] > max_code) {
+      invalid(function, ": ", name, "[", i, "] = ", static_cast<int>(codes[i]), ": expected a code in [0, ", max_code,
+              "]");
+    }
+  }
+}
+
+}  // namespace
+
+namespace detail {
+
+void write_head_unchecked(const BlockFormat& format, const Half* k, const Half* v, std::size_t row_stride,
+                          std::byte* head_region) {
+  const int tokens = format.block_size;
+  const int dim = format.head_dim;
+  if (format.precision == Precision::FP16) {
+    for (int t = 0; t < tokens; ++t) {
+      std::memcpy(head_region + fp16_k_row(format, t), k + t * row_stride, dim * sizeof(Half));
+      std::memcpy(head_region + fp16_v_row(format, t), v + t * row_stride, dim * sizeof(Half));
+    }
+    return;
+  }
+  const int bits = format.bits();
+  const int max_code = mixkv::max_code(format.precision);
+  std::vector<float> group(static_cast<std::size_t>(std::max(tokens, dim)));
+
+  // K: one group per channel, over the block's tokens.
+  for (int c = 0; c < dim; ++c) {
+    for (int t = 0; t < tokens; ++t) group[t] = load_half(k + t * row_stride + c);
+    const auto [lo, hi] = std::minmax_element(group.begin(), group.begin() + tokens);
+    const GroupParams params = group_params(*lo, *hi, max_code);
+    const float scale = half_to_float(params.scale);
+    const float min = half_to_float(params.min);
+    for (int t = 0; t < tokens; ++t) {
+      put_code(head_region, format.k_code_location(t, c), quant_code(group[t], scale, min, max_code), bits);
+    }
+    store_params(head_region + format.k_params_offset() + static_cast<std::size_t>(c) * 2 * sizeof(Half), params);
+  }
+  // V: one group per token, over the channels.
+  for (int t = 0; t < tokens; ++t) {
+    for (int c = 0; c < dim; ++c) group[c] = load_half(v + t * row_stride + c);
+    const auto [lo, hi] = std::minmax_element(group.begin(), group.begin() + dim);
+    const GroupParams params = group_params(*lo, *hi, max_code);
+    const float scale = half_to_float(params.scale);
+    const float min = half_to_float(params.min);
+    for (int c = 0; c < dim; ++c) {
+      put_code(head_region, format.v_code_location(t, c), quant_code(group[c], scale, min, max_code), bits);
+    }
+    store_params(head_region + format.v_params_offset() + static_cast<std::size_t>(t) * 2 * sizeof(Half), params);
+  }
+}
+
+void read_head_unchecked(const BlockFormat& format, const std::byte* head_region, float* k_out, float* v_out) {
+  const int tokens = format.block_size;
+  const int dim = format.head_dim;
+  if (format.precision == Precision::FP16) {
+    std::vector<Half> row(static_cast<std::size_t>(dim));
+    for (int t = 0; t < tokens; ++t) {
+      std::memcpy(row.data(), head_region + fp16_k_row(format, t), dim * sizeof(Half));
+      for (int c = 0; c < dim; ++c) k_out[t * dim + c] = half_to_float(row[c]);
+      std::memcpy(row.data(), head_region + fp16_v_row(format, t), dim * sizeof(Half));
+      for (int c = 0; c < dim; ++c) v_out[t * dim + c] = half_to_float(row[c]);
+    }
+    return;
+  }
+  const int bits = format.bits();
+  for (int c = 0; c < dim; ++c) {
+    const GroupParams params =
+        load_params(head_region + format.k_params_offset() + static_cast<std::size_t>(c) * 2 * sizeof(Half));
+    const float scale = half_to_float(params.scale);
+    const float min = half_to_float(params.min);
+    for (int t = 0; t < tokens; ++t) {
+      k_out[t * dim + c] = dequant(get_code(head_region, format.k_code_location(t, c), bits), scale, min);
+    }
+  }
+  for (int t = 0; t < tokens; ++t) {
+    const GroupParams params =
+        load_params(head_region + format.v_params_offset() + static_cast<std::size_t>(t) * 2 * sizeof(Half));
+    const float scale = half_to_float(params.scale);
+    const float min = half_to_float(params.min);
+    for (int c = 0; c < dim; ++c) {
+      v_out[t * dim + c] = dequant(get_code(head_region, format.v_code_location(t, c), bits), scale, min);
+    }
+  }
+}
+
+}  // namespace detail
+
+void write_head(const BlockFormat& format, const Half* k, const Half* v, std::size_t row_stride,
+                std::byte* head_region) {
+  constexpr std::string_view fn = "write_head";
+  check_head_format(fn, format);
+  if (k == nullptr) invalid(fn, ": k is null: expected block_size rows of head_dim halves");
+  if (v == nullptr) invalid(fn, ": v is null: expected block_size rows of head_dim halves");
+  if (head_region == nullptr) invalid(fn, ": head_region is null: expected head_bytes() writable bytes");
+  if (row_stride < static_cast<std::size_t>(format.head_dim)) {
+    invalid(fn, ": row_stride = ", row_stride, ": expected >= head_dim = ", format.head_dim);
+  }
+  // NaN/inf would poison a whole quantization group (and every FP16 read),
+  // so they are rejected before anything is written.
+  for (int t = 0; t < format.block_size; ++t) {
+    detail::check_finite(fn, "k", std::span<const Half>(k + t * row_stride, format.head_dim));
+    detail::check_finite(fn, "v", std::span<const Half>(v + t * row_stride, format.head_dim));
+  }
+  detail::write_head_unchecked(format, k, v, row_stride, head_region);
+}
+
+void read_head(const BlockFormat& format, const std::byte* head_region, float* k_out, float* v_out) {
+  constexpr std::string_view fn = "read_head";
+  check_head_format(fn, format);
+  if (head_region == nullptr) invalid(fn, ": head_region is null: expected head_bytes() readable bytes");
+  if (k_out == nullptr) invalid(fn, ": k_out is null: expected block_size * head_dim floats");
+  if (v_out == nullptr) invalid(fn, ": v_out is null: expected block_size * head_dim floats");
+  detail::read_head_unchecked(format, head_region, k_out, v_out);
+}
+
+void unpack_codes(const BlockFormat& format, const std::byte* head_region, std::uint8_t* k_codes,
+                  std::uint8_t* v_codes) {
+  constexpr std::string_view fn = "unpack_codes";
+  check_head_format(fn, format);
+  check_quantized(fn, format);
+  if (head_region == nullptr) invalid(fn, ": head_region is null: expected head_bytes() readable bytes");
+  if (k_codes == nullptr) invalid(fn, ": k_codes is null: expected block_size * head_dim bytes");
+  if (v_codes == nullptr) invalid(fn, ": v_codes is null: expected block_size * head_dim bytes");
+  const int bits = format.bits();
+  for (int t = 0; t < format.block_size; ++t) {
+    for (int c = 0; c < format.head_dim; ++c) {
+      const std::size_t i = static_cast<std::size_t>(t) * format.head_dim + c;
+      k_codes[i] = static_cast<std::uint8_t>(get_code(head_region, format.k_code_location(t, c), bits));
+      v_codes[i] = static_cast<std::uint8_t>(get_code(head_region, format.v_code_location(t, c), bits));
+    }
+  }
+}
+
+void pack_codes(const BlockFormat& format, const std::uint8_t* k_codes, const std::uint8_t* v_codes,
+                std::byte* head_region) {
+  constexpr std::string_view fn = "pack_codes";
+  check_head_format(fn, format);
+  check_quantized(fn, format);
+  if (k_codes == nullptr) invalid(fn, ": k_codes is null: expected block_size * head_dim codes");
+  if (v_codes == nullptr) invalid(fn, ": v_codes is null: expected block_size * head_dim codes");
+  if (head_region == nullptr) invalid(fn, ": head_region is null: expected head_bytes() writable bytes");
+  const std::size_t count = static_cast<std::size_t>(format.block_size) * format.head_dim;
+  const int max_code = mixkv::max_code(format.precision);
+  check_codes(fn, "k_codes", k_codes, count, max_code);
+  check_codes(fn, "v_codes", v_codes, count, max_code);
+  const int bits = format.bits();
+  for (int t = 0; t < format.block_size; ++t) {
+    for (int c = 0; c < format.head_dim; ++c) {
+      const std::size_t i = static_cast<std::size_t>(t) * format.head_dim + c;
+      put_code(head_region, format.k_code_location(t, c), k_codes[i], bits);
+      put_code(head_region, format.v_code_location(t, c), v_codes[i], bits);
+    }
+  }
+}
+
+}  // namespace mixkv::cpu
