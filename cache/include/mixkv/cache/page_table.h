@@ -1,0 +1,65 @@
+#pragma once
+#include <array>
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "mixkv/cache/precision.h"
+
+namespace mixkv {
+
+// The page lists of one sequence: per layer, the block ids it holds in each
+// pool, in order, plus how many tokens the layer's last FP16 block holds.
+//
+// Quantized blocks always hold one full window. FP16 tokens (text, visual
+// tails, FP16 windows, generated tokens) are packed densely in prompt order,
+// so only the last FP16 block of a layer can be partly filled: the k-th FP16
+// token of a layer sits in FP16 block k / block_size at offset k % block_size.
+// The table holds ids only; the ref counts that let forked sequences share
+// blocks are the pools' (block_pool.h).
+class PageTable {
+ public:
+  // InvalidArgument naming num_layers (< 1) or block_size (< 1).
+  PageTable(std::int32_t num_layers, std::int32_t block_size);
+
+  std::int32_t num_layers() const { return static_cast<std::int32_t>(layers_.size()); }
+  std::int32_t block_size() const { return block_size_; }
+
+  // IndexOutOfRange names "layer"; InvalidArgument names "p".
+  std::span<const std::int32_t> blocks(std::int32_t layer, Precision p) const;
+  // Tokens in the last FP16 block: 1..block_size, or 0 with no FP16 block.
+  std::int32_t fp16_tail_fill(std::int32_t layer) const;
+  // FP16 tokens of the layer: (FP16 blocks - 1) * block_size + tail fill.
+  std::int64_t fp16_tokens(std::int32_t layer) const;
+  // FP16 slot (block_id * block_size + offset) of the layer's k-th FP16
+  // token. IndexOutOfRange names "k" outside [0, fp16_tokens(layer)).
+  std::int32_t fp16_slot(std::int32_t layer, std::int64_t k) const;
+
+  // Appends one block of pool p. For FP16 the new block becomes the tail and
+  // holds `fill` tokens (1..block_size, InvalidArgument naming fill); the
+  // previous tail must be full (InvalidArgument), which keeps the packing.
+  // For quantized pools fill must be block_size (one whole window).
+  void push_block(std::int32_t layer, Precision p, std::int32_t block_id, std::int32_t fill);
+  // Adds one token to a tail that has room; returns its FP16 slot.
+  // InvalidArgument when the layer has no FP16 block or the tail is full.
+  std::int32_t fill_fp16_tail(std::int32_t layer);
+  // Swaps the tail block for `block_id` (copy-on-write); fill is kept.
+  // InvalidArgument when the layer has no FP16 block.
+  void replace_fp16_tail(std::int32_t layer, std::int32_t block_id);
+
+  friend bool operator==(const PageTable&, const PageTable&) = default;
+
+ private:
+  struct Layer {
+    std::array<std::vector<std::int32_t>, kNumPrecisions> blocks;  // [pool_index]
+    std::int32_t fp16_tail_fill = 0;
+    friend bool operator==(const Layer&, const Layer&) = default;
+  };
+  const Layer& layer_at(std::int32_t layer) const;
+  Layer& layer_at(std::int32_t layer);
+
+  std::int32_t block_size_ = 0;
+  std::vector<Layer> layers_;
+};
+
+}  // namespace mixkv

@@ -1,0 +1,631 @@
+#include "mixkv/cache/kv_cache_manager.h"
+
+#include <algorithm>
+#include <limits>
+#include <optional>
+#include <string>
+#include <utility>
+
+#include <boost/unordered/unordered_flat_map.hpp>
+
+#include "checks.h"
+#include "mixkv/cache/arena.h"
+#include "mixkv/cache/block_pool.h"
+#include "mixkv/cache/errors.h"
+#include "mixkv/cache/page_table.h"
+
+namespace mixkv {
+
+void StoreMapping::append(const StoreMapping& other) {
+  const auto offset = static_cast<std::int32_t>(fp16_slots.size());
+  fp16_slots.insert(fp16_slots.end(), other.fp16_slots.begin(), other.fp16_slots.end());
+  for (WindowSlot w : other.int4_windows) int4_windows.push_back({w.block_id, w.first_row + offset});
+  for (WindowSlot w : other.int2_windows) int2_windows.push_back({w.block_id, w.first_row + offset});
+}
+
+namespace {
+
+using detail::require_index;
+using detail::require_precision;
+
+std::size_t at(Precision p) { return static_cast<std::size_t>(pool_index(p)); }
+
+std::string counts_text(const BlockCounts& counts) {
+  return "FP16 " + std::to_string(counts[0]) + ", INT4 " + std::to_string(counts[1]) + ", INT2 " +
+         std::to_string(counts[2]);
+}
+
+// A prompt never changes once added; forks share it.
+struct Prompt {
+  TokenLayout layout;
+  PrecisionPlan plan;
+};
+
+struct Sequence {
+  std::shared_ptr<const Prompt> prompt;
+  std::int32_t num_tokens = 0;
+  PageTable table;
+};
+
+}  // namespace
+
+struct KVCacheManager::Impl {
+  CacheConfig config;
+  Arena arena;
+  std::array<std::unique_ptr<BlockPool>, kNumPrecisions> pools;
+  boost::unordered_flat_map<SequenceId, Sequence> sequences;
+
+  explicit Impl(const CacheConfig& c);
+
+  std::int32_t num_layers() const { return config.shape.num_layers; }
+  std::int32_t block_size() const { return config.shape.block_size; }
+  BlockPool& pool(Precision p) { return *pools[at(p)]; }
+  const BlockPool& pool(Precision p) const { return *pools[at(p)]; }
+
+  const Sequence& find(SequenceId id, const char* name) const;
+  Sequence& find(SequenceId id, const char* name) {
+    return const_cast<Sequence&>(std::as_const(*this).find(id, name));
+  }
+  void require_ids(std::span<const SequenceId> ids) const;
+  void require_layer(std::int32_t layer) const { require_index("layer", layer, num_layers()); }
+  void require_prompt(const TokenLayout& layout, const PrecisionPlan& plan) const;
+  BlockCounts prompt_demand(const TokenLayout& layout, const PrecisionPlan& plan) const;
+
+  std::optional<std::string> shortfall(const BlockCounts& need) const;
+  std::array<std::vector<std::int32_t>, kNumPrecisions> allocate(const BlockCounts& need, const std::string& what);
+  void grow(Precision p);
+};
+
+namespace {
+
+// Checks what the arena and the pools cannot: the shape, and that a slab
+// holds at least one block of the largest format (FP16).
+const CacheConfig& checked(const CacheConfig& c) {
+  validate(c.shape);
+  const BlockFormat fp16{Precision::FP16, c.shape.num_kv_heads, c.shape.head_dim, c.shape.block_size};
+  if (c.slab_bytes < fp16.block_bytes()) {
+    throw InvalidArgument("slab_bytes = " + std::to_string(c.slab_bytes) + ", expected at least one FP16 block (" +
+                          std::to_string(fp16.block_bytes()) + " bytes for this shape)");
+  }
+  return c;
+}
+
+}  // namespace
+
+KVCacheManager::Impl::Impl(const CacheConfig& c) : config(checked(c)), arena(c.arena_bytes, c.slab_bytes) {
+  for (const Precision p : kAllPrecisions) {
+    pools[at(p)] = std::make_unique<BlockPool>(
+        BlockFormat{p, c.shape.num_kv_heads, c.shape.head_dim, c.shape.block_size}, c.slab_bytes,
+        arena.total_slabs());
+  }
+  // FP16 slots (block_id * block_size + offset) are int32 in every mapping.
+  if (pool(Precision::FP16).id_limit() * c.shape.block_size > std::numeric_limits<std::int32_t>::max()) {
+    throw InvalidArgument("arena_bytes = " + std::to_string(c.arena_bytes) + " holds " +
+                          std::to_string(pool(Precision::FP16).id_limit()) + " FP16 blocks of " +
+                          std::to_string(c.shape.block_size) + " tokens, expected fewer than 2^31 FP16 slots");
+  }
+}
+
+const Sequence& KVCacheManager::Impl::find(SequenceId id, const char* name) const {
+  const auto it = sequences.find(id);
+  if (it == sequences.end()) {
+    throw UnknownId(std::string(name) + " = " + std::to_string(id) + " is not a sequence of this cache");
+  }
+  return it->second;
+}
+
+void KVCacheManager::Impl::require_ids(std::span<const SequenceId> ids) const {
+  boost::unordered_flat_map<SequenceId, std::size_t> seen;
+  seen.reserve(ids.size());
+  for (std::size_t i = 0; i < ids.size(); ++i) {
+    const std::string name = "ids[" + std::to_string(i) + "]";
+    if (!sequences.contains(ids[i])) {
+      throw UnknownId(name + " = " + std::to_string(ids[i]) + " is not a sequence of this cache");
+    }
+    const auto [it, fresh] = seen.emplace(ids[i], i);
+    if (!fresh) {
+      throw InvalidArgument(name + " = " + std::to_string(ids[i]) + " repeats ids[" + std::to_string(it->second) +
+                            "], expected distinct ids");
+    }
+  }
+}
+
+void KVCacheManager::Impl::require_prompt(const TokenLayout& layout, const PrecisionPlan& plan) const {
+  if (layout.num_tokens() < 1) {
+    throw InvalidArgument("layout has 0 tokens, expected a TokenLayout with at least one segment");
+  }
+  if (plan.num_layers() != num_layers()) {
+    throw InvalidArgument("plan.num_layers() = " + std::to_string(plan.num_layers()) + ", expected " +
+                          std::to_string(num_layers()) + " (shape.num_layers)");
+  }
+  const std::int32_t windows = layout.num_windows(block_size());
+  if (plan.num_windows() != windows) {
+    throw InvalidArgument("plan.num_windows() = " + std::to_string(plan.num_windows()) + ", expected " +
+                          std::to_string(windows) + " for this layout and block_size " +
+                          std::to_string(block_size()));
+  }
+}
+
+BlockCounts KVCacheManager::Impl::prompt_demand(const TokenLayout& layout, const PrecisionPlan& plan) const {
+  BlockCounts need{};
+  const std::int64_t bs = block_size();
+  for (std::int32_t layer = 0; layer < num_layers(); ++layer) {
+    const auto windows = plan.window_counts(layer);
+    const std::int64_t fp16_tokens = layout.num_tokens() - (std::int64_t{windows[1]} + windows[2]) * bs;
+    need[0] += (fp16_tokens + bs - 1) / bs;
+    need[1] += windows[1];
+    need[2] += windows[2];
+  }
+  return need;
+}
+
+// Why `need` cannot be allocated now, or nullopt when it can. Exact: each
+// pool first uses its own free blocks (partly used slabs first), then the
+// pools that still lack blocks share the free slabs plus the empty slabs the
+// other pools keep after their own allocation (BlockPool::spare_slabs_after).
+std::optional<std::string> KVCacheManager::Impl::shortfall(const BlockCounts& need) const {
+  std::int64_t slabs = arena.free_slabs();
+  for (const Precision p : kAllPrecisions) slabs += pool(p).spare_slabs_after(need[at(p)]);
+  for (const Precision p : kAllPrecisions) {
+    const BlockPool& bp = pool(p);
+    const std::int64_t missing = need[at(p)] - bp.free_blocks();
+    if (missing <= 0) continue;
+    const std::int64_t wanted = (missing + bp.blocks_per_slab() - 1) / bp.blocks_per_slab();
+    if (wanted > slabs) {
+      return "the " + std::string(to_string(p)) + " pool needs " + std::to_string(need[at(p)]) + " blocks, " +
+             std::to_string(bp.free_blocks() + slabs * bp.blocks_per_slab()) + " available (" +
+             std::to_string(bp.free_blocks()) + " free in its slabs + " + std::to_string(slabs) +
+             " obtainable slabs of " + std::to_string(bp.blocks_per_slab()) + " blocks); blocks needed: " +
+             counts_text(need);
+    }
+    slabs -= wanted;
+  }
+  return std::nullopt;
+}
+
+void KVCacheManager::Impl::grow(Precision p) {
+  if (arena.free_slabs() == 0) {
+    // Lazy reclamation: an entirely free slab of another pool goes back to
+    // the arena only now that some pool needs it.
+    const BlockPool* donor = nullptr;
+    for (const Precision q : kAllPrecisions) {
+      if (q != p && pool(q).empty_slabs() > 0) {
+        donor = &pool(q);
+        break;
+      }
+    }
+    if (donor == nullptr) {
+      throw InvariantViolation("grow(" + std::string(to_string(p)) +
+                               "): no free or reclaimable slab although the accounting found one");
+    }
+    const Precision q = donor->format().precision;
+    arena.give_back(pool(q).release_empty_slab(), q);
+  }
+  pool(p).add_slab(arena.take(p));
+}
+
+std::array<std::vector<std::int32_t>, kNumPrecisions> KVCacheManager::Impl::allocate(const BlockCounts& need,
+                                                                                    const std::string& what) {
+  if (auto reason = shortfall(need)) throw OutOfMemory(what + ": out of memory: " + *reason);
+  std::array<std::vector<std::int32_t>, kNumPrecisions> ids;
+  for (const Precision p : kAllPrecisions) ids[at(p)].reserve(static_cast<std::size_t>(need[at(p)]));
+  // Every pool takes its own free blocks before any pool grows, so a slab is
+  // never reclaimed from a pool that still needs it (the order shortfall()
+  // counted in).
+  for (const Precision p : kAllPrecisions) {
+    const std::int64_t own = std::min(need[at(p)], pool(p).free_blocks());
+    for (std::int64_t i = 0; i < own; ++i) ids[at(p)].push_back(pool(p).allocate());
+  }
+  for (const Precision p : kAllPrecisions) {
+    while (static_cast<std::int64_t>(ids[at(p)].size()) < need[at(p)]) {
+      if (pool(p).free_blocks() == 0) grow(p);
+      ids[at(p)].push_back(pool(p).allocate());
+    }
+  }
+  return ids;
+}
+
+KVCacheManager::KVCacheManager(CacheConfig config) : impl_(std::make_unique<Impl>(config)) {}
+KVCacheManager::~KVCacheManager() = default;
+
+const CacheConfig& KVCacheManager::config() const { return impl_->config; }
+
+BlockFormat KVCacheManager::format(Precision p) const {
+  require_precision(p, "p");
+  return impl_->pool(p).format();
+}
+
+PoolView KVCacheManager::pool_view(Precision p, std::byte* arena_base) const {
+  require_precision(p, "p");
+  if (arena_base == nullptr) throw InvalidArgument("arena_base = nullptr, expected the arena's first byte");
+  const BlockPool& bp = impl_->pool(p);
+  return PoolView{arena_base, impl_->config.slab_bytes, bp.blocks_per_slab(), bp.format()};
+}
+
+PoolStats KVCacheManager::pool_stats(Precision p) const {
+  require_precision(p, "p");
+  const BlockPool& bp = impl_->pool(p);
+  return PoolStats{bp.format().block_bytes(), bp.blocks_per_slab(), bp.num_slabs(), bp.used_blocks(),
+                   bp.free_blocks()};
+}
+
+std::int32_t KVCacheManager::total_slabs() const { return impl_->arena.total_slabs(); }
+std::int32_t KVCacheManager::free_slabs() const { return impl_->arena.free_slabs(); }
+
+BlockCounts KVCacheManager::demand(const TokenLayout& layout, const PrecisionPlan& plan) const {
+  impl_->require_prompt(layout, plan);
+  return impl_->prompt_demand(layout, plan);
+}
+
+bool KVCacheManager::can_allocate(const BlockCounts& blocks) const {
+  for (const Precision p : kAllPrecisions) {
+    if (blocks[at(p)] < 0) {
+      throw InvalidArgument("blocks[" + std::string(to_string(p)) + "] = " + std::to_string(blocks[at(p)]) +
+                            ", expected >= 0");
+    }
+  }
+  return !impl_->shortfall(blocks).has_value();
+}
+
+void KVCacheManager::add_sequence(SequenceId id, const TokenLayout& layout, const PrecisionPlan& plan) {
+  Impl& m = *impl_;
+  if (m.sequences.contains(id)) {
+    throw InvalidArgument("id = " + std::to_string(id) + " is already a sequence of this cache, expected a new id");
+  }
+  m.require_prompt(layout, plan);
+  const BlockCounts need = m.prompt_demand(layout, plan);
+  Sequence seq{std::make_shared<const Prompt>(Prompt{layout, plan}), layout.num_tokens(),
+               PageTable(m.num_layers(), m.block_size())};
+  m.sequences.reserve(m.sequences.size() + 1);
+  auto ids = m.allocate(need, "add_sequence(id = " + std::to_string(id) + ")");
+
+  // Hand the blocks out layer by layer, in allocation order.
+  const std::int32_t bs = m.block_size();
+  std::array<std::size_t, kNumPrecisions> next{};
+  for (std::int32_t layer = 0; layer < m.num_layers(); ++layer) {
+    const auto windows = plan.window_counts(layer);
+    std::int64_t fp16_tokens = layout.num_tokens() - (std::int64_t{windows[1]} + windows[2]) * bs;
+    while (fp16_tokens > 0) {
+      const auto fill = static_cast<std::int32_t>(std::min<std::int64_t>(fp16_tokens, bs));
+      seq.table.push_block(layer, Precision::FP16, ids[0][next[0]++], fill);
+      fp16_tokens -= fill;
+    }
+    for (const Precision p : {Precision::INT4, Precision::INT2}) {
+      for (std::int32_t w = 0; w < windows[at(p)]; ++w) seq.table.push_block(layer, p, ids[at(p)][next[at(p)]++], bs);
+    }
+  }
+  m.sequences.emplace(id, std::move(seq));
+}
+
+bool KVCacheManager::contains(SequenceId id) const { return impl_->sequences.contains(id); }
+
+std::vector<SequenceId> KVCacheManager::sequence_ids() const {
+  std::vector<SequenceId> ids;
+  ids.reserve(impl_->sequences.size());
+  for (const auto& [id, seq] : impl_->sequences) ids.push_back(id);
+  std::sort(ids.begin(), ids.end());
+  return ids;
+}
+
+std::int32_t KVCacheManager::num_tokens(SequenceId id) const { return impl_->find(id, "id").num_tokens; }
+const TokenLayout& KVCacheManager::layout(SequenceId id) const { return impl_->find(id, "id").prompt->layout; }
+const PrecisionPlan& KVCacheManager::plan(SequenceId id) const { return impl_->find(id, "id").prompt->plan; }
+
+StoreMapping KVCacheManager::prefill_mapping(SequenceId id, std::int32_t layer) const {
+  const Impl& m = *impl_;
+  const Sequence& seq = m.find(id, "id");
+  m.require_layer(layer);
+  const TokenLayout& layout = seq.prompt->layout;
+  const PrecisionPlan& plan = seq.prompt->plan;
+  const std::int32_t bs = m.block_size();
+  const auto int4 = seq.table.blocks(layer, Precision::INT4);
+  const auto int2 = seq.table.blocks(layer, Precision::INT2);
+
+  StoreMapping mapping;
+  mapping.fp16_slots.reserve(static_cast<std::size_t>(layout.num_tokens()));
+  std::int64_t fp16_rank = 0;  // FP16 tokens are packed densely in prompt order
+  std::int32_t window = 0;
+  std::int32_t row = 0;
+  auto add_fp16 = [&](std::int32_t count) {
+    for (std::int32_t i = 0; i < count; ++i, ++row) mapping.fp16_slots.push_back(seq.table.fp16_slot(layer, fp16_rank++));
+  };
+  for (const Segment& segment : layout.segments()) {
+    if (segment.kind == TokenKind::Text) {
+      add_fp16(segment.length);
+      continue;
+    }
+    const std::int32_t full = segment.length / bs;
+    for (std::int32_t w = 0; w < full; ++w, ++window) {
+      const Precision p = plan.at(layer, window);
+      if (p == Precision::FP16) {
+        add_fp16(bs);
+        continue;
+      }
+      auto& windows = p == Precision::INT4 ? mapping.int4_windows : mapping.int2_windows;
+      const auto blocks = p == Precision::INT4 ? int4 : int2;
+      windows.push_back({blocks[windows.size()], row});
+      mapping.fp16_slots.insert(mapping.fp16_slots.end(), static_cast<std::size_t>(bs), -1);
+      row += bs;
+    }
+    add_fp16(segment.length - full * bs);  // the visual tail stays FP16
+  }
+  return mapping;
+}
+
+AppendResult KVCacheManager::append_tokens(std::span<const SequenceId> ids) {
+  Impl& m = *impl_;
+  m.require_ids(ids);
+  std::vector<Sequence*> seqs;
+  seqs.reserve(ids.size());
+  for (std::size_t i = 0; i < ids.size(); ++i) {
+    Sequence& seq = m.find(ids[i], "id");
+    if (seq.num_tokens == std::numeric_limits<std::int32_t>::max()) {
+      throw InvalidArgument("ids[" + std::to_string(i) + "] = " + std::to_string(ids[i]) +
+                            " holds 2^31 - 1 tokens, expected room for one more");
+    }
+    seqs.push_back(&seq);
+  }
+
+  // Count the new FP16 blocks exactly, in the order they will be taken: a
+  // shared tail copied for one holder may be written in place by the last
+  // holder of the same batch.
+  BlockPool& fp16 = m.pool(Precision::FP16);
+  const std::int32_t bs = m.block_size();
+  auto needs_block = [&](const PageTable& t, std::int32_t layer, auto&& shared) {
+    const auto tail = t.blocks(layer, Precision::FP16);
+    return tail.empty() || t.fp16_tail_fill(layer) == bs || shared(tail.back());
+  };
+  BlockCounts need{};
+  boost::unordered_flat_map<std::int32_t, std::int32_t> copied;  // tail block -> holders that left it
+  for (std::int32_t layer = 0; layer < m.num_layers(); ++layer) {
+    for (const Sequence* seq : seqs) {
+      const bool fresh = needs_block(seq->table, layer, [&](std::int32_t block) {
+        std::int32_t& left = copied[block];
+        if (fp16.ref_count(block) - left <= 1) return false;
+        ++left;
+        return true;
+      });
+      need[0] += fresh ? 1 : 0;
+    }
+  }
+  AppendResult result;
+  result.slots.assign(static_cast<std::size_t>(m.num_layers()), std::vector<std::int32_t>(seqs.size()));
+  result.copies.reserve(static_cast<std::size_t>(need[0]));
+  const std::vector<std::int32_t> fresh_ids = std::move(m.allocate(need, "append_tokens")[0]);
+  std::size_t next = 0;
+  for (std::int32_t layer = 0; layer < m.num_layers(); ++layer) {
+    for (std::size_t i = 0; i < seqs.size(); ++i) {
+      PageTable& table = seqs[i]->table;
+      const auto tail = table.blocks(layer, Precision::FP16);
+      std::int32_t slot = 0;
+      if (tail.empty() || table.fp16_tail_fill(layer) == bs) {
+        const std::int32_t block = fresh_ids[next++];
+        table.push_block(layer, Precision::FP16, block, 1);
+        slot = block * bs;
+      } else if (fp16.ref_count(tail.back()) > 1) {
+        // Copy-on-write: this holder moves to a private copy of the tail;
+        // the others keep the original.
+        const std::int32_t src = tail.back();
+        const std::int32_t dst = fresh_ids[next++];
+        result.copies.push_back({src, dst});
+        fp16.release(src);
+        table.replace_fp16_tail(layer, dst);
+        slot = table.fill_fp16_tail(layer);
+      } else {
+        slot = table.fill_fp16_tail(layer);
+      }
+      result.slots[static_cast<std::size_t>(layer)][i] = slot;
+    }
+  }
+  for (Sequence* seq : seqs) ++seq->num_tokens;
+  return result;
+}
+
+void KVCacheManager::fork(SequenceId parent, SequenceId child) {
+  Impl& m = *impl_;
+  const Sequence& source = m.find(parent, "parent");
+  if (m.sequences.contains(child)) {
+    throw InvalidArgument("child = " + std::to_string(child) + " is already a sequence of this cache, expected a new id");
+  }
+  Sequence copy = source;
+  m.sequences.reserve(m.sequences.size() + 1);
+  for (std::int32_t layer = 0; layer < m.num_layers(); ++layer) {
+    for (const Precision p : kAllPrecisions) {
+      for (const std::int32_t block : copy.table.blocks(layer, p)) m.pool(p).retain(block);
+    }
+  }
+  m.sequences.emplace(child, std::move(copy));
+}
+
+void KVCacheManager::free_sequence(SequenceId id) {
+  Impl& m = *impl_;
+  const auto it = m.sequences.find(id);
+  if (it == m.sequences.end()) {
+    throw UnknownId("id = " + std::to_string(id) + " is not a sequence of this cache");
+  }
+  const PageTable& table = it->second.table;
+  // In reverse, so the LIFO free lists hand the blocks out again in the
+  // order this sequence took them.
+  for (std::int32_t layer = m.num_layers(); layer-- > 0;) {
+    for (const Precision p : {Precision::INT2, Precision::INT4, Precision::FP16}) {
+      const auto blocks = table.blocks(layer, p);
+      for (auto b = blocks.rbegin(); b != blocks.rend(); ++b) m.pool(p).release(*b);
+    }
+  }
+  m.sequences.erase(it);
+}
+
+std::span<const std::int32_t> KVCacheManager::blocks(SequenceId id, std::int32_t layer, Precision p) const {
+  const Sequence& seq = impl_->find(id, "id");
+  impl_->require_layer(layer);
+  require_precision(p, "p");
+  return seq.table.blocks(layer, p);
+}
+
+std::int32_t KVCacheManager::fp16_tail_fill(SequenceId id, std::int32_t layer) const {
+  const Sequence& seq = impl_->find(id, "id");
+  impl_->require_layer(layer);
+  return seq.table.fp16_tail_fill(layer);
+}
+
+std::int32_t KVCacheManager::ref_count(Precision p, std::int32_t block_id) const {
+  require_precision(p, "p");
+  return impl_->pool(p).ref_count(block_id);
+}
+
+DecodeMetadata KVCacheManager::decode_metadata(std::span<const SequenceId> ids) const {
+  const Impl& m = *impl_;
+  m.require_ids(ids);
+  std::vector<const Sequence*> seqs;
+  seqs.reserve(ids.size());
+  for (const SequenceId id : ids) seqs.push_back(&m.find(id, "id"));
+
+  DecodeMetadata meta;
+  meta.batch_size = static_cast<std::int32_t>(ids.size());
+  meta.layers.resize(static_cast<std::size_t>(m.num_layers()));
+  for (std::int32_t layer = 0; layer < m.num_layers(); ++layer) {
+    for (const Precision p : kAllPrecisions) {
+      PagedPoolTable& t = meta.layers[static_cast<std::size_t>(layer)][at(p)];
+      t.indptr.reserve(seqs.size() + 1);
+      t.last_block_len.reserve(seqs.size());
+      t.indptr.push_back(0);
+      for (const Sequence* seq : seqs) {
+        const auto blocks = seq->table.blocks(layer, p);
+        t.indices.insert(t.indices.end(), blocks.begin(), blocks.end());
+        t.indptr.push_back(static_cast<std::int32_t>(t.indices.size()));
+        const std::int32_t last = p == Precision::FP16 ? seq->table.fp16_tail_fill(layer) : m.block_size();
+        t.last_block_len.push_back(blocks.empty() ? 0 : last);
+      }
+    }
+  }
+  return meta;
+}
+
+void KVCacheManager::check_invariants() const {
+  const Impl& m = *impl_;
+  auto fail = [](const std::string& what) { throw InvariantViolation(what); };
+
+  m.arena.check_invariants();
+  for (const Precision p : kAllPrecisions) m.pool(p).check_invariants();
+  for (std::int32_t s = 0; s < m.arena.total_slabs(); ++s) {
+    const std::optional<Precision> owner = m.arena.owner(s);
+    for (const Precision p : kAllPrecisions) {
+      if (m.pool(p).owns_slab(s) != (owner == p)) {
+        fail("slab " + std::to_string(s) + ": the arena says " +
+             (owner ? std::string(to_string(*owner)) : std::string("free")) + " but the " +
+             std::string(to_string(p)) + " pool " + (m.pool(p).owns_slab(s) ? "holds" : "does not hold") + " it");
+      }
+    }
+  }
+  for (const Precision p : kAllPrecisions) {
+    if (m.pool(p).num_slabs() != m.arena.owned_slabs(p)) {
+      fail(std::string(to_string(p)) + " pool holds " + std::to_string(m.pool(p).num_slabs()) +
+           " slabs, the arena counts " + std::to_string(m.arena.owned_slabs(p)));
+    }
+  }
+
+  // Ref counts must equal the number of page tables holding each block.
+  const std::int32_t bs = m.block_size();
+  std::array<boost::unordered_flat_map<std::int32_t, std::int32_t>, kNumPrecisions> holders;
+  for (const auto& [id, seq] : m.sequences) {
+    const std::string name = "sequence " + std::to_string(id);
+    const PageTable& table = seq.table;
+    if (table.num_layers() != m.num_layers() || table.block_size() != bs) {
+      fail(name + ": page table shaped for " + std::to_string(table.num_layers()) + " layers");
+    }
+    if (seq.num_tokens < seq.prompt->layout.num_tokens()) {
+      fail(name + ": " + std::to_string(seq.num_tokens) + " tokens, fewer than its prompt");
+    }
+    std::array<boost::unordered_flat_map<std::int32_t, std::int32_t>, kNumPrecisions> mine;
+    for (std::int32_t layer = 0; layer < m.num_layers(); ++layer) {
+      const std::string where = name + " layer " + std::to_string(layer) + ": ";
+      const auto windows = seq.prompt->plan.window_counts(layer);
+      for (const Precision p : kAllPrecisions) {
+        for (const std::int32_t block : table.blocks(layer, p)) {
+          if (block < 0 || block >= m.pool(p).id_limit() || !m.pool(p).owns_slab(block / m.pool(p).blocks_per_slab())) {
+            fail(where + std::string(to_string(p)) + " block " + std::to_string(block) + " is outside the pool's slabs");
+          }
+          if (++mine[at(p)][block] > 1) {
+            fail(where + std::string(to_string(p)) + " block " + std::to_string(block) + " appears twice in one table");
+          }
+          ++holders[at(p)][block];
+        }
+        if (is_quantized(p) && static_cast<std::int64_t>(table.blocks(layer, p).size()) != windows[at(p)]) {
+          fail(where + std::to_string(table.blocks(layer, p).size()) + " " + std::string(to_string(p)) +
+               " blocks, the plan has " + std::to_string(windows[at(p)]) + " windows");
+        }
+      }
+      const std::int32_t fill = table.fp16_tail_fill(layer);
+      const bool has_fp16 = !table.blocks(layer, Precision::FP16).empty();
+      if (has_fp16 ? (fill < 1 || fill > bs) : fill != 0) {
+        fail(where + "FP16 tail fill " + std::to_string(fill) + " with " +
+             std::to_string(table.blocks(layer, Precision::FP16).size()) + " FP16 blocks of " + std::to_string(bs));
+      }
+      const std::int64_t tokens = table.fp16_tokens(layer) + (std::int64_t{windows[1]} + windows[2]) * bs;
+      if (tokens != seq.num_tokens) {
+        fail(where + "blocks hold " + std::to_string(tokens) + " tokens, the sequence has " +
+             std::to_string(seq.num_tokens));
+      }
+    }
+  }
+  for (const Precision p : kAllPrecisions) {
+    const BlockPool& bp = m.pool(p);
+    for (const auto& [block, count] : holders[at(p)]) {
+      if (bp.ref_count(block) != count) {
+        fail(std::string(to_string(p)) + " block " + std::to_string(block) + " has ref count " +
+             std::to_string(bp.ref_count(block)) + " but " + std::to_string(count) + " page tables hold it");
+      }
+    }
+    // Every used block is held: otherwise it leaked.
+    if (static_cast<std::int64_t>(holders[at(p)].size()) != bp.used_blocks()) {
+      fail(std::string(to_string(p)) + " pool has " + std::to_string(bp.used_blocks()) + " used blocks but page tables hold " +
+           std::to_string(holders[at(p)].size()));
+    }
+  }
+}
+
+std::string KVCacheManager::describe_state() const {
+  const Impl& m = *impl_;
+  std::string out;
+  auto put = [&out](const char* label, std::int64_t value) {
+    out += label;
+    out += std::to_string(value);
+  };
+  put("arena: slabs ", m.arena.total_slabs());
+  out += ", owners";
+  for (std::int32_t s = 0; s < m.arena.total_slabs(); ++s) {
+    const auto owner = m.arena.owner(s);
+    out += ' ';
+    out += owner ? to_string(*owner) : "-";
+  }
+  out += "\n  free slabs:";
+  for (const std::int32_t s : m.arena.free_list()) put(" ", s);
+  out += "\n";
+  for (const Precision p : kAllPrecisions) m.pool(p).describe(out);
+  for (const SequenceId id : sequence_ids()) {
+    const Sequence& seq = m.sequences.at(id);
+    put("sequence ", id);
+    put(": tokens ", seq.num_tokens);
+    out += ", prompt";
+    for (const Segment& s : seq.prompt->layout.segments()) put(s.kind == TokenKind::Text ? " T" : " V", s.length);
+    out += "\n";
+    for (std::int32_t layer = 0; layer < m.num_layers(); ++layer) {
+      put("  layer ", layer);
+      out += " plan ";
+      for (std::int32_t w = 0; w < seq.prompt->plan.num_windows(); ++w) {
+        out += "F42"[pool_index(seq.prompt->plan.at(layer, w))];
+      }
+      for (const Precision p : kAllPrecisions) {
+        out += " | ";
+        out += to_string(p);
+        out += ':';
+        for (const std::int32_t b : seq.table.blocks(layer, p)) put(" ", b);
+      }
+      put(" | fill ", seq.table.fp16_tail_fill(layer));
+      out += "\n";
+    }
+  }
+  return out;
+}
+
+}  // namespace mixkv

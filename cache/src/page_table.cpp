@@ -1,0 +1,97 @@
+#include "mixkv/cache/page_table.h"
+
+#include <string>
+
+#include "checks.h"
+#include "mixkv/cache/errors.h"
+
+namespace mixkv {
+namespace {
+
+std::size_t index_of(Precision p) {
+  detail::require_precision(p, "p");
+  return static_cast<std::size_t>(pool_index(p));
+}
+
+}  // namespace
+
+PageTable::PageTable(std::int32_t num_layers, std::int32_t block_size) : block_size_(block_size) {
+  if (num_layers < 1) throw InvalidArgument("num_layers = " + std::to_string(num_layers) + ", expected >= 1");
+  if (block_size < 1) throw InvalidArgument("block_size = " + std::to_string(block_size) + ", expected >= 1");
+  layers_.resize(static_cast<std::size_t>(num_layers));
+}
+
+const PageTable::Layer& PageTable::layer_at(std::int32_t layer) const {
+  detail::require_index("layer", layer, num_layers());
+  return layers_[static_cast<std::size_t>(layer)];
+}
+
+PageTable::Layer& PageTable::layer_at(std::int32_t layer) {
+  detail::require_index("layer", layer, num_layers());
+  return layers_[static_cast<std::size_t>(layer)];
+}
+
+std::span<const std::int32_t> PageTable::blocks(std::int32_t layer, Precision p) const {
+  const Layer& l = layer_at(layer);
+  return l.blocks[index_of(p)];
+}
+
+std::int32_t PageTable::fp16_tail_fill(std::int32_t layer) const { return layer_at(layer).fp16_tail_fill; }
+
+std::int64_t PageTable::fp16_tokens(std::int32_t layer) const {
+  const Layer& l = layer_at(layer);
+  const auto n = static_cast<std::int64_t>(l.blocks[0].size());
+  return n == 0 ? 0 : (n - 1) * block_size_ + l.fp16_tail_fill;
+}
+
+std::int32_t PageTable::fp16_slot(std::int32_t layer, std::int64_t k) const {
+  detail::require_index("k", k, fp16_tokens(layer));
+  const Layer& l = layers_[static_cast<std::size_t>(layer)];
+  const std::int32_t block = l.blocks[0][static_cast<std::size_t>(k / block_size_)];
+  return block * block_size_ + static_cast<std::int32_t>(k % block_size_);
+}
+
+void PageTable::push_block(std::int32_t layer, Precision p, std::int32_t block_id, std::int32_t fill) {
+  Layer& l = layer_at(layer);
+  const std::size_t pool = index_of(p);
+  if (block_id < 0) throw InvalidArgument("block_id = " + std::to_string(block_id) + ", expected >= 0");
+  if (is_quantized(p)) {
+    if (fill != block_size_) {
+      throw InvalidArgument("fill = " + std::to_string(fill) + " for a quantized block, expected block_size " +
+                            std::to_string(block_size_) + " (one whole window)");
+    }
+  } else {
+    if (fill < 1 || fill > block_size_) {
+      throw InvalidArgument("fill = " + std::to_string(fill) + ", expected 1 <= fill <= " +
+                            std::to_string(block_size_));
+    }
+    if (!l.blocks[pool].empty() && l.fp16_tail_fill != block_size_) {
+      throw InvalidArgument("layer " + std::to_string(layer) + ": the FP16 tail holds " +
+                            std::to_string(l.fp16_tail_fill) + " of " + std::to_string(block_size_) +
+                            " tokens, expected a full tail before a new FP16 block");
+    }
+    l.fp16_tail_fill = fill;
+  }
+  l.blocks[pool].push_back(block_id);
+}
+
+std::int32_t PageTable::fill_fp16_tail(std::int32_t layer) {
+  Layer& l = layer_at(layer);
+  if (l.blocks[0].empty() || l.fp16_tail_fill >= block_size_) {
+    throw InvalidArgument("layer " + std::to_string(layer) + ": the FP16 tail has no room (" +
+                          std::to_string(l.blocks[0].size()) + " FP16 blocks, tail fill " +
+                          std::to_string(l.fp16_tail_fill) + "), expected a partly filled tail");
+  }
+  return l.blocks[0].back() * block_size_ + l.fp16_tail_fill++;
+}
+
+void PageTable::replace_fp16_tail(std::int32_t layer, std::int32_t block_id) {
+  Layer& l = layer_at(layer);
+  if (l.blocks[0].empty()) {
+    throw InvalidArgument("layer " + std::to_string(layer) + " has no FP16 block, expected a tail to replace");
+  }
+  if (block_id < 0) throw InvalidArgument("block_id = " + std::to_string(block_id) + ", expected >= 0");
+  l.blocks[0].back() = block_id;
+}
+
+}  // namespace mixkv
