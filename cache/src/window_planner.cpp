@@ -10,7 +10,10 @@
 #include "mixkv/cache/errors.h"
 #include "mixkv/cache/half.h"
 
-#if defined(__x86_64__)
+// MIXKV_PLANNER_PORTABLE builds only the portable row loop: what a non-x86
+// host runs, and how the tests check that loop on x86.
+#if defined(__x86_64__) && !defined(MIXKV_PLANNER_PORTABLE)
+#define MIXKV_PLANNER_X86 1
 #include <immintrin.h>
 #endif
 
@@ -74,7 +77,7 @@ RowSums row_sums_generic(const float* u, const void* row, ElementType type, std:
   return sums;
 }
 
-#if defined(__x86_64__)
+#if defined(MIXKV_PLANNER_X86)
 // F16 rows need F16C (vcvtph2ps) to be converted at memory speed; GCC does
 // not vectorize scalar half conversions, so this path is written out.
 template <ElementType kType>
@@ -139,7 +142,7 @@ RowSums row_sums_avx2(const float* u, const void* row, ElementType type, std::in
 using RowSumsFn = RowSums (*)(const float*, const void*, ElementType, std::int32_t);
 
 RowSumsFn pick_row_sums() {
-#if defined(__x86_64__)
+#if defined(MIXKV_PLANNER_X86)
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) {
     return row_sums_avx2;
