@@ -87,6 +87,15 @@ const CacheConfig& checked(const CacheConfig& c) {
     throw InvalidArgument("slab_bytes = " + std::to_string(c.slab_bytes) + ", expected at least one FP16 block (" +
                           std::to_string(fp16.block_bytes()) + " bytes for this shape)");
   }
+  // FP16 slots (block_id * block_size + offset) are int32 in every mapping;
+  // checked before the arena's bookkeeping is built for a giant arena.
+  // (No overflow: at most arena_bytes / 1024 blocks of at most 256 tokens.)
+  const std::size_t slots = c.arena_bytes / c.slab_bytes * (c.slab_bytes / fp16.block_bytes()) *
+                            static_cast<std::size_t>(c.shape.block_size);
+  if (slots > static_cast<std::size_t>(std::numeric_limits<std::int32_t>::max())) {
+    throw InvalidArgument("arena_bytes = " + std::to_string(c.arena_bytes) + " holds " + std::to_string(slots) +
+                          " FP16 token slots, expected fewer than 2^31 (slot ids are int32)");
+  }
   return c;
 }
 
@@ -97,12 +106,6 @@ KVCacheManager::Impl::Impl(const CacheConfig& c) : config(checked(c)), arena(c.a
     pools[at(p)] = std::make_unique<BlockPool>(
         BlockFormat{p, c.shape.num_kv_heads, c.shape.head_dim, c.shape.block_size}, c.slab_bytes,
         arena.total_slabs());
-  }
-  // FP16 slots (block_id * block_size + offset) are int32 in every mapping.
-  if (pool(Precision::FP16).id_limit() * c.shape.block_size > std::numeric_limits<std::int32_t>::max()) {
-    throw InvalidArgument("arena_bytes = " + std::to_string(c.arena_bytes) + " holds " +
-                          std::to_string(pool(Precision::FP16).id_limit()) + " FP16 blocks of " +
-                          std::to_string(c.shape.block_size) + " tokens, expected fewer than 2^31 FP16 slots");
   }
 }
 
