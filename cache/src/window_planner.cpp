@@ -269,9 +269,8 @@ std::vector<float> window_similarity(const TokenLayout& layout, const Embeddings
   return similarity_of(layout, embeddings, window_size, "embeddings");
 }
 
-std::vector<std::vector<float>> window_similarity(std::span<const TokenLayout> layouts,
-                                                  std::span<const EmbeddingsView> embeddings,
-                                                  std::int32_t window_size) {
+void validate_similarity_inputs(std::span<const TokenLayout> layouts, std::span<const EmbeddingsView> embeddings,
+                                std::int32_t window_size) {
   validate_window_size(window_size);
   if (layouts.size() != embeddings.size()) {
     throw InvalidArgument("embeddings holds " + std::to_string(embeddings.size()) +
@@ -285,6 +284,12 @@ std::vector<std::vector<float>> window_similarity(std::span<const TokenLayout> l
                             " as embeddings[0] (one batch, one model)");
     }
   }
+}
+
+std::vector<std::vector<float>> window_similarity(std::span<const TokenLayout> layouts,
+                                                  std::span<const EmbeddingsView> embeddings,
+                                                  std::int32_t window_size) {
+  validate_similarity_inputs(layouts, embeddings, window_size);
   std::vector<std::vector<float>> scores;
   scores.reserve(layouts.size());
   for (std::size_t i = 0; i < layouts.size(); ++i) {
@@ -293,8 +298,8 @@ std::vector<std::vector<float>> window_similarity(std::span<const TokenLayout> l
   return scores;
 }
 
-std::vector<double> layer_sensitivity(std::span<const EmbeddingsView> before, std::span<const EmbeddingsView> after,
-                                      SensitivityReduction reduction) {
+void validate_sensitivity_inputs(std::span<const EmbeddingsView> before, std::span<const EmbeddingsView> after,
+                                 SensitivityReduction reduction) {
   if (before.empty()) throw InvalidArgument("before is empty, expected one hidden-state matrix per layer");
   if (after.size() != before.size()) {
     throw InvalidArgument("after holds " + std::to_string(after.size()) + " layers, expected " +
@@ -307,17 +312,21 @@ std::vector<double> layer_sensitivity(std::span<const EmbeddingsView> before, st
   if (before[0].num_tokens < 1) {
     throw InvalidArgument("before[0].num_tokens = " + std::to_string(before[0].num_tokens) + ", expected >= 1");
   }
-  const std::int64_t tokens = before[0].num_tokens;
   for (std::size_t l = 0; l < before.size(); ++l) {
-    validate_view(before[l], indexed("before", l), tokens);
-    validate_view(after[l], indexed("after", l), tokens);
+    validate_view(before[l], indexed("before", l), before[0].num_tokens);
+    validate_view(after[l], indexed("after", l), before[0].num_tokens);
     if (before[l].hidden != before[0].hidden || after[l].hidden != before[0].hidden) {
       throw InvalidArgument(indexed(before[l].hidden != before[0].hidden ? "before" : "after", l) +
                             ".hidden differs from before[0].hidden = " + std::to_string(before[0].hidden) +
                             ", expected one shape for every layer");
     }
   }
+}
 
+std::vector<double> layer_sensitivity(std::span<const EmbeddingsView> before, std::span<const EmbeddingsView> after,
+                                      SensitivityReduction reduction) {
+  validate_sensitivity_inputs(before, after, reduction);
+  const std::int64_t tokens = before[0].num_tokens;
   const std::int32_t hidden = before[0].hidden;
   std::vector<double> sensitivities(before.size());
   for (std::size_t l = 0; l < before.size(); ++l) {

@@ -51,6 +51,12 @@ std::vector<std::vector<float>> window_similarity(std::span<const TokenLayout> l
                                                   std::span<const EmbeddingsView> embeddings,
                                                   std::int32_t window_size);
 
+// The checks window_similarity() makes before reading any value (shapes,
+// text present, one hidden size per batch): what the CUDA planner runs on the
+// host before its kernels read device memory. Same errors and messages.
+void validate_similarity_inputs(std::span<const TokenLayout> layouts, std::span<const EmbeddingsView> embeddings,
+                                std::int32_t window_size);
+
 // How eq. 9 reduces a [tokens, hidden] pair of hidden states to one cosine.
 enum class SensitivityReduction : std::uint8_t {
   // Eq. 9 as written, on the flattened matrices: tokens with large hidden
@@ -71,6 +77,10 @@ enum class SensitivityReduction : std::uint8_t {
 std::vector<double> layer_sensitivity(std::span<const EmbeddingsView> before,
                                       std::span<const EmbeddingsView> after,
                                       SensitivityReduction reduction = SensitivityReduction::Flattened);
+
+// The checks layer_sensitivity() makes before reading any value.
+void validate_sensitivity_inputs(std::span<const EmbeddingsView> before, std::span<const EmbeddingsView> after,
+                                 SensitivityReduction reduction);
 
 // How a batch's plans relate.
 enum class BatchPolicy : std::uint8_t {
