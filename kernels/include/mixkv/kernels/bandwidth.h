@@ -1,0 +1,28 @@
+#pragma once
+#include <cstddef>
+
+#include <cuda_runtime_api.h>
+
+namespace mixkv::gpu {
+
+// The device's read bandwidth as our own kernel sees it: a read-and-reduce
+// over `bytes` of device memory (16-byte loads, several in flight), median
+// of `repetitions` CUDA-event timings after a warm-up. Bytes per second.
+double measure_read_bandwidth(std::size_t bytes, int repetitions, cudaStream_t stream);
+
+// Evicts the L2 cache by writing a buffer larger than it (benchmarks call
+// this before each timed launch so that batch-1 timings measure HBM).
+class L2Flusher {
+ public:
+  L2Flusher();
+  ~L2Flusher();
+  L2Flusher(const L2Flusher&) = delete;
+  L2Flusher& operator=(const L2Flusher&) = delete;
+  void flush(cudaStream_t stream);
+
+ private:
+  void* buffer_ = nullptr;
+  std::size_t bytes_ = 0;
+};
+
+}  // namespace mixkv::gpu

@@ -1,0 +1,83 @@
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <span>
+
+#include <cuda_runtime_api.h>
+
+#include "mixkv/cache/half.h"
+#include "mixkv/kernels/device_arena.h"
+#include "mixkv/kernels/device_page_tables.h"
+
+namespace mixkv::gpu {
+
+struct DecodePlanConfig {
+  std::int32_t num_layers = 0;
+  std::int32_t num_q_heads = 0;
+  std::int32_t num_kv_heads = 0;
+  std::int32_t head_dim = 0;    // 64, 128, 256 (the built instances)
+  std::int32_t block_size = 0;  // 16, 32, 64 (the built instances)
+  std::int32_t max_batch = 0;
+  // Work items one layer may hold; 0 = max_batch * num_kv_heads + 4 * SMs.
+  std::int32_t max_items_per_layer = 0;
+  // Multiprocessors to plan for; 0 = those of the current device.
+  std::int32_t num_sms = 0;
+  // Split-KV chunks per (sequence, KV head); 0 = chosen from the batch so
+  // that about 4 work items per SM exist (tests force other splits).
+  std::int32_t chunks_per_sequence = 0;
+};
+
+struct DecodeRunArgs {
+  std::int32_t layer = 0;
+  const Half* q = nullptr;  // device [batch][num_q_heads][head_dim]
+  Half* out = nullptr;      // device [batch][num_q_heads][head_dim]
+  float* lse = nullptr;     // optional device [batch][num_q_heads], natural log; -inf when empty
+  float sm_scale = 0.0f;    // usually 1/sqrt(head_dim)
+  DevicePools pools{};
+  cudaStream_t stream = nullptr;
+  // Launch grids sized for the plan's capacity rather than this step's
+  // items, so that a captured CUDA graph stays valid across re-plans.
+  bool fixed_grid = false;
+};
+
+// Paged decode attention, FlashInfer's plan/run split.
+// plan() runs on the host once per decode step: from the host mirror of the
+// page tables it cuts every (sequence, KV head) of every layer into work
+// items over the concatenation of its FP16, INT4 and INT2 page lists
+// (split-KV chunks balanced by bytes when the batch is too small to fill
+// the GPU) and uploads them with one asynchronous copy into fixed-capacity
+// device buffers. run() launches, per layer, ONE kernel over all work items
+// (every pool, every chunk; dequantization fused, tensor cores with the
+// query-head group as the N dimension) and one merge of the split chunks.
+// run() never synchronizes and is CUDA-graph capturable (fixed_grid).
+// GQA: num_q_heads / num_kv_heads <= 8.
+class DecodePlan {
+ public:
+  // Throws InvalidArgument naming the field for a bad shape, "Unsupported
+  // head_dim: N" / "Unsupported block_size: N" for shapes without a built
+  // kernel, and for a query-head group over 8.
+  DecodePlan(const DecodePlanConfig& config, const DevicePageTables& tables);
+  ~DecodePlan();
+  DecodePlan(const DecodePlan&) = delete;
+  DecodePlan& operator=(const DecodePlan&) = delete;
+
+  // `slots[i]` is the page-table slot of batch entry i. Throws
+  // InvalidArgument for a batch over max_batch or a slot out of range, and
+  // OutOfMemory when a layer needs more items than its capacity.
+  void plan(std::span<const std::int32_t> slots, cudaStream_t stream);
+  void run(const DecodeRunArgs& args) const;
+
+  const DecodePlanConfig& config() const;
+  std::int32_t batch_size() const;
+  std::int32_t num_items(std::int32_t layer) const;
+  std::int32_t num_split_items(std::int32_t layer) const;
+  // Bytes one run() of `layer` must read from HBM: K/V codes, parameters
+  // and FP16 rows actually visited, plus page-table entries and queries.
+  std::int64_t bytes_read(std::int32_t layer) const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace mixkv::gpu

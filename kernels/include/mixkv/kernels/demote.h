@@ -1,0 +1,26 @@
+#pragma once
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+#include "mixkv/cache/kv_cache_manager.h"
+
+namespace mixkv::gpu {
+
+// Requantizes blocks into a lower precision: FP16 -> INT4/INT2 (the same
+// codes store_prefill would make from those FP16 values) or INT4 -> INT2
+// (from the INT4 block's dequantized values). Meant for a stream of its own
+// so that decode is not stalled; it reads `src` blocks and writes `dst`
+// blocks only, so it may overlap decode of other blocks.
+struct DemoteArgs {
+  const BlockCopy* moves = nullptr;  // device [count]: src block id in src_pool, dst block id in dst_pool
+  std::int32_t count = 0;
+  PoolView src_pool{};
+  PoolView dst_pool{};
+  cudaStream_t stream = nullptr;
+};
+// Throws InvalidArgument unless (src, dst) is (FP16, INT4), (FP16, INT2) or
+// (INT4, INT2) with the same num_kv_heads, head_dim and block_size.
+void demote(const DemoteArgs& args);
+
+}  // namespace mixkv::gpu

@@ -1,0 +1,72 @@
+#pragma once
+#include <cstdint>
+#include <memory>
+
+#include <cuda_runtime_api.h>
+
+#include "mixkv/cache/half.h"
+#include "mixkv/cache/kv_cache_manager.h"
+#include "mixkv/kernels/device_arena.h"
+
+namespace mixkv::gpu {
+
+// One layer's prefill K/V into the pools, in ONE launch: FP16 rows are
+// copied to their slots; every INT4/INT2 window is quantized (K per channel
+// over the window's tokens, V per token over the channels, min-max RTN with
+// the rounding of quant_math.h) and packed. Codes and (scale, min) are
+// bit-identical to cpu::store_prefill. All pointers are device memory.
+struct StorePrefillArgs {
+  const Half* k = nullptr;  // [rows][num_kv_heads][head_dim]
+  const Half* v = nullptr;  // [rows][num_kv_heads][head_dim]
+  std::int32_t rows = 0;
+  const std::int32_t* fp16_slots = nullptr;  // [rows]: block_id * block_size + offset, or -1
+  const WindowSlot* int4_windows = nullptr;  // [num_int4_windows]
+  std::int32_t num_int4_windows = 0;
+  const WindowSlot* int2_windows = nullptr;  // [num_int2_windows]
+  std::int32_t num_int2_windows = 0;
+  DevicePools pools{};
+  cudaStream_t stream = nullptr;
+};
+void store_prefill(const StorePrefillArgs& args);
+
+// A StoreMapping (prefill_mapping() of one layer, possibly several
+// sequences appended) copied to the device once, with its validation done on
+// the host. fill() points a StorePrefillArgs at it.
+class DeviceStoreMapping {
+ public:
+  DeviceStoreMapping();
+  ~DeviceStoreMapping();
+  DeviceStoreMapping(const DeviceStoreMapping&) = delete;
+  DeviceStoreMapping& operator=(const DeviceStoreMapping&) = delete;
+
+  // Validates `mapping` for `rows` rows (slots >= -1, windows inside the
+  // rows and covering exactly the -1 rows) and copies it on `stream`.
+  void upload(const StoreMapping& mapping, std::int32_t block_size, cudaStream_t stream);
+  void fill(StorePrefillArgs& args) const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// One decode token per sequence into its FP16 tail slot.
+struct AppendArgs {
+  const Half* k = nullptr;  // [batch][num_kv_heads][head_dim]
+  const Half* v = nullptr;
+  const std::int32_t* fp16_slots = nullptr;  // [batch] (AppendResult::slots of one layer)
+  std::int32_t batch = 0;
+  PoolView fp16_pool{};
+  cudaStream_t stream = nullptr;
+};
+void append(const AppendArgs& args);
+
+// Whole-block copies inside one pool (copy-on-write after fork).
+struct CopyBlocksArgs {
+  const BlockCopy* copies = nullptr;  // device [count]
+  std::int32_t count = 0;
+  PoolView pool{};
+  cudaStream_t stream = nullptr;
+};
+void copy_blocks(const CopyBlocksArgs& args);
+
+}  // namespace mixkv::gpu

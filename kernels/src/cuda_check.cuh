@@ -1,0 +1,29 @@
+#pragma once
+// CUDA / cuBLAS error handling: every runtime call of the backend goes
+// through these so that a failure surfaces as mixkv::DeviceError naming the
+// call, never as a silently ignored status.
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include "mixkv/cache/errors.h"
+
+namespace mixkv::gpu::detail {
+
+[[noreturn]] void throw_cuda_error(cudaError_t status, const char* what, const char* file, int line);
+
+inline void check_cuda(cudaError_t status, const char* what, const char* file, int line) {
+  if (status != cudaSuccess) throw_cuda_error(status, what, file, line);
+}
+
+// Throws InvalidArgument with `message` unless `condition`.
+inline void require(bool condition, const std::string& message) {
+  if (!condition) throw InvalidArgument(message);
+}
+
+}  // namespace mixkv::gpu::detail
+
+#define MIXKV_CUDA_CHECK(call) ::mixkv::gpu::detail::check_cuda((call), #call, __FILE__, __LINE__)
+// After a launch: configuration errors show up in cudaGetLastError (no sync).
+#define MIXKV_CUDA_CHECK_LAUNCH(name) \
+  ::mixkv::gpu::detail::check_cuda(cudaGetLastError(), "launch of " name, __FILE__, __LINE__)

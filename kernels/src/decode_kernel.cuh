@@ -1,0 +1,555 @@
+#pragma once
+// The paged decode attention kernel: one CTA (4 warps) per work item, i.e.
+// per (sequence, KV head, range of its FP16 | INT4 | INT2 blocks).
+//
+// Orientation: tokens are the MMA's M dimension and the query-head group
+// (<= 8 heads) its N = 8, so a GQA group of 7 wastes 1/8 of the tensor work
+// instead of 9/16 with heads as M:
+//   S^T[token][head] = K[token][:] . Q^T          (m16n8k16, k = channels)
+//   O^T[chan][head] += V^T[chan][token] . P^T     (m16n8k16, k = tokens)
+// P^T comes out of the S^T accumulators through movmatrix (a register
+// transpose). Dequantization is folded (kernel-notes.md): per-channel K
+// scales multiply Q (q' = q * s_c, one half2 multiply per fragment) and the
+// K minimums become one extra MMA per k-step (sum_c q_c m_c); per-token V
+// scales multiply P and the V minimums a per-head scalar sum_t p_t m_t
+// added once at the end. The tensor cores see the raw integer codes,
+// converted exactly with the 0x6400 trick.
+//
+// Memory: each warp streams its own blocks through a private cp.async ring
+// (16-byte copies, several blocks in flight; FP16 blocks go in 16-token
+// units), so no CTA barrier sits in the main loop.
+//
+// Permutations (free, since sums over tokens and channels do not care):
+// in a quantized block the MMA row rho of m-tile mt is token
+// (S/8)(rho % 8) + 2 mt + rho / 8, so each thread's tokens are S/8
+// consecutive ones: one 4..32-bit run of every channel's packed K codes.
+// In O^T, row rho of channel tile cm is channel (D/8)(rho % 8) + 2 cm +
+// rho / 8, so each thread owns D/8 consecutive channels: one run of every
+// token's packed V codes (and of every FP16 V row).
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "decode_params.cuh"
+#include "device_math.cuh"
+#include "mixkv/cache/block_format.h"
+
+namespace mixkv::gpu::detail {
+
+inline constexpr int kDecodeWarps = 4;
+inline constexpr int kDecodeThreads = 32 * kDecodeWarps;
+inline constexpr int kMaxGroup = 8;
+
+constexpr int cmax(int a, int b) { return a > b ? a : b; }
+constexpr int cmin(int a, int b) { return a < b ? a : b; }
+
+template <int D, int S>
+struct DecodeTile {
+  static_assert(D == 64 || D == 128 || D == 256, "head_dim");
+  static_assert(S == 16 || S == 32 || S == 64, "block_size");
+  static constexpr int kFp16UnitTokens = 16;
+  static constexpr int kFp16UnitBytes = kFp16UnitTokens * D * 2 * 2;  // K and V rows
+  static constexpr int kInt4Bytes = static_cast<int>(BlockFormat{Precision::INT4, 1, D, S}.head_bytes());
+  static constexpr int kInt2Bytes = static_cast<int>(BlockFormat{Precision::INT2, 1, D, S}.head_bytes());
+  // Per-warp ring: at least two units of the largest kind in flight, and
+  // 16 KiB so that small INT2 blocks go 6-8 deep.
+  static constexpr int kRingBytes = (cmax(16384, 2 * cmax(kFp16UnitBytes, kInt4Bytes)) + 127) / 128 * 128;
+  template <Precision P>
+  static constexpr int unit_bytes() {
+    return P == Precision::FP16 ? kFp16UnitBytes : (P == Precision::INT4 ? kInt4Bytes : kInt2Bytes);
+  }
+  template <Precision P>
+  static constexpr int stages() {
+    return cmin(8, kRingBytes / unit_bytes<P>());
+  }
+  static constexpr int kMergeBytes = kDecodeWarps * kMaxGroup * (D + 2) * 4;
+  static constexpr int kSmemBytes = cmax(kDecodeWarps * kRingBytes, kMergeBytes);
+};
+
+template <int D>
+struct WarpState {
+  float acc[D / 16][4];  // O^T fragments: channel tile cm, heads 2r, 2r+1
+  float m[2];            // running max (base 2) of heads 2r, 2r+1
+  float l[2];            // this thread's part of the softmax sum
+  float vb[2];           // this thread's part of sum_t p_t * vmin_t
+};
+
+// Bank-conflict-free placement of 16-byte chunks of FP16 rows in shared
+// memory: K rows are read by ldmatrix (8 rows of one chunk column), V rows
+// by 16-byte loads of tokens 2r.. and channel runs of g.
+__device__ __forceinline__ int k_swizzle(int chunk, int row) { return chunk ^ (row & 7); }
+__device__ __forceinline__ int v_swizzle(int chunk, int row) {
+  return chunk ^ ((((row >> 1) & 1) * 5) ^ (((row >> 2) & 1) * 2));
+}
+
+template <int D>
+__device__ __forceinline__ void online_softmax_rescale(float& bm0, float& bm1, WarpState<D>& st, float& base0,
+                                                       float& base1) {
+#pragma unroll
+  for (int offset = 4; offset < 32; offset <<= 1) {
+    bm0 = fmaxf(bm0, __shfl_xor_sync(0xffffffffu, bm0, offset));
+    bm1 = fmaxf(bm1, __shfl_xor_sync(0xffffffffu, bm1, offset));
+  }
+  const float m0 = fmaxf(st.m[0], bm0);
+  const float m1 = fmaxf(st.m[1], bm1);
+  // A head with no valid score yet keeps base 0, so -inf - -inf never occurs.
+  base0 = m0 == -INFINITY ? 0.0f : m0;
+  base1 = m1 == -INFINITY ? 0.0f : m1;
+  const float alpha0 = exp2f(st.m[0] - base0);
+  const float alpha1 = exp2f(st.m[1] - base1);
+  st.m[0] = m0;
+  st.m[1] = m1;
+  st.l[0] *= alpha0;
+  st.l[1] *= alpha1;
+  st.vb[0] *= alpha0;
+  st.vb[1] *= alpha1;
+#pragma unroll
+  for (int cm = 0; cm < D / 16; ++cm) {
+    st.acc[cm][0] *= alpha0;
+    st.acc[cm][1] *= alpha1;
+    st.acc[cm][2] *= alpha0;
+    st.acc[cm][3] *= alpha1;
+  }
+}
+
+// Scores (base 2) of MT m-tiles -> probabilities relative to the new running
+// max; the state is rescaled and the sums updated.
+template <int MT, int D>
+__device__ __forceinline__ void online_softmax(float (&s)[MT][4], WarpState<D>& st) {
+  float bm0 = -INFINITY, bm1 = -INFINITY;
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    bm0 = fmaxf(bm0, fmaxf(s[mt][0], s[mt][2]));
+    bm1 = fmaxf(bm1, fmaxf(s[mt][1], s[mt][3]));
+  }
+  float base0, base1;
+  online_softmax_rescale(bm0, bm1, st, base0, base1);
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    s[mt][0] = exp2f(s[mt][0] - base0);
+    s[mt][1] = exp2f(s[mt][1] - base1);
+    s[mt][2] = exp2f(s[mt][2] - base0);
+    s[mt][3] = exp2f(s[mt][3] - base1);
+    st.l[0] += s[mt][0] + s[mt][2];
+    st.l[1] += s[mt][1] + s[mt][3];
+  }
+}
+
+// ---------------------------------------------------------------- loads --
+
+// 16 tokens (rows 16 sub .. 16 sub + 15) of an FP16 head: K rows then V rows;
+// rows at or past `valid_rows` are zero-filled without reading memory.
+template <int D, int S>
+__device__ __forceinline__ void load_fp16_unit(char* slot, const char* head, int sub, int valid_rows, int lane) {
+  constexpr int kChunksPerRow = D / 8;
+  constexpr int kChunks = 16 * kChunksPerRow;
+  const char* k_src = head + sub * 16 * D * 2;
+  const char* v_src = head + S * D * 2 + sub * 16 * D * 2;
+  char* v_dst = slot + 16 * D * 2;
+#pragma unroll
+  for (int i = lane; i < kChunks; i += 32) {
+    const int row = i / kChunksPerRow;
+    const int chunk = i % kChunksPerRow;
+    const int bytes = row < valid_rows ? 16 : 0;
+    cp_async_16(slot + row * D * 2 + k_swizzle(chunk, row) * 16, k_src + row * D * 2 + chunk * 16, bytes);
+    cp_async_16(v_dst + row * D * 2 + v_swizzle(chunk, row) * 16, v_src + row * D * 2 + chunk * 16, bytes);
+  }
+}
+
+template <int Bytes>
+__device__ __forceinline__ void load_quant_head(char* slot, const char* head, int lane) {
+#pragma unroll
+  for (int i = lane; i < Bytes / 16; i += 32) cp_async_16(slot + 16 * i, head + 16 * i);
+}
+
+// -------------------------------------------------------------- compute --
+
+// One FP16 unit of 16 tokens (natural token order).
+template <int D>
+__device__ __forceinline__ void compute_fp16_unit(const char* slot, int valid_rows, const uint32_t (&qf)[D / 16][2],
+                                                  float scale_log2, WarpState<D>& st, int lane) {
+  const int g = lane >> 2;
+  const int r = lane & 3;
+  float s[1][4] = {{0.0f, 0.0f, 0.0f, 0.0f}};
+  {
+    const int row = lane & 15;  // ldmatrix: lanes 0-7 / 8-15 rows of m0 / m1, 16-31 the same rows, k + 8
+    const char* k_row = slot + row * D * 2;
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+      uint32_t a[4];
+      ldmatrix_x4(a, k_row + k_swizzle(2 * ks + (lane >> 4), row) * 16);
+      mma_16816(s[0], a, qf[ks][0], qf[ks][1]);
+    }
+  }
+  s[0][0] = g < valid_rows ? s[0][0] * scale_log2 : -INFINITY;
+  s[0][1] = g < valid_rows ? s[0][1] * scale_log2 : -INFINITY;
+  s[0][2] = g + 8 < valid_rows ? s[0][2] * scale_log2 : -INFINITY;
+  s[0][3] = g + 8 < valid_rows ? s[0][3] * scale_log2 : -INFINITY;
+  online_softmax<1>(s, st);
+  const uint32_t b0 = movmatrix_trans(pack_half2(s[0][0], s[0][1]));
+  const uint32_t b1 = movmatrix_trans(pack_half2(s[0][2], s[0][3]));
+
+  const char* v_rows = slot + 16 * D * 2;
+  const int tokens[4] = {2 * r, 2 * r + 1, 2 * r + 8, 2 * r + 9};
+#pragma unroll
+  for (int h = 0; h < D / 64; ++h) {  // 16-byte chunk h of the thread's D/8 channels = channel tiles 4h..4h+3
+    uint4 w[4];
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+      w[t] = *reinterpret_cast<const uint4*>(v_rows + tokens[t] * D * 2 + v_swizzle((D / 64) * g + h, tokens[t]) * 16);
+    }
+    const uint32_t* w0 = &w[0].x;
+    const uint32_t* w1 = &w[1].x;
+    const uint32_t* w2 = &w[2].x;
+    const uint32_t* w3 = &w[3].x;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const uint32_t a[4] = {prmt(w0[j], w1[j], 0x5410), prmt(w0[j], w1[j], 0x7632), prmt(w2[j], w3[j], 0x5410),
+                             prmt(w2[j], w3[j], 0x7632)};
+      mma_16816(st.acc[4 * h + j], a, b0, b1);
+    }
+  }
+}
+
+// The thread's run of one channel's K codes: S/8 tokens of `Bits` bits.
+template <int S, int Bits>
+__device__ __forceinline__ uint32_t load_k_run(const char* k_codes, int channel, int g) {
+  constexpr int kChannelBytes = S * Bits / 8;
+  constexpr int kRunBits = S / 8 * Bits;
+  const char* base = k_codes + channel * kChannelBytes;
+  if constexpr (kRunBits == 32) {
+    return *reinterpret_cast<const uint32_t*>(base + 4 * g);
+  } else if constexpr (kRunBits == 16) {
+    return *reinterpret_cast<const uint16_t*>(base + 2 * g);
+  } else if constexpr (kRunBits == 8) {
+    return *reinterpret_cast<const uint8_t*>(base + g);
+  } else {  // 4 bits: half a byte; bits above the run are ignored by the extraction
+    return static_cast<uint32_t>(*reinterpret_cast<const uint8_t*>(base + (g >> 1))) >> (4 * (g & 1));
+  }
+}
+
+// The thread's run of one token's V codes: D/8 channels of `Bits` bits.
+template <int D, int Bits>
+struct VRun {
+  static constexpr int kBytes = D / 8 * Bits / 8;
+  static constexpr int kWords = kBytes >= 4 ? kBytes / 4 : 1;
+  uint32_t w[kWords];
+  __device__ __forceinline__ void load(const char* row, int g) {
+    const char* p = row + g * kBytes;
+    if constexpr (kBytes == 16) {
+      const uint4 x = *reinterpret_cast<const uint4*>(p);
+      w[0] = x.x; w[1] = x.y; w[2] = x.z; w[3] = x.w;
+    } else if constexpr (kBytes == 8) {
+      const uint2 x = *reinterpret_cast<const uint2*>(p);
+      w[0] = x.x; w[1] = x.y;
+    } else if constexpr (kBytes == 4) {
+      w[0] = *reinterpret_cast<const uint32_t*>(p);
+    } else {
+      w[0] = *reinterpret_cast<const uint16_t*>(p);
+    }
+  }
+};
+
+// One quantized block of S tokens (permuted token order, see the top).
+template <int D, int S, int Bits>
+__device__ __forceinline__ void compute_quant_block(const char* slot, const uint32_t (&qf)[D / 16][2],
+                                                    float scale_log2, WarpState<D>& st, int lane) {
+  constexpr Precision P = Bits == 4 ? Precision::INT4 : Precision::INT2;
+  constexpr BlockFormat F{P, 1, D, S};
+  constexpr int MT = S / 16;
+  constexpr int kRunTokens = S / 8;
+  constexpr int kCodesPer16 = 16 / Bits;
+  const int g = lane >> 2;
+  const int r = lane & 3;
+
+  // ---- S^T = K Q'^T + 1 (m Q^T)
+  float s[MT][4];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) s[mt][0] = s[mt][1] = s[mt][2] = s[mt][3] = 0.0f;
+  float bias[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  const char* k_codes = slot + F.k_offset();
+  const uint32_t* k_params = reinterpret_cast<const uint32_t*>(slot + F.k_params_offset());
+#pragma unroll
+  for (int ks = 0; ks < D / 16; ++ks) {
+    const int c0 = 16 * ks + 2 * r;
+    const uint32_t u0 = load_k_run<S, Bits>(k_codes, c0, g);
+    const uint32_t u1 = load_k_run<S, Bits>(k_codes, c0 + 1, g);
+    const uint32_t u8 = load_k_run<S, Bits>(k_codes, c0 + 8, g);
+    const uint32_t u9 = load_k_run<S, Bits>(k_codes, c0 + 9, g);
+    const uint2 p0 = *reinterpret_cast<const uint2*>(k_params + c0);
+    const uint2 p8 = *reinterpret_cast<const uint2*>(k_params + c0 + 8);
+    const uint32_t qb0 = hmul2_u32(qf[ks][0], prmt(p0.x, p0.y, 0x5410));
+    const uint32_t qb1 = hmul2_u32(qf[ks][1], prmt(p8.x, p8.y, 0x5410));
+    const uint32_t min0 = prmt(p0.x, p0.y, 0x7632);
+    const uint32_t min8 = prmt(p8.x, p8.y, 0x7632);
+    const uint32_t am[4] = {min0, min0, min8, min8};
+    mma_16816(bias, am, qf[ks][0], qf[ks][1]);
+    const uint32_t x01[2] = {prmt(u0, u1, 0x5410), prmt(u0, u1, 0x7632)};
+    const uint32_t x89[2] = {prmt(u8, u9, 0x5410), prmt(u8, u9, 0x7632)};
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      const int i0 = 2 * mt;
+      const int i1 = 2 * mt + 1;
+      const uint32_t a[4] = {
+          codes_to_half2<Bits>(x01[i0 / kCodesPer16], (i0 % kCodesPer16) * Bits),
+          codes_to_half2<Bits>(x01[i1 / kCodesPer16], (i1 % kCodesPer16) * Bits),
+          codes_to_half2<Bits>(x89[i0 / kCodesPer16], (i0 % kCodesPer16) * Bits),
+          codes_to_half2<Bits>(x89[i1 / kCodesPer16], (i1 % kCodesPer16) * Bits)};
+      mma_16816(s[mt], a, qb0, qb1);
+    }
+  }
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[mt][e] = (s[mt][e] + bias[e]) * scale_log2;
+  }
+  online_softmax<MT>(s, st);
+
+  // ---- fold the per-token V parameters of the thread's tokens into P
+  float vscale[kRunTokens];
+  float vmin[kRunTokens];
+  {
+    const uint32_t* v_params = reinterpret_cast<const uint32_t*>(slot + F.v_params_offset()) + kRunTokens * g;
+#pragma unroll
+    for (int i = 0; i < kRunTokens; ++i) {
+      const uint32_t sm = v_params[i];
+      vscale[i] = __half2float(__ushort_as_half(static_cast<unsigned short>(sm & 0xffffu)));
+      vmin[i] = __half2float(__ushort_as_half(static_cast<unsigned short>(sm >> 16)));
+    }
+  }
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    const int i0 = 2 * mt;
+    const int i1 = 2 * mt + 1;
+    st.vb[0] += s[mt][0] * vmin[i0] + s[mt][2] * vmin[i1];
+    st.vb[1] += s[mt][1] * vmin[i0] + s[mt][3] * vmin[i1];
+    s[mt][0] *= vscale[i0];
+    s[mt][1] *= vscale[i0];
+    s[mt][2] *= vscale[i1];
+    s[mt][3] *= vscale[i1];
+  }
+
+  // ---- O^T += V^T P'^T, one k-step per m-tile of 16 tokens
+  const char* v_codes = slot + F.v_offset();
+  constexpr int kRowBytes = D * Bits / 8;
+  constexpr int kChannelsPerWord = 32 / Bits;
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    const uint32_t b0 = movmatrix_trans(pack_half2(s[mt][0], s[mt][1]));
+    const uint32_t b1 = movmatrix_trans(pack_half2(s[mt][2], s[mt][3]));
+    // k = 2r, 2r+1, 2r+8, 2r+9 of this m-tile
+    const int ta = kRunTokens * (2 * r) + 2 * mt;
+    const int tb = kRunTokens * (2 * r + 1) + 2 * mt;
+    VRun<D, Bits> va, vbr, vc, vd;
+    va.load(v_codes + ta * kRowBytes, g);
+    vbr.load(v_codes + tb * kRowBytes, g);
+    vc.load(v_codes + (ta + 1) * kRowBytes, g);
+    vd.load(v_codes + (tb + 1) * kRowBytes, g);
+#pragma unroll
+    for (int cm = 0; cm < D / 16; ++cm) {
+      const int e0 = 2 * cm;  // first of the tile's two channels within the thread's run
+      const int word = e0 / kChannelsPerWord;
+      const int in_word = e0 % kChannelsPerWord;
+      const uint32_t sel = in_word / kCodesPer16 ? 0x7632 : 0x5410;
+      const int shift = (in_word % kCodesPer16) * Bits;
+      const uint32_t xab = prmt(va.w[word], vbr.w[word], sel);
+      const uint32_t xcd = prmt(vc.w[word], vd.w[word], sel);
+      const uint32_t a[4] = {codes_to_half2<Bits>(xab, shift), codes_to_half2<Bits>(xab, shift + Bits),
+                             codes_to_half2<Bits>(xcd, shift), codes_to_half2<Bits>(xcd, shift + Bits)};
+      mma_16816(st.acc[cm], a, b0, b1);
+    }
+  }
+}
+
+// ------------------------------------------------------------- segments --
+
+// The warp's share (units warp, warp + 4, ...) of blocks [lo, hi) of one
+// pool's list, streamed through the warp's ring.
+template <int D, int S, Precision P>
+__device__ __forceinline__ void run_segment(const DecodeParams& p, const std::int32_t* ids, int lo, int hi,
+                                            int n_blocks, int fill, int kv_head, char* ring,
+                                            const uint32_t (&qf)[D / 16][2], WarpState<D>& st, int warp, int lane) {
+  using Tile = DecodeTile<D, S>;
+  constexpr int kStages = Tile::template stages<P>();
+  constexpr int kUnitBytes = Tile::template unit_bytes<P>();
+  constexpr int kUnitsPerBlock = P == Precision::FP16 ? S / 16 : 1;
+  static_assert(kStages >= 1);
+  const PoolView& pool = p.pools[pool_index(P)];
+  const std::size_t head_offset = pool.format.head_offset(kv_head);
+
+  int units = (hi - lo) * kUnitsPerBlock;
+  if (P == Precision::FP16 && hi == n_blocks) units -= kUnitsPerBlock - (fill + 15) / 16;
+  const int count = units > warp ? (units - warp + kDecodeWarps - 1) / kDecodeWarps : 0;
+
+  // valid token rows of unit k (FP16: only the list's last block is partial)
+  auto unit_rows = [&](int k, int& block, int& sub) {
+    const int u = warp + kDecodeWarps * k;
+    block = lo + u / kUnitsPerBlock;
+    sub = u % kUnitsPerBlock;
+    if (P != Precision::FP16) return S;
+    const int tokens = block == n_blocks - 1 ? fill : S;
+    const int rows = tokens - 16 * sub;
+    return rows < 16 ? rows : 16;
+  };
+  auto issue = [&](int k, int stage) {
+    int block, sub;
+    const int rows = unit_rows(k, block, sub);
+    const char* head = reinterpret_cast<const char*>(pool.block(ids[block])) + head_offset;
+    char* dst = ring + stage * kUnitBytes;
+    if constexpr (P == Precision::FP16) {
+      load_fp16_unit<D, S>(dst, head, sub, rows, lane);
+    } else {
+      load_quant_head<kUnitBytes>(dst, head, lane);
+    }
+  };
+
+#pragma unroll
+  for (int stage = 0; stage < kStages; ++stage) {
+    if (stage < count) issue(stage, stage);
+    cp_async_commit();
+  }
+  for (int k = 0; k < count; ++k) {
+    cp_async_wait<kStages - 1>();
+    __syncwarp();
+    const int stage = k % kStages;
+    const char* unit = ring + stage * kUnitBytes;
+    if constexpr (P == Precision::FP16) {
+      int block, sub;
+      const int rows = unit_rows(k, block, sub);
+      compute_fp16_unit<D>(unit, rows, qf, p.scale_log2, st, lane);
+    } else {
+      compute_quant_block<D, S, bits_of(P)>(unit, qf, p.scale_log2, st, lane);
+    }
+    __syncwarp();
+    if (k + kStages < count) issue(k + kStages, stage);
+    cp_async_commit();
+  }
+  cp_async_wait<0>();
+  __syncwarp();
+}
+
+// ---------------------------------------------------------------- kernel --
+
+template <int D, int S>
+__global__ void __launch_bounds__(kDecodeThreads) paged_decode_kernel(const __grid_constant__ DecodeParams p) {
+  using Tile = DecodeTile<D, S>;
+  extern __shared__ __align__(128) char smem[];
+  if (static_cast<int>(blockIdx.x) >= *p.num_items) return;
+  const DecodeWorkItem item = p.items[*p.item_offset + blockIdx.x];
+  const int warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31;
+  const int g = lane >> 2;
+  const int r = lane & 3;
+  const int group = p.group;
+
+  const int slot = p.slots[item.seq];
+  int n[kNumPrecisions];
+#pragma unroll
+  for (int pool = 0; pool < kNumPrecisions; ++pool) n[pool] = p.counts[pool * p.max_sequences + slot];
+  const int fill = p.fp16_fill[slot];
+
+  // Q^T as B fragments: b0 = Q[head g][16 ks + 2r ..], b1 = Q[head g][16 ks + 2r + 8 ..]
+  uint32_t qf[D / 16][2];
+  {
+    const __half* q = p.q + (static_cast<std::size_t>(item.seq) * p.num_q_heads + item.kv_head * group) * D;
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+      qf[ks][0] = g < group ? *reinterpret_cast<const uint32_t*>(q + g * D + 16 * ks + 2 * r) : 0u;
+      qf[ks][1] = g < group ? *reinterpret_cast<const uint32_t*>(q + g * D + 16 * ks + 2 * r + 8) : 0u;
+    }
+  }
+
+  WarpState<D> st;
+#pragma unroll
+  for (int cm = 0; cm < D / 16; ++cm) st.acc[cm][0] = st.acc[cm][1] = st.acc[cm][2] = st.acc[cm][3] = 0.0f;
+  st.m[0] = st.m[1] = -INFINITY;
+  st.l[0] = st.l[1] = st.vb[0] = st.vb[1] = 0.0f;
+
+  char* ring = smem + warp * Tile::kRingBytes;
+  const std::int32_t* table = p.blocks + static_cast<std::size_t>(slot) * p.max_blocks;
+  const std::size_t pool_stride = static_cast<std::size_t>(p.max_sequences) * p.max_blocks;
+  int first = 0;  // virtual index of the pool's first block
+  {
+    const int lo = max(item.begin - first, 0), hi = min(item.end - first, n[0]);
+    if (lo < hi) run_segment<D, S, Precision::FP16>(p, table, lo, hi, n[0], fill, item.kv_head, ring, qf, st, warp, lane);
+    first += n[0];
+  }
+  {
+    const int lo = max(item.begin - first, 0), hi = min(item.end - first, n[1]);
+    if (lo < hi) {
+      run_segment<D, S, Precision::INT4>(p, table + pool_stride, lo, hi, n[1], S, item.kv_head, ring, qf, st, warp,
+                                         lane);
+    }
+    first += n[1];
+  }
+  {
+    const int lo = max(item.begin - first, 0), hi = min(item.end - first, n[2]);
+    if (lo < hi) {
+      run_segment<D, S, Precision::INT2>(p, table + 2 * pool_stride, lo, hi, n[2], S, item.kv_head, ring, qf, st,
+                                         warp, lane);
+    }
+  }
+
+  // ---- combine the four warps' states, then normalize and write
+#pragma unroll
+  for (int offset = 4; offset < 32; offset <<= 1) {
+    st.l[0] += __shfl_xor_sync(0xffffffffu, st.l[0], offset);
+    st.l[1] += __shfl_xor_sync(0xffffffffu, st.l[1], offset);
+    st.vb[0] += __shfl_xor_sync(0xffffffffu, st.vb[0], offset);
+    st.vb[1] += __shfl_xor_sync(0xffffffffu, st.vb[1], offset);
+  }
+  __syncthreads();  // every ring is drained; shared memory is reused
+  float* so = reinterpret_cast<float*>(smem);         // [warp][head][D]
+  float* sm = so + kDecodeWarps * kMaxGroup * D;      // [warp][head]
+  float* sl = sm + kDecodeWarps * kMaxGroup;          // [warp][head]
+  {
+    float* o0 = so + (warp * kMaxGroup + 2 * r) * D;
+    float* o1 = o0 + D;
+#pragma unroll
+    for (int cm = 0; cm < D / 16; ++cm) {
+      const int ch = (D / 8) * g + 2 * cm;
+      *reinterpret_cast<float2*>(o0 + ch) = make_float2(st.acc[cm][0] + st.vb[0], st.acc[cm][2] + st.vb[0]);
+      *reinterpret_cast<float2*>(o1 + ch) = make_float2(st.acc[cm][1] + st.vb[1], st.acc[cm][3] + st.vb[1]);
+    }
+    if (g == 0) {
+      sm[warp * kMaxGroup + 2 * r] = st.m[0];
+      sm[warp * kMaxGroup + 2 * r + 1] = st.m[1];
+      sl[warp * kMaxGroup + 2 * r] = st.l[0];
+      sl[warp * kMaxGroup + 2 * r + 1] = st.l[1];
+    }
+  }
+  __syncthreads();
+  constexpr float kLn2 = 0.6931471805599453f;
+  for (int idx = threadIdx.x; idx < group * D; idx += kDecodeThreads) {
+    const int head = idx / D;
+    const int ch = idx % D;
+    float mx = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kDecodeWarps; ++w) mx = fmaxf(mx, sm[w * kMaxGroup + head]);
+    float o = 0.0f, sum = 0.0f;
+    if (mx != -INFINITY) {
+#pragma unroll
+      for (int w = 0; w < kDecodeWarps; ++w) {
+        const float f = exp2f(sm[w * kMaxGroup + head] - mx);
+        o += f * so[(w * kMaxGroup + head) * D + ch];
+        sum += f * sl[w * kMaxGroup + head];
+      }
+    }
+    const float value = sum > 0.0f ? o / sum : 0.0f;
+    const float lse = sum > 0.0f ? (mx + log2f(sum)) * kLn2 : -INFINITY;
+    if (item.partial < 0) {
+      const std::size_t row = static_cast<std::size_t>(item.seq) * p.num_q_heads + item.kv_head * group + head;
+      p.out[row * D + ch] = __float2half_rn(value);
+      if (p.lse != nullptr && ch == 0) p.lse[row] = lse;
+    } else {
+      const std::size_t row = static_cast<std::size_t>(item.partial) * group + head;
+      p.partial_out[row * D + ch] = value;
+      if (ch == 0) p.partial_lse[row] = lse;
+    }
+  }
+}
+
+template <int D, int S>
+void launch_decode_kernel(const DecodeParams& params, int grid, cudaStream_t stream);
+
+}  // namespace mixkv::gpu::detail

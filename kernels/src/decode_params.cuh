@@ -1,0 +1,59 @@
+#pragma once
+// Parameters of the paged decode kernel and its merge (one layer).
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "mixkv/cache/pool_view.h"
+#include "mixkv/cache/precision.h"
+
+namespace mixkv::gpu::detail {
+
+// A range of one (sequence, KV head)'s blocks in the concatenation of its
+// FP16, INT4 and INT2 page lists (in that order).
+struct DecodeWorkItem {
+  std::int32_t seq = 0;      // batch index
+  std::int32_t kv_head = 0;
+  std::int32_t begin = 0;    // virtual block range [begin, end)
+  std::int32_t end = 0;
+  std::int32_t partial = -1; // row of the partial-state workspace, or -1: the item covers the whole sequence
+};
+
+// One (sequence, KV head) whose items were split: partial states
+// first .. first + count - 1 are merged into its output.
+struct MergeItem {
+  std::int32_t seq = 0;
+  std::int32_t kv_head = 0;
+  std::int32_t first = 0;
+  std::int32_t count = 0;
+};
+
+struct DecodeParams {
+  const __half* q = nullptr;  // [batch][num_q_heads][head_dim]
+  __half* out = nullptr;      // [batch][num_q_heads][head_dim]
+  float* lse = nullptr;       // [batch][num_q_heads] or null
+
+  // This layer's device page tables (DeviceTablesView offset to the layer).
+  const std::int32_t* blocks = nullptr;     // [pool][slot][max_blocks]
+  const std::int32_t* counts = nullptr;     // [pool][slot]
+  const std::int32_t* fp16_fill = nullptr;  // [slot]
+  std::int32_t max_sequences = 0;
+  std::int32_t max_blocks = 0;
+
+  const std::int32_t* slots = nullptr;        // [batch]: page-table slot of each sequence
+  // The plan: this layer's items are items[*item_offset .. + *num_items]
+  // (read on the device, so a captured graph survives re-planning).
+  const DecodeWorkItem* items = nullptr;
+  const std::int32_t* num_items = nullptr;
+  const std::int32_t* item_offset = nullptr;
+  float* partial_out = nullptr;  // [partials][group][head_dim]
+  float* partial_lse = nullptr;  // [partials][group]
+
+  PoolView pools[kNumPrecisions];
+  std::int32_t num_q_heads = 0;
+  std::int32_t num_kv_heads = 0;
+  std::int32_t group = 0;
+  float scale_log2 = 0.0f;  // sm_scale * log2(e): scores are kept in base 2
+};
+
+}  // namespace mixkv::gpu::detail

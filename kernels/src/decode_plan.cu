@@ -1,0 +1,411 @@
+#include "mixkv/kernels/decode_plan.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "cuda_check.cuh"
+#include "decode_dispatch.h"
+#include "decode_params.cuh"
+#include "device_buffer.cuh"
+#include "mixkv/cache/block_format.h"
+
+namespace mixkv::gpu {
+namespace detail {
+
+void check_decode_supported(int head_dim, int block_size) {
+  bool supported = false;
+  switch (head_dim) {
+    case 64: supported = decode_d64_supports(block_size); break;
+    case 128: supported = decode_d128_supports(block_size); break;
+    case 256: supported = decode_d256_supports(block_size); break;
+    default: throw InvalidArgument("Unsupported head_dim: " + std::to_string(head_dim));
+  }
+  if (!supported) throw InvalidArgument("Unsupported block_size: " + std::to_string(block_size));
+}
+
+void launch_decode(const DecodeParams& params, int head_dim, int block_size, int grid, cudaStream_t stream) {
+  switch (head_dim) {
+    case 64: return launch_decode_d64(params, block_size, grid, stream);
+    case 128: return launch_decode_d128(params, block_size, grid, stream);
+    case 256: return launch_decode_d256(params, block_size, grid, stream);
+    default: throw InvalidArgument("Unsupported head_dim: " + std::to_string(head_dim));
+  }
+}
+
+namespace {
+
+struct MergeParams {
+  const MergeItem* merges = nullptr;
+  const std::int32_t* num_merges = nullptr;
+  const std::int32_t* merge_offset = nullptr;
+  const float* partial_out = nullptr;
+  const float* partial_lse = nullptr;
+  __half* out = nullptr;
+  float* lse = nullptr;
+  std::int32_t num_q_heads = 0;
+  std::int32_t group = 0;
+  std::int32_t head_dim = 0;
+};
+
+// Merges the split chunks of one (sequence, KV head) by their natural-log
+// LSE; empty chunks (lse = -inf) weigh 0 and an all-empty set gives (0, -inf).
+__global__ void merge_partials_kernel(const __grid_constant__ MergeParams p) {
+  if (static_cast<int>(blockIdx.x) >= *p.num_merges) return;
+  const MergeItem m = p.merges[*p.merge_offset + blockIdx.x];
+  const int d = p.head_dim;
+  for (int idx = threadIdx.x; idx < p.group * d; idx += blockDim.x) {
+    const int head = idx / d;
+    const int ch = idx % d;
+    float mx = -INFINITY;
+    for (int i = 0; i < m.count; ++i) mx = fmaxf(mx, p.partial_lse[(m.first + i) * p.group + head]);
+    float o = 0.0f, sum = 0.0f;
+    if (mx != -INFINITY) {
+      for (int i = 0; i < m.count; ++i) {
+        const std::size_t row = static_cast<std::size_t>(m.first + i) * p.group + head;
+        const float w = __expf(p.partial_lse[row] - mx);
+        o += w * p.partial_out[row * d + ch];
+        sum += w;
+      }
+    }
+    const std::size_t row = static_cast<std::size_t>(m.seq) * p.num_q_heads + m.kv_head * p.group + head;
+    p.out[row * d + ch] = __float2half_rn(sum > 0.0f ? o / sum : 0.0f);
+    if (p.lse != nullptr && ch == 0) p.lse[row] = sum > 0.0f ? mx + logf(sum) : -INFINITY;
+  }
+}
+
+}  // namespace
+}  // namespace detail
+
+namespace {
+
+using detail::DecodeWorkItem;
+using detail::MergeItem;
+using detail::require;
+
+// Device-side header of a plan: read by the kernels at run time.
+struct PlanHeader {
+  std::int32_t batch;
+  std::int32_t pad;
+  // followed by num_items[L], item_offset[L], num_merges[L], merge_offset[L]
+};
+
+std::string field(const char* name, std::int64_t value, const char* expected) {
+  return std::string("DecodePlan: config.") + name + " = " + std::to_string(value) + ": expected " + expected;
+}
+
+}  // namespace
+
+struct DecodePlan::Impl {
+  DecodePlanConfig config;
+  const DevicePageTables* tables = nullptr;
+  std::int32_t group = 0;
+  std::int32_t max_items = 0;     // per layer
+  std::int32_t max_merges = 0;    // per layer
+  std::int32_t max_partials = 0;  // per layer (the workspace is shared by the layers run one after another)
+  std::int64_t fp16_block_bytes = 0, int4_block_bytes = 0, int2_block_bytes = 0;  // per head
+
+  // Host state of the current plan.
+  std::int32_t batch = 0;
+  std::vector<std::int32_t> slots;
+  std::vector<std::vector<DecodeWorkItem>> items;  // [layer]
+  std::vector<std::vector<MergeItem>> merges;      // [layer]
+  std::vector<std::int32_t> partials;              // [layer]
+  std::vector<std::int64_t> bytes;                 // [layer]
+
+  // Device blob: header ints | slots | items (compact) ; merges (compact)
+  std::size_t header_ints = 0;
+  detail::DeviceBuffer<std::int32_t> d_header;  // header + slots
+  detail::DeviceBuffer<DecodeWorkItem> d_items;
+  detail::DeviceBuffer<MergeItem> d_merges;
+  detail::DeviceBuffer<float> d_partial_out;
+  detail::DeviceBuffer<float> d_partial_lse;
+  detail::PinnedBuffer<std::int32_t> h_header;
+  detail::PinnedBuffer<DecodeWorkItem> h_items;
+  detail::PinnedBuffer<MergeItem> h_merges;
+  detail::Event staging_free;
+
+  std::int32_t* num_items_at(std::int32_t* base, int layer) const { return base + 2 + layer; }
+  std::int32_t* item_offset_at(std::int32_t* base, int layer) const { return base + 2 + config.num_layers + layer; }
+  std::int32_t* num_merges_at(std::int32_t* base, int layer) const { return base + 2 + 2 * config.num_layers + layer; }
+  std::int32_t* merge_offset_at(std::int32_t* base, int layer) const {
+    return base + 2 + 3 * config.num_layers + layer;
+  }
+  std::int32_t* slots_at(std::int32_t* base) const { return base + header_ints; }
+
+  void plan_layer(int layer, int chunks_auto_target);
+};
+
+DecodePlan::DecodePlan(const DecodePlanConfig& config, const DevicePageTables& tables)
+    : impl_(std::make_unique<Impl>()) {
+  require(config.num_layers >= 1, field("num_layers", config.num_layers, ">= 1"));
+  require(config.num_kv_heads >= 1, field("num_kv_heads", config.num_kv_heads, ">= 1"));
+  require(config.num_q_heads >= 1 && config.num_q_heads % config.num_kv_heads == 0,
+          field("num_q_heads", config.num_q_heads, "a positive multiple of num_kv_heads"));
+  require(config.num_q_heads / config.num_kv_heads <= detail::kMaxGroupHost,
+          "Unsupported group size: " + std::to_string(config.num_q_heads / config.num_kv_heads) +
+              " query heads per KV head (expected <= 8)");
+  detail::check_decode_supported(config.head_dim, config.block_size);
+  require(config.max_batch >= 1, field("max_batch", config.max_batch, ">= 1"));
+  require(config.max_batch <= tables.config().max_sequences,
+          field("max_batch", config.max_batch, "<= the page tables' max_sequences"));
+  require(config.num_layers == tables.config().num_layers,
+          field("num_layers", config.num_layers, "the page tables' num_layers"));
+  require(config.max_items_per_layer >= 0, field("max_items_per_layer", config.max_items_per_layer, ">= 0"));
+  require(config.num_sms >= 0, field("num_sms", config.num_sms, ">= 0"));
+  require(config.chunks_per_sequence >= 0, field("chunks_per_sequence", config.chunks_per_sequence, ">= 0"));
+
+  Impl& s = *impl_;
+  s.config = config;
+  s.tables = &tables;
+  if (s.config.num_sms == 0) {
+    int device = 0;
+    MIXKV_CUDA_CHECK(cudaGetDevice(&device));
+    MIXKV_CUDA_CHECK(cudaDeviceGetAttribute(&s.config.num_sms, cudaDevAttrMultiProcessorCount, device));
+  }
+  s.group = config.num_q_heads / config.num_kv_heads;
+  const std::int32_t pairs = config.max_batch * config.num_kv_heads;
+  s.max_items = config.max_items_per_layer > 0
+                    ? config.max_items_per_layer
+                    : pairs + detail::kTargetItemsPerSm * s.config.num_sms +
+                          (config.chunks_per_sequence > 0 ? pairs * config.chunks_per_sequence : 0);
+  s.max_merges = pairs;
+  s.max_partials = s.max_items;
+  s.fp16_block_bytes = static_cast<std::int64_t>(BlockFormat{Precision::FP16, 1, config.head_dim, config.block_size}.head_bytes());
+  s.int4_block_bytes = static_cast<std::int64_t>(BlockFormat{Precision::INT4, 1, config.head_dim, config.block_size}.head_bytes());
+  s.int2_block_bytes = static_cast<std::int64_t>(BlockFormat{Precision::INT2, 1, config.head_dim, config.block_size}.head_bytes());
+
+  s.header_ints = 2 + 4 * static_cast<std::size_t>(config.num_layers);
+  const std::size_t header_total = s.header_ints + config.max_batch;
+  s.d_header.allocate(header_total);
+  MIXKV_CUDA_CHECK(cudaMemset(s.d_header.get(), 0, header_total * sizeof(std::int32_t)));
+  s.h_header.reserve(header_total);
+  std::memset(s.h_header.get(), 0, header_total * sizeof(std::int32_t));
+  s.d_items.allocate(static_cast<std::size_t>(s.max_items) * config.num_layers);
+  s.d_merges.allocate(static_cast<std::size_t>(s.max_merges) * config.num_layers);
+  s.h_items.reserve(static_cast<std::size_t>(s.max_items) * config.num_layers);
+  s.h_merges.reserve(static_cast<std::size_t>(s.max_merges) * config.num_layers);
+  s.d_partial_out.allocate(static_cast<std::size_t>(s.max_partials) * s.group * config.head_dim);
+  s.d_partial_lse.allocate(static_cast<std::size_t>(s.max_partials) * s.group);
+  s.items.resize(config.num_layers);
+  s.merges.resize(config.num_layers);
+  s.partials.assign(config.num_layers, 0);
+  s.bytes.assign(config.num_layers, 0);
+}
+
+DecodePlan::~DecodePlan() = default;
+
+void DecodePlan::Impl::plan_layer(int layer, int target_items) {
+  const DecodePlanConfig& c = config;
+  const int kvh = c.num_kv_heads;
+  const int S = c.block_size;
+  auto& out = items[layer];
+  auto& merge_list = merges[layer];
+  out.clear();
+  merge_list.clear();
+  std::int32_t next_partial = 0;
+  std::int64_t total_bytes = static_cast<std::int64_t>(batch) * c.num_q_heads * c.head_dim * 2;  // q
+
+  // Cost (bytes per KV head) of each sequence.
+  std::vector<std::int64_t> cost(batch);
+  std::vector<std::array<std::int32_t, 3>> counts(batch);
+  std::vector<std::int32_t> fills(batch);
+  std::int64_t total_cost = 0;
+  for (int b = 0; b < batch; ++b) {
+    for (int p = 0; p < kNumPrecisions; ++p) counts[b][p] = tables->num_blocks(slots[b], layer, kAllPrecisions[p]);
+    fills[b] = tables->fp16_fill(slots[b], layer);
+    const std::int64_t fp16_rows =
+        counts[b][0] == 0 ? 0 : static_cast<std::int64_t>(counts[b][0] - 1) * S + (fills[b] + 15) / 16 * 16;
+    cost[b] = fp16_rows * c.head_dim * 4 + counts[b][1] * int4_block_bytes + counts[b][2] * int2_block_bytes;
+    total_cost += cost[b] * kvh;
+    const std::int64_t blocks = counts[b][0] + counts[b][1] + counts[b][2];
+    total_bytes += (cost[b] + blocks * 4) * kvh + 4 * kNumPrecisions + 4;  // data + page-table entries + counts
+  }
+  bytes[layer] = total_bytes;
+
+  for (int b = 0; b < batch; ++b) {
+    const std::int32_t n_total = counts[b][0] + counts[b][1] + counts[b][2];
+    int chunks = 1;
+    if (c.chunks_per_sequence > 0) {
+      chunks = c.chunks_per_sequence;
+    } else if (target_items > 0 && total_cost > 0) {
+      chunks = static_cast<int>(std::llround(static_cast<double>(cost[b]) * kvh / total_cost * target_items / kvh));
+    }
+    chunks = std::clamp(chunks, 1, std::max(1, n_total));
+    // Chunk boundaries at equal cost along FP16 | INT4 | INT2 (per-block cost
+    // of each pool), so split items carry about the same bytes.
+    const std::int64_t unit[3] = {fp16_block_bytes, int4_block_bytes, int2_block_bytes};
+    std::vector<std::int32_t> cuts{0};
+    for (int k = 1; k < chunks; ++k) {
+      std::int64_t target = cost[b] * k / chunks;
+      std::int32_t first = 0;
+      std::int32_t cut = n_total;
+      for (int p = 0; p < kNumPrecisions; ++p) {
+        const std::int64_t pool_cost = counts[b][p] * unit[p];
+        if (target < pool_cost) {
+          cut = first + static_cast<std::int32_t>((target + unit[p] - 1) / unit[p]);
+          break;
+        }
+        target -= pool_cost;
+        first += counts[b][p];
+      }
+      cut = std::clamp(cut, cuts.back(), n_total);
+      if (cut > cuts.back() && cut < n_total) cuts.push_back(cut);
+    }
+    cuts.push_back(n_total);
+    const int pieces = static_cast<int>(cuts.size()) - 1;
+    for (int h = 0; h < kvh; ++h) {
+      if (pieces == 1) {
+        out.push_back({b, h, 0, n_total, -1});
+        continue;
+      }
+      merge_list.push_back({b, h, next_partial, pieces});
+      for (int k = 0; k < pieces; ++k) out.push_back({b, h, cuts[k], cuts[k + 1], next_partial++});
+    }
+  }
+  if (static_cast<std::int32_t>(out.size()) > max_items || next_partial > max_partials) {
+    throw OutOfMemory("DecodePlan::plan: layer " + std::to_string(layer) + " needs " + std::to_string(out.size()) +
+                      " work items: expected <= max_items_per_layer = " + std::to_string(max_items));
+  }
+  partials[layer] = next_partial;
+}
+
+void DecodePlan::plan(std::span<const std::int32_t> slots, cudaStream_t stream) {
+  Impl& s = *impl_;
+  const DecodePlanConfig& c = s.config;
+  require(!slots.empty() && slots.size() <= static_cast<std::size_t>(c.max_batch),
+          "DecodePlan::plan: slots has " + std::to_string(slots.size()) + " entries: expected 1.." +
+              std::to_string(c.max_batch) + " (max_batch)");
+  for (std::size_t i = 0; i < slots.size(); ++i) {
+    require(slots[i] >= 0 && slots[i] < s.tables->config().max_sequences,
+            "DecodePlan::plan: slots[" + std::to_string(i) + "] = " + std::to_string(slots[i]) +
+                ": expected a page-table slot in [0, " + std::to_string(s.tables->config().max_sequences) + ")");
+  }
+  // A throw below restores the previous plan.
+  const std::int32_t old_batch = s.batch;
+  std::vector<std::int32_t> old_slots = s.slots;
+  s.batch = static_cast<std::int32_t>(slots.size());
+  s.slots.assign(slots.begin(), slots.end());
+  const int pairs = s.batch * c.num_kv_heads;
+  // Split only when the (sequence, KV head) pairs cannot fill the GPU.
+  const int target = pairs >= 2 * c.num_sms ? 0 : detail::kTargetItemsPerSm * c.num_sms;
+  auto items_backup = s.items;
+  auto merges_backup = s.merges;
+  try {
+    for (int layer = 0; layer < c.num_layers; ++layer) s.plan_layer(layer, target);
+  } catch (...) {
+    s.batch = old_batch;
+    s.slots = std::move(old_slots);
+    s.items = std::move(items_backup);
+    s.merges = std::move(merges_backup);
+    throw;
+  }
+
+  // Stage and upload: header + slots, then the compact items and merges.
+  s.staging_free.synchronize();
+  std::int32_t* header = s.h_header.get();
+  header[0] = s.batch;
+  std::size_t item_total = 0, merge_total = 0;
+  for (int layer = 0; layer < c.num_layers; ++layer) {
+    *s.num_items_at(header, layer) = static_cast<std::int32_t>(s.items[layer].size());
+    *s.item_offset_at(header, layer) = static_cast<std::int32_t>(item_total);
+    *s.num_merges_at(header, layer) = static_cast<std::int32_t>(s.merges[layer].size());
+    *s.merge_offset_at(header, layer) = static_cast<std::int32_t>(merge_total);
+    std::copy(s.items[layer].begin(), s.items[layer].end(), s.h_items.get() + item_total);
+    std::copy(s.merges[layer].begin(), s.merges[layer].end(), s.h_merges.get() + merge_total);
+    item_total += s.items[layer].size();
+    merge_total += s.merges[layer].size();
+  }
+  std::copy(s.slots.begin(), s.slots.end(), s.slots_at(header));
+  MIXKV_CUDA_CHECK(cudaMemcpyAsync(s.d_header.get(), header, (s.header_ints + s.batch) * sizeof(std::int32_t),
+                                   cudaMemcpyHostToDevice, stream));
+  if (item_total > 0) {
+    MIXKV_CUDA_CHECK(cudaMemcpyAsync(s.d_items.get(), s.h_items.get(), item_total * sizeof(DecodeWorkItem),
+                                     cudaMemcpyHostToDevice, stream));
+  }
+  if (merge_total > 0) {
+    MIXKV_CUDA_CHECK(cudaMemcpyAsync(s.d_merges.get(), s.h_merges.get(), merge_total * sizeof(MergeItem),
+                                     cudaMemcpyHostToDevice, stream));
+  }
+  s.staging_free.record(stream);
+}
+
+void DecodePlan::run(const DecodeRunArgs& args) const {
+  const Impl& s = *impl_;
+  const DecodePlanConfig& c = s.config;
+  require(s.batch > 0, "DecodePlan::run: no plan: call plan() first");
+  require(args.layer >= 0 && args.layer < c.num_layers,
+          "DecodePlan::run: layer = " + std::to_string(args.layer) + ": expected [0, " +
+              std::to_string(c.num_layers) + ")");
+  require(args.q != nullptr, "DecodePlan::run: q is null: expected device [batch][num_q_heads][head_dim] halves");
+  require(args.out != nullptr, "DecodePlan::run: out is null: expected device [batch][num_q_heads][head_dim] halves");
+  require(std::isfinite(args.sm_scale) && args.sm_scale > 0.0f,
+          "DecodePlan::run: sm_scale = " + std::to_string(args.sm_scale) + ": expected a finite value > 0");
+  for (Precision p : kAllPrecisions) {
+    const PoolView& pool = args.pools[pool_index(p)];
+    const std::string name = "DecodePlan::run: pools[" + std::string(to_string(p)) + "]";
+    require(pool.base != nullptr, name + ".base is null: expected the device arena");
+    require(pool.format.precision == p, name + ".format.precision: expected " + std::string(to_string(p)));
+    require(pool.format.head_dim == c.head_dim && pool.format.block_size == c.block_size &&
+                pool.format.num_kv_heads == c.num_kv_heads,
+            name + ".format: expected num_kv_heads " + std::to_string(c.num_kv_heads) + ", head_dim " +
+                std::to_string(c.head_dim) + ", block_size " + std::to_string(c.block_size));
+    require(pool.blocks_per_slab >= 1, name + ".blocks_per_slab: expected >= 1");
+  }
+
+  const DeviceTablesView view = s.tables->device_view();
+  std::int32_t* header = s.d_header.get();
+  detail::DecodeParams p;
+  p.q = reinterpret_cast<const __half*>(args.q);
+  p.out = reinterpret_cast<__half*>(args.out);
+  p.lse = args.lse;
+  const std::size_t layer_pools = static_cast<std::size_t>(args.layer) * kNumPrecisions;
+  p.blocks = view.blocks + layer_pools * view.max_sequences * view.max_blocks;
+  p.counts = view.counts + layer_pools * view.max_sequences;
+  p.fp16_fill = view.fp16_fill + static_cast<std::size_t>(args.layer) * view.max_sequences;
+  p.max_sequences = view.max_sequences;
+  p.max_blocks = view.max_blocks;
+  p.slots = s.slots_at(header);
+  p.items = s.d_items.get();
+  p.num_items = s.num_items_at(header, args.layer);
+  p.item_offset = s.item_offset_at(header, args.layer);
+  p.partial_out = s.d_partial_out.get();
+  p.partial_lse = s.d_partial_lse.get();
+  for (int i = 0; i < kNumPrecisions; ++i) p.pools[i] = args.pools[i];
+  p.num_q_heads = c.num_q_heads;
+  p.num_kv_heads = c.num_kv_heads;
+  p.group = s.group;
+  p.scale_log2 = args.sm_scale * 1.4426950408889634f;
+
+  const int grid = args.fixed_grid ? s.max_items : static_cast<int>(s.items[args.layer].size());
+  if (grid > 0) detail::launch_decode(p, c.head_dim, c.block_size, grid, args.stream);
+
+  const int merge_grid = args.fixed_grid ? s.max_merges : static_cast<int>(s.merges[args.layer].size());
+  if (merge_grid > 0) {
+    detail::MergeParams m;
+    m.merges = s.d_merges.get();
+    m.num_merges = s.num_merges_at(header, args.layer);
+    m.merge_offset = s.merge_offset_at(header, args.layer);
+    m.partial_out = s.d_partial_out.get();
+    m.partial_lse = s.d_partial_lse.get();
+    m.out = p.out;
+    m.lse = args.lse;
+    m.num_q_heads = c.num_q_heads;
+    m.group = s.group;
+    m.head_dim = c.head_dim;
+    detail::merge_partials_kernel<<<merge_grid, 256, 0, args.stream>>>(m);
+    MIXKV_CUDA_CHECK_LAUNCH("merge_partials_kernel");
+  }
+}
+
+const DecodePlanConfig& DecodePlan::config() const { return impl_->config; }
+std::int32_t DecodePlan::batch_size() const { return impl_->batch; }
+std::int32_t DecodePlan::num_items(std::int32_t layer) const {
+  return static_cast<std::int32_t>(impl_->items.at(layer).size());
+}
+std::int32_t DecodePlan::num_split_items(std::int32_t layer) const { return impl_->partials.at(layer); }
+std::int64_t DecodePlan::bytes_read(std::int32_t layer) const { return impl_->bytes.at(layer); }
+
+}  // namespace mixkv::gpu

@@ -1,0 +1,53 @@
+#include "mixkv/kernels/device_arena.h"
+
+#include <string>
+#include <utility>
+
+#include "cuda_check.cuh"
+
+namespace mixkv::gpu {
+
+bool cuda_device_available() {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    cudaGetLastError();  // clear the sticky "no device" status
+    return false;
+  }
+  return count > 0;
+}
+
+DeviceArena::DeviceArena(std::size_t bytes) {
+  detail::require(bytes > 0, "DeviceArena: bytes = 0: expected the arena size (> 0)");
+  void* p = nullptr;
+  MIXKV_CUDA_CHECK(cudaMalloc(&p, bytes));
+  base_ = static_cast<std::byte*>(p);
+  bytes_ = bytes;
+}
+
+DeviceArena::~DeviceArena() {
+  if (base_ != nullptr) cudaFree(base_);
+}
+
+DeviceArena::DeviceArena(DeviceArena&& other) noexcept
+    : base_(std::exchange(other.base_, nullptr)), bytes_(std::exchange(other.bytes_, 0)) {}
+
+DeviceArena& DeviceArena::operator=(DeviceArena&& other) noexcept {
+  if (this != &other) {
+    if (base_ != nullptr) cudaFree(base_);
+    base_ = std::exchange(other.base_, nullptr);
+    bytes_ = std::exchange(other.bytes_, 0);
+  }
+  return *this;
+}
+
+DevicePools DeviceArena::pool_views(const KVCacheManager& manager) const {
+  detail::require(manager.config().arena_bytes <= bytes_,
+                  "DeviceArena::pool_views: manager.config().arena_bytes = " +
+                      std::to_string(manager.config().arena_bytes) + ": expected <= the arena's " +
+                      std::to_string(bytes_) + " bytes");
+  DevicePools pools;
+  for (Precision p : kAllPrecisions) pools[pool_index(p)] = manager.pool_view(p, base_);
+  return pools;
+}
+
+}  // namespace mixkv::gpu

@@ -1,0 +1,1028 @@
+#include "mixkv/kernels/window_similarity.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+#include <utility>
+
+#include "mixkv/cache/errors.h"
+#include "mixkv/cache/window_rules.h"
+
+namespace mixkv::gpu {
+namespace {
+
+// ---------------------------------------------------------------------------
+// Host helpers
+// ---------------------------------------------------------------------------
+
+void check_cuda(cudaError_t status, const char* what) {
+  if (status == cudaSuccess) return;
+  const std::string message =
+      std::string(what) + " failed: " + cudaGetErrorName(status) + " (" + cudaGetErrorString(status) + ")";
+  if (status == cudaErrorMemoryAllocation) throw OutOfMemory(message);
+  throw DeviceError(message);
+}
+
+void check_cublas(cublasStatus_t status, const char* what) {
+  if (status == CUBLAS_STATUS_SUCCESS) return;
+  throw DeviceError(std::string(what) + " failed: cuBLAS status " + std::to_string(static_cast<int>(status)));
+}
+
+#define MIXKV_PLANNER_CUDA(call) check_cuda((call), #call)
+#define MIXKV_PLANNER_LAUNCHED(name) check_cuda(cudaGetLastError(), "launch of " name)
+
+constexpr std::size_t align16(std::size_t n) { return (n + 15) & ~std::size_t{15}; }
+
+// Carves one allocation into 16-byte aligned arrays.
+struct Carver {
+  std::size_t total = 0;
+  std::size_t add(std::size_t bytes) {
+    const std::size_t offset = total;
+    total = align16(total + bytes);
+    return offset;
+  }
+};
+
+// Device memory that grows in stream order and is never shrunk.
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  ~DeviceBuffer() {
+    if (ptr_ != nullptr) cudaFree(ptr_);  // waits for the device: the buffer may still be read
+  }
+  void reserve(std::size_t bytes, cudaStream_t stream) {
+    if (bytes <= bytes_) return;
+    if (ptr_ != nullptr) MIXKV_PLANNER_CUDA(cudaFreeAsync(ptr_, stream));
+    ptr_ = nullptr;
+    bytes_ = 0;
+    MIXKV_PLANNER_CUDA(cudaMallocAsync(&ptr_, bytes, stream));
+    bytes_ = bytes;
+  }
+  std::byte* get() const { return static_cast<std::byte*>(ptr_); }
+
+ private:
+  void* ptr_ = nullptr;
+  std::size_t bytes_ = 0;
+};
+
+// Pinned host memory, so that copies are truly asynchronous. Only grown while
+// no copy from or to it is pending (the planner's state machine ensures it).
+class PinnedBuffer {
+ public:
+  PinnedBuffer() = default;
+  PinnedBuffer(const PinnedBuffer&) = delete;
+  PinnedBuffer& operator=(const PinnedBuffer&) = delete;
+  ~PinnedBuffer() {
+    if (ptr_ != nullptr) cudaFreeHost(ptr_);
+  }
+  void reserve(std::size_t bytes) {
+    if (bytes <= bytes_) return;
+    if (ptr_ != nullptr) MIXKV_PLANNER_CUDA(cudaFreeHost(ptr_));
+    ptr_ = nullptr;
+    bytes_ = 0;
+    MIXKV_PLANNER_CUDA(cudaMallocHost(&ptr_, bytes));
+    bytes_ = bytes;
+  }
+  std::byte* get() const { return static_cast<std::byte*>(ptr_); }
+
+ private:
+  void* ptr_ = nullptr;
+  std::size_t bytes_ = 0;
+};
+
+template <typename T>
+T* at_offset(std::byte* base, std::size_t offset) {
+  return reinterpret_cast<T*>(base + offset);
+}
+
+std::size_t element_bytes(ElementType type) { return type == ElementType::F32 ? 4 : 2; }
+
+// 16-byte loads need every row to start on a 16-byte boundary.
+bool rows_aligned(std::span<const EmbeddingsView> views) {
+  for (const EmbeddingsView& v : views) {
+    if (reinterpret_cast<std::uintptr_t>(v.data) % 16 != 0) return false;
+    if (static_cast<std::size_t>(v.hidden) * element_bytes(v.type) % 16 != 0) return false;
+  }
+  return true;
+}
+
+std::string indexed(const char* name, std::size_t i) { return std::string(name) + "[" + std::to_string(i) + "]"; }
+
+void require_one_type(std::span<const EmbeddingsView> views, const char* name) {
+  for (std::size_t i = 0; i < views.size(); ++i) {
+    if (views[i].type != views[0].type) {
+      throw InvalidArgument(indexed(name, i) + ".type = " + std::to_string(static_cast<int>(views[i].type)) +
+                            ", expected " + std::to_string(static_cast<int>(views[0].type)) + " as " + name +
+                            "[0] (one element type per batch on the GPU)");
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Device helpers
+// ---------------------------------------------------------------------------
+
+constexpr int kWarp = 32;
+constexpr int kBlockThreads = 256;
+constexpr int kWarpsPerBlock = kBlockThreads / kWarp;
+// Below this a float sum of squares may have lost digits to underflow (the
+// CPU planner uses the same bound).
+constexpr float kSmallestTrustedSquares = 1e-30f;
+
+template <typename T>
+__device__ __forceinline__ float to_float(T x);
+template <>
+__device__ __forceinline__ float to_float<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ float to_float<__half>(__half x) { return __half2float(x); }
+template <>
+__device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T>
+constexpr int kVecElems = 16 / static_cast<int>(sizeof(T));
+
+// One 16-byte streaming load (embeddings are read once), widened to float.
+template <typename T>
+__device__ __forceinline__ void load16(const T* p, float (&out)[kVecElems<T>]) {
+  const uint4 raw = __ldcs(reinterpret_cast<const uint4*>(p));
+  if constexpr (sizeof(T) == 4) {
+    out[0] = __uint_as_float(raw.x);
+    out[1] = __uint_as_float(raw.y);
+    out[2] = __uint_as_float(raw.z);
+    out[3] = __uint_as_float(raw.w);
+  } else {
+    const unsigned words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      if constexpr (std::is_same_v<T, __half>) {
+        __half2 h;
+        std::memcpy(&h, &words[i], 4);
+        const float2 f = __half22float2(h);
+        out[2 * i] = f.x;
+        out[2 * i + 1] = f.y;
+      } else {
+        __nv_bfloat162 h;
+        std::memcpy(&h, &words[i], 4);
+        const float2 f = __bfloat1622float2(h);
+        out[2 * i] = f.x;
+        out[2 * i + 1] = f.y;
+      }
+    }
+  }
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+  // Butterfly: every lane ends with the bit-identical total, so branches on
+  // it are warp-uniform.
+#pragma unroll
+  for (int offset = kWarp / 2; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
+}
+
+__device__ __forceinline__ double warp_sum(double v) {
+#pragma unroll
+  for (int offset = kWarp / 2; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
+}
+
+// Per-lane float sums of one row over the lane's columns: |v|^2 and, with
+// kDot, u . v for u in shared memory. kVec: 16-byte loads (host checked
+// alignment and hidden % kVecElems == 0).
+template <typename T, bool kVec, bool kDot>
+__device__ __forceinline__ void row_partials(const T* row, const float* u, int hidden, int lane, float& dot,
+                                             float& squares) {
+  if constexpr (kVec) {
+    constexpr int V = kVecElems<T>;
+#pragma unroll 4
+    for (int c = lane * V; c < hidden; c += kWarp * V) {
+      float x[V];
+      load16(row + c, x);
+#pragma unroll
+      for (int i = 0; i < V; ++i) squares = fmaf(x[i], x[i], squares);
+      if constexpr (kDot) {
+#pragma unroll
+        for (int i = 0; i < V; i += 4) {
+          const float4 w = *reinterpret_cast<const float4*>(u + c + i);
+          dot = fmaf(w.x, x[i], dot);
+          dot = fmaf(w.y, x[i + 1], dot);
+          dot = fmaf(w.z, x[i + 2], dot);
+          dot = fmaf(w.w, x[i + 3], dot);
+        }
+      }
+    }
+  } else {
+    for (int c = lane; c < hidden; c += kWarp) {
+      const float x = to_float(row[c]);
+      squares = fmaf(x, x, squares);
+      if constexpr (kDot) dot = fmaf(u[c], x, dot);
+    }
+  }
+}
+
+// The same in double, summed over the warp: for rows whose float sums
+// overflowed, underflowed or met a NaN / inf.
+template <typename T, bool kDot>
+__device__ void row_exact(const T* row, const float* u, int hidden, int lane, double& dot, double& squares) {
+  double d = 0.0, s = 0.0;
+  for (int c = lane; c < hidden; c += kWarp) {
+    const double x = to_float(row[c]);
+    s += x * x;
+    if constexpr (kDot) d += static_cast<double>(u[c]) * x;
+  }
+  dot = warp_sum(d);
+  squares = warp_sum(s);
+}
+
+__device__ __forceinline__ bool trusted(float dot, float squares) {
+  return isfinite(dot) && isfinite(squares) && squares >= kSmallestTrustedSquares;
+}
+
+// status: [flag, request, prompt row, window (-1 for text)]; the first report wins.
+__device__ void report_non_finite(int* status, int request, int row, int window) {
+  if (atomicCAS(status, 0, 1) == 0) {
+    status[1] = request;
+    status[2] = row;
+    status[3] = window;
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Kernels of the planner
+// ---------------------------------------------------------------------------
+
+struct BatchArgs {
+  const unsigned long long* request_base;  // [requests] address of row 0
+  const long long* plan_offset;            // [requests] first precision of the request
+  const int* text_begin;                   // [requests + 1] CSR over text rows
+  const int* request_windows;              // [requests]
+  const int* text_row;                     // [text rows] prompt position
+  const int* text_request;                 // [text rows]
+  const int* window_row;                   // [windows] prompt position of the first token
+  const int* window_request;               // [windows]
+  const int* window_local;                 // [windows] index inside its request
+  const double* sensitivities;             // [layers]
+  const unsigned char* min_precision;      // [layers]
+  double* text_inv_norm;                   // [text rows] scratch
+  float* text_mean;                        // [requests][hidden] scratch
+  float* scores;                           // [windows]
+  unsigned char* precisions;               // per request [layers][windows]
+  int* status;                             // [4]
+  double alpha;
+  int num_text;
+  int num_windows;
+  int hidden;
+  int window_size;
+  int num_layers;
+  int max_windows;
+  int num_requests;
+};
+
+template <typename T>
+__device__ __forceinline__ const T* row_at(const BatchArgs& a, int request, int row) {
+  const auto base = reinterpret_cast<const T*>(a.request_base[request]);
+  return base + static_cast<long long>(row) * a.hidden;
+}
+
+// 1 / |t_j| for every text row; a warp a row.
+template <typename T, bool kVec>
+__global__ void __launch_bounds__(kBlockThreads) text_norm_kernel(BatchArgs a) {
+  const int j = blockIdx.x * kWarpsPerBlock + threadIdx.x / kWarp;
+  const int lane = threadIdx.x % kWarp;
+  if (j >= a.num_text) return;  // whole warps leave together
+  const int request = a.text_request[j];
+  const T* row = row_at<T>(a, request, a.text_row[j]);
+  float unused = 0.0f, squares_f = 0.0f;
+  row_partials<T, kVec, false>(row, nullptr, a.hidden, lane, unused, squares_f);
+  squares_f = warp_sum(squares_f);
+  double squares = squares_f;
+  if (!trusted(0.0f, squares_f)) {
+    double ignored;
+    row_exact<T, false>(row, nullptr, a.hidden, lane, ignored, squares);
+    if (!isfinite(squares)) {
+      if (lane == 0) report_non_finite(a.status, request, a.text_row[j], -1);
+      squares = 0.0;
+    }
+  }
+  if (lane == 0) a.text_inv_norm[j] = squares > 0.0 ? 1.0 / sqrt(squares) : 0.0;
+}
+
+// u_r = mean_j t_j / |t_j|; a thread a column, text rows in order (no atomics:
+// the same input gives the same bits).
+template <typename T>
+__global__ void __launch_bounds__(kBlockThreads) text_mean_kernel(BatchArgs a) {
+  const int request = blockIdx.y;
+  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= a.hidden) return;
+  const int begin = a.text_begin[request];
+  const int end = a.text_begin[request + 1];
+  double sum = 0.0;
+  for (int j = begin; j < end; ++j) {
+    sum += static_cast<double>(to_float(row_at<T>(a, request, a.text_row[j])[c])) * a.text_inv_norm[j];
+  }
+  a.text_mean[static_cast<long long>(request) * a.hidden + c] = static_cast<float>(sum / (end - begin));
+}
+
+// One block a window: eq. 8 as mean_k (u . w_k) / |w_k| (8 warps share the
+// window's rows), then eqs. 10-11 and the rule for every layer.
+template <typename T, bool kVec>
+__global__ void __launch_bounds__(kBlockThreads) window_plan_kernel(BatchArgs a) {
+  extern __shared__ float4 shared4[];
+  float* u = reinterpret_cast<float*>(shared4);
+  auto* thresholds = reinterpret_cast<LayerThresholds*>(u + align16(static_cast<std::size_t>(a.hidden) * 4) / 4);
+  __shared__ double warp_sums[kWarpsPerBlock];
+  __shared__ float window_score;
+
+  const int w = blockIdx.x;
+  const int request = a.window_request[w];
+  const float* mean = a.text_mean + static_cast<long long>(request) * a.hidden;
+  for (int c = threadIdx.x; c < a.hidden; c += blockDim.x) u[c] = mean[c];
+  for (int l = threadIdx.x; l < a.num_layers; l += blockDim.x) {
+    thresholds[l] = layer_thresholds(a.sensitivities[l], a.alpha);
+  }
+  __syncthreads();
+
+  const int warp = threadIdx.x / kWarp;
+  const int lane = threadIdx.x % kWarp;
+  const int first_row = a.window_row[w];
+  double sum = 0.0;
+  for (int k = warp; k < a.window_size; k += kWarpsPerBlock) {
+    const T* row = row_at<T>(a, request, first_row + k);
+    float dot_f = 0.0f, squares_f = 0.0f;
+    row_partials<T, kVec, true>(row, u, a.hidden, lane, dot_f, squares_f);
+    dot_f = warp_sum(dot_f);
+    squares_f = warp_sum(squares_f);
+    double dot = dot_f, squares = squares_f;
+    if (!trusted(dot_f, squares_f)) {
+      row_exact<T, true>(row, u, a.hidden, lane, dot, squares);
+      if (!isfinite(dot) || !isfinite(squares)) {
+        if (lane == 0) report_non_finite(a.status, request, first_row + k, a.window_local[w]);
+        squares = 0.0;
+      }
+    }
+    if (squares > 0.0) sum += dot / sqrt(squares);
+  }
+  if (lane == 0) warp_sums[warp] = sum;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    double total = 0.0;
+    for (int i = 0; i < kWarpsPerBlock; ++i) total += warp_sums[i];
+    window_score = static_cast<float>(total / a.window_size);
+    a.scores[w] = window_score;
+  }
+  __syncthreads();
+
+  const float score = window_score;
+  const int local = a.window_local[w];
+  const int windows = a.request_windows[request];
+  unsigned char* plan = a.precisions + a.plan_offset[request];
+  for (int l = threadIdx.x; l < a.num_layers; l += blockDim.x) {
+    const auto minimum = static_cast<Precision>(a.min_precision[l]);
+    plan[static_cast<long long>(l) * windows + local] =
+        static_cast<unsigned char>(window_precision(score, thresholds[l], minimum, local == 0));
+  }
+}
+
+// The paper's per-batch option: a thread per (layer, window position).
+__global__ void majority_vote_kernel(BatchArgs a) {
+  const long long index = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (index >= static_cast<long long>(a.num_layers) * a.max_windows) return;
+  const int layer = static_cast<int>(index / a.max_windows);
+  const int window = static_cast<int>(index % a.max_windows);
+  int votes[kNumPrecisions] = {0, 0, 0};
+  for (int r = 0; r < a.num_requests; ++r) {
+    const int windows = a.request_windows[r];
+    if (window < windows) ++votes[a.precisions[a.plan_offset[r] + static_cast<long long>(layer) * windows + window]];
+  }
+  // Pool indices run from most to least precise: ties go up, as on the CPU.
+  int winner = 0;
+  for (int p = 1; p < kNumPrecisions; ++p) {
+    if (votes[p] > votes[winner]) winner = p;
+  }
+  for (int r = 0; r < a.num_requests; ++r) {
+    const int windows = a.request_windows[r];
+    if (window < windows) {
+      a.precisions[a.plan_offset[r] + static_cast<long long>(layer) * windows + window] =
+          static_cast<unsigned char>(winner);
+    }
+  }
+}
+
+template <typename T, bool kVec>
+void launch_planner_kernels(const BatchArgs& args, bool vote, cudaStream_t stream) {
+  text_norm_kernel<T, kVec><<<(args.num_text + kWarpsPerBlock - 1) / kWarpsPerBlock, kBlockThreads, 0, stream>>>(args);
+  MIXKV_PLANNER_LAUNCHED("text_norm_kernel");
+  const dim3 mean_grid((args.hidden + kBlockThreads - 1) / kBlockThreads, args.num_requests);
+  text_mean_kernel<T><<<mean_grid, kBlockThreads, 0, stream>>>(args);
+  MIXKV_PLANNER_LAUNCHED("text_mean_kernel");
+  if (args.num_windows == 0) return;
+  const std::size_t shared = align16(static_cast<std::size_t>(args.hidden) * 4) +
+                             static_cast<std::size_t>(args.num_layers) * sizeof(LayerThresholds);
+  if (shared > 48 * 1024) {
+    MIXKV_PLANNER_CUDA(cudaFuncSetAttribute(window_plan_kernel<T, kVec>,
+                                            cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared)));
+  }
+  window_plan_kernel<T, kVec><<<args.num_windows, kBlockThreads, shared, stream>>>(args);
+  MIXKV_PLANNER_LAUNCHED("window_plan_kernel");
+  if (vote && args.num_requests > 1) {
+    const long long threads = static_cast<long long>(args.num_layers) * args.max_windows;
+    majority_vote_kernel<<<static_cast<unsigned>((threads + kBlockThreads - 1) / kBlockThreads), kBlockThreads, 0,
+                           stream>>>(args);
+    MIXKV_PLANNER_LAUNCHED("majority_vote_kernel");
+  }
+}
+
+template <bool kVec>
+void dispatch_planner(ElementType type, const BatchArgs& args, bool vote, cudaStream_t stream) {
+  switch (type) {
+    case ElementType::F32: launch_planner_kernels<float, kVec>(args, vote, stream); return;
+    case ElementType::F16: launch_planner_kernels<__half, kVec>(args, vote, stream); return;
+    case ElementType::BF16: launch_planner_kernels<__nv_bfloat16, kVec>(args, vote, stream); return;
+  }
+  throw InvalidArgument("embeddings type = " + std::to_string(static_cast<int>(type)) +
+                        ", expected F32 (0), F16 (1) or BF16 (2)");
+}
+
+// The CUDA planner keeps the text mean and per-layer thresholds in shared
+// memory: 192 KiB + 8 KiB at the limits, inside an sm_90 block's 227 KiB.
+constexpr std::int32_t kMaxHidden = 49152;
+constexpr std::int32_t kMaxLayers = 1024;
+// text_mean_kernel puts requests on gridDim.y.
+constexpr std::size_t kMaxRequests = 65535;
+
+}  // namespace
+
+// ---------------------------------------------------------------------------
+// CudaWindowPlanner
+// ---------------------------------------------------------------------------
+
+struct CudaWindowPlanner::Impl {
+  enum class State { Idle, Prepared, Launched };
+
+  WindowPlanner host;  // validation, configuration and thresholds
+  DeviceBuffer constants;  // sensitivities, min precisions
+  DeviceBuffer upload;     // the batch's work list
+  DeviceBuffer work;       // [scores | status | precisions] then scratch
+  PinnedBuffer staging;    // host side of `upload`
+  PinnedBuffer results;    // host side of work's first `result_bytes`
+
+  State state = State::Idle;
+  BatchArgs args{};
+  ElementType type = ElementType::F32;
+  bool vectorized = false;
+  std::size_t upload_bytes = 0;
+  std::size_t result_bytes = 0;
+  std::size_t status_offset = 0;
+  std::size_t precisions_offset = 0;
+  std::vector<std::int32_t> windows_of;           // per request
+  std::vector<std::int64_t> first_precision_of;   // per request
+  std::vector<std::int64_t> first_window_of;      // per request
+
+  explicit Impl(PlannerConfig config) : host(std::move(config)) {}
+};
+
+CudaWindowPlanner::CudaWindowPlanner(PlannerConfig config) : impl_(std::make_unique<Impl>(std::move(config))) {
+  const PlannerConfig& c = impl_->host.config();
+  const std::int32_t layers = impl_->host.num_layers();
+  if (layers > kMaxLayers) {
+    throw InvalidArgument("sensitivities holds " + std::to_string(layers) + " layers, expected at most " +
+                          std::to_string(kMaxLayers) + " on the GPU");
+  }
+  std::vector<std::byte> host(align16(layers * sizeof(double)) + static_cast<std::size_t>(layers));
+  std::memcpy(host.data(), c.sensitivities.data(), layers * sizeof(double));
+  for (std::int32_t l = 0; l < layers; ++l) {
+    host[align16(layers * sizeof(double)) + l] =
+        static_cast<std::byte>(c.min_precision.empty() ? pool_index(Precision::INT2) : pool_index(c.min_precision[l]));
+  }
+  impl_->constants.reserve(host.size(), nullptr);
+  MIXKV_PLANNER_CUDA(cudaMemcpy(impl_->constants.get(), host.data(), host.size(), cudaMemcpyHostToDevice));
+  impl_->args.sensitivities = at_offset<const double>(impl_->constants.get(), 0);
+  impl_->args.min_precision = at_offset<const unsigned char>(impl_->constants.get(), align16(layers * sizeof(double)));
+  impl_->args.alpha = c.alpha;
+  impl_->args.window_size = c.window_size;
+  impl_->args.num_layers = layers;
+}
+
+CudaWindowPlanner::~CudaWindowPlanner() = default;
+
+const PlannerConfig& CudaWindowPlanner::config() const { return impl_->host.config(); }
+std::int32_t CudaWindowPlanner::num_layers() const { return impl_->host.num_layers(); }
+
+void CudaWindowPlanner::prepare(std::span<const TokenLayout> layouts, std::span<const EmbeddingsView> embeddings,
+                                cudaStream_t stream) {
+  Impl& m = *impl_;
+  if (m.state != Impl::State::Idle) {
+    throw InvalidArgument("prepare() called while a batch is in flight, expected finish() first");
+  }
+  const std::int32_t window_size = m.host.config().window_size;
+  validate_similarity_inputs(layouts, embeddings, window_size);
+  if (layouts.empty()) throw InvalidArgument("layouts is empty, expected at least one request");
+  if (layouts.size() > kMaxRequests) {
+    throw InvalidArgument("layouts holds " + std::to_string(layouts.size()) + " requests, expected at most " +
+                          std::to_string(kMaxRequests) + " a batch");
+  }
+  require_one_type(embeddings, "embeddings");
+  if (embeddings[0].hidden > kMaxHidden) {
+    throw InvalidArgument("embeddings[0].hidden = " + std::to_string(embeddings[0].hidden) +
+                          ", expected at most " + std::to_string(kMaxHidden) + " on the GPU");
+  }
+
+  // The work list, on the host.
+  const std::size_t requests = layouts.size();
+  const std::int64_t layers = m.host.num_layers();
+  std::vector<std::int32_t> text_begin{0}, text_row, text_request, window_row, window_request, window_local;
+  std::vector<std::int32_t> windows_of(requests);
+  std::vector<std::int64_t> first_precision_of(requests), first_window_of(requests);
+  std::int64_t precisions = 0;
+  for (std::size_t r = 0; r < requests; ++r) {
+    std::int32_t position = 0;
+    for (const Segment& s : layouts[r].segments()) {
+      if (s.kind == TokenKind::Text) {
+        for (std::int32_t t = position; t < position + s.length; ++t) {
+          text_row.push_back(t);
+          text_request.push_back(static_cast<std::int32_t>(r));
+        }
+      }
+      position += s.length;
+    }
+    text_begin.push_back(static_cast<std::int32_t>(text_row.size()));
+    const std::vector<std::int32_t> starts = layouts[r].window_starts(window_size);
+    first_window_of[r] = static_cast<std::int64_t>(window_row.size());
+    for (std::size_t i = 0; i < starts.size(); ++i) {
+      window_row.push_back(starts[i]);
+      window_request.push_back(static_cast<std::int32_t>(r));
+      window_local.push_back(static_cast<std::int32_t>(i));
+    }
+    windows_of[r] = static_cast<std::int32_t>(starts.size());
+    first_precision_of[r] = precisions;
+    precisions += layers * windows_of[r];
+  }
+  if (text_row.size() > static_cast<std::size_t>(INT32_MAX) || window_row.size() > static_cast<std::size_t>(INT32_MAX)) {
+    throw InvalidArgument("the batch holds more than 2^31 - 1 text rows or windows, expected fewer");
+  }
+
+  Carver in;
+  const std::size_t o_base = in.add(requests * 8);
+  const std::size_t o_plan = in.add(requests * 8);
+  const std::size_t o_text_begin = in.add((requests + 1) * 4);
+  const std::size_t o_windows = in.add(requests * 4);
+  const std::size_t o_text_row = in.add(text_row.size() * 4);
+  const std::size_t o_text_request = in.add(text_row.size() * 4);
+  const std::size_t o_window_row = in.add(window_row.size() * 4);
+  const std::size_t o_window_request = in.add(window_row.size() * 4);
+  const std::size_t o_window_local = in.add(window_row.size() * 4);
+
+  const std::int32_t hidden = embeddings[0].hidden;
+  Carver out;
+  const std::size_t o_scores = out.add(window_row.size() * 4);
+  const std::size_t o_status = out.add(16);
+  const std::size_t o_precisions = out.add(static_cast<std::size_t>(precisions));
+  const std::size_t result_bytes = out.total;
+  const std::size_t o_inv_norm = out.add(text_row.size() * 8);
+  const std::size_t o_mean = out.add(requests * static_cast<std::size_t>(hidden) * 4);
+
+  m.staging.reserve(in.total);
+  m.results.reserve(result_bytes);
+  m.upload.reserve(in.total, stream);
+  m.work.reserve(out.total, stream);
+
+  std::byte* h = m.staging.get();
+  for (std::size_t r = 0; r < requests; ++r) {
+    at_offset<unsigned long long>(h, o_base)[r] = reinterpret_cast<std::uintptr_t>(embeddings[r].data);
+    at_offset<long long>(h, o_plan)[r] = first_precision_of[r];
+  }
+  const auto put = [&](std::size_t offset, const std::vector<std::int32_t>& v) {
+    if (!v.empty()) std::memcpy(h + offset, v.data(), v.size() * 4);
+  };
+  put(o_text_begin, text_begin);
+  put(o_windows, windows_of);
+  put(o_text_row, text_row);
+  put(o_text_request, text_request);
+  put(o_window_row, window_row);
+  put(o_window_request, window_request);
+  put(o_window_local, window_local);
+  MIXKV_PLANNER_CUDA(cudaMemcpyAsync(m.upload.get(), h, in.total, cudaMemcpyHostToDevice, stream));
+
+  std::byte* d = m.upload.get();
+  std::byte* wk = m.work.get();
+  BatchArgs& a = m.args;
+  a.request_base = at_offset<const unsigned long long>(d, o_base);
+  a.plan_offset = at_offset<const long long>(d, o_plan);
+  a.text_begin = at_offset<const int>(d, o_text_begin);
+  a.request_windows = at_offset<const int>(d, o_windows);
+  a.text_row = at_offset<const int>(d, o_text_row);
+  a.text_request = at_offset<const int>(d, o_text_request);
+  a.window_row = at_offset<const int>(d, o_window_row);
+  a.window_request = at_offset<const int>(d, o_window_request);
+  a.window_local = at_offset<const int>(d, o_window_local);
+  a.scores = at_offset<float>(wk, o_scores);
+  a.status = at_offset<int>(wk, o_status);
+  a.precisions = at_offset<unsigned char>(wk, o_precisions);
+  a.text_inv_norm = at_offset<double>(wk, o_inv_norm);
+  a.text_mean = at_offset<float>(wk, o_mean);
+  a.num_text = static_cast<int>(text_row.size());
+  a.num_windows = static_cast<int>(window_row.size());
+  a.hidden = hidden;
+  a.max_windows = *std::max_element(windows_of.begin(), windows_of.end());
+  a.num_requests = static_cast<int>(requests);
+
+  m.type = embeddings[0].type;
+  m.vectorized = rows_aligned(embeddings);
+  m.upload_bytes = in.total;
+  m.result_bytes = result_bytes;
+  m.status_offset = o_status;
+  m.precisions_offset = o_precisions;
+  m.windows_of = std::move(windows_of);
+  m.first_precision_of = std::move(first_precision_of);
+  m.first_window_of = std::move(first_window_of);
+  m.state = Impl::State::Prepared;
+}
+
+void CudaWindowPlanner::launch(cudaStream_t stream) {
+  Impl& m = *impl_;
+  if (m.state != Impl::State::Prepared) {
+    throw InvalidArgument(m.state == Impl::State::Idle ? "launch() without a prepared batch, expected prepare() first"
+                                                       : "launch() called twice, expected finish() first");
+  }
+  MIXKV_PLANNER_CUDA(cudaMemsetAsync(m.args.status, 0, 16, stream));
+  const bool vote = m.host.config().batch_policy == BatchPolicy::MajorityVote;
+  if (m.vectorized) {
+    dispatch_planner<true>(m.type, m.args, vote, stream);
+  } else {
+    dispatch_planner<false>(m.type, m.args, vote, stream);
+  }
+  MIXKV_PLANNER_CUDA(cudaMemcpyAsync(m.results.get(), m.work.get(), m.result_bytes, cudaMemcpyDeviceToHost, stream));
+  m.state = Impl::State::Launched;
+}
+
+std::vector<PrecisionPlan> CudaWindowPlanner::finish(cudaStream_t stream) {
+  Impl& m = *impl_;
+  if (m.state != Impl::State::Launched) {
+    throw InvalidArgument("finish() without a launched batch, expected prepare() and launch() first");
+  }
+  m.state = Impl::State::Idle;  // whatever follows, the buffers are free again after the sync
+  MIXKV_PLANNER_CUDA(cudaStreamSynchronize(stream));
+  const std::byte* h = m.results.get();
+  const int* status = at_offset<const int>(const_cast<std::byte*>(h), m.status_offset);
+  if (status[0] != 0) {
+    throw InvalidArgument(indexed("embeddings", static_cast<std::size_t>(status[1])) + " row " +
+                          std::to_string(status[2]) + " (" +
+                          (status[3] < 0 ? std::string("text") : "visual window " + std::to_string(status[3])) +
+                          ") holds a NaN or infinite value, expected finite embeddings");
+  }
+  const auto* scores = reinterpret_cast<const float*>(h);
+  const auto* precisions = reinterpret_cast<const unsigned char*>(h + m.precisions_offset);
+  const std::int32_t layers = m.host.num_layers();
+  std::vector<PrecisionPlan> plans;
+  plans.reserve(m.windows_of.size());
+  for (std::size_t r = 0; r < m.windows_of.size(); ++r) {
+    const std::int32_t windows = m.windows_of[r];
+    PrecisionPlan plan(layers, windows);
+    for (std::int32_t i = 0; i < windows; ++i) plan.set_score(i, scores[m.first_window_of[r] + i]);
+    const unsigned char* p = precisions + m.first_precision_of[r];
+    for (std::int32_t l = 0; l < layers; ++l) {
+      for (std::int32_t i = 0; i < windows; ++i) {
+        plan.set(l, i, static_cast<Precision>(p[static_cast<std::int64_t>(l) * windows + i]));
+      }
+    }
+    plans.push_back(std::move(plan));
+  }
+  return plans;
+}
+
+std::vector<PrecisionPlan> CudaWindowPlanner::plan(std::span<const TokenLayout> layouts,
+                                                   std::span<const EmbeddingsView> embeddings, cudaStream_t stream) {
+  prepare(layouts, embeddings, stream);
+  try {
+    launch(stream);
+  } catch (...) {
+    impl_->state = Impl::State::Idle;
+    throw;
+  }
+  return finish(stream);
+}
+
+const float* CudaWindowPlanner::device_scores() const { return impl_->args.scores; }
+const std::uint8_t* CudaWindowPlanner::device_precisions() const { return impl_->args.precisions; }
+std::int64_t CudaWindowPlanner::num_windows() const { return impl_->args.num_windows; }
+
+// ---------------------------------------------------------------------------
+// Pairwise reference (cuBLAS)
+// ---------------------------------------------------------------------------
+
+namespace {
+
+// Row `i` of `dst` = normalized row `rows[i]` (an address), in float; a zero
+// row stays zero. No NaN check: this is the reference path.
+template <typename T>
+__global__ void __launch_bounds__(kBlockThreads) normalize_rows_kernel(const unsigned long long* rows, int count,
+                                                                         int hidden, float* dst) {
+  const int i = blockIdx.x * kWarpsPerBlock + threadIdx.x / kWarp;
+  const int lane = threadIdx.x % kWarp;
+  if (i >= count) return;
+  const auto* row = reinterpret_cast<const T*>(rows[i]);
+  double ignored, squares;
+  row_exact<T, false>(row, nullptr, hidden, lane, ignored, squares);
+  const double inverse = squares > 0.0 ? 1.0 / sqrt(squares) : 0.0;
+  for (int c = lane; c < hidden; c += kWarp) {
+    dst[static_cast<long long>(i) * hidden + c] = static_cast<float>(to_float(row[c]) * inverse);
+  }
+}
+
+// scores[i] = mean of the cosines of window i's S columns against all N text
+// rows; cosines is column-major [window rows, N] (cuBLAS's C).
+__global__ void __launch_bounds__(kBlockThreads) window_mean_kernel(const float* cosines, int window_rows,
+                                                                      int text_rows, int window_size, float* scores) {
+  __shared__ double partial[kBlockThreads];
+  const int window = blockIdx.x;
+  double sum = 0.0;
+  const long long cells = static_cast<long long>(text_rows) * window_size;
+  for (long long e = threadIdx.x; e < cells; e += blockDim.x) {
+    const long long n = e / window_size;
+    const long long k = e % window_size;
+    sum += cosines[n * window_rows + static_cast<long long>(window) * window_size + k];
+  }
+  partial[threadIdx.x] = sum;
+  __syncthreads();
+  for (int stride = kBlockThreads / 2; stride > 0; stride >>= 1) {
+    if (threadIdx.x < stride) partial[threadIdx.x] += partial[threadIdx.x + stride];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) scores[window] = static_cast<float>(partial[0] / static_cast<double>(cells));
+}
+
+void launch_normalize(ElementType type, const unsigned long long* rows, int count, int hidden, float* dst,
+                      cudaStream_t stream) {
+  if (count == 0) return;
+  const int blocks = (count + kWarpsPerBlock - 1) / kWarpsPerBlock;
+  switch (type) {
+    case ElementType::F32: normalize_rows_kernel<float><<<blocks, kBlockThreads, 0, stream>>>(rows, count, hidden, dst); break;
+    case ElementType::F16: normalize_rows_kernel<__half><<<blocks, kBlockThreads, 0, stream>>>(rows, count, hidden, dst); break;
+    case ElementType::BF16:
+      normalize_rows_kernel<__nv_bfloat16><<<blocks, kBlockThreads, 0, stream>>>(rows, count, hidden, dst);
+      break;
+  }
+  MIXKV_PLANNER_LAUNCHED("normalize_rows_kernel");
+}
+
+// Stream-ordered scratch for one call.
+class StreamScratch {
+ public:
+  StreamScratch(std::size_t bytes, cudaStream_t stream) : stream_(stream) {
+    MIXKV_PLANNER_CUDA(cudaMallocAsync(&ptr_, bytes, stream));
+  }
+  StreamScratch(const StreamScratch&) = delete;
+  StreamScratch& operator=(const StreamScratch&) = delete;
+  ~StreamScratch() { cudaFreeAsync(ptr_, stream_); }
+  std::byte* get() const { return static_cast<std::byte*>(ptr_); }
+
+ private:
+  void* ptr_ = nullptr;
+  cudaStream_t stream_;
+};
+
+}  // namespace
+
+void window_similarity_pairwise(std::span<const TokenLayout> layouts, std::span<const EmbeddingsView> embeddings,
+                                std::int32_t window_size, float* scores, cublasHandle_t cublas,
+                                cudaStream_t stream) {
+  validate_similarity_inputs(layouts, embeddings, window_size);
+  if (layouts.empty()) return;
+  if (scores == nullptr) throw InvalidArgument("scores is null, expected one device float per window");
+  if (cublas == nullptr) throw InvalidArgument("cublas is null, expected a cuBLAS handle");
+  const std::int32_t hidden = embeddings[0].hidden;
+
+  // Row addresses per request: text rows, then each window's rows.
+  std::vector<std::vector<unsigned long long>> rows(layouts.size());
+  std::vector<std::int32_t> text_count(layouts.size()), window_count(layouts.size());
+  std::size_t most_rows = 0, most_text = 0, most_window_rows = 0;
+  for (std::size_t r = 0; r < layouts.size(); ++r) {
+    const auto base = reinterpret_cast<std::uintptr_t>(embeddings[r].data);
+    const std::size_t row_bytes = static_cast<std::size_t>(hidden) * element_bytes(embeddings[r].type);
+    std::int32_t position = 0;
+    for (const Segment& s : layouts[r].segments()) {
+      if (s.kind == TokenKind::Text) {
+        for (std::int32_t t = position; t < position + s.length; ++t) rows[r].push_back(base + t * row_bytes);
+      }
+      position += s.length;
+    }
+    text_count[r] = static_cast<std::int32_t>(rows[r].size());
+    const std::vector<std::int32_t> starts = layouts[r].window_starts(window_size);
+    window_count[r] = static_cast<std::int32_t>(starts.size());
+    for (const std::int32_t start : starts) {
+      for (std::int32_t k = 0; k < window_size; ++k) rows[r].push_back(base + (start + k) * row_bytes);
+    }
+    most_rows = std::max(most_rows, rows[r].size());
+    most_text = std::max<std::size_t>(most_text, text_count[r]);
+    most_window_rows = std::max(most_window_rows, rows[r].size() - text_count[r]);
+  }
+
+  Carver carve;
+  const std::size_t o_rows = carve.add(most_rows * 8);
+  const std::size_t o_normalized = carve.add(most_rows * static_cast<std::size_t>(hidden) * 4);
+  const std::size_t o_cosines = carve.add(most_text * most_window_rows * 4);
+  StreamScratch scratch(carve.total, stream);
+  auto* d_rows = at_offset<unsigned long long>(scratch.get(), o_rows);
+  auto* normalized = at_offset<float>(scratch.get(), o_normalized);
+  auto* cosines = at_offset<float>(scratch.get(), o_cosines);
+
+  check_cublas(cublasSetStream(cublas, stream), "cublasSetStream");
+  std::size_t first_score = 0;
+  for (std::size_t r = 0; r < layouts.size(); ++r) {
+    const int n = text_count[r];
+    const int m = window_count[r] * window_size;
+    if (m > 0) {
+      // Pageable source: the call returns once the rows are staged, so the
+      // vector may go; the copy itself stays in stream order.
+      MIXKV_PLANNER_CUDA(cudaMemcpyAsync(d_rows, rows[r].data(), rows[r].size() * 8, cudaMemcpyHostToDevice, stream));
+      launch_normalize(embeddings[r].type, d_rows, static_cast<int>(rows[r].size()), hidden, normalized, stream);
+      // Column-major view: the normalized rows are [hidden x rows]; C[m x n] =
+      // window_rows^T (m x hidden) * text_rows (hidden x n). Pedantic FP32: no
+      // TF32, whatever the handle's math mode, so this stays a reference.
+      const float one = 1.0f, zero = 0.0f;
+      const float* text = normalized;
+      const float* window = normalized + static_cast<std::size_t>(n) * hidden;
+      check_cublas(cublasGemmEx(cublas, CUBLAS_OP_T, CUBLAS_OP_N, m, n, hidden, &one, window, CUDA_R_32F, hidden,
+                                text, CUDA_R_32F, hidden, &zero, cosines, CUDA_R_32F, m,
+                                CUBLAS_COMPUTE_32F_PEDANTIC, CUBLAS_GEMM_DEFAULT),
+                   "cublasGemmEx");
+      window_mean_kernel<<<window_count[r], kBlockThreads, 0, stream>>>(cosines, m, n, window_size,
+                                                                         scores + first_score);
+      MIXKV_PLANNER_LAUNCHED("window_mean_kernel");
+    }
+    first_score += static_cast<std::size_t>(window_count[r]);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Eq. 9 on the device
+// ---------------------------------------------------------------------------
+
+namespace {
+
+struct SensitivityArgs {
+  const unsigned long long* before;  // [layers] address of row 0
+  const unsigned long long* after;   // [layers]
+  double* sums;                      // [layers][tokens][3]: dot, |a|^2, |b|^2
+  double* out;                       // [layers]
+  int* status;                       // [flag, layer, token, side (0 before, 1 after)]
+  long long tokens;
+  int hidden;
+  int layers;
+  int token_mean;
+};
+
+template <typename T>
+__device__ void report_sensitivity(int* status, int layer, long long token, int side) {
+  if (atomicCAS(status, 0, 1) == 0) {
+    status[1] = layer;
+    status[2] = static_cast<int>(token);
+    status[3] = side;
+  }
+}
+
+// Per (layer, token), a warp: dot, |a|^2, |b|^2 in double (these are
+// calibration runs; exactness over speed).
+template <typename T>
+__global__ void __launch_bounds__(kBlockThreads) token_sums_kernel(SensitivityArgs a) {
+  const long long t = static_cast<long long>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarp;
+  const int layer = blockIdx.y;
+  const int lane = threadIdx.x % kWarp;
+  if (t >= a.tokens) return;
+  const auto* x = reinterpret_cast<const T*>(a.before[layer]) + t * a.hidden;
+  const auto* y = reinterpret_cast<const T*>(a.after[layer]) + t * a.hidden;
+  double d = 0.0, nx = 0.0, ny = 0.0;
+  for (int c = lane; c < a.hidden; c += kWarp) {
+    const double xc = to_float(x[c]);
+    const double yc = to_float(y[c]);
+    d += xc * yc;
+    nx += xc * xc;
+    ny += yc * yc;
+  }
+  d = warp_sum(d);
+  nx = warp_sum(nx);
+  ny = warp_sum(ny);
+  if (lane == 0) {
+    if (!isfinite(nx)) report_sensitivity<T>(a.status, layer, t, 0);
+    if (!isfinite(ny)) report_sensitivity<T>(a.status, layer, t, 1);
+    double* s = a.sums + (static_cast<long long>(layer) * a.tokens + t) * 3;
+    s[0] = d;
+    s[1] = nx;
+    s[2] = ny;
+  }
+}
+
+// A block a layer; fixed-order tree sums, so results are reproducible.
+__global__ void __launch_bounds__(kBlockThreads) layer_reduce_kernel(SensitivityArgs a) {
+  __shared__ double partial[4][kBlockThreads];
+  const int layer = blockIdx.x;
+  double dot = 0.0, nx = 0.0, ny = 0.0, cosine = 0.0;
+  for (long long t = threadIdx.x; t < a.tokens; t += blockDim.x) {
+    const double* s = a.sums + (static_cast<long long>(layer) * a.tokens + t) * 3;
+    dot += s[0];
+    nx += s[1];
+    ny += s[2];
+    if (s[1] > 0.0 && s[2] > 0.0) cosine += s[0] / sqrt(s[1] * s[2]);
+  }
+  partial[0][threadIdx.x] = dot;
+  partial[1][threadIdx.x] = nx;
+  partial[2][threadIdx.x] = ny;
+  partial[3][threadIdx.x] = cosine;
+  __syncthreads();
+  for (int stride = kBlockThreads / 2; stride > 0; stride >>= 1) {
+    if (threadIdx.x < stride) {
+      for (int q = 0; q < 4; ++q) partial[q][threadIdx.x] += partial[q][threadIdx.x + stride];
+    }
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) {
+    double s = 0.0;
+    if (a.token_mean) {
+      s = partial[3][0] / static_cast<double>(a.tokens);
+    } else if (partial[1][0] > 0.0 && partial[2][0] > 0.0) {
+      s = partial[0][0] / sqrt(partial[1][0] * partial[2][0]);
+    }
+    a.out[layer] = fmin(1.0, fmax(-1.0, s));
+  }
+}
+
+}  // namespace
+
+std::vector<double> layer_sensitivity(std::span<const EmbeddingsView> before, std::span<const EmbeddingsView> after,
+                                      SensitivityReduction reduction, cudaStream_t stream) {
+  validate_sensitivity_inputs(before, after, reduction);
+  require_one_type(before, "before");
+  for (std::size_t l = 0; l < after.size(); ++l) {
+    if (after[l].type != before[0].type) {
+      throw InvalidArgument(indexed("after", l) + ".type = " + std::to_string(static_cast<int>(after[l].type)) +
+                            ", expected " + std::to_string(static_cast<int>(before[0].type)) +
+                            " as before[0] (one element type on the GPU)");
+    }
+  }
+  const std::size_t layers = before.size();
+  if (layers > kMaxRequests) {
+    throw InvalidArgument("before holds " + std::to_string(layers) + " layers, expected at most " +
+                          std::to_string(kMaxRequests) + " on the GPU");
+  }
+  const long long tokens = before[0].num_tokens;
+
+  Carver carve;
+  const std::size_t o_before = carve.add(layers * 8);
+  const std::size_t o_after = carve.add(layers * 8);
+  const std::size_t o_out = carve.add(layers * 8);
+  const std::size_t o_status = carve.add(16);
+  const std::size_t o_sums = carve.add(layers * static_cast<std::size_t>(tokens) * 3 * 8);
+  StreamScratch scratch(carve.total, stream);
+
+  std::vector<unsigned long long> addresses(2 * layers);
+  for (std::size_t l = 0; l < layers; ++l) {
+    addresses[l] = reinterpret_cast<std::uintptr_t>(before[l].data);
+    addresses[layers + l] = reinterpret_cast<std::uintptr_t>(after[l].data);
+  }
+  // o_after == o_before + layers * 8 rounded up; copy each half on its own.
+  MIXKV_PLANNER_CUDA(cudaMemcpyAsync(scratch.get() + o_before, addresses.data(), layers * 8, cudaMemcpyHostToDevice,
+                                     stream));
+  MIXKV_PLANNER_CUDA(cudaMemcpyAsync(scratch.get() + o_after, addresses.data() + layers, layers * 8,
+                                     cudaMemcpyHostToDevice, stream));
+  MIXKV_PLANNER_CUDA(cudaMemsetAsync(scratch.get() + o_status, 0, 16, stream));
+
+  SensitivityArgs a{};
+  a.before = at_offset<const unsigned long long>(scratch.get(), o_before);
+  a.after = at_offset<const unsigned long long>(scratch.get(), o_after);
+  a.sums = at_offset<double>(scratch.get(), o_sums);
+  a.out = at_offset<double>(scratch.get(), o_out);
+  a.status = at_offset<int>(scratch.get(), o_status);
+  a.tokens = tokens;
+  a.hidden = before[0].hidden;
+  a.layers = static_cast<int>(layers);
+  a.token_mean = reduction == SensitivityReduction::TokenMean ? 1 : 0;
+
+  const dim3 grid(static_cast<unsigned>((tokens + kWarpsPerBlock - 1) / kWarpsPerBlock), static_cast<unsigned>(layers));
+  switch (before[0].type) {
+    case ElementType::F32: token_sums_kernel<float><<<grid, kBlockThreads, 0, stream>>>(a); break;
+    case ElementType::F16: token_sums_kernel<__half><<<grid, kBlockThreads, 0, stream>>>(a); break;
+    case ElementType::BF16: token_sums_kernel<__nv_bfloat16><<<grid, kBlockThreads, 0, stream>>>(a); break;
+  }
+  MIXKV_PLANNER_LAUNCHED("token_sums_kernel");
+  layer_reduce_kernel<<<static_cast<unsigned>(layers), kBlockThreads, 0, stream>>>(a);
+  MIXKV_PLANNER_LAUNCHED("layer_reduce_kernel");
+
+  std::vector<double> sensitivities(layers);
+  int status[4] = {0, 0, 0, 0};
+  MIXKV_PLANNER_CUDA(cudaMemcpyAsync(sensitivities.data(), a.out, layers * 8, cudaMemcpyDeviceToHost, stream));
+  MIXKV_PLANNER_CUDA(cudaMemcpyAsync(status, a.status, sizeof status, cudaMemcpyDeviceToHost, stream));
+  MIXKV_PLANNER_CUDA(cudaStreamSynchronize(stream));
+  if (status[0] != 0) {
+    throw InvalidArgument(indexed(status[3] == 0 ? "before" : "after", static_cast<std::size_t>(status[1])) +
+                          " row " + std::to_string(status[2]) +
+                          " (hidden state) holds a NaN or infinite value, expected finite embeddings");
+  }
+  return sensitivities;
+}
+
+}  // namespace mixkv::gpu
