@@ -3,8 +3,8 @@
 #include <limits>
 #include <string>
 
-#include "mixkv/cache/errors.h"
 #include "checks.h"
+#include "mixkv/cache/errors.h"
 
 namespace mixkv {
 namespace {
@@ -20,8 +20,8 @@ std::string owner_name(std::int8_t owner) {
 Arena::Arena(std::size_t arena_bytes, std::size_t slab_bytes) : slab_bytes_(slab_bytes) {
   if (slab_bytes == 0) throw InvalidArgument("slab_bytes = 0, expected > 0");
   if (arena_bytes < slab_bytes) {
-    throw InvalidArgument("arena_bytes = " + std::to_string(arena_bytes) + ", expected at least one slab (slab_bytes = " +
-                          std::to_string(slab_bytes) + ")");
+    throw InvalidArgument("arena_bytes = " + std::to_string(arena_bytes) +
+                          ", expected at least one slab (slab_bytes = " + std::to_string(slab_bytes) + ")");
   }
   const std::size_t slabs = arena_bytes / slab_bytes;
   if (slabs > static_cast<std::size_t>(std::numeric_limits<std::int32_t>::max())) {

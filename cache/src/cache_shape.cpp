@@ -12,8 +12,7 @@ namespace {
 void require_multiple_of_16(const char* field, std::int32_t value, std::int32_t lo, std::int32_t hi) {
   if (value < lo || value > hi || value % 16 != 0) {
     throw InvalidArgument("shape." + std::string(field) + " = " + std::to_string(value) +
-                          ", expected a multiple of 16 in [" + std::to_string(lo) + ", " +
-                          std::to_string(hi) + "]");
+                          ", expected a multiple of 16 in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]");
   }
 }
 

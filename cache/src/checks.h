@@ -20,8 +20,8 @@ inline void require_precision(Precision p, std::string_view name) {
 
 inline void require_index(std::string_view name, std::int64_t value, std::int64_t size) {
   if (value < 0 || value >= size) {
-    throw IndexOutOfRange(std::string(name) + " = " + std::to_string(value) + ", expected 0 <= " +
-                          std::string(name) + " < " + std::to_string(size));
+    throw IndexOutOfRange(std::string(name) + " = " + std::to_string(value) + ", expected 0 <= " + std::string(name) +
+                          " < " + std::to_string(size));
   }
 }
 

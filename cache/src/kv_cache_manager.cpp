@@ -63,9 +63,7 @@ struct KVCacheManager::Impl {
   const BlockPool& pool(Precision p) const { return *pools[at(p)]; }
 
   const Sequence& find(SequenceId id, const char* name) const;
-  Sequence& find(SequenceId id, const char* name) {
-    return const_cast<Sequence&>(std::as_const(*this).find(id, name));
-  }
+  Sequence& find(SequenceId id, const char* name) { return const_cast<Sequence&>(std::as_const(*this).find(id, name)); }
   void require_ids(std::span<const SequenceId> ids) const;
   void require_layer(std::int32_t layer) const { require_index("layer", layer, num_layers()); }
   void require_prompt(const TokenLayout& layout, const PrecisionPlan& plan) const;
@@ -90,8 +88,8 @@ const CacheConfig& checked(const CacheConfig& c) {
   // FP16 slots (block_id * block_size + offset) are int32 in every mapping;
   // checked before the arena's bookkeeping is built for a giant arena.
   // (No overflow: at most arena_bytes / 1024 blocks of at most 256 tokens.)
-  const std::size_t slots = c.arena_bytes / c.slab_bytes * (c.slab_bytes / fp16.block_bytes()) *
-                            static_cast<std::size_t>(c.shape.block_size);
+  const std::size_t slots =
+      c.arena_bytes / c.slab_bytes * (c.slab_bytes / fp16.block_bytes()) * static_cast<std::size_t>(c.shape.block_size);
   if (slots > static_cast<std::size_t>(std::numeric_limits<std::int32_t>::max())) {
     throw InvalidArgument("arena_bytes = " + std::to_string(c.arena_bytes) + " holds " + std::to_string(slots) +
                           " FP16 token slots, expected fewer than 2^31 (slot ids are int32)");
@@ -104,8 +102,7 @@ const CacheConfig& checked(const CacheConfig& c) {
 KVCacheManager::Impl::Impl(const CacheConfig& c) : config(checked(c)), arena(c.arena_bytes, c.slab_bytes) {
   for (const Precision p : kAllPrecisions) {
     pools[at(p)] = std::make_unique<BlockPool>(
-        BlockFormat{p, c.shape.num_kv_heads, c.shape.head_dim, c.shape.block_size}, c.slab_bytes,
-        arena.total_slabs());
+        BlockFormat{p, c.shape.num_kv_heads, c.shape.head_dim, c.shape.block_size}, c.slab_bytes, arena.total_slabs());
   }
 }
 
@@ -144,8 +141,7 @@ void KVCacheManager::Impl::require_prompt(const TokenLayout& layout, const Preci
   const std::int32_t windows = layout.num_windows(block_size());
   if (plan.num_windows() != windows) {
     throw InvalidArgument("plan.num_windows() = " + std::to_string(plan.num_windows()) + ", expected " +
-                          std::to_string(windows) + " for this layout and block_size " +
-                          std::to_string(block_size()));
+                          std::to_string(windows) + " for this layout and block_size " + std::to_string(block_size()));
   }
 }
 
@@ -178,8 +174,8 @@ std::optional<std::string> KVCacheManager::Impl::shortfall(const BlockCounts& ne
       return "the " + std::string(to_string(p)) + " pool needs " + std::to_string(need[at(p)]) + " blocks, " +
              std::to_string(bp.free_blocks() + slabs * bp.blocks_per_slab()) + " available (" +
              std::to_string(bp.free_blocks()) + " free in its slabs + " + std::to_string(slabs) +
-             " obtainable slabs of " + std::to_string(bp.blocks_per_slab()) + " blocks); blocks needed: " +
-             counts_text(need);
+             " obtainable slabs of " + std::to_string(bp.blocks_per_slab()) +
+             " blocks); blocks needed: " + counts_text(need);
     }
     slabs -= wanted;
   }
@@ -208,7 +204,7 @@ void KVCacheManager::Impl::grow(Precision p) {
 }
 
 std::array<std::vector<std::int32_t>, kNumPrecisions> KVCacheManager::Impl::allocate(const BlockCounts& need,
-                                                                                    const std::string& what) {
+                                                                                     const std::string& what) {
   if (auto reason = shortfall(need)) throw OutOfMemory(what + ": out of memory: " + *reason);
   std::array<std::vector<std::int32_t>, kNumPrecisions> ids;
   for (const Precision p : kAllPrecisions) ids[at(p)].reserve(static_cast<std::size_t>(need[at(p)]));
@@ -248,8 +244,7 @@ PoolView KVCacheManager::pool_view(Precision p, std::byte* arena_base) const {
 PoolStats KVCacheManager::pool_stats(Precision p) const {
   require_precision(p, "p");
   const BlockPool& bp = impl_->pool(p);
-  return PoolStats{bp.format().block_bytes(), bp.blocks_per_slab(), bp.num_slabs(), bp.used_blocks(),
-                   bp.free_blocks()};
+  return PoolStats{bp.format().block_bytes(), bp.blocks_per_slab(), bp.num_slabs(), bp.used_blocks(), bp.free_blocks()};
 }
 
 std::int32_t KVCacheManager::total_slabs() const { return impl_->arena.total_slabs(); }
@@ -330,7 +325,8 @@ StoreMapping KVCacheManager::prefill_mapping(SequenceId id, std::int32_t layer) 
   std::int32_t window = 0;
   std::int32_t row = 0;
   auto add_fp16 = [&](std::int32_t count) {
-    for (std::int32_t i = 0; i < count; ++i, ++row) mapping.fp16_slots.push_back(seq.table.fp16_slot(layer, fp16_rank++));
+    for (std::int32_t i = 0; i < count; ++i, ++row)
+      mapping.fp16_slots.push_back(seq.table.fp16_slot(layer, fp16_rank++));
   };
   for (const Segment& segment : layout.segments()) {
     if (segment.kind == TokenKind::Text) {
@@ -428,7 +424,8 @@ void KVCacheManager::fork(SequenceId parent, SequenceId child) {
   Impl& m = *impl_;
   const Sequence& source = m.find(parent, "parent");
   if (m.sequences.contains(child)) {
-    throw InvalidArgument("child = " + std::to_string(child) + " is already a sequence of this cache, expected a new id");
+    throw InvalidArgument("child = " + std::to_string(child) +
+                          " is already a sequence of this cache, expected a new id");
   }
   Sequence copy = source;
   m.sequences.reserve(m.sequences.size() + 1);
@@ -515,8 +512,8 @@ void KVCacheManager::check_invariants() const {
     for (const Precision p : kAllPrecisions) {
       if (m.pool(p).owns_slab(s) != (owner == p)) {
         fail("slab " + std::to_string(s) + ": the arena says " +
-             (owner ? std::string(to_string(*owner)) : std::string("free")) + " but the " +
-             std::string(to_string(p)) + " pool " + (m.pool(p).owns_slab(s) ? "holds" : "does not hold") + " it");
+             (owner ? std::string(to_string(*owner)) : std::string("free")) + " but the " + std::string(to_string(p)) +
+             " pool " + (m.pool(p).owns_slab(s) ? "holds" : "does not hold") + " it");
       }
     }
   }
@@ -546,7 +543,8 @@ void KVCacheManager::check_invariants() const {
       for (const Precision p : kAllPrecisions) {
         for (const std::int32_t block : table.blocks(layer, p)) {
           if (block < 0 || block >= m.pool(p).id_limit() || !m.pool(p).owns_slab(block / m.pool(p).blocks_per_slab())) {
-            fail(where + std::string(to_string(p)) + " block " + std::to_string(block) + " is outside the pool's slabs");
+            fail(where + std::string(to_string(p)) + " block " + std::to_string(block) +
+                 " is outside the pool's slabs");
           }
           if (++mine[at(p)][block] > 1) {
             fail(where + std::string(to_string(p)) + " block " + std::to_string(block) + " appears twice in one table");
@@ -581,8 +579,8 @@ void KVCacheManager::check_invariants() const {
     }
     // Every used block is held: otherwise it leaked.
     if (static_cast<std::int64_t>(holders[at(p)].size()) != bp.used_blocks()) {
-      fail(std::string(to_string(p)) + " pool has " + std::to_string(bp.used_blocks()) + " used blocks but page tables hold " +
-           std::to_string(holders[at(p)].size()));
+      fail(std::string(to_string(p)) + " pool has " + std::to_string(bp.used_blocks()) +
+           " used blocks but page tables hold " + std::to_string(holders[at(p)].size()));
     }
   }
 }

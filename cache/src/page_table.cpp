@@ -62,8 +62,8 @@ void PageTable::push_block(std::int32_t layer, Precision p, std::int32_t block_i
     }
   } else {
     if (fill < 1 || fill > block_size_) {
-      throw InvalidArgument("fill = " + std::to_string(fill) + ", expected 1 <= fill <= " +
-                            std::to_string(block_size_));
+      throw InvalidArgument("fill = " + std::to_string(fill) +
+                            ", expected 1 <= fill <= " + std::to_string(block_size_));
     }
     if (!l.blocks[pool].empty() && l.fp16_tail_fill != block_size_) {
       throw InvalidArgument("layer " + std::to_string(layer) + ": the FP16 tail holds " +

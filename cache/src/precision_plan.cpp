@@ -3,8 +3,8 @@
 #include <cmath>
 #include <string>
 
-#include "mixkv/cache/errors.h"
 #include "checks.h"
+#include "mixkv/cache/errors.h"
 
 namespace mixkv {
 using detail::require_index;

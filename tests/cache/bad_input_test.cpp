@@ -69,8 +69,7 @@ TEST_F(BadInputOnACache, PlansAndLayouts) {
                                    {"plan.num_windows() = 3, expected 5 for this layout and block_size 16"});
   expect_rejected<InvalidArgument>(cache, [&] { (void)cache.demand(five_windows, PrecisionPlan(3, 5)); },
                                    {"plan.num_layers() = 3, expected 2"});
-  expect_rejected<InvalidArgument>(cache, [&] { (void)cache.demand(TokenLayout(), PrecisionPlan(2, 0)); },
-                                   {"layout"});
+  expect_rejected<InvalidArgument>(cache, [&] { (void)cache.demand(TokenLayout(), PrecisionPlan(2, 0)); }, {"layout"});
   expect_rejected<InvalidArgument>(cache, [&] { cache.add_sequence(3, five_windows, PrecisionPlan(2, 4)); },
                                    {"plan.num_windows() = 4, expected 5"});
   expect_rejected<InvalidArgument>(cache, [&] { cache.add_sequence(3, five_windows, PrecisionPlan()); },

@@ -29,8 +29,11 @@ TEST(BlockPool, Geometry) {
   EXPECT_EQ(pool.capacity(), 0);
   EXPECT_EQ(pool.free_blocks(), 0);
   expect_error<InvalidArgument>([] { BlockPool(int2_format(), 255, 8); }, "slab_bytes = 255");
-  expect_error<InvalidArgument>([] { BlockPool(BlockFormat{Precision::FP16, 1, 16, 16}, 1000, 8); },
-                                "slab_bytes = 1000");
+  expect_error<InvalidArgument>(
+      [] {
+        BlockPool(BlockFormat{Precision::FP16, 1, 16, 16}, 1000, 8);
+      },
+      "slab_bytes = 1000");
 }
 
 TEST(BlockPool, BlockIdsFollowSlabIndex) {
@@ -153,7 +156,7 @@ TEST(BlockPool, SpareSlabsAfterFollowsTheAllocationOrder) {
   pool.allocate();
   EXPECT_EQ(pool.free_blocks(), 15);
   EXPECT_EQ(pool.spare_slabs_after(0), 3);
-  EXPECT_EQ(pool.spare_slabs_after(3), 3);   // the partly used slab absorbs them
+  EXPECT_EQ(pool.spare_slabs_after(3), 3);  // the partly used slab absorbs them
   EXPECT_EQ(pool.spare_slabs_after(4), 2);
   EXPECT_EQ(pool.spare_slabs_after(7), 2);
   EXPECT_EQ(pool.spare_slabs_after(8), 1);

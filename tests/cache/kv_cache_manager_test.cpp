@@ -91,7 +91,9 @@ PrecisionPlan mixed_plan() {
   plan.set(1, 1, I2);
   return plan;
 }
-TokenLayout mixed_layout() { return TokenLayout({{TokenKind::Text, 3}, {TokenKind::Visual, 40}, {TokenKind::Text, 5}}); }
+TokenLayout mixed_layout() {
+  return TokenLayout({{TokenKind::Text, 3}, {TokenKind::Visual, 40}, {TokenKind::Text, 5}});
+}
 
 TEST(KVCacheManager, MixedPromptDemandAndMapping) {
   KVCacheManager cache(tiny_config(2, 8));
@@ -331,7 +333,7 @@ TEST(KVCacheManager, MemoryMovesBetweenPoolsThroughSlabs) {
 
 TEST(KVCacheManager, ReclaimsOnlySlabsTheirPoolDoesNotNeed) {
   KVCacheManager cache(tiny_config(1, 3));
-  cache.add_sequence(1, text(1), PrecisionPlan(1, 0));                                   // FP16: slab 0
+  cache.add_sequence(1, text(1), PrecisionPlan(1, 0));                                     // FP16: slab 0
   cache.add_sequence(2, TokenLayout({{TokenKind::Visual, 16}}), PrecisionPlan(1, 1, I4));  // INT4: slab 1
   cache.add_sequence(3, TokenLayout({{TokenKind::Visual, 16}}), PrecisionPlan(1, 1, I2));  // INT2: slab 2
   for (SequenceId id : {1, 2, 3}) cache.free_sequence(id);

@@ -33,8 +33,7 @@ struct Scenario {
 
 class Harness {
  public:
-  explicit Harness(const Scenario& s)
-      : scenario_(s), cache_(make_config(s)), rng_(s.seed), bs_(s.shape.block_size) {
+  explicit Harness(const Scenario& s) : scenario_(s), cache_(make_config(s)), rng_(s.seed), bs_(s.shape.block_size) {
     for (const Precision p : kAllPrecisions) {
       const PoolStats stats = cache_.pool_stats(p);
       data_[static_cast<std::size_t>(pool_index(p))].assign(
@@ -90,7 +89,8 @@ class Harness {
 
   std::array<std::int32_t, kNumPrecisions> pool_slabs() const {
     std::array<std::int32_t, kNumPrecisions> slabs{};
-    for (const Precision p : kAllPrecisions) slabs[static_cast<std::size_t>(pool_index(p))] = cache_.pool_stats(p).slabs;
+    for (const Precision p : kAllPrecisions)
+      slabs[static_cast<std::size_t>(pool_index(p))] = cache_.pool_stats(p).slabs;
     return slabs;
   }
 
@@ -299,7 +299,7 @@ class Harness {
           const auto blocks = cache_.blocks(ids[i], layer, p);
           EXPECT_EQ(std::vector<std::int32_t>(t.indices.begin() + t.indptr[i], t.indices.begin() + t.indptr[i + 1]),
                     std::vector<std::int32_t>(blocks.begin(), blocks.end()));
-          const std::int32_t last = blocks.empty() ? 0
+          const std::int32_t last = blocks.empty()         ? 0
                                     : p == Precision::FP16 ? cache_.fp16_tail_fill(ids[i], layer)
                                                            : bs_;
           EXPECT_EQ(t.last_block_len[i], last);
@@ -360,7 +360,7 @@ class Harness {
   KVCacheManager cache_;
   std::mt19937_64 rng_;
   std::int32_t bs_;
-  std::map<SequenceId, std::vector<Tag>> tokens_;  // live sequences and their tokens
+  std::map<SequenceId, std::vector<Tag>> tokens_;      // live sequences and their tokens
   std::array<std::vector<Tag>, kNumPrecisions> data_;  // shadow of every pool's token slots
   SequenceId next_id_ = 0;
   Tag next_tag_ = 1;
@@ -387,8 +387,8 @@ TEST(Randomized, HundredThousandOperationsKeepEveryInvariant) {
     if (testing::Test::HasFatalFailure()) return;
     total_failures += h.failures();
     std::printf("seed %llu: %d adds, %d appends, %d forks, %d frees, %d failed calls, %d slabs moved\n",
-                static_cast<unsigned long long>(s.seed), h.successes(0), h.successes(1), h.successes(2),
-                h.successes(3), h.failures(), h.reclaims());
+                static_cast<unsigned long long>(s.seed), h.successes(0), h.successes(1), h.successes(2), h.successes(3),
+                h.failures(), h.reclaims());
     // The run exercised every kind of call, and failures on purpose.
     for (int kind = 0; kind < 4; ++kind) EXPECT_GT(h.successes(kind), 100) << "seed " << s.seed << " kind " << kind;
     EXPECT_GT(h.failures(), 1000) << "seed " << s.seed;

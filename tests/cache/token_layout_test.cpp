@@ -11,8 +11,8 @@ using test::expect_error;
 
 TEST(TokenLayout, CountsTokensAndWindowsPerVisualSegment) {
   // System text, two frames' worth of visual tokens, a question.
-  const TokenLayout layout({{TokenKind::Text, 5}, {TokenKind::Visual, 70}, {TokenKind::Text, 3},
-                            {TokenKind::Visual, 33}});
+  const TokenLayout layout(
+      {{TokenKind::Text, 5}, {TokenKind::Visual, 70}, {TokenKind::Text, 3}, {TokenKind::Visual, 33}});
   EXPECT_EQ(layout.num_tokens(), 111);
   // 70 = 2 windows of 32 + a 6-token tail; 33 = 1 window + 1. Windows never
   // span two visual segments.
@@ -46,12 +46,17 @@ TEST(TokenLayout, Equality) {
 
 TEST(TokenLayout, RejectsBadSegments) {
   expect_error<InvalidArgument>([] { TokenLayout(std::vector<Segment>{}); }, "segments");
-  expect_error<InvalidArgument>([] { TokenLayout({{TokenKind::Text, 4}, {TokenKind::Visual, 0}}); },
-                                "segments[1].length = 0");
+  expect_error<InvalidArgument>(
+      [] {
+        TokenLayout({{TokenKind::Text, 4}, {TokenKind::Visual, 0}});
+      },
+      "segments[1].length = 0");
   expect_error<InvalidArgument>([] { TokenLayout({{TokenKind::Text, -3}}); }, "segments[0].length = -3");
   expect_error<InvalidArgument>([] { TokenLayout({{static_cast<TokenKind>(7), 4}}); }, "segments[0].kind = 7");
   expect_error<InvalidArgument>(
-      [] { TokenLayout({{TokenKind::Visual, 1 << 29}, {TokenKind::Visual, 1 << 29}, {TokenKind::Text, 1}}); },
+      [] {
+        TokenLayout({{TokenKind::Visual, 1 << 29}, {TokenKind::Visual, 1 << 29}, {TokenKind::Text, 1}});
+      },
       "segments[2]");
   const TokenLayout layout({{TokenKind::Visual, 64}});
   expect_error<InvalidArgument>([&] { (void)layout.num_windows(0); }, "window_size = 0");

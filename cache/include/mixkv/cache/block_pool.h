@@ -100,8 +100,8 @@ class BlockPool {
   std::int32_t num_slabs_ = 0;
   std::int64_t free_blocks_ = 0;
   std::vector<std::unique_ptr<Slab>> slabs_;  // [arena slab index], null when not ours
-  SlabList partial_;  // some blocks used, some free; allocation takes the front
-  SlabList empty_;    // all blocks free; newly emptied at the front, given back from the back
+  SlabList partial_;                          // some blocks used, some free; allocation takes the front
+  SlabList empty_;                            // all blocks free; newly emptied at the front, given back from the back
 };
 
 }  // namespace mixkv
