@@ -66,7 +66,7 @@ class Harness {
       }
       const std::array<std::int32_t, kNumPrecisions> slabs_after = pool_slabs();
       for (std::size_t p = 0; p < slabs_after.size(); ++p) reclaims_ += slabs_after[p] < slabs_before[p] ? 1 : 0;
-      if (op % 32 == 0) verify_contents();
+      if (op % 4 == 0) verify_contents();
       if (testing::Test::HasFatalFailure()) return;
     }
     verify_contents();
