@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <utility>
 
 #include "mixkv/cache/errors.h"
@@ -157,22 +158,16 @@ __device__ __forceinline__ void load16(const T* p, float (&out)[kVecElems<T>]) {
     out[2] = __uint_as_float(raw.z);
     out[3] = __uint_as_float(raw.w);
   } else {
-    const unsigned words[4] = {raw.x, raw.y, raw.z, raw.w};
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
+      float2 f;
       if constexpr (std::is_same_v<T, __half>) {
-        __half2 h;
-        std::memcpy(&h, &words[i], 4);
-        const float2 f = __half22float2(h);
-        out[2 * i] = f.x;
-        out[2 * i + 1] = f.y;
+        f = __half22float2(reinterpret_cast<const __half2*>(&raw)[i]);
       } else {
-        __nv_bfloat162 h;
-        std::memcpy(&h, &words[i], 4);
-        const float2 f = __bfloat1622float2(h);
-        out[2 * i] = f.x;
-        out[2 * i + 1] = f.y;
+        f = __bfloat1622float2(reinterpret_cast<const __nv_bfloat162*>(&raw)[i]);
       }
+      out[2 * i] = f.x;
+      out[2 * i + 1] = f.y;
     }
   }
 }
@@ -334,7 +329,8 @@ template <typename T, bool kVec>
 __global__ void __launch_bounds__(kBlockThreads) window_plan_kernel(BatchArgs a) {
   extern __shared__ float4 shared4[];
   float* u = reinterpret_cast<float*>(shared4);
-  auto* thresholds = reinterpret_cast<LayerThresholds*>(u + align16(static_cast<std::size_t>(a.hidden) * 4) / 4);
+  // After the text mean, rounded up to 16 bytes as on the host.
+  auto* thresholds = reinterpret_cast<LayerThresholds*>(u + ((a.hidden + 3) & ~3));
   __shared__ double warp_sums[kWarpsPerBlock];
   __shared__ float window_score;
 
@@ -668,7 +664,7 @@ std::vector<PrecisionPlan> CudaWindowPlanner::finish(cudaStream_t stream) {
   m.state = Impl::State::Idle;  // whatever follows, the buffers are free again after the sync
   MIXKV_PLANNER_CUDA(cudaStreamSynchronize(stream));
   const std::byte* h = m.results.get();
-  const int* status = at_offset<const int>(const_cast<std::byte*>(h), m.status_offset);
+  const auto* status = reinterpret_cast<const int*>(h + m.status_offset);
   if (status[0] != 0) {
     throw InvalidArgument(indexed("embeddings", static_cast<std::size_t>(status[1])) + " row " +
                           std::to_string(status[2]) + " (" +
@@ -873,11 +869,9 @@ struct SensitivityArgs {
   int* status;                       // [flag, layer, token, side (0 before, 1 after)]
   long long tokens;
   int hidden;
-  int layers;
   int token_mean;
 };
 
-template <typename T>
 __device__ void report_sensitivity(int* status, int layer, long long token, int side) {
   if (atomicCAS(status, 0, 1) == 0) {
     status[1] = layer;
@@ -908,8 +902,8 @@ __global__ void __launch_bounds__(kBlockThreads) token_sums_kernel(SensitivityAr
   nx = warp_sum(nx);
   ny = warp_sum(ny);
   if (lane == 0) {
-    if (!isfinite(nx)) report_sensitivity<T>(a.status, layer, t, 0);
-    if (!isfinite(ny)) report_sensitivity<T>(a.status, layer, t, 1);
+    if (!isfinite(nx)) report_sensitivity(a.status, layer, t, 0);
+    if (!isfinite(ny)) report_sensitivity(a.status, layer, t, 1);
     double* s = a.sums + (static_cast<long long>(layer) * a.tokens + t) * 3;
     s[0] = d;
     s[1] = nx;
@@ -984,7 +978,6 @@ std::vector<double> layer_sensitivity(std::span<const EmbeddingsView> before, st
     addresses[l] = reinterpret_cast<std::uintptr_t>(before[l].data);
     addresses[layers + l] = reinterpret_cast<std::uintptr_t>(after[l].data);
   }
-  // o_after == o_before + layers * 8 rounded up; copy each half on its own.
   MIXKV_PLANNER_CUDA(cudaMemcpyAsync(scratch.get() + o_before, addresses.data(), layers * 8, cudaMemcpyHostToDevice,
                                      stream));
   MIXKV_PLANNER_CUDA(cudaMemcpyAsync(scratch.get() + o_after, addresses.data() + layers, layers * 8,
@@ -999,7 +992,6 @@ std::vector<double> layer_sensitivity(std::span<const EmbeddingsView> before, st
   a.status = at_offset<int>(scratch.get(), o_status);
   a.tokens = tokens;
   a.hidden = before[0].hidden;
-  a.layers = static_cast<int>(layers);
   a.token_mean = reduction == SensitivityReduction::TokenMean ? 1 : 0;
 
   const dim3 grid(static_cast<unsigned>((tokens + kWarpsPerBlock - 1) / kWarpsPerBlock), static_cast<unsigned>(layers));
