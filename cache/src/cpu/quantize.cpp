@@ -46,12 +46,6 @@ int get_code(const std::byte* region, BlockFormat::CodeLocation at, int bits) {
   return static_cast<int>((std::to_integer<unsigned>(region[at.byte]) >> at.shift) & ((1u << bits) - 1u));
 }
 
-float load_half(const Half* p) { return half_to_float(*p); }
-
-void check_head_format(std::string_view function, const BlockFormat& format) {
-  detail::check_format(function, "format", format);
-}
-
 void check_quantized(std::string_view function, const BlockFormat& format) {
   if (!is_quantized(format.precision)) {
     invalid(function, ": format.precision = FP16: expected INT4 or INT2 (FP16 heads hold no codes)");
@@ -89,7 +83,7 @@ void write_head_unchecked(const BlockFormat& format, const Half* k, const Half* 
 
   // K: one group per channel, over the block's tokens.
   for (int c = 0; c < dim; ++c) {
-    for (int t = 0; t < tokens; ++t) group[t] = load_half(k + t * row_stride + c);
+    for (int t = 0; t < tokens; ++t) group[t] = half_to_float(k[t * row_stride + c]);
     const auto [lo, hi] = std::minmax_element(group.begin(), group.begin() + tokens);
     const GroupParams params = group_params(*lo, *hi, max_code);
     const float scale = half_to_float(params.scale);
@@ -101,7 +95,7 @@ void write_head_unchecked(const BlockFormat& format, const Half* k, const Half* 
   }
   // V: one group per token, over the channels.
   for (int t = 0; t < tokens; ++t) {
-    for (int c = 0; c < dim; ++c) group[c] = load_half(v + t * row_stride + c);
+    for (int c = 0; c < dim; ++c) group[c] = half_to_float(v[t * row_stride + c]);
     const auto [lo, hi] = std::minmax_element(group.begin(), group.begin() + dim);
     const GroupParams params = group_params(*lo, *hi, max_code);
     const float scale = half_to_float(params.scale);
@@ -152,7 +146,7 @@ void read_head_unchecked(const BlockFormat& format, const std::byte* head_region
 void write_head(const BlockFormat& format, const Half* k, const Half* v, std::size_t row_stride,
                 std::byte* head_region) {
   constexpr std::string_view fn = "write_head";
-  check_head_format(fn, format);
+  detail::check_format(fn, "format", format);
   if (k == nullptr) invalid(fn, ": k is null: expected block_size rows of head_dim halves");
   if (v == nullptr) invalid(fn, ": v is null: expected block_size rows of head_dim halves");
   if (head_region == nullptr) invalid(fn, ": head_region is null: expected head_bytes() writable bytes");
@@ -161,16 +155,22 @@ void write_head(const BlockFormat& format, const Half* k, const Half* v, std::si
   }
   // NaN/inf would poison a whole quantization group (and every FP16 read),
   // so they are rejected before anything is written.
-  for (int t = 0; t < format.block_size; ++t) {
-    detail::check_finite(fn, "k", std::span<const Half>(k + t * row_stride, format.head_dim));
-    detail::check_finite(fn, "v", std::span<const Half>(v + t * row_stride, format.head_dim));
+  for (const auto& [name, rows] : {std::pair{"k", k}, std::pair{"v", v}}) {
+    for (int t = 0; t < format.block_size; ++t) {
+      for (int c = 0; c < format.head_dim; ++c) {
+        if (!detail::is_finite(rows[t * row_stride + c])) {
+          invalid(fn, ": ", name, "[", t, " * row_stride + ", c, "] (token ", t, ", channel ", c,
+                  ") is NaN or inf: expected finite values");
+        }
+      }
+    }
   }
   detail::write_head_unchecked(format, k, v, row_stride, head_region);
 }
 
 void read_head(const BlockFormat& format, const std::byte* head_region, float* k_out, float* v_out) {
   constexpr std::string_view fn = "read_head";
-  check_head_format(fn, format);
+  detail::check_format(fn, "format", format);
   if (head_region == nullptr) invalid(fn, ": head_region is null: expected head_bytes() readable bytes");
   if (k_out == nullptr) invalid(fn, ": k_out is null: expected block_size * head_dim floats");
   if (v_out == nullptr) invalid(fn, ": v_out is null: expected block_size * head_dim floats");
@@ -180,7 +180,7 @@ void read_head(const BlockFormat& format, const std::byte* head_region, float* k
 void unpack_codes(const BlockFormat& format, const std::byte* head_region, std::uint8_t* k_codes,
                   std::uint8_t* v_codes) {
   constexpr std::string_view fn = "unpack_codes";
-  check_head_format(fn, format);
+  detail::check_format(fn, "format", format);
   check_quantized(fn, format);
   if (head_region == nullptr) invalid(fn, ": head_region is null: expected head_bytes() readable bytes");
   if (k_codes == nullptr) invalid(fn, ": k_codes is null: expected block_size * head_dim bytes");
@@ -198,7 +198,7 @@ void unpack_codes(const BlockFormat& format, const std::byte* head_region, std::
 void pack_codes(const BlockFormat& format, const std::uint8_t* k_codes, const std::uint8_t* v_codes,
                 std::byte* head_region) {
   constexpr std::string_view fn = "pack_codes";
-  check_head_format(fn, format);
+  detail::check_format(fn, "format", format);
   check_quantized(fn, format);
   if (k_codes == nullptr) invalid(fn, ": k_codes is null: expected block_size * head_dim codes");
   if (v_codes == nullptr) invalid(fn, ": v_codes is null: expected block_size * head_dim codes");

@@ -80,9 +80,8 @@ void store_prefill(std::span<const Half> k, std::span<const Half> v, const Store
       }
       const std::size_t last = static_cast<std::size_t>(window.first_row) + fp16.block_size;
       if (window.first_row < 0 || last > rows) {
-        invalid(fn, ": ", name, "[", w, "].first_row = ", window.first_row, ": expected a row in [0, ",
-                static_cast<std::int64_t>(rows) - fp16.block_size, "] (rows ", rows, ", block_size ", fp16.block_size,
-                ")");
+        invalid(fn, ": ", name, "[", w, "].first_row = ", window.first_row,
+                ": expected first_row >= 0 and first_row + block_size (", fp16.block_size, ") <= rows (", rows, ")");
       }
       for (std::size_t r = static_cast<std::size_t>(window.first_row); r < last; ++r) {
         if (mapping.fp16_slots[r] != -1) {
