@@ -20,7 +20,8 @@ class OutOfMemory : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-// An unknown (or, when adding, an already present) sequence or request id.
+// An unknown sequence or request id. (Adding an id that is already present
+// is an InvalidArgument.)
 class UnknownId : public std::out_of_range {
  public:
   using std::out_of_range::out_of_range;
