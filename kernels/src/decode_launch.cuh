@@ -16,6 +16,7 @@ void launch_decode_kernel(const DecodeParams& params, int grid, cudaStream_t str
     return true;
   }();
   (void)configured;
+  if (grid == 0) return;  // configuration only (DecodePlan does this before any capture)
   paged_decode_kernel<D, S><<<grid, kDecodeThreads, Tile::kSmemBytes, stream>>>(params);
   MIXKV_CUDA_CHECK_LAUNCH("paged_decode_kernel");
 }

@@ -189,6 +189,8 @@ DecodePlan::DecodePlan(const DecodePlanConfig& config, const DevicePageTables& t
   s.h_merges.reserve(static_cast<std::size_t>(s.max_merges) * config.num_layers);
   s.d_partial_out.allocate(static_cast<std::size_t>(s.max_partials) * s.group * config.head_dim);
   s.d_partial_lse.allocate(static_cast<std::size_t>(s.max_partials) * s.group);
+  // Set the kernel's shared-memory limit now: run() may be under graph capture.
+  detail::launch_decode(detail::DecodeParams{}, config.head_dim, config.block_size, 0, nullptr);
   s.items.resize(config.num_layers);
   s.merges.resize(config.num_layers);
   s.partials.assign(config.num_layers, 0);

@@ -1,0 +1,361 @@
+// Paged decode attention on the device against cpu::decode_attention on the
+// same (dequantized) blocks: mean normalized error <= 1e-3, max <= 5e-3
+// (testing.md item 3), LSE within 1e-3, no NaN; odd sizes; empty pools and
+// empty sequences; invariance to the split-KV chunking; graph capture; and
+// a cuBLAS dense reference for a shape too large for the CPU.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <numeric>
+
+#include "cuda_test_util.h"
+#include "mixkv/cpu/decode_attention.h"
+#include "mixkv/kernels/decode_plan.h"
+#include "mixkv/kernels/dense_reference.h"
+
+namespace mixkv::test {
+namespace {
+
+// Fractions of full windows in FP16 / INT4 (the rest INT2).
+struct Mix {
+  double fp16, int4;
+};
+constexpr Mix kMixed{0.1, 0.3};
+constexpr Mix kAllFp16{1.0, 0.0};
+constexpr Mix kAllInt4{0.0, 1.0};
+constexpr Mix kAllInt2{0.0, 0.0};
+
+struct Batch {
+  std::vector<SequenceData> seqs;
+  PlacedBatch placed;
+  std::vector<Half> q;
+  std::int32_t max_blocks = 1;
+};
+
+std::vector<SequenceData> make_sequences(const std::vector<int>& contexts, int heads, int dim, int block, Mix mix,
+                                         Rng& rng) {
+  std::vector<SequenceData> seqs;
+  for (int tokens : contexts) {
+    SequenceData s;
+    s.tokens = tokens;
+    s.k = random_halves(rng, static_cast<std::size_t>(tokens) * heads * dim, 1.0);
+    s.v = random_halves(rng, s.k.size(), 1.0);
+    for (int w = 0; w < tokens / block; ++w) {
+      const double u = std::uniform_real_distribution<double>(0.0, 1.0)(rng);
+      s.windows.push_back(u < mix.fp16 ? Precision::FP16 : (u < mix.fp16 + mix.int4 ? Precision::INT4 : Precision::INT2));
+    }
+    seqs.push_back(std::move(s));
+  }
+  return seqs;
+}
+
+std::array<std::int32_t, kNumPrecisions> blocks_needed(const std::vector<int>& contexts, int block) {
+  std::int32_t total = 0;
+  for (int t : contexts) total += t / block + 2;
+  return {total, total, total};
+}
+
+// Page lists of `placed` into slots 0.. of `layer`.
+void fill_tables(gpu::DevicePageTables& tables, const PlacedBatch& placed, int layer) {
+  const std::size_t batch = placed.tables[0].indptr.size() - 1;
+  for (std::size_t b = 0; b < batch; ++b) {
+    for (Precision p : kAllPrecisions) {
+      const PagedPoolTable& t = placed.tables[pool_index(p)];
+      const std::span<const std::int32_t> list(t.indices.data() + t.indptr[b], t.indptr[b + 1] - t.indptr[b]);
+      tables.set_blocks(static_cast<std::int32_t>(b), layer, p, list, p == Precision::FP16 ? t.last_block_len[b] : 0);
+    }
+  }
+}
+
+std::int32_t longest_list(const PlacedBatch& placed) {
+  std::int32_t longest = 1;
+  for (const auto& t : placed.tables) {
+    for (std::size_t b = 0; b + 1 < t.indptr.size(); ++b) longest = std::max(longest, t.indptr[b + 1] - t.indptr[b]);
+  }
+  return longest;
+}
+
+struct GpuResult {
+  std::vector<float> out;
+  std::vector<float> lse;
+};
+
+// Runs the CUDA decode for one layer of `placed` (stored in `arena`).
+GpuResult run_gpu(TestArena& arena, const PlacedBatch& placed, const std::vector<Half>& q, int q_heads, float sm_scale,
+                  int chunks = 0, int layers = 1, int layer = 0) {
+  const BlockFormat f = arena.format(Precision::FP16);
+  const auto batch = static_cast<std::int32_t>(placed.tables[0].indptr.size() - 1);
+  DeviceArenaCopy device(arena);
+  gpu::DevicePageTables tables({layers, batch, longest_list(placed)});
+  fill_tables(tables, placed, layer);
+  tables.upload(nullptr);
+  gpu::DecodePlanConfig config;
+  config.num_layers = layers;
+  config.num_q_heads = q_heads;
+  config.num_kv_heads = f.num_kv_heads;
+  config.head_dim = f.head_dim;
+  config.block_size = f.block_size;
+  config.max_batch = batch;
+  config.chunks_per_sequence = chunks;
+  gpu::DecodePlan plan(config, tables);
+  std::vector<std::int32_t> slots(batch);
+  std::iota(slots.begin(), slots.end(), 0);
+  plan.plan(slots, nullptr);
+  DeviceVector<Half> dq(q);
+  DeviceVector<Half> dout(q.size());
+  DeviceVector<float> dlse(static_cast<std::size_t>(batch) * q_heads);
+  dout.fill_bytes(0x7e);  // NaN: every element must be written
+  dlse.fill_bytes(0x7f);
+  gpu::DecodeRunArgs run;
+  run.layer = layer;
+  run.q = dq.get();
+  run.out = dout.get();
+  run.lse = dlse.get();
+  run.sm_scale = sm_scale;
+  run.pools = device.pools;
+  plan.run(run);
+  GpuResult r;
+  r.out = halves_to_floats(dout.to_host());
+  r.lse = dlse.to_host();
+  return r;
+}
+
+GpuResult run_cpu(TestArena& arena, const PlacedBatch& placed, const std::vector<Half>& q, int q_heads,
+                  float sm_scale) {
+  const auto batch = placed.tables[0].indptr.size() - 1;
+  const int dim = arena.format(Precision::FP16).head_dim;
+  GpuResult r;
+  r.out.assign(batch * q_heads * dim, 0.0f);
+  r.lse.assign(batch * q_heads, 0.0f);
+  cpu::DecodeAttentionArgs args;
+  args.q = q;
+  args.num_q_heads = q_heads;
+  args.sm_scale = sm_scale;
+  args.tables = &placed.tables;
+  args.pools = arena.views();
+  args.out = r.out;
+  args.lse = r.lse;
+  cpu::decode_attention(args);
+  return r;
+}
+
+void expect_close(const GpuResult& got, const GpuResult& ref, int dim, const std::string& what) {
+  const ErrorStats e = row_errors(got.out, ref.out, dim);
+  EXPECT_TRUE(e.finite) << what << ": non-finite output";
+  EXPECT_LE(e.mean, 1e-3) << what;
+  EXPECT_LE(e.max, 5e-3) << what;
+  for (std::size_t i = 0; i < ref.lse.size(); ++i) {
+    if (std::isinf(ref.lse[i])) {
+      EXPECT_TRUE(std::isinf(got.lse[i]) && got.lse[i] < 0) << what << ": lse[" << i << "] = " << got.lse[i];
+    } else {
+      EXPECT_NEAR(got.lse[i], ref.lse[i], 1e-3 * std::max(1.0f, std::abs(ref.lse[i]))) << what << ": lse[" << i << "]";
+    }
+  }
+}
+
+struct DecodeCase {
+  std::vector<int> contexts;  // one per sequence
+  int q_heads, kv_heads, dim, block;
+  Mix mix;
+  const char* name;
+};
+
+class DecodeCuda : public ::testing::TestWithParam<DecodeCase> {};
+
+TEST_P(DecodeCuda, MatchesCpuReference) {
+  MIXKV_REQUIRE_CUDA();
+  const DecodeCase c = GetParam();
+  Rng rng(42);
+  TestArena arena(c.kv_heads, c.dim, c.block, blocks_needed(c.contexts, c.block), 17);
+  const auto seqs = make_sequences(c.contexts, c.kv_heads, c.dim, c.block, c.mix, rng);
+  const PlacedBatch placed = place_batch(arena, seqs);
+  const auto q = random_halves(rng, c.contexts.size() * c.q_heads * c.dim);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(c.dim));
+  const GpuResult ref = run_cpu(arena, placed, q, c.q_heads, scale);
+  expect_close(run_gpu(arena, placed, q, c.q_heads, scale), ref, c.dim, "auto split");
+  expect_close(run_gpu(arena, placed, q, c.q_heads, scale, /*chunks=*/3), ref, c.dim, "3 chunks");
+}
+
+std::vector<int> cycle(std::initializer_list<int> lengths, int batch) {
+  std::vector<int> out;
+  for (int i = 0; i < batch; ++i) out.push_back(*(lengths.begin() + i % lengths.size()));
+  return out;
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    OddSizes, DecodeCuda,
+    ::testing::Values(
+        DecodeCase{{1}, 28, 4, 128, 32, kMixed, "b1_ctx1_gqa7"},
+        DecodeCase{{31}, 28, 4, 128, 32, kMixed, "b1_ctx31"},
+        DecodeCase{{33}, 28, 4, 128, 32, kAllInt2, "b1_ctx33_int2"},
+        DecodeCase{{97, 33, 31}, 9, 3, 128, 32, kMixed, "b3_gqa3"},
+        DecodeCase{cycle({1, 31, 33, 97, 500}, 17), 8, 2, 128, 32, kMixed, "b17_gqa4"},
+        DecodeCase{cycle({97, 33, 64}, 3), 4, 4, 64, 32, kMixed, "b3_d64_mha"},
+        DecodeCase{cycle({97, 130}, 3), 28, 4, 256, 32, kMixed, "b3_d256"},
+        DecodeCase{cycle({97, 200}, 3), 28, 4, 128, 16, kMixed, "b3_block16"},
+        DecodeCase{cycle({97, 300}, 3), 28, 4, 128, 64, kMixed, "b3_block64"},
+        DecodeCase{cycle({256, 97}, 3), 28, 4, 128, 32, kAllFp16, "all_fp16"},
+        DecodeCase{cycle({256, 97}, 3), 28, 4, 128, 32, kAllInt4, "all_int4"},
+        DecodeCase{cycle({256, 97}, 3), 28, 4, 128, 32, kAllInt2, "all_int2"},
+        DecodeCase{{19600}, 28, 4, 128, 32, kMixed, "b1_ctx19600"},
+        DecodeCase{{19600, 97, 19600}, 9, 3, 128, 32, kMixed, "b3_ctx19600_gqa3"}),
+    [](const auto& info) { return std::string(info.param.name); });
+
+// A sequence with no tokens at all, and one whose quantized pools are empty
+// and one with only INT2: outputs finite, the empty one (0, -inf).
+TEST(DecodeCudaEmpty, EmptySequencesAndPoolsMakeNoNaN) {
+  MIXKV_REQUIRE_CUDA();
+  const int kvh = 4, qh = 28, dim = 128, block = 32;
+  Rng rng(3);
+  TestArena arena(kvh, dim, block, {8, 8, 8}, 5);
+  std::vector<SequenceData> seqs = make_sequences({64, 20, 64}, kvh, dim, block, kAllInt2, rng);
+  seqs[1].windows.clear();  // 20 tokens: FP16 only
+  SequenceData empty;
+  seqs.insert(seqs.begin() + 1, empty);
+  const PlacedBatch placed = place_batch(arena, seqs);
+  const auto q = random_halves(rng, seqs.size() * qh * dim);
+  const float scale = 1.0f / std::sqrt(128.0f);
+  const GpuResult ref = run_cpu(arena, placed, q, qh, scale);
+  for (int chunks : {0, 2}) {
+    const GpuResult got = run_gpu(arena, placed, q, qh, scale, chunks);
+    expect_close(got, ref, dim, "chunks " + std::to_string(chunks));
+    for (int h = 0; h < qh; ++h) {
+      EXPECT_TRUE(std::isinf(got.lse[qh + h]) && got.lse[qh + h] < 0);
+      for (int c = 0; c < dim; ++c) EXPECT_EQ(got.out[(qh + h) * dim + c], 0.0f);
+    }
+  }
+}
+
+// The same windows split into different numbers of chunks give the same
+// output (testing.md item 4), and layer > 0 of a multi-layer table works.
+TEST(DecodeCudaInvariance, SplitAndLayerDoNotChangeTheResult) {
+  MIXKV_REQUIRE_CUDA();
+  const int kvh = 4, qh = 28, dim = 128, block = 32;
+  Rng rng(8);
+  const std::vector<int> contexts = {2000, 1500};
+  TestArena arena(kvh, dim, block, blocks_needed(contexts, block), 2);
+  const PlacedBatch placed = place_batch(arena, make_sequences(contexts, kvh, dim, block, kMixed, rng));
+  const auto q = random_halves(rng, contexts.size() * qh * dim);
+  const float scale = 1.0f / std::sqrt(128.0f);
+  const GpuResult one = run_gpu(arena, placed, q, qh, scale, 1);
+  for (int chunks : {2, 7, 40}) {
+    const GpuResult other = run_gpu(arena, placed, q, qh, scale, chunks);
+    const ErrorStats e = row_errors(other.out, one.out, dim);
+    EXPECT_LE(e.max, 1e-3) << chunks << " chunks";
+  }
+  const GpuResult layer2 = run_gpu(arena, placed, q, qh, scale, 0, /*layers=*/3, /*layer=*/2);
+  EXPECT_LE(row_errors(layer2.out, one.out, dim).max, 1e-3);
+}
+
+// A captured graph of run() (fixed grids) replays correctly after the
+// tables and the plan changed underneath it.
+TEST(DecodeCudaGraph, CapturedRunSurvivesReplanning) {
+  MIXKV_REQUIRE_CUDA();
+  const int kvh = 4, qh = 28, dim = 128, block = 32;
+  Rng rng(12);
+  const std::vector<int> contexts = {700, 300};
+  TestArena arena(kvh, dim, block, blocks_needed(contexts, block), 4);
+  const PlacedBatch placed = place_batch(arena, make_sequences(contexts, kvh, dim, block, kMixed, rng));
+  const auto q = random_halves(rng, contexts.size() * qh * dim);
+  const float scale = 1.0f / std::sqrt(128.0f);
+  const GpuResult ref = run_cpu(arena, placed, q, qh, scale);
+
+  DeviceArenaCopy device(arena);
+  gpu::DevicePageTables tables({1, 2, longest_list(placed)});
+  gpu::DecodePlanConfig config{1, qh, kvh, dim, block, 2, 0, 0, 0};
+  gpu::DecodePlan plan(config, tables);
+  cudaStream_t stream;
+  cuda_ok(cudaStreamCreate(&stream), "stream");
+  // First plan: the two sequences swapped between slots.
+  PlacedBatch swapped = placed;
+  for (auto& t : swapped.tables) {
+    PagedPoolTable s;
+    s.indptr = {0};
+    for (int b : {1, 0}) {
+      s.indices.insert(s.indices.end(), t.indices.begin() + t.indptr[b], t.indices.begin() + t.indptr[b + 1]);
+      s.indptr.push_back(static_cast<std::int32_t>(s.indices.size()));
+      s.last_block_len.push_back(t.last_block_len[b]);
+    }
+    t = s;
+  }
+  fill_tables(tables, swapped, 0);
+  tables.upload(stream);
+  const std::vector<std::int32_t> slots = {0, 1};
+  plan.plan(slots, stream);
+  DeviceVector<Half> dq(q), dout(q.size());
+  DeviceVector<float> dlse(2 * qh);
+  gpu::DecodeRunArgs run{0, dq.get(), dout.get(), dlse.get(), scale, device.pools, stream, true};
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  cuda_ok(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), "capture");
+  plan.run(run);
+  cuda_ok(cudaStreamEndCapture(stream, &graph), "end capture");
+  cuda_ok(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
+  // Now the real order, uploaded and planned again; the graph is replayed.
+  fill_tables(tables, placed, 0);
+  const std::size_t sent = tables.upload(stream);
+  EXPECT_GT(sent, 0u);
+  plan.plan(slots, stream);
+  cuda_ok(cudaGraphLaunch(exec, stream), "replay");
+  cuda_ok(cudaStreamSynchronize(stream), "sync");
+  GpuResult got{halves_to_floats(dout.to_host()), dlse.to_host()};
+  expect_close(got, ref, dim, "graph replay");
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+}
+
+// Batch 8 x 19,600 tokens, GQA 7:1 (1.6 GB of float K/V for the
+// reference): the kernel against cuBLAS FP32 dense attention over the same
+// dequantized values, in prompt order.
+TEST(DecodeCudaDense, LargeBatchMatchesCublasReference) {
+  MIXKV_REQUIRE_CUDA();
+  const int kvh = 4, qh = 28, dim = 128, block = 32, batch = 8, tokens = 19600;
+  Rng rng(99);
+  const std::vector<int> contexts(batch, tokens);
+  TestArena arena(kvh, dim, block, blocks_needed(contexts, block), 6);
+  const PlacedBatch placed = place_batch(arena, make_sequences(contexts, kvh, dim, block, kMixed, rng));
+  const auto q = random_halves(rng, static_cast<std::size_t>(batch) * qh * dim);
+  const float scale = 1.0f / std::sqrt(128.0f);
+  const GpuResult got = run_gpu(arena, placed, q, qh, scale);
+
+  std::vector<float> k(static_cast<std::size_t>(batch) * kvh * tokens * dim), v(k.size());
+  for (int b = 0; b < batch; ++b) {
+    for (int h = 0; h < kvh; ++h) {
+      const std::size_t at = (static_cast<std::size_t>(b) * kvh + h) * tokens * dim;
+      std::copy(placed.expected[b].k[h].begin(), placed.expected[b].k[h].end(), k.begin() + at);
+      std::copy(placed.expected[b].v[h].begin(), placed.expected[b].v[h].end(), v.begin() + at);
+    }
+  }
+  DeviceVector<float> dq(widen(q)), dk(k), dv(v), dout(q.size());
+  gpu::DenseAttention dense;
+  dense.run_fp32({batch, qh, kvh, tokens, dim, scale}, dq.get(), dk.get(), dv.get(), dout.get(), nullptr);
+  const ErrorStats e = row_errors(got.out, dout.to_host(), dim);
+  EXPECT_TRUE(e.finite);
+  EXPECT_LE(e.mean, 1e-3);
+  EXPECT_LE(e.max, 5e-3);
+}
+
+TEST(DecodeCudaBadInput, UnsupportedShapesAreNamed) {
+  MIXKV_REQUIRE_CUDA();  // DevicePageTables allocates device memory
+  gpu::DevicePageTables tables({1, 2, 4});
+  gpu::DecodePlanConfig config{1, 28, 4, 96, 32, 2, 0, 0, 0};
+  MIXKV_EXPECT_INVALID(gpu::DecodePlan(config, tables), "Unsupported head_dim: 96");
+  config.head_dim = 128;
+  config.block_size = 48;
+  MIXKV_EXPECT_INVALID(gpu::DecodePlan(config, tables), "Unsupported block_size: 48");
+  config.block_size = 32;
+  config.num_q_heads = 64;
+  MIXKV_EXPECT_INVALID(gpu::DecodePlan(config, tables), "group size");
+  config.num_q_heads = 30;
+  MIXKV_EXPECT_INVALID(gpu::DecodePlan(config, tables), "num_q_heads");
+  config.num_q_heads = 28;
+  gpu::DecodePlan plan(config, tables);
+  const std::vector<std::int32_t> bad_slots = {0, 5};
+  MIXKV_EXPECT_INVALID(plan.plan(bad_slots, nullptr), "slots[1]");
+  gpu::DecodeRunArgs run;
+  MIXKV_EXPECT_INVALID(plan.run(run), "plan()");
+}
+
+}  // namespace
+}  // namespace mixkv::test
