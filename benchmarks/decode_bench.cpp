@@ -1,0 +1,312 @@
+// GPU benchmark of the CUDA backend (issue 3), run on the device machine by
+// run_on_device.sh. Shapes: 28 query heads, 4 KV heads, head_dim 128,
+// block 32; batch 1, 8, 64; context 4,096, 19,600, 65,536. In one run:
+//   - the device's read bandwidth (our own read-and-reduce kernel),
+//   - paged decode with all-FP16, all-INT4, all-INT2 and a mixed plan
+//     (10% FP16, 30% INT4, 60% INT2 of the full windows; the partial tail
+//     window is FP16), block ids shuffled over the arena,
+//   - a dense FP16 cuBLAS baseline (GEMM, softmax, GEMM) on the same tokens,
+//   - store_prefill of one sequence per plan.
+// L2 is flushed before every timed launch; median of N CUDA-event timings.
+// Prints a table and writes JSON (--out).
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <numeric>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "mixkv/cache/block_format.h"
+#include "mixkv/cache/half.h"
+#include "mixkv/kernels/bandwidth.h"
+#include "mixkv/kernels/decode_plan.h"
+#include "mixkv/kernels/dense_reference.h"
+#include "mixkv/kernels/device_arena.h"
+#include "mixkv/kernels/device_page_tables.h"
+#include "mixkv/kernels/store.h"
+
+using namespace mixkv;
+
+namespace {
+
+void ok(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) {
+    std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(e));
+    std::exit(1);
+  }
+}
+
+constexpr int kQHeads = 28, kKVHeads = 4, kDim = 128, kBlock = 32;
+
+struct PlanMix {
+  const char* name;
+  double fp16, int4;  // fractions of the full windows (rest INT2)
+};
+constexpr PlanMix kMixes[] = {{"fp16", 1.0, 0.0}, {"int4", 0.0, 1.0}, {"int2", 0.0, 0.0}, {"mixed", 0.1, 0.3}};
+
+template <typename T>
+T* device_alloc(std::size_t count, const char* what) {
+  void* p = nullptr;
+  ok(cudaMalloc(&p, count * sizeof(T)), what);
+  return static_cast<T*>(p);
+}
+
+template <typename F>
+double median_us(int reps, gpu::L2Flusher& flusher, cudaStream_t stream, F&& launch) {
+  cudaEvent_t a, b;
+  ok(cudaEventCreate(&a), "event");
+  ok(cudaEventCreate(&b), "event");
+  std::vector<float> ms;
+  for (int i = -3; i < reps; ++i) {
+    flusher.flush(stream);
+    ok(cudaEventRecord(a, stream), "record");
+    launch();
+    ok(cudaEventRecord(b, stream), "record");
+    ok(cudaEventSynchronize(b), "sync");
+    float t = 0;
+    ok(cudaEventElapsedTime(&t, a, b), "elapsed");
+    if (i >= 0) ms.push_back(t);
+  }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2] * 1000.0;
+}
+
+std::vector<Half> random_halves(std::size_t n, std::mt19937_64& rng, float sd) {
+  std::normal_distribution<float> d(0.0f, sd);
+  std::vector<Half> v(n);
+  for (auto& h : v) h = float_to_half(d(rng));
+  return v;
+}
+
+struct Json {
+  std::ostringstream s;
+  bool first = true;
+  void item(const std::string& body) {
+    s << (first ? "\n    " : ",\n    ") << "{" << body << "}";
+    first = false;
+  }
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string out_path = "decode_bench.json";
+  int reps = 50;
+  bool quick = false;
+  for (int i = 1; i < argc; ++i) {
+    if (!std::strcmp(argv[i], "--out") && i + 1 < argc) out_path = argv[++i];
+    else if (!std::strcmp(argv[i], "--reps") && i + 1 < argc) reps = std::atoi(argv[++i]);
+    else if (!std::strcmp(argv[i], "--quick")) quick = true;
+  }
+  if (!gpu::cuda_device_available()) {
+    std::printf("no CUDA device: benchmark skipped\n");
+    return 0;
+  }
+  cudaStream_t stream;
+  ok(cudaStreamCreate(&stream), "stream");
+  cudaDeviceProp prop;
+  ok(cudaGetDeviceProperties(&prop, 0), "props");
+
+  const double bw = gpu::measure_read_bandwidth(std::size_t{4} << 30, 20, stream);
+  std::printf("device: %s, %d SMs, L2 %d MB\nread bandwidth (own kernel, 4 GiB): %.1f GB/s\n", prop.name,
+              prop.multiProcessorCount, prop.l2CacheSize >> 20, bw / 1e9);
+
+  std::vector<int> batches = {1, 8, 64};
+  std::vector<int> contexts = {4096, 19600, 65536};
+  if (quick) {
+    batches = {1, 64};
+    contexts = {19600};
+  }
+  const int max_batch = *std::max_element(batches.begin(), batches.end());
+  const int max_ctx = *std::max_element(contexts.begin(), contexts.end());
+  const int max_blocks = max_ctx / kBlock + 2;
+
+  // Arena: one region per pool, each large enough for max_batch x max_ctx
+  // tokens at FP16 (a pool is "slab" p of its PoolView).
+  std::array<BlockFormat, 3> formats;
+  for (Precision p : kAllPrecisions) formats[pool_index(p)] = {p, kKVHeads, kDim, kBlock};
+  const std::size_t region = static_cast<std::size_t>(max_batch) * max_blocks * formats[0].block_bytes();
+  gpu::DeviceArena arena(3 * region);
+  gpu::DevicePools pools;
+  for (int p = 0; p < 3; ++p) {
+    pools[p].base = arena.base();
+    pools[p].slab_bytes = region;
+    pools[p].blocks_per_slab = static_cast<std::int32_t>(region / formats[p].block_bytes());
+    pools[p].format = formats[p];
+  }
+
+  // Prompt K/V for one sequence of max_ctx tokens, [token][kv_head][dim].
+  std::mt19937_64 rng(2026);
+  const std::size_t prompt_values = static_cast<std::size_t>(max_ctx) * kKVHeads * kDim;
+  Half* d_k = device_alloc<Half>(prompt_values, "prompt k");
+  Half* d_v = device_alloc<Half>(prompt_values, "prompt v");
+  {
+    const auto k = random_halves(prompt_values, rng, 1.0f);
+    const auto v = random_halves(prompt_values, rng, 1.0f);
+    ok(cudaMemcpy(d_k, k.data(), prompt_values * 2, cudaMemcpyHostToDevice), "H2D");
+    ok(cudaMemcpy(d_v, v.data(), prompt_values * 2, cudaMemcpyHostToDevice), "H2D");
+  }
+  Half* d_q = device_alloc<Half>(static_cast<std::size_t>(max_batch) * kQHeads * kDim, "q");
+  Half* d_out = device_alloc<Half>(static_cast<std::size_t>(max_batch) * kQHeads * kDim, "out");
+  {
+    const auto q = random_halves(static_cast<std::size_t>(max_batch) * kQHeads * kDim, rng, 1.0f);
+    ok(cudaMemcpy(d_q, q.data(), q.size() * 2, cudaMemcpyHostToDevice), "H2D");
+  }
+
+  gpu::L2Flusher flusher;
+  gpu::DenseAttention dense;
+  Json json;
+  Json store_json;
+  std::printf("\n%-6s %-7s %-6s %10s %10s %9s %7s %8s %7s\n", "batch", "context", "plan", "time_us", "MB_read",
+              "GB/s", "%BW", "vs_dense", "items");
+
+  for (int ctx : contexts) {
+    for (int batch : batches) {
+      // Dense FP16 baseline on the same token count: K/V [batch][kv_head][ctx][dim].
+      double dense_us = 0.0;
+      {
+        const std::size_t n = static_cast<std::size_t>(batch) * kKVHeads * ctx * kDim;
+        Half* k = device_alloc<Half>(n, "dense k");
+        Half* v = device_alloc<Half>(n, "dense v");
+        // Random-ish non-zero halves: the prompt pattern repeated.
+        for (std::size_t off = 0; off < n; off += prompt_values) {
+          const std::size_t len = std::min(prompt_values, n - off);
+          ok(cudaMemcpyAsync(k + off, d_k, len * 2, cudaMemcpyDeviceToDevice, stream), "D2D");
+          ok(cudaMemcpyAsync(v + off, d_v, len * 2, cudaMemcpyDeviceToDevice, stream), "D2D");
+        }
+        const gpu::DenseAttentionShape shape{batch, kQHeads, kKVHeads, ctx, kDim, 1.0f / std::sqrt(128.0f)};
+        dense_us = median_us(reps, flusher, stream, [&] { dense.run_fp16(shape, d_q, k, v, d_out, stream); });
+        ok(cudaStreamSynchronize(stream), "sync");
+        cudaFree(k);
+        cudaFree(v);
+        const double bytes = 2.0 * n * 2;
+        std::printf("%-6d %-7d %-6s %10.1f %10.1f %9.1f %6.1f%% %8s %7s\n", batch, ctx, "dense", dense_us, bytes / 1e6,
+                    bytes / dense_us / 1e3, 100.0 * bytes / dense_us * 1e6 / bw, "1.00", "-");
+        std::ostringstream o;
+        o << "\"batch\": " << batch << ", \"context\": " << ctx << ", \"plan\": \"dense_cublas_fp16\", \"time_us\": "
+          << dense_us << ", \"bytes\": " << bytes << ", \"gbps\": " << bytes / dense_us / 1e3;
+        json.item(o.str());
+      }
+
+      for (const PlanMix& mix : kMixes) {
+        // Windows of every sequence: the same precision pattern, shuffled ids.
+        const int windows = ctx / kBlock;
+        const int tail = ctx % kBlock;
+        std::vector<Precision> plan(windows);
+        for (int w = 0; w < windows; ++w) {
+          const double u = (w + 0.5) / windows;  // deterministic proportions
+          plan[w] = u < mix.fp16 ? Precision::FP16 : (u < mix.fp16 + mix.int4 ? Precision::INT4 : Precision::INT2);
+        }
+        std::shuffle(plan.begin(), plan.end(), rng);
+        std::array<std::vector<std::int32_t>, 3> free_ids;
+        for (int p = 0; p < 3; ++p) {
+          const int need = batch * max_blocks;
+          free_ids[p].resize(need);
+          std::iota(free_ids[p].begin(), free_ids[p].end(), p * pools[p].blocks_per_slab);
+          std::shuffle(free_ids[p].begin(), free_ids[p].end(), rng);
+        }
+        gpu::DevicePageTables tables({1, batch, max_blocks});
+        gpu::DeviceStoreMapping dmap;
+        double store_us = 0.0, store_bytes = 0.0;
+        for (int b = 0; b < batch; ++b) {
+          StoreMapping m;
+          m.fp16_slots.assign(ctx, -1);
+          std::array<std::vector<std::int32_t>, 3> lists;
+          int fp16_tokens = 0;
+          for (int t = 0; t < ctx; ++t) {
+            const int w = t / kBlock;
+            const Precision p = w < windows ? plan[w] : Precision::FP16;
+            if (p == Precision::FP16) {
+              if (fp16_tokens % kBlock == 0) {
+                lists[0].push_back(free_ids[0].back());
+                free_ids[0].pop_back();
+              }
+              m.fp16_slots[t] = lists[0].back() * kBlock + fp16_tokens % kBlock;
+              ++fp16_tokens;
+            } else if (t % kBlock == 0) {
+              const int pi = pool_index(p);
+              lists[pi].push_back(free_ids[pi].back());
+              free_ids[pi].pop_back();
+              (p == Precision::INT4 ? m.int4_windows : m.int2_windows).push_back({lists[pi].back(), t});
+            }
+          }
+          dmap.upload(m, kBlock, stream);
+          gpu::StorePrefillArgs args;
+          args.k = d_k;
+          args.v = d_v;
+          dmap.fill(args);
+          args.pools = pools;
+          args.stream = stream;
+          if (b == 0) {
+            store_us = median_us(std::max(5, reps / 5), flusher, stream, [&] { gpu::store_prefill(args); });
+            std::size_t written = 0;
+            for (int p = 0; p < 3; ++p) written += lists[p].size() * formats[p].block_bytes();
+            if (!lists[0].empty()) written -= (kBlock - (fp16_tokens - (lists[0].size() - 1) * kBlock)) *
+                                               kKVHeads * kDim * 4;  // tail rows not written
+            store_bytes = static_cast<double>(ctx) * kKVHeads * kDim * 2 * 2 + written + ctx * 4.0;
+          } else {
+            gpu::store_prefill(args);
+          }
+          for (int p = 0; p < 3; ++p) {
+            const int fill = p == 0 && fp16_tokens > 0 ? (fp16_tokens - 1) % kBlock + 1 : 0;
+            tables.set_blocks(b, 0, kAllPrecisions[p], lists[p], fill);
+          }
+          ok(cudaStreamSynchronize(stream), "sync store");  // dmap is reused
+        }
+        (void)tail;
+        tables.upload(stream);
+        gpu::DecodePlanConfig config{1, kQHeads, kKVHeads, kDim, kBlock, batch, 0, 0, 0};
+        gpu::DecodePlan dplan(config, tables);
+        std::vector<std::int32_t> slots(batch);
+        std::iota(slots.begin(), slots.end(), 0);
+        const auto t0 = std::chrono::steady_clock::now();
+        dplan.plan(slots, stream);
+        const double plan_us =
+            std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
+        gpu::DecodeRunArgs run{0, d_q, d_out, nullptr, 1.0f / std::sqrt(128.0f), pools, stream, false};
+        const double us = median_us(reps, flusher, stream, [&] { dplan.run(run); });
+        // Sanity: the output is finite.
+        std::vector<Half> out(static_cast<std::size_t>(batch) * kQHeads * kDim);
+        ok(cudaMemcpy(out.data(), d_out, out.size() * 2, cudaMemcpyDeviceToHost), "D2H");
+        const bool finite = std::all_of(out.begin(), out.end(), [](Half h) { return (h.bits & 0x7c00) != 0x7c00; });
+        const double bytes = static_cast<double>(dplan.bytes_read(0));
+        const double gbps = bytes / us / 1e3;
+        std::printf("%-6d %-7d %-6s %10.1f %10.1f %9.1f %6.1f%% %8.3f %7d%s\n", batch, ctx, mix.name, us, bytes / 1e6,
+                    gbps, 100.0 * gbps * 1e9 / bw, us / dense_us, dplan.num_items(0), finite ? "" : "  NON-FINITE");
+        std::ostringstream o;
+        o << "\"batch\": " << batch << ", \"context\": " << ctx << ", \"plan\": \"" << mix.name
+          << "\", \"time_us\": " << us << ", \"bytes\": " << bytes << ", \"gbps\": " << gbps
+          << ", \"pct_bw\": " << 100.0 * gbps * 1e9 / bw << ", \"ratio_dense\": " << us / dense_us
+          << ", \"items\": " << dplan.num_items(0) << ", \"split_items\": " << dplan.num_split_items(0)
+          << ", \"plan_host_us\": " << plan_us << ", \"finite\": " << (finite ? "true" : "false");
+        json.item(o.str());
+        if (batch == batches.front()) {
+          std::ostringstream so;
+          so << "\"context\": " << ctx << ", \"plan\": \"" << mix.name << "\", \"time_us\": " << store_us
+             << ", \"bytes\": " << store_bytes << ", \"gbps\": " << store_bytes / store_us / 1e3
+             << ", \"pct_bw\": " << 100.0 * store_bytes / store_us * 1e6 / bw;
+          store_json.item(so.str());
+          std::printf("       store_prefill %-6s ctx %-6d %9.1f us %9.1f GB/s %6.1f%%\n", mix.name, ctx, store_us,
+                      store_bytes / store_us / 1e3, 100.0 * store_bytes / store_us * 1e6 / bw);
+        }
+      }
+    }
+  }
+  std::ofstream f(out_path);
+  f << "{\n  \"device\": \"" << prop.name << "\",\n  \"sms\": " << prop.multiProcessorCount
+    << ",\n  \"read_bandwidth_gbps\": " << bw / 1e9 << ",\n  \"shape\": {\"q_heads\": " << kQHeads
+    << ", \"kv_heads\": " << kKVHeads << ", \"head_dim\": " << kDim << ", \"block_size\": " << kBlock
+    << "},\n  \"reps\": " << reps << ",\n  \"decode\": [" << json.s.str() << "\n  ],\n  \"store_prefill\": ["
+    << store_json.s.str() << "\n  ]\n}\n";
+  std::printf("\nwrote %s\n", out_path.c_str());
+  return 0;
+}

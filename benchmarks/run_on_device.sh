@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# Build, test, memcheck and benchmark the CUDA backend on the device machine
+# (one H200). Results go to $OUT (the device tool fetches them):
+#   ctest.log, memcheck.log, decode_bench.json, sdpa_bench.json, bench.log
+# Usage: benchmarks/run_on_device.sh [--bench-only] [--tests-only]
+#          [--skip-sanitizer] [--skip-sdpa] [--quick] [--filter GTEST_FILTER]
+#          [--mine]  (build only mixkv_cuda_tests + mixkv_decode_bench, no ctest)
+# Boost (headers) and GoogleTest are taken from the system when present,
+# else from .devdeps/ (a header subset and the googletest sources carried
+# along: see docs/benchmarks/kernel-notes-log.md).
+set -uo pipefail
+OUT=${OUT:-$PWD/device-out}
+mkdir -p "$OUT"
+TESTS=1 SANITIZER=1 BENCH=1 SDPA=1 QUICK="" FILTER="*" MINE=0
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --bench-only) TESTS=0; SANITIZER=0 ;;
+    --tests-only) BENCH=0; SDPA=0 ;;
+    --skip-sanitizer) SANITIZER=0 ;;
+    --skip-sdpa) SDPA=0 ;;
+    --quick) QUICK=--quick ;;
+    --mine) MINE=1 ;;
+    --filter) FILTER="$2"; shift ;;
+    *) echo "unknown flag $1"; exit 2 ;;
+  esac
+  shift
+done
+JOBS=$(nproc)
+BUILD=build-device
+export PATH=/usr/local/cuda/bin:$PATH
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
+
+# --- dependencies
+CMAKE_ARGS=()
+if [ ! -f /usr/include/boost/unordered/unordered_flat_map.hpp ]; then
+  CMAKE_ARGS+=("-DBoost_DIR=$PWD/.devdeps/lib/cmake/Boost")
+fi
+if ! ls /usr/lib/x86_64-linux-gnu/cmake/benchmark /usr/lib/cmake/benchmark /usr/local/lib/cmake/benchmark >/dev/null 2>&1; then
+  CMAKE_ARGS+=("-Dbenchmark_DIR=$PWD/.devdeps/lib/cmake/benchmark")
+fi
+if ! ls /usr/lib/x86_64-linux-gnu/cmake/GTest/GTestConfig.cmake /usr/lib/cmake/GTest/GTestConfig.cmake >/dev/null 2>&1; then
+  if [ ! -f /tmp/gtest/lib/cmake/GTest/GTestConfig.cmake ]; then
+    cmake -S .devdeps/googletest -B /tmp/gtest-build -G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_GMOCK=OFF \
+      -DCMAKE_INSTALL_PREFIX=/tmp/gtest >/tmp/gtest.log 2>&1 &&
+      cmake --build /tmp/gtest-build -j"$JOBS" >>/tmp/gtest.log 2>&1 &&
+      cmake --install /tmp/gtest-build >>/tmp/gtest.log 2>&1 || { tail -20 /tmp/gtest.log; exit 1; }
+  fi
+  CMAKE_ARGS+=("-DGTest_DIR=/tmp/gtest/lib/cmake/GTest")
+fi
+
+# --- build (keep going: a broken target of another area must not hide ours)
+t0=$(date +%s)
+cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DMIXKV_CUDA=ON -DMIXKV_TESTS=ON \
+  -DMIXKV_BENCHMARKS=ON "${CMAKE_ARGS[@]}" >"$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
+if [ "$MINE" = 1 ]; then
+  cmake --build "$BUILD" -j"$JOBS" --target mixkv_cuda_tests mixkv_decode_bench -- -k 0 >>"$OUT/build.log" 2>&1
+else
+  cmake --build "$BUILD" -j"$JOBS" -- -k 0 >>"$OUT/build.log" 2>&1
+fi
+echo "build: rc=$? in $(( $(date +%s) - t0 )) s"; grep -E "error|FAILED" "$OUT/build.log" | head -20
+
+# --- tests
+if [ "$TESTS" = 1 ]; then
+  t0=$(date +%s)
+  if [ "$MINE" = 0 ]; then
+    timeout 300 ctest --test-dir "$BUILD" -j8 --output-on-failure --timeout 280 >"$OUT/ctest.log" 2>&1
+    echo "ctest: rc=$? in $(( $(date +%s) - t0 )) s"; grep -E "tests passed|tests failed|\(Failed\)|Not Run|Timeout" "$OUT/ctest.log" | head -30
+  fi
+  timeout 300 "$BUILD/tests/mixkv_cuda_tests" --gtest_filter="$FILTER" >"$OUT/cuda_tests.log" 2>&1
+  echo "mixkv_cuda_tests: rc=$?"; grep -E "^\[  (PASSED|FAILED|SKIPPED) |Failure|Expected|Which is|error" "$OUT/cuda_tests.log" | head -40
+fi
+if [ "$SANITIZER" = 1 ]; then
+  t0=$(date +%s)
+  timeout 240 compute-sanitizer --tool memcheck --error-exitcode 1 "$BUILD/tests/mixkv_cuda_tests" \
+    --gtest_filter='-*19600*:*LargeBatch*:*rows19600*' >"$OUT/memcheck.log" 2>&1
+  echo "memcheck: rc=$? in $(( $(date +%s) - t0 )) s"; grep -E "ERROR SUMMARY|PASSED|FAILED" "$OUT/memcheck.log" | tail -5
+fi
+if [ "$BENCH" = 1 ]; then
+  timeout 300 "$BUILD/benchmarks/mixkv_decode_bench" --out "$OUT/decode_bench.json" $QUICK 2>&1 | tee "$OUT/bench.log"
+fi
+if [ "$SDPA" = 1 ]; then
+  PYTHONUNBUFFERED=1 timeout 200 python3 benchmarks/sdpa_bench.py --out "$OUT/sdpa_bench.json" $QUICK 2>&1
+fi
+if [ -f "$OUT/decode_bench.json" ]; then
+  python3 benchmarks/summarize.py "$OUT/decode_bench.json" "$OUT/sdpa_bench.json" || true
+fi

@@ -1,0 +1,46 @@
+"""Dense FP16 decode baseline through torch SDPA (enable_gqa=True), timed the
+way decode_bench times mixkv: L2 flushed before each launch, CUDA events,
+median of N. Writes JSON: [{batch, context, sdpa_us}]."""
+import argparse
+import json
+
+import torch
+import torch.nn.functional as F
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="sdpa_bench.json")
+    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    batches, contexts = ([1, 64], [19600]) if args.quick else ([1, 8, 64], [4096, 19600, 65536])
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    results = []
+    for ctx in contexts:
+        for b in batches:
+            q = torch.randn(b, 28, 1, 128, dtype=torch.float16, device="cuda")
+            k = torch.randn(b, 4, ctx, 128, dtype=torch.float16, device="cuda")
+            v = torch.randn(b, 4, ctx, 128, dtype=torch.float16, device="cuda")
+            times = []
+            for i in range(args.reps + 3):
+                flush.zero_()
+                start = torch.cuda.Event(enable_timing=True)
+                stop = torch.cuda.Event(enable_timing=True)
+                start.record()
+                F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+                stop.record()
+                torch.cuda.synchronize()
+                if i >= 3:
+                    times.append(start.elapsed_time(stop) * 1000.0)
+            times.sort()
+            us = times[len(times) // 2]
+            results.append({"batch": b, "context": ctx, "sdpa_us": us})
+            print(f"sdpa batch {b:3d} context {ctx:6d}: {us:9.1f} us", flush=True)
+            del q, k, v
+    with open(args.out, "w") as f:
+        json.dump({"torch": torch.__version__, "sdpa": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
