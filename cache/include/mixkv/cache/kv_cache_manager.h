@@ -3,12 +3,14 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
 
 #include "mixkv/cache/block_format.h"
 #include "mixkv/cache/cache_shape.h"
+#include "mixkv/cache/page_table.h"
 #include "mixkv/cache/pool_view.h"
 #include "mixkv/cache/precision.h"
 #include "mixkv/cache/precision_plan.h"
@@ -18,14 +20,25 @@ namespace mixkv {
 
 using SequenceId = std::int64_t;
 
+// Blocks per pool, indexed by pool_index().
+using BlockCounts = std::array<std::int64_t, kNumPrecisions>;
+
 struct CacheConfig {
   CacheShape shape;
   std::size_t arena_bytes = 0;            // total KV memory, all pools together
   std::size_t slab_bytes = 2u << 20;      // unit in which memory moves between pools
+  // Host swap pool: slots per pool for swapped-out blocks (swap_out/swap_in);
+  // all 0 = no swapping. Bookkeeping only: the host buffer is the caller's
+  // (pinned host memory with the GPU backend), swap_bytes() long.
+  BlockCounts swap_blocks{};
+  // Order in which a layer's FP16 tokens are packed. false: prompt order
+  // (text, FP16 windows, visual tails as they come). true: the FP16 visual
+  // windows first, each in a whole block of its own, then every other FP16
+  // token in prompt order. Decode attention ignores key order, so both give
+  // the same results; with true every FP16 window can be demoted (demote()),
+  // with false only the windows whose tokens happen to fill one block.
+  bool fp16_windows_first = false;
 };
-
-// Blocks per pool, indexed by pool_index().
-using BlockCounts = std::array<std::int64_t, kNumPrecisions>;
 
 struct PoolStats {
   std::size_t block_bytes = 0;
@@ -59,6 +72,40 @@ struct StoreMapping {
 struct BlockCopy {
   std::int32_t src = 0;  // FP16 block ids
   std::int32_t dst = 0;
+};
+
+// One block moved between the device pools and the host swap pool: the
+// caller copies block_bytes of pool `pool` between the device block
+// (pool_view(pool, arena).block(device_block)) and the host slot
+// (swap_view(pool, host).block(host_slot)), in the direction of the call.
+struct SwapCopy {
+  Precision pool = Precision::FP16;
+  std::int32_t device_block = 0;
+  std::int32_t host_slot = 0;
+};
+
+// One window of one layer to move to a lower precision (demote()).
+struct Demotion {
+  SequenceId id = 0;
+  std::int32_t layer = 0;
+  std::int32_t window = 0;  // 1 .. num_windows - 1 (window 0 always stays FP16)
+  Precision target = Precision::INT4;
+};
+
+// What the requantize kernel (cpu::demote, gpu::demote) does for one
+// Demotion: read src_block of the src pool (FP16, or INT4 dequantized) and
+// write it quantized into dst_block of the dst pool. The manager has already
+// moved the window to dst_block and released src_block; src_block is not
+// reused by the demote() call that made the op (all destinations are taken
+// before any source is released), so one call's ops may run in any order.
+struct DemoteOp {
+  SequenceId id = 0;
+  std::int32_t layer = 0;
+  std::int32_t window = 0;
+  Precision src_precision = Precision::FP16;
+  std::int32_t src_block = 0;
+  Precision dst_precision = Precision::INT4;
+  std::int32_t dst_block = 0;
 };
 
 struct AppendResult {
@@ -138,6 +185,49 @@ class KVCacheManager {
   std::int32_t ref_count(Precision p, std::int32_t block_id) const;
 
   DecodeMetadata decode_metadata(std::span<const SequenceId> ids) const;
+
+  // The page lists of a sequence that is not swapped out. The reference
+  // stays valid (and shows every later change) until the sequence is freed
+  // or swapped out: what incremental metadata builders hold on to.
+  const PageTable& page_table(SequenceId id) const;
+  // Blocks the sequence holds per pool (host slots while swapped out).
+  BlockCounts blocks_held(SequenceId id) const;
+
+  // --- Host swap pool (CacheConfig::swap_blocks) ---
+  BlockCounts free_swap_slots() const;
+  // Bytes of the caller's host swap buffer: the three pools' slots, FP16
+  // first, then INT4, then INT2.
+  std::size_t swap_bytes() const;
+  // Addresses host slots of pool p inside that buffer (host_base = its
+  // first byte): block(slot) = the slot's block_bytes.
+  PoolView swap_view(Precision p, std::byte* host_base) const;
+  bool is_swapped(SequenceId id) const;
+  // Moves every block of `id` to the host swap pool: returns the copies to
+  // make (device -> host) before the released device blocks are reused.
+  // Shared blocks stay on the device for their other holders; the swapped
+  // sequence gets a private copy of each. OutOfMemory when the host pool
+  // lacks slots; InvalidArgument when `id` is swapped out already.
+  std::vector<SwapCopy> swap_out(SequenceId id);
+  // Brings `id` back into fresh device blocks: returns the copies to make
+  // (host -> device) before the sequence is used. All or nothing:
+  // OutOfMemory when the device pools lack blocks (can_allocate(
+  // blocks_held(id)) says so beforehand); InvalidArgument unless swapped.
+  std::vector<SwapCopy> swap_in(SequenceId id);
+
+  // --- Demotion (memory pressure) ---
+  // Whether (id, layer, window) could move one precision down now, ignoring
+  // memory: window >= 1, not INT2 yet, its block held by this sequence only,
+  // and for an FP16 window its tokens filling exactly one FP16 block
+  // (always so with fp16_windows_first). Returns the reason when not.
+  std::optional<std::string> why_not_demotable(SequenceId id, std::int32_t layer, std::int32_t window,
+                                               Precision target) const;
+  // Demotes every listed window: takes a target-pool block for each, moves
+  // the window to it in the page table and the plan (so demand, mappings
+  // and metadata stay consistent) and releases the source block. All or
+  // nothing: InvalidArgument (naming demotions[i]) for a window that
+  // why_not_demotable() refuses or that is listed twice, OutOfMemory when
+  // the target pools lack blocks. Returns one DemoteOp per demotion, in order.
+  std::vector<DemoteOp> demote(std::span<const Demotion> demotions);
 
   // Throws InvariantViolation describing the first broken invariant.
   void check_invariants() const;

@@ -1,0 +1,62 @@
+#pragma once
+#include <cstdint>
+#include <optional>
+
+#include "mixkv/cache/window_planner.h"
+
+namespace mixkv {
+
+// Order in which waiting requests are admitted and running ones are kept.
+enum class SchedulingPolicy : std::uint8_t {
+  FCFS = 0,      // earliest arrival_time first (ties: order of add_request)
+  Priority = 1,  // highest priority first, then FCFS
+};
+
+// What happens to a running request chosen as a victim under memory pressure.
+enum class PreemptionMode : std::uint8_t {
+  // Free its blocks and queue it again; its prompt plus the tokens it
+  // generated are prefilled again later (generated tokens as FP16 text).
+  Recompute = 0,
+  // Copy its blocks to the host swap pool (CacheConfig::swap_blocks) and
+  // bring them back later; falls back to Recompute when the host pool is full.
+  Swap = 1,
+};
+
+struct SchedulerConfig {
+  // Requests holding memory (prefilling + running) at most.
+  std::int32_t max_num_seqs = 256;
+  // Tokens one step may compute: one per decode plus the prefill chunks.
+  // At least max_num_seqs and at least one window (block_size).
+  std::int32_t max_num_batched_tokens = 8192;
+  // Whether a prompt longer than the step's remaining budget is split into
+  // chunks over several steps. Chunks end on window boundaries (a quantized
+  // window is stored from all of its rows at once). Without chunking, a
+  // prompt over max_num_batched_tokens is rejected.
+  bool chunked_prefill = true;
+  SchedulingPolicy policy = SchedulingPolicy::FCFS;
+  // Fraction of the arena's slabs that admitting a request must leave
+  // obtainable (as FP16 blocks), so that running requests can grow.
+  double watermark = 0.01;
+  // Under memory pressure, first demote the lowest-similarity FP16 windows
+  // of running requests to INT4 (never window 0 or text), and preempt only
+  // when that is not enough.
+  bool demote_under_pressure = true;
+  // Demotions (one window of one layer each) one step may make.
+  std::int32_t max_demotions_per_step = 4096;
+  PreemptionMode preemption = PreemptionMode::Recompute;
+  // Bounded look-ahead: when the first waiting request does not fit now,
+  // up to `lookahead` requests behind it may be admitted instead...
+  std::int32_t lookahead = 8;
+  // ...but only for max_head_bypass steps; after that, nothing is admitted
+  // past it until it fits (so it cannot starve either).
+  std::int32_t max_head_bypass = 64;
+  // Build the full CSR decode metadata (every layer and pool) into each
+  // StepOutput. Off, the engine reads the page tables incrementally
+  // (Scheduler::layer_metadata builds one layer on demand). docs/scheduler.md
+  // gives the cost of both.
+  bool build_metadata = true;
+  // Plans requests that come with embeddings instead of a plan.
+  std::optional<PlannerConfig> planner;
+};
+
+}  // namespace mixkv

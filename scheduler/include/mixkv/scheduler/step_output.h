@@ -1,0 +1,83 @@
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "mixkv/cache/kv_cache_manager.h"
+#include "mixkv/scheduler/request.h"
+
+namespace mixkv {
+
+// One prefill chunk: prompt rows [start, end) of a request. The prompt of a
+// request preempted by recompute is its original prompt plus the tokens it
+// had generated (as text).
+struct PrefillChunk {
+  RequestId id = 0;
+  std::int32_t slot = 0;   // the request's page-table slot (see StepOutput)
+  std::int32_t start = 0;  // first prompt row computed in this step
+  std::int32_t end = 0;    // one past the last; never inside a visual window
+  bool last = false;       // completes the prompt: the engine samples a token
+  // [layer]: where rows [start, end) go; row r of the chunk is mapping row
+  // r - start (store_prefill of the chunk's K/V). Concatenate chunks with
+  // StoreMapping::append.
+  std::vector<StoreMapping> mappings;
+};
+
+struct FinishedRequest {
+  RequestId id = 0;
+  FinishReason reason = FinishReason::Length;
+  std::int32_t generated = 0;  // tokens generated
+};
+
+struct RejectedRequest {
+  RequestId id = 0;
+  std::string reason;  // e.g. "needs 1,204 INT4 blocks, the whole cache holds 990"
+};
+
+// What the engine does in one step, in this order (the order in which the
+// scheduler made the changes, so no copy reads memory that an earlier one
+// reused):
+//   1. demotions (cpu::demote / gpu::demote; any order within the step),
+//   2. swap_out copies (device -> host),
+//   3. swap_in copies (host -> device),
+//   4. append.copies (copy-on-write of shared FP16 tails),
+//   5. the forward pass: prefill chunks (store_prefill through their
+//      mappings) and the decode batch (append K/V at append.slots, then
+//      decode attention over the metadata).
+struct StepOutput {
+  std::int64_t step = 0;
+
+  std::vector<PrefillChunk> prefills;
+  // The decode batch, in batch order, and each request's page-table slot.
+  std::vector<RequestId> decodes;
+  std::vector<std::int32_t> decode_slots;
+  // append.slots[layer][i]: FP16 slot of decodes[i]'s new token.
+  AppendResult append;
+
+  std::vector<DemoteOp> demotions;
+  std::vector<SwapCopy> swap_out;
+  std::vector<SwapCopy> swap_in;
+  std::vector<RequestId> swapped_out;  // requests whose blocks swap_out moves
+  std::vector<RequestId> swapped_in;
+  std::vector<RequestId> preempted;    // preempted by recompute (blocks freed)
+
+  // Requests whose page lists changed this step other than by appending
+  // (admitted, swapped in, demoted): an engine that mirrors page tables per
+  // slot (gpu::DevicePageTables::sync) refreshes these; appends it can
+  // apply from append.slots.
+  std::vector<RequestId> tables_changed;
+
+  // Requests that left the scheduler since the previous step: finished
+  // (their last token came out of the previous step, or finish()/cancel()
+  // was called) and rejected (never fit).
+  std::vector<FinishedRequest> finished;
+  std::vector<RejectedRequest> rejected;
+
+  std::int32_t num_batched_tokens = 0;  // decodes + prefill chunk rows
+
+  // Decode attention metadata of `decodes` for every layer and pool, CSR
+  // (SchedulerConfig::build_metadata; empty layers otherwise).
+  DecodeMetadata metadata;
+};
+
+}  // namespace mixkv
