@@ -63,9 +63,15 @@ __global__ void fill_kernel(void* data, std::size_t count, std::uint32_t seed, i
     const float noise = static_cast<float>(x >> 8) / 8388608.0f - 1.0f;
     const float value = noise + 0.05f * static_cast<float>(i % hidden % 7);
     switch (type) {
-      case ElementType::F32: static_cast<float*>(data)[i] = value; break;
-      case ElementType::F16: static_cast<__half*>(data)[i] = __float2half_rn(value); break;
-      case ElementType::BF16: static_cast<__nv_bfloat16*>(data)[i] = __float2bfloat16_rn(value); break;
+      case ElementType::F32:
+        static_cast<float*>(data)[i] = value;
+        break;
+      case ElementType::F16:
+        static_cast<__half*>(data)[i] = __float2half_rn(value);
+        break;
+      case ElementType::BF16:
+        static_cast<__nv_bfloat16*>(data)[i] = __float2bfloat16_rn(value);
+        break;
     }
   }
 }
@@ -90,11 +96,14 @@ struct Result {
   std::int64_t blocks[3] = {0, 0, 0};
 };
 
-const char* type_name(ElementType t) { return t == ElementType::F32 ? "F32" : (t == ElementType::F16 ? "F16" : "BF16"); }
+const char* type_name(ElementType t) {
+  return t == ElementType::F32 ? "F32" : (t == ElementType::F16 ? "F16" : "BF16");
+}
 
 Result run(ElementType type, cudaStream_t stream, cublasHandle_t cublas) {
-  const mixkv::TokenLayout layout(
-      {{mixkv::TokenKind::Text, 14}, {mixkv::TokenKind::Visual, kFrames * kTokensPerFrame}, {mixkv::TokenKind::Text, 50}});
+  const mixkv::TokenLayout layout({{mixkv::TokenKind::Text, 14},
+                                   {mixkv::TokenKind::Visual, kFrames * kTokensPerFrame},
+                                   {mixkv::TokenKind::Text, 50}});
   const std::size_t count = static_cast<std::size_t>(layout.num_tokens()) * kHidden;
   const std::size_t element = type == ElementType::F32 ? 4 : 2;
 

@@ -31,9 +31,12 @@ float bf16_to_float(std::uint16_t bits) {
 
 float load_element(const void* row, ElementType type, std::int32_t c) {
   switch (type) {
-    case ElementType::F32: return static_cast<const float*>(row)[c];
-    case ElementType::F16: return half_to_float(static_cast<const Half*>(row)[c]);
-    case ElementType::BF16: return bf16_to_float(static_cast<const std::uint16_t*>(row)[c]);
+    case ElementType::F32:
+      return static_cast<const float*>(row)[c];
+    case ElementType::F16:
+      return half_to_float(static_cast<const Half*>(row)[c]);
+    case ElementType::BF16:
+      return bf16_to_float(static_cast<const std::uint16_t*>(row)[c]);
   }
   return 0.0f;
 }
@@ -85,7 +88,8 @@ __attribute__((target("avx2,fma,f16c"))) inline __m256 load8(const void* row, st
   if constexpr (kType == ElementType::F32) {
     return _mm256_loadu_ps(static_cast<const float*>(row) + c);
   } else if constexpr (kType == ElementType::F16) {
-    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const std::uint16_t*>(row) + c)));
+    return _mm256_cvtph_ps(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const std::uint16_t*>(row) + c)));
   } else {
     const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const std::uint16_t*>(row) + c));
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
@@ -94,7 +98,7 @@ __attribute__((target("avx2,fma,f16c"))) inline __m256 load8(const void* row, st
 
 template <ElementType kType>
 __attribute__((target("avx2,fma,f16c"))) RowSums row_sums_avx2_typed(const float* u, const void* row,
-                                                                       std::int32_t hidden) {
+                                                                     std::int32_t hidden) {
   __m256 d0 = _mm256_setzero_ps(), d1 = d0, d2 = d0, d3 = d0;
   __m256 s0 = d0, s1 = d0, s2 = d0, s3 = d0;
   std::int32_t c = 0;
@@ -131,9 +135,12 @@ __attribute__((target("avx2,fma,f16c"))) RowSums row_sums_avx2_typed(const float
 
 RowSums row_sums_avx2(const float* u, const void* row, ElementType type, std::int32_t hidden) {
   switch (type) {
-    case ElementType::F32: return row_sums_avx2_typed<ElementType::F32>(u, row, hidden);
-    case ElementType::F16: return row_sums_avx2_typed<ElementType::F16>(u, row, hidden);
-    case ElementType::BF16: return row_sums_avx2_typed<ElementType::BF16>(u, row, hidden);
+    case ElementType::F32:
+      return row_sums_avx2_typed<ElementType::F32>(u, row, hidden);
+    case ElementType::F16:
+      return row_sums_avx2_typed<ElementType::F16>(u, row, hidden);
+    case ElementType::BF16:
+      return row_sums_avx2_typed<ElementType::BF16>(u, row, hidden);
   }
   return {};
 }
@@ -201,8 +208,9 @@ void validate_request(const TokenLayout& layout, const EmbeddingsView& view, con
   bool has_text = false;
   for (const Segment& s : layout.segments()) has_text = has_text || s.kind == TokenKind::Text;
   if (!has_text) {
-    throw InvalidArgument(layout_name + " has no text tokens, expected at least one (eq. 8 compares windows "
-                                        "with the text prompt)");
+    throw InvalidArgument(layout_name +
+                          " has no text tokens, expected at least one (eq. 8 compares windows "
+                          "with the text prompt)");
   }
 }
 
@@ -244,8 +252,7 @@ std::vector<float> similarity_of(const TokenLayout& layout, const EmbeddingsView
     for (std::int64_t r = starts[i]; r < starts[i] + static_cast<std::int64_t>(window_size); ++r) {
       const void* row = row_pointer(view, r);
       RowSums sums = row_sums_fast(text_mean_f.data(), row, view.type, hidden);
-      if (!std::isfinite(sums.dot) || !std::isfinite(sums.squares) ||
-          sums.squares < kSmallestTrustedSquares) {
+      if (!std::isfinite(sums.dot) || !std::isfinite(sums.squares) || sums.squares < kSmallestTrustedSquares) {
         sums = row_sums_exact(text_mean.data(), row, view.type, hidden);
         if (!std::isfinite(sums.dot) || !std::isfinite(sums.squares)) {
           throw_not_finite(name, r, "visual window " + std::to_string(i));
@@ -374,8 +381,7 @@ WindowPlanner::WindowPlanner(PlannerConfig config) {
   for (std::size_t l = 0; l < config.sensitivities.size(); ++l) {
     const double s = config.sensitivities[l];
     if (!(s >= -1.0 && s <= 1.0)) {  // also rejects NaN
-      throw InvalidArgument(indexed("sensitivities", l) + " = " + std::to_string(s) +
-                            ", expected a cosine in [-1, 1]");
+      throw InvalidArgument(indexed("sensitivities", l) + " = " + std::to_string(s) + ", expected a cosine in [-1, 1]");
     }
   }
   if (!config.min_precision.empty() && config.min_precision.size() != config.sensitivities.size()) {
@@ -476,8 +482,8 @@ PlanStats plan_stats(const TokenLayout& layout, const PrecisionPlan& plan, const
   const std::int32_t windows = layout.num_windows(shape.block_size);
   if (plan.num_windows() != windows) {
     throw InvalidArgument("plan.num_windows() = " + std::to_string(plan.num_windows()) + ", expected " +
-                          std::to_string(windows) + " (layout.num_windows(block_size = " +
-                          std::to_string(shape.block_size) + "))");
+                          std::to_string(windows) +
+                          " (layout.num_windows(block_size = " + std::to_string(shape.block_size) + "))");
   }
   const std::int64_t block_size = shape.block_size;
   const auto blocks_for = [&](std::int64_t tokens) { return (tokens + block_size - 1) / block_size; };
@@ -490,9 +496,8 @@ PlanStats plan_stats(const TokenLayout& layout, const PrecisionPlan& plan, const
     for (const Precision p : {Precision::INT4, Precision::INT2}) {
       blocks[static_cast<std::size_t>(pool_index(p))] = counts[static_cast<std::size_t>(pool_index(p))];
     }
-    const std::int64_t quantized_tokens =
-        block_size * (blocks[static_cast<std::size_t>(pool_index(Precision::INT4))] +
-                      blocks[static_cast<std::size_t>(pool_index(Precision::INT2))]);
+    const std::int64_t quantized_tokens = block_size * (blocks[static_cast<std::size_t>(pool_index(Precision::INT4))] +
+                                                        blocks[static_cast<std::size_t>(pool_index(Precision::INT2))]);
     blocks[static_cast<std::size_t>(pool_index(Precision::FP16))] = blocks_for(layout.num_tokens() - quantized_tokens);
     for (std::size_t p = 0; p < kNumPrecisions; ++p) stats.blocks[p] += blocks[p];
   }

@@ -1,5 +1,3 @@
-#include "mixkv/kernels/window_similarity.h"
-
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -12,6 +10,7 @@
 
 #include "mixkv/cache/errors.h"
 #include "mixkv/cache/window_rules.h"
+#include "mixkv/kernels/window_similarity.h"
 
 namespace mixkv::gpu {
 namespace {
@@ -139,11 +138,17 @@ constexpr float kSmallestTrustedSquares = 1e-30f;
 template <typename T>
 __device__ __forceinline__ float to_float(T x);
 template <>
-__device__ __forceinline__ float to_float<float>(float x) { return x; }
+__device__ __forceinline__ float to_float<float>(float x) {
+  return x;
+}
 template <>
-__device__ __forceinline__ float to_float<__half>(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float<__half>(__half x) {
+  return __half2float(x);
+}
 template <>
-__device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 x) {
+  return __bfloat162float(x);
+}
 
 template <typename T>
 constexpr int kVecElems = 16 / static_cast<int>(sizeof(T));
@@ -420,8 +425,8 @@ void launch_planner_kernels(const BatchArgs& args, bool vote, cudaStream_t strea
   const std::size_t shared = align16(static_cast<std::size_t>(args.hidden) * 4) +
                              static_cast<std::size_t>(args.num_layers) * sizeof(LayerThresholds);
   if (shared > 48 * 1024) {
-    MIXKV_PLANNER_CUDA(cudaFuncSetAttribute(window_plan_kernel<T, kVec>,
-                                            cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared)));
+    MIXKV_PLANNER_CUDA(cudaFuncSetAttribute(window_plan_kernel<T, kVec>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            static_cast<int>(shared)));
   }
   window_plan_kernel<T, kVec><<<args.num_windows, kBlockThreads, shared, stream>>>(args);
   MIXKV_PLANNER_LAUNCHED("window_plan_kernel");
@@ -436,9 +441,15 @@ void launch_planner_kernels(const BatchArgs& args, bool vote, cudaStream_t strea
 template <bool kVec>
 void dispatch_planner(ElementType type, const BatchArgs& args, bool vote, cudaStream_t stream) {
   switch (type) {
-    case ElementType::F32: launch_planner_kernels<float, kVec>(args, vote, stream); return;
-    case ElementType::F16: launch_planner_kernels<__half, kVec>(args, vote, stream); return;
-    case ElementType::BF16: launch_planner_kernels<__nv_bfloat16, kVec>(args, vote, stream); return;
+    case ElementType::F32:
+      launch_planner_kernels<float, kVec>(args, vote, stream);
+      return;
+    case ElementType::F16:
+      launch_planner_kernels<__half, kVec>(args, vote, stream);
+      return;
+    case ElementType::BF16:
+      launch_planner_kernels<__nv_bfloat16, kVec>(args, vote, stream);
+      return;
   }
   throw InvalidArgument("embeddings type = " + std::to_string(static_cast<int>(type)) +
                         ", expected F32 (0), F16 (1) or BF16 (2)");
@@ -460,7 +471,7 @@ constexpr std::size_t kMaxRequests = 65535;
 struct CudaWindowPlanner::Impl {
   enum class State { Idle, Prepared, Launched };
 
-  WindowPlanner host;  // validation, configuration and thresholds
+  WindowPlanner host;      // validation, configuration and thresholds
   DeviceBuffer constants;  // sensitivities, min precisions
   DeviceBuffer upload;     // the batch's work list
   DeviceBuffer work;       // [scores | status | precisions] then scratch
@@ -475,9 +486,9 @@ struct CudaWindowPlanner::Impl {
   std::size_t result_bytes = 0;
   std::size_t status_offset = 0;
   std::size_t precisions_offset = 0;
-  std::vector<std::int32_t> windows_of;           // per request
-  std::vector<std::int64_t> first_precision_of;   // per request
-  std::vector<std::int64_t> first_window_of;      // per request
+  std::vector<std::int32_t> windows_of;          // per request
+  std::vector<std::int64_t> first_precision_of;  // per request
+  std::vector<std::int64_t> first_window_of;     // per request
 
   explicit Impl(PlannerConfig config) : host(std::move(config)) {}
 };
@@ -524,8 +535,8 @@ void CudaWindowPlanner::prepare(std::span<const TokenLayout> layouts, std::span<
   }
   require_one_type(embeddings, "embeddings");
   if (embeddings[0].hidden > kMaxHidden) {
-    throw InvalidArgument("embeddings[0].hidden = " + std::to_string(embeddings[0].hidden) +
-                          ", expected at most " + std::to_string(kMaxHidden) + " on the GPU");
+    throw InvalidArgument("embeddings[0].hidden = " + std::to_string(embeddings[0].hidden) + ", expected at most " +
+                          std::to_string(kMaxHidden) + " on the GPU");
   }
 
   // The work list, on the host.
@@ -558,7 +569,8 @@ void CudaWindowPlanner::prepare(std::span<const TokenLayout> layouts, std::span<
     first_precision_of[r] = precisions;
     precisions += layers * windows_of[r];
   }
-  if (text_row.size() > static_cast<std::size_t>(INT32_MAX) || window_row.size() > static_cast<std::size_t>(INT32_MAX)) {
+  if (text_row.size() > static_cast<std::size_t>(INT32_MAX) ||
+      window_row.size() > static_cast<std::size_t>(INT32_MAX)) {
     throw InvalidArgument("the batch holds more than 2^31 - 1 text rows or windows, expected fewer");
   }
 
@@ -716,8 +728,8 @@ namespace {
 // Row `i` of `dst` = normalized row `rows[i]` (an address), in float; a zero
 // row stays zero. No NaN check: this is the reference path.
 template <typename T>
-__global__ void __launch_bounds__(kBlockThreads) normalize_rows_kernel(const unsigned long long* rows, int count,
-                                                                         int hidden, float* dst) {
+__global__ void __launch_bounds__(kBlockThreads)
+    normalize_rows_kernel(const unsigned long long* rows, int count, int hidden, float* dst) {
   const int i = blockIdx.x * kWarpsPerBlock + threadIdx.x / kWarp;
   const int lane = threadIdx.x % kWarp;
   if (i >= count) return;
@@ -732,8 +744,8 @@ __global__ void __launch_bounds__(kBlockThreads) normalize_rows_kernel(const uns
 
 // scores[i] = mean of the cosines of window i's S columns against all N text
 // rows; cosines is column-major [window rows, N] (cuBLAS's C).
-__global__ void __launch_bounds__(kBlockThreads) window_mean_kernel(const float* cosines, int window_rows,
-                                                                      int text_rows, int window_size, float* scores) {
+__global__ void __launch_bounds__(kBlockThreads)
+    window_mean_kernel(const float* cosines, int window_rows, int text_rows, int window_size, float* scores) {
   __shared__ double partial[kBlockThreads];
   const int window = blockIdx.x;
   double sum = 0.0;
@@ -757,8 +769,12 @@ void launch_normalize(ElementType type, const unsigned long long* rows, int coun
   if (count == 0) return;
   const int blocks = (count + kWarpsPerBlock - 1) / kWarpsPerBlock;
   switch (type) {
-    case ElementType::F32: normalize_rows_kernel<float><<<blocks, kBlockThreads, 0, stream>>>(rows, count, hidden, dst); break;
-    case ElementType::F16: normalize_rows_kernel<__half><<<blocks, kBlockThreads, 0, stream>>>(rows, count, hidden, dst); break;
+    case ElementType::F32:
+      normalize_rows_kernel<float><<<blocks, kBlockThreads, 0, stream>>>(rows, count, hidden, dst);
+      break;
+    case ElementType::F16:
+      normalize_rows_kernel<__half><<<blocks, kBlockThreads, 0, stream>>>(rows, count, hidden, dst);
+      break;
     case ElementType::BF16:
       normalize_rows_kernel<__nv_bfloat16><<<blocks, kBlockThreads, 0, stream>>>(rows, count, hidden, dst);
       break;
@@ -785,8 +801,7 @@ class StreamScratch {
 }  // namespace
 
 void window_similarity_pairwise(std::span<const TokenLayout> layouts, std::span<const EmbeddingsView> embeddings,
-                                std::int32_t window_size, float* scores, cublasHandle_t cublas,
-                                cudaStream_t stream) {
+                                std::int32_t window_size, float* scores, cublasHandle_t cublas, cudaStream_t stream) {
   validate_similarity_inputs(layouts, embeddings, window_size);
   if (layouts.empty()) return;
   if (scores == nullptr) throw InvalidArgument("scores is null, expected one device float per window");
@@ -843,12 +858,12 @@ void window_similarity_pairwise(std::span<const TokenLayout> layouts, std::span<
       const float one = 1.0f, zero = 0.0f;
       const float* text = normalized;
       const float* window = normalized + static_cast<std::size_t>(n) * hidden;
-      check_cublas(cublasGemmEx(cublas, CUBLAS_OP_T, CUBLAS_OP_N, m, n, hidden, &one, window, CUDA_R_32F, hidden,
-                                text, CUDA_R_32F, hidden, &zero, cosines, CUDA_R_32F, m,
-                                CUBLAS_COMPUTE_32F_PEDANTIC, CUBLAS_GEMM_DEFAULT),
+      check_cublas(cublasGemmEx(cublas, CUBLAS_OP_T, CUBLAS_OP_N, m, n, hidden, &one, window, CUDA_R_32F, hidden, text,
+                                CUDA_R_32F, hidden, &zero, cosines, CUDA_R_32F, m, CUBLAS_COMPUTE_32F_PEDANTIC,
+                                CUBLAS_GEMM_DEFAULT),
                    "cublasGemmEx");
       window_mean_kernel<<<window_count[r], kBlockThreads, 0, stream>>>(cosines, m, n, window_size,
-                                                                         scores + first_score);
+                                                                        scores + first_score);
       MIXKV_PLANNER_LAUNCHED("window_mean_kernel");
     }
     first_score += static_cast<std::size_t>(window_count[r]);
@@ -978,10 +993,10 @@ std::vector<double> layer_sensitivity(std::span<const EmbeddingsView> before, st
     addresses[l] = reinterpret_cast<std::uintptr_t>(before[l].data);
     addresses[layers + l] = reinterpret_cast<std::uintptr_t>(after[l].data);
   }
-  MIXKV_PLANNER_CUDA(cudaMemcpyAsync(scratch.get() + o_before, addresses.data(), layers * 8, cudaMemcpyHostToDevice,
-                                     stream));
-  MIXKV_PLANNER_CUDA(cudaMemcpyAsync(scratch.get() + o_after, addresses.data() + layers, layers * 8,
-                                     cudaMemcpyHostToDevice, stream));
+  MIXKV_PLANNER_CUDA(
+      cudaMemcpyAsync(scratch.get() + o_before, addresses.data(), layers * 8, cudaMemcpyHostToDevice, stream));
+  MIXKV_PLANNER_CUDA(
+      cudaMemcpyAsync(scratch.get() + o_after, addresses.data() + layers, layers * 8, cudaMemcpyHostToDevice, stream));
   MIXKV_PLANNER_CUDA(cudaMemsetAsync(scratch.get() + o_status, 0, 16, stream));
 
   SensitivityArgs a{};
@@ -996,9 +1011,15 @@ std::vector<double> layer_sensitivity(std::span<const EmbeddingsView> before, st
 
   const dim3 grid(static_cast<unsigned>((tokens + kWarpsPerBlock - 1) / kWarpsPerBlock), static_cast<unsigned>(layers));
   switch (before[0].type) {
-    case ElementType::F32: token_sums_kernel<float><<<grid, kBlockThreads, 0, stream>>>(a); break;
-    case ElementType::F16: token_sums_kernel<__half><<<grid, kBlockThreads, 0, stream>>>(a); break;
-    case ElementType::BF16: token_sums_kernel<__nv_bfloat16><<<grid, kBlockThreads, 0, stream>>>(a); break;
+    case ElementType::F32:
+      token_sums_kernel<float><<<grid, kBlockThreads, 0, stream>>>(a);
+      break;
+    case ElementType::F16:
+      token_sums_kernel<__half><<<grid, kBlockThreads, 0, stream>>>(a);
+      break;
+    case ElementType::BF16:
+      token_sums_kernel<__nv_bfloat16><<<grid, kBlockThreads, 0, stream>>>(a);
+      break;
   }
   MIXKV_PLANNER_LAUNCHED("token_sums_kernel");
   layer_reduce_kernel<<<static_cast<unsigned>(layers), kBlockThreads, 0, stream>>>(a);
@@ -1010,8 +1031,8 @@ std::vector<double> layer_sensitivity(std::span<const EmbeddingsView> before, st
   MIXKV_PLANNER_CUDA(cudaMemcpyAsync(status, a.status, sizeof status, cudaMemcpyDeviceToHost, stream));
   MIXKV_PLANNER_CUDA(cudaStreamSynchronize(stream));
   if (status[0] != 0) {
-    throw InvalidArgument(indexed(status[3] == 0 ? "before" : "after", static_cast<std::size_t>(status[1])) +
-                          " row " + std::to_string(status[2]) +
+    throw InvalidArgument(indexed(status[3] == 0 ? "before" : "after", static_cast<std::size_t>(status[1])) + " row " +
+                          std::to_string(status[2]) +
                           " (hidden state) holds a NaN or infinite value, expected finite embeddings");
   }
   return sensitivities;

@@ -1,13 +1,13 @@
 // The CUDA planner against the CPU planner and the paper's double loop.
 #include "mixkv/kernels/window_similarity.h"
 
-#include <gtest/gtest.h>
-
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
+#include <gtest/gtest.h>
 
 #include <cstring>
 #include <limits>
+#include <ostream>
 #include <vector>
 
 #include "../planner/planner_test_util.h"
@@ -46,9 +46,7 @@ class DeviceMatrix {
   ~DeviceMatrix() {
     if (base_ != nullptr) cudaFree(base_);
   }
-  EmbeddingsView view() const {
-    return {static_cast<const char*>(base_) + offset_, type_, tokens_, hidden_};
-  }
+  EmbeddingsView view() const { return {static_cast<const char*>(base_) + offset_, type_, tokens_, hidden_}; }
 
  private:
   ElementType type_;
@@ -85,7 +83,9 @@ PlannerConfig config_for(std::int32_t window_size, std::int32_t layers, BatchPol
 std::vector<TokenLayout> batch_layouts(std::int32_t window_size) {
   return {
       TokenLayout({{TokenKind::Text, 5}, {TokenKind::Visual, 7 * window_size + 3}, {TokenKind::Text, 11}}),
-      TokenLayout({{TokenKind::Visual, 3 * window_size}, {TokenKind::Text, 1}, {TokenKind::Visual, 2 * window_size + 1},
+      TokenLayout({{TokenKind::Visual, 3 * window_size},
+                   {TokenKind::Text, 1},
+                   {TokenKind::Visual, 2 * window_size + 1},
                    {TokenKind::Text, 4}}),
       TokenLayout({{TokenKind::Text, 2}, {TokenKind::Visual, window_size - 1}}),
       TokenLayout({{TokenKind::Text, 64}, {TokenKind::Visual, 12 * window_size}}),
@@ -119,6 +119,11 @@ struct Shape {
   std::int32_t window_size;
   std::size_t offset_bytes;
 };
+
+void PrintTo(const Shape& s, std::ostream* os) {
+  *os << "type " << static_cast<int>(s.type) << ", hidden " << s.hidden << ", window " << s.window_size << ", offset "
+      << s.offset_bytes;
+}
 
 class CudaPlannerShapes : public CudaPlannerTest, public ::testing::WithParamInterface<Shape> {};
 
@@ -180,11 +185,10 @@ TEST_F(CudaPlannerTest, ResultsAreReproducibleAndStepsCanBeSplit) {
 TEST_F(CudaPlannerTest, MajorityVoteMatchesTheCpuVote) {
   // Requests of equal shape, as in the paper's batches, plus one shorter.
   const Batch batch(ElementType::BF16, 96, 16);
-  std::vector<PrecisionPlan> own = gpu::CudaWindowPlanner(config_for(16, 5)).plan(batch.layouts,
-                                                                                  batch.device_views, stream_);
-  const std::vector<PrecisionPlan> voted =
-      gpu::CudaWindowPlanner(config_for(16, 5, BatchPolicy::MajorityVote)).plan(batch.layouts, batch.device_views,
-                                                                                stream_);
+  std::vector<PrecisionPlan> own =
+      gpu::CudaWindowPlanner(config_for(16, 5)).plan(batch.layouts, batch.device_views, stream_);
+  const std::vector<PrecisionPlan> voted = gpu::CudaWindowPlanner(config_for(16, 5, BatchPolicy::MajorityVote))
+                                               .plan(batch.layouts, batch.device_views, stream_);
   majority_vote(own);
   EXPECT_EQ(voted, own);
 }
@@ -232,8 +236,7 @@ TEST_F(CudaPlannerTest, RejectsBadUse) {
                                 "embeddings[2].type = 2, expected 1");
   std::vector<EmbeddingsView> short_rows = batch.device_views;
   short_rows[0].num_tokens -= 1;
-  expect_error<InvalidArgument>([&] { planner.plan(batch.layouts, short_rows, stream_); },
-                                "embeddings[0].num_tokens");
+  expect_error<InvalidArgument>([&] { planner.plan(batch.layouts, short_rows, stream_); }, "embeddings[0].num_tokens");
   const std::vector<TokenLayout> no_text = {TokenLayout({{TokenKind::Visual, 32}})};
   const std::vector<EmbeddingsView> one = {batch.device_views[0]};
   expect_error<InvalidArgument>([&] { planner.plan(no_text, one, stream_); }, "layouts[0] has no text tokens");
@@ -284,7 +287,8 @@ TEST_F(CudaPlannerTest, LayerSensitivityMatchesTheCpu) {
       before.push_back(test::random_embeddings(type, 45, 72, 500 + l));
       test::Matrix h = test::random_embeddings(type, 45, 72, 600 + l);
       for (std::int64_t t = 0; t < 45; ++t) {
-        for (std::int32_t c = 0; c < 72; ++c) h.set(t, c, before.back().at(t, c) * (l % 2 ? -1.0f : 1.0f) + 0.4f * l * h.at(t, c));
+        for (std::int32_t c = 0; c < 72; ++c)
+          h.set(t, c, before.back().at(t, c) * (l % 2 ? -1.0f : 1.0f) + 0.4f * l * h.at(t, c));
       }
       after.push_back(std::move(h));
     }

@@ -43,10 +43,10 @@ struct HandExample {
     put(66, 0, 2);
     for (int k = 0; k < 16; ++k) {
       const bool first_half = k < 8;
-      put(1 + k, 0, -3);                                        // window 0: (0, -1)     -> -0.5
-      put(17 + k, first_half ? 1 : 0, first_half ? 0 : 1);     // window 1: (0.5, 0.5)  -> 0.5
+      put(1 + k, 0, -3);                                           // window 0: (0, -1)     -> -0.5
+      put(17 + k, first_half ? 1 : 0, first_half ? 0 : 1);         // window 1: (0.5, 0.5)  -> 0.5
       put(33 + k, first_half ? 1 : -0.6f, first_half ? 0 : 0.8f);  // window 2: (0.2, 0.4) -> 0.3
-      put(49 + k, first_half ? -1 : 0, first_half ? 0 : -1);   // window 3: (-0.5, -0.5) -> -0.5
+      put(49 + k, first_half ? -1 : 0, first_half ? 0 : -1);       // window 3: (-0.5, -0.5) -> -0.5
     }
     put(65, 7, 7);  // the visual tail: FP16, not in the plan
   }
@@ -285,15 +285,15 @@ TEST(WindowPlanner, RejectsBadConfiguration) {
                                 "alpha = inf");
   expect_error<InvalidArgument>(make([](PlannerConfig& c) { c.alpha = std::nan(""); }), "alpha = nan");
   expect_error<InvalidArgument>(make([](PlannerConfig& c) { c.sensitivities.clear(); }), "sensitivities is empty");
-  expect_error<InvalidArgument>(make([](PlannerConfig& c) { c.sensitivities[1] = 1.5; }),
-                                "sensitivities[1] = 1.5");
-  expect_error<InvalidArgument>(make([](PlannerConfig& c) { c.sensitivities[0] = -1.01; }),
-                                "sensitivities[0] = -1.01");
+  expect_error<InvalidArgument>(make([](PlannerConfig& c) { c.sensitivities[1] = 1.5; }), "sensitivities[1] = 1.5");
+  expect_error<InvalidArgument>(make([](PlannerConfig& c) { c.sensitivities[0] = -1.01; }), "sensitivities[0] = -1.01");
   expect_error<InvalidArgument>(make([](PlannerConfig& c) { c.sensitivities[1] = std::nan(""); }),
                                 "sensitivities[1] = nan");
   expect_error<InvalidArgument>(make([](PlannerConfig& c) { c.min_precision = {I4}; }),
                                 "min_precision holds 1 layers, expected 0 or 2");
-  expect_error<InvalidArgument>(make([](PlannerConfig& c) { c.min_precision = {I4, static_cast<Precision>(3)}; }),
+  expect_error<InvalidArgument>(make([](PlannerConfig& c) {
+                                  c.min_precision = {I4, static_cast<Precision>(3)};
+                                }),
                                 "min_precision[1] = 3");
   expect_error<InvalidArgument>(make([](PlannerConfig& c) { c.batch_policy = static_cast<BatchPolicy>(2); }),
                                 "batch_policy = 2");
@@ -312,8 +312,11 @@ TEST(WindowPlanner, RejectsBadRequests) {
   const float nan = std::numeric_limits<float>::quiet_NaN();
   const float scores[] = {0.1f, nan};
   expect_error<InvalidArgument>([&] { planner.plan_from_scores(scores); }, "scores[1] = nan");
-  expect_error<InvalidArgument>([&] { planner.plan(TokenLayout({{TokenKind::Visual, 10}}), m.view()); },
-                                "layout has no text tokens");
+  expect_error<InvalidArgument>(
+      [&] {
+        planner.plan(TokenLayout({{TokenKind::Visual, 10}}), m.view());
+      },
+      "layout has no text tokens");
   EmbeddingsView wrong = m.view();
   wrong.num_tokens = 11;
   expect_error<InvalidArgument>([&] { planner.plan(layout, wrong); }, "embeddings.num_tokens = 11, expected 10");
@@ -321,11 +324,17 @@ TEST(WindowPlanner, RejectsBadRequests) {
   expect_error<InvalidArgument>([&] { planner.plan(layout, m.view()); }, "row 9 (visual window 1)");
 
   const PrecisionPlan plan(1, 2);
-  expect_error<InvalidArgument>([&] { plan_stats(layout, plan, CacheShape{2, 1, 16, 16}); },
-                                "plan.num_layers() = 1, expected 2");
+  expect_error<InvalidArgument>(
+      [&] {
+        plan_stats(layout, plan, CacheShape{2, 1, 16, 16});
+      },
+      "plan.num_layers() = 1, expected 2");
   const TokenLayout long_layout({{TokenKind::Text, 2}, {TokenKind::Visual, 48}});
-  expect_error<InvalidArgument>([&] { plan_stats(long_layout, plan, CacheShape{1, 1, 16, 16}); },
-                                "plan.num_windows() = 2, expected 3");
+  expect_error<InvalidArgument>(
+      [&] {
+        plan_stats(long_layout, plan, CacheShape{1, 1, 16, 16});
+      },
+      "plan.num_windows() = 2, expected 3");
   expect_error<InvalidArgument>([&] { plan_stats(long_layout, plan, CacheShape{1, 1, 16, 8}); }, "block_size");
 }
 

@@ -55,8 +55,14 @@ struct Matrix {
   void set(std::int64_t row, std::int32_t c, float v) {
     const auto i = static_cast<std::size_t>(row * hidden + c);
     switch (type) {
-      case ElementType::F32: f32[i] = v; values[i] = v; break;
-      case ElementType::F16: bits16[i] = float_to_half(v).bits; values[i] = half_to_float(Half{bits16[i]}); break;
+      case ElementType::F32:
+        f32[i] = v;
+        values[i] = v;
+        break;
+      case ElementType::F16:
+        bits16[i] = float_to_half(v).bits;
+        values[i] = half_to_float(Half{bits16[i]});
+        break;
       case ElementType::BF16: {
         bits16[i] = float_to_bf16(v);
         const std::uint32_t x = static_cast<std::uint32_t>(bits16[i]) << 16;
@@ -74,7 +80,10 @@ inline Matrix make_matrix(ElementType type, std::int64_t tokens, std::int32_t hi
   m.hidden = hidden;
   const auto n = static_cast<std::size_t>(tokens * hidden);
   m.values.assign(n, 0.0f);
-  if (type == ElementType::F32) m.f32.assign(n, 0.0f); else m.bits16.assign(n, 0);
+  if (type == ElementType::F32)
+    m.f32.assign(n, 0.0f);
+  else
+    m.bits16.assign(n, 0);
   return m;
 }
 

@@ -3,6 +3,7 @@
 
 #include <cmath>
 #include <limits>
+#include <ostream>
 #include <vector>
 
 #include "mixkv/cache/errors.h"
@@ -32,6 +33,10 @@ struct Case {
   std::int32_t window_size;
 };
 
+void PrintTo(const Case& c, std::ostream* os) {
+  *os << "type " << static_cast<int>(c.type) << ", hidden " << c.hidden << ", window " << c.window_size;
+}
+
 std::string case_name(const ::testing::TestParamInfo<Case>& info) {
   static const char* const kNames[] = {"F32", "F16", "BF16"};
   return std::string(kNames[static_cast<int>(info.param.type)]) + "_hidden" + std::to_string(info.param.hidden) +
@@ -53,14 +58,13 @@ TEST_P(SimilarityVsBruteForce, MatchesTheDoubleLoop) {
   expect_matches_brute_force(layout, m, c.window_size);
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Shapes, SimilarityVsBruteForce,
-    ::testing::Values(Case{ElementType::F32, 1, 1}, Case{ElementType::F32, 7, 3}, Case{ElementType::F32, 31, 4},
-                      Case{ElementType::F32, 33, 16}, Case{ElementType::F32, 128, 32},
-                      Case{ElementType::F32, 257, 5}, Case{ElementType::F16, 96, 8},
-                      Case{ElementType::F16, 37, 3}, Case{ElementType::BF16, 64, 16},
-                      Case{ElementType::BF16, 19, 2}),
-    case_name);
+INSTANTIATE_TEST_SUITE_P(Shapes, SimilarityVsBruteForce,
+                         ::testing::Values(Case{ElementType::F32, 1, 1}, Case{ElementType::F32, 7, 3},
+                                           Case{ElementType::F32, 31, 4}, Case{ElementType::F32, 33, 16},
+                                           Case{ElementType::F32, 128, 32}, Case{ElementType::F32, 257, 5},
+                                           Case{ElementType::F16, 96, 8}, Case{ElementType::F16, 37, 3},
+                                           Case{ElementType::BF16, 64, 16}, Case{ElementType::BF16, 19, 2}),
+                         case_name);
 
 TEST(Similarity, QwenHiddenSizeMatchesBruteForce) {
   const TokenLayout layout({{TokenKind::Text, 3}, {TokenKind::Visual, 96}, {TokenKind::Text, 4}});
@@ -96,8 +100,8 @@ TEST(Similarity, ZeroRowsCountAsCosineZero) {
   const TokenLayout layout({{TokenKind::Text, 3}, {TokenKind::Visual, 8}});
   test::Matrix m = random_embeddings(ElementType::F32, layout.num_tokens(), 40, 3);
   for (std::int32_t c = 0; c < 40; ++c) {
-    m.set(1, c, 0.0f);  // a text row
-    m.set(5, c, 0.0f);  // a row of window 0
+    m.set(1, c, 0.0f);                                        // a text row
+    m.set(5, c, 0.0f);                                        // a row of window 0
     for (std::int64_t r = 7; r < 11; ++r) m.set(r, c, 0.0f);  // window 1 entirely
   }
   expect_matches_brute_force(layout, m, 4);
@@ -129,7 +133,7 @@ TEST(Similarity, HandComputed) {
     for (int c = 0; c < 2; ++c) m.set(r, c, rows[r][c]);
   }
   const std::vector<float> s = window_similarity(layout, m.view(), 2);
-  ASSERT_EQ(s.size(), 2u);  // row 5 is the visual tail
+  ASSERT_EQ(s.size(), 2u);        // row 5 is the visual tail
   EXPECT_NEAR(s[0], 0.5, 1e-7);   // window mean (0.5, 0.5)
   EXPECT_NEAR(s[1], -0.2, 1e-7);  // window mean (-0.8, 0.4)
 }
@@ -166,8 +170,7 @@ TEST(Similarity, RejectsBadInput) {
   expect_error<InvalidArgument>([&] { window_similarity(layouts, one, 4); },
                                 "embeddings holds 1 requests, expected one per layout (2)");
   const std::vector<EmbeddingsView> mixed = {view, other.view()};
-  expect_error<InvalidArgument>([&] { window_similarity(layouts, mixed, 4); },
-                                "embeddings[1].hidden = 8, expected 16");
+  expect_error<InvalidArgument>([&] { window_similarity(layouts, mixed, 4); }, "embeddings[1].hidden = 8, expected 16");
   const std::vector<TokenLayout> second_visual_only = {layout, visual_only};
   const std::vector<EmbeddingsView> two = {view, view};
   expect_error<InvalidArgument>([&] { window_similarity(second_visual_only, two, 4); },
@@ -195,8 +198,7 @@ TEST(Similarity, RejectsNonFiniteEmbeddings) {
   bad.set(4, 0, std::numeric_limits<float>::quiet_NaN());
   const std::vector<TokenLayout> layouts = {layout, layout};
   const std::vector<EmbeddingsView> views = {good.view(), bad.view()};
-  expect_error<InvalidArgument>([&] { window_similarity(layouts, views, 4); },
-                                "embeddings[1] row 4 (visual window 0)");
+  expect_error<InvalidArgument>([&] { window_similarity(layouts, views, 4); }, "embeddings[1] row 4 (visual window 0)");
 }
 
 }  // namespace

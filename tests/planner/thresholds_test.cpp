@@ -183,8 +183,7 @@ TEST(LayerSensitivity, RejectsBadInput) {
   const std::vector<EmbeddingsView> with_narrow = {a.view(), narrow.view()};
   expect_error<InvalidArgument>([&] { layer_sensitivity(two, with_narrow); }, "after[1].hidden differs");
   const std::vector<EmbeddingsView> with_short = {a.view(), short_.view()};
-  expect_error<InvalidArgument>([&] { layer_sensitivity(with_short, two); },
-                                "before[1].num_tokens = 3, expected 4");
+  expect_error<InvalidArgument>([&] { layer_sensitivity(with_short, two); }, "before[1].num_tokens = 3, expected 4");
   test::Matrix nan = a;
   nan.set(2, 5, std::numeric_limits<float>::quiet_NaN());
   const std::vector<EmbeddingsView> with_nan = {a.view(), nan.view()};

@@ -48,8 +48,7 @@ std::vector<float> window_similarity(const TokenLayout& layout, const Embeddings
 // The same for a batch of requests (their own frame and text counts); every
 // request must share one hidden size (one model).
 std::vector<std::vector<float>> window_similarity(std::span<const TokenLayout> layouts,
-                                                  std::span<const EmbeddingsView> embeddings,
-                                                  std::int32_t window_size);
+                                                  std::span<const EmbeddingsView> embeddings, std::int32_t window_size);
 
 // The checks window_similarity() makes before reading any value (shapes,
 // text present, one hidden size per batch): what the CUDA planner runs on the
@@ -74,8 +73,7 @@ enum class SensitivityReduction : std::uint8_t {
 // to PlannerConfig.
 // Throws InvalidArgument for empty or unequal spans, a shape mismatch, or a
 // NaN or infinite value.
-std::vector<double> layer_sensitivity(std::span<const EmbeddingsView> before,
-                                      std::span<const EmbeddingsView> after,
+std::vector<double> layer_sensitivity(std::span<const EmbeddingsView> before, std::span<const EmbeddingsView> after,
                                       SensitivityReduction reduction = SensitivityReduction::Flattened);
 
 // The checks layer_sensitivity() makes before reading any value.
@@ -92,9 +90,9 @@ enum class BatchPolicy : std::uint8_t {
 };
 
 struct PlannerConfig {
-  std::int32_t window_size = 32;       // = CacheShape::block_size of the cache it feeds
-  double alpha = 2.0;                  // eqs. 10-11; > 0, larger -> wider INT4 band
-  std::vector<double> sensitivities;   // s_l per layer (eq. 9), each in [-1, 1]; size = layers
+  std::int32_t window_size = 32;         // = CacheShape::block_size of the cache it feeds
+  double alpha = 2.0;                    // eqs. 10-11; > 0, larger -> wider INT4 band
+  std::vector<double> sensitivities;     // s_l per layer (eq. 9), each in [-1, 1]; size = layers
   std::vector<Precision> min_precision;  // empty, or the lowest precision allowed per layer
   BatchPolicy batch_policy = BatchPolicy::PerRequest;
 };

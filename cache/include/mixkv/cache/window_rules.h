@@ -37,8 +37,7 @@ struct LayerThresholds {
 // under -1. docs/planner.md gives the full argument.
 MIXKV_HOST_DEVICE inline LayerThresholds layer_thresholds(double sensitivity, double alpha) {
   const double s = sensitivity > 0.0 ? sensitivity : 0.0;
-  return {static_cast<float>(window_threshold_low(s, alpha)),
-          static_cast<float>(window_threshold_high(s, alpha))};
+  return {static_cast<float>(window_threshold_low(s, alpha)), static_cast<float>(window_threshold_high(s, alpha))};
 }
 
 // The more precise of two precisions (more bits).
@@ -52,8 +51,7 @@ MIXKV_HOST_DEVICE constexpr Precision max_precision(Precision a, Precision b) {
 MIXKV_HOST_DEVICE inline Precision window_precision(float score, LayerThresholds t, Precision minimum,
                                                     bool first_window) {
   if (first_window) return Precision::FP16;
-  const Precision chosen =
-      score > t.high ? Precision::FP16 : (score < t.low ? Precision::INT2 : Precision::INT4);
+  const Precision chosen = score > t.high ? Precision::FP16 : (score < t.low ? Precision::INT2 : Precision::INT4);
   return max_precision(chosen, minimum);
 }
 

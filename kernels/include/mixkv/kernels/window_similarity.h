@@ -2,13 +2,13 @@
 // WindowQuant section 1 on the GPU (docs/planner.md): eq. 8 similarity through
 // normalized means, eqs. 10-11 thresholds and the precision rule, batched over
 // requests, with the same decisions as the CPU WindowPlanner.
+#include <cublas_v2.h>
+#include <cuda_runtime_api.h>
+
 #include <cstdint>
 #include <memory>
 #include <span>
 #include <vector>
-
-#include <cublas_v2.h>
-#include <cuda_runtime_api.h>
 
 #include "mixkv/cache/precision_plan.h"
 #include "mixkv/cache/token_layout.h"
@@ -44,8 +44,7 @@ class CudaWindowPlanner {
   // text and mismatched batches, plus: element types that differ within the
   // batch, a hidden size over 49,152 (the text mean lives in shared memory),
   // and a call while a batch is in flight.
-  void prepare(std::span<const TokenLayout> layouts, std::span<const EmbeddingsView> embeddings,
-               cudaStream_t stream);
+  void prepare(std::span<const TokenLayout> layouts, std::span<const EmbeddingsView> embeddings, cudaStream_t stream);
   void launch(cudaStream_t stream);
   // Throws InvalidArgument naming the request and row of a NaN or infinite
   // value (only rows eq. 8 reads are checked), DeviceError for a failed CUDA
@@ -77,8 +76,7 @@ class CudaWindowPlanner {
 // scratch comes from cudaMallocAsync on `stream`, which the cuBLAS handle is
 // set to. Validation as window_similarity().
 void window_similarity_pairwise(std::span<const TokenLayout> layouts, std::span<const EmbeddingsView> embeddings,
-                                std::int32_t window_size, float* scores, cublasHandle_t cublas,
-                                cudaStream_t stream);
+                                std::int32_t window_size, float* scores, cublasHandle_t cublas, cudaStream_t stream);
 
 // Eq. 9 on the device, batched over layers, as mixkv::layer_sensitivity()
 // (device pointers in the views). Returns after synchronizing `stream`.
