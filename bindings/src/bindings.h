@@ -1,0 +1,24 @@
+#pragma once
+// The pieces of the module mixkv._core, one concept a file; module.cpp calls
+// them in dependency order (a type is registered before a signature uses it).
+#include <pybind11/pybind11.h>
+
+namespace mixkv::python {
+
+namespace py = pybind11;
+
+void bind_errors(py::module_& m);
+void bind_cache_shape(py::module_& m);
+void bind_token_layout(py::module_& m);
+void bind_precision_plan(py::module_& m);
+void bind_kv_cache_manager(py::module_& m);
+void bind_host_kv_cache(py::module_& m);
+void bind_window_planner(py::module_& m);
+void bind_cpu_ops(py::module_& ops);
+#ifdef MIXKV_PYTHON_CUDA
+void bind_cuda_cache(py::module_& cuda);
+void bind_cuda_planner(py::module_& cuda);
+void bind_cuda_ops(py::module_& ops);
+#endif
+
+}  // namespace mixkv::python

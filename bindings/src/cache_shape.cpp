@@ -1,0 +1,99 @@
+// Precision, CacheShape, CacheConfig, BlockFormat, PoolStats: the value types
+// that describe a cache.
+#include <string>
+
+#include <pybind11/native_enum.h>
+#include <pybind11/operators.h>
+
+#include "bindings.h"
+#include "mixkv/cache/block_format.h"
+#include "mixkv/cache/cache_shape.h"
+#include "mixkv/cache/kv_cache_manager.h"
+#include "mixkv/cache/precision.h"
+
+namespace mixkv::python {
+
+void bind_cache_shape(py::module_& m) {
+  py::native_enum<Precision>(m, "Precision", "enum.IntEnum",
+                             "Storage precision of a block; the value is the pool index (FP16 0, INT4 1, INT2 2).")
+      .value("FP16", Precision::FP16, "IEEE half, 16 bits")
+      .value("INT4", Precision::INT4, "4-bit codes, K per channel and V per token (scale, min) in FP16")
+      .value("INT2", Precision::INT2, "2-bit codes, same grouping as INT4")
+      .finalize();
+  m.def("bits_of", &bits_of, py::arg("precision"), "Bits of one stored value: 16, 4 or 2.");
+  m.def("is_quantized", &is_quantized, py::arg("precision"), "True for INT4 and INT2.");
+
+  py::class_<CacheShape>(m, "CacheShape",
+                         "Geometry every pool of a cache shares. block_size is also the WindowQuant window.")
+      .def(py::init([](std::int32_t num_layers, std::int32_t num_kv_heads, std::int32_t head_dim,
+                       std::int32_t block_size) { return CacheShape{num_layers, num_kv_heads, head_dim, block_size}; }),
+           py::arg("num_layers"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("block_size") = 32)
+      .def_readwrite("num_layers", &CacheShape::num_layers)
+      .def_readwrite("num_kv_heads", &CacheShape::num_kv_heads)
+      .def_readwrite("head_dim", &CacheShape::head_dim)
+      .def_readwrite("block_size", &CacheShape::block_size)
+      .def("validate", [](const CacheShape& s) { validate(s); },
+           "Raises ValueError naming the field unless num_layers >= 1, num_kv_heads >= 1, head_dim a multiple of 16 "
+           "in [16, 512] and block_size a multiple of 16 in [16, 256].")
+      .def(py::self == py::self)
+      .def("__repr__", [](const CacheShape& s) {
+        return "CacheShape(num_layers=" + std::to_string(s.num_layers) + ", num_kv_heads=" +
+               std::to_string(s.num_kv_heads) + ", head_dim=" + std::to_string(s.head_dim) +
+               ", block_size=" + std::to_string(s.block_size) + ")";
+      });
+
+  py::class_<CacheConfig>(m, "CacheConfig", "A cache: its shape, the bytes of its one arena, the slab size.")
+      .def(py::init([](const CacheShape& shape, std::size_t arena_bytes, std::size_t slab_bytes) {
+             return CacheConfig{shape, arena_bytes, slab_bytes};
+           }),
+           py::arg("shape"), py::arg("arena_bytes"), py::arg("slab_bytes") = CacheConfig{}.slab_bytes)
+      .def_readwrite("shape", &CacheConfig::shape)
+      .def_readwrite("arena_bytes", &CacheConfig::arena_bytes, "Total KV memory, all pools together.")
+      .def_readwrite("slab_bytes", &CacheConfig::slab_bytes, "Unit in which memory moves between pools.")
+      .def("__repr__", [](const CacheConfig& c) {
+        return "CacheConfig(shape=" + std::string(py::repr(py::cast(c.shape))) +
+               ", arena_bytes=" + std::to_string(c.arena_bytes) + ", slab_bytes=" + std::to_string(c.slab_bytes) + ")";
+      });
+
+  py::class_<BlockFormat>(m, "BlockFormat", "Byte layout of one block of a precision (block_format.h).")
+      .def(py::init([](Precision precision, std::int32_t num_kv_heads, std::int32_t head_dim, std::int32_t block_size) {
+             return BlockFormat{precision, num_kv_heads, head_dim, block_size};
+           }),
+           py::arg("precision"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("block_size"))
+      .def_readonly("precision", &BlockFormat::precision)
+      .def_readonly("num_kv_heads", &BlockFormat::num_kv_heads)
+      .def_readonly("head_dim", &BlockFormat::head_dim)
+      .def_readonly("block_size", &BlockFormat::block_size)
+      .def_property_readonly("bits", &BlockFormat::bits)
+      .def_property_readonly("k_channel_bytes", &BlockFormat::k_channel_bytes)
+      .def_property_readonly("v_token_bytes", &BlockFormat::v_token_bytes)
+      .def_property_readonly("k_offset", &BlockFormat::k_offset)
+      .def_property_readonly("v_offset", &BlockFormat::v_offset)
+      .def_property_readonly("k_params_offset", &BlockFormat::k_params_offset)
+      .def_property_readonly("v_params_offset", &BlockFormat::v_params_offset)
+      .def_property_readonly("head_bytes", &BlockFormat::head_bytes)
+      .def_property_readonly("block_bytes", &BlockFormat::block_bytes)
+      .def("__repr__", [](const BlockFormat& f) {
+        return "BlockFormat(precision=" + std::string(to_string(f.precision)) + ", num_kv_heads=" +
+               std::to_string(f.num_kv_heads) + ", head_dim=" + std::to_string(f.head_dim) +
+               ", block_size=" + std::to_string(f.block_size) + ", block_bytes=" + std::to_string(f.block_bytes()) +
+               ")";
+      });
+  m.def("bytes_per_token_per_head", &bytes_per_token_per_head, py::arg("precision"), py::arg("head_dim"),
+        py::arg("block_size"), "Bytes one token of one KV head takes in a precision, metadata included.");
+
+  py::class_<PoolStats>(m, "PoolStats", "Usage of one pool.")
+      .def_readonly("block_bytes", &PoolStats::block_bytes)
+      .def_readonly("blocks_per_slab", &PoolStats::blocks_per_slab)
+      .def_readonly("slabs", &PoolStats::slabs, "Slabs this pool holds now.")
+      .def_readonly("used_blocks", &PoolStats::used_blocks, "Blocks owned by at least one page table.")
+      .def_readonly("free_blocks", &PoolStats::free_blocks, "Free blocks inside this pool's slabs.")
+      .def("__repr__", [](const PoolStats& s) {
+        return "PoolStats(block_bytes=" + std::to_string(s.block_bytes) + ", blocks_per_slab=" +
+               std::to_string(s.blocks_per_slab) + ", slabs=" + std::to_string(s.slabs) +
+               ", used_blocks=" + std::to_string(s.used_blocks) + ", free_blocks=" + std::to_string(s.free_blocks) +
+               ")";
+      });
+}
+
+}  // namespace mixkv::python

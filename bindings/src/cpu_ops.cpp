@@ -1,0 +1,166 @@
+// mixkv.ops on the CPU backend: a mixkv.KVCache and NumPy arrays. K/V and
+// queries are float16 (mixkv::Half bit for bit), outputs float32. Every
+// array is checked (dtype, shape, C-contiguity, writability) before the C++
+// call, which then checks the values (slots, NaN) itself. Long calls release
+// the GIL; the arrays passed stay referenced by the call, but must not be
+// resized or mutated by another thread meanwhile.
+#include <cmath>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <pybind11/stl.h>
+
+#include "bindings.h"
+#include "host_arrays.h"
+#include "host_kv_cache.h"
+#include "mixkv/cache/cache_shape.h"
+#include "mixkv/cache/errors.h"
+#include "mixkv/cpu/decode_attention.h"
+#include "mixkv/cpu/merge_states.h"
+#include "mixkv/cpu/quantize.h"
+#include "mixkv/cpu/store.h"
+
+namespace mixkv::python {
+namespace {
+
+using std::string;
+
+void store_prefill(const HostKVCache& cache, py::handle k, py::handle v, const StoreMapping& mapping) {
+  const CacheShape& s = cache.config().shape;
+  const auto rows = static_cast<std::int64_t>(mapping.fp16_slots.size());
+  const auto kk = input_array<Half>(k, "store_prefill: k",
+                                    {{rows, "rows"}, {s.num_kv_heads, "num_kv_heads"}, {s.head_dim, "head_dim"}});
+  const auto vv = input_array<Half>(v, "store_prefill: v",
+                                    {{rows, "rows"}, {s.num_kv_heads, "num_kv_heads"}, {s.head_dim, "head_dim"}});
+  const cpu::PoolViews pools = cache.pools();
+  py::gil_scoped_release release;
+  cpu::store_prefill(kk.values, vv.values, mapping, pools);
+}
+
+void append(const HostKVCache& cache, py::handle k, py::handle v, py::handle slots) {
+  const CacheShape& s = cache.config().shape;
+  const std::vector<std::int32_t> fp16_slots = index_vector(slots, "append: slots");
+  const auto batch = static_cast<std::int64_t>(fp16_slots.size());
+  const auto kk =
+      input_array<Half>(k, "append: k", {{batch, "batch"}, {s.num_kv_heads, "num_kv_heads"}, {s.head_dim, "head_dim"}});
+  const auto vv =
+      input_array<Half>(v, "append: v", {{batch, "batch"}, {s.num_kv_heads, "num_kv_heads"}, {s.head_dim, "head_dim"}});
+  const PoolView pool = cache.pools()[pool_index(Precision::FP16)];
+  py::gil_scoped_release release;
+  cpu::append(kk.values, vv.values, fp16_slots, pool);
+}
+
+void copy_blocks(const HostKVCache& cache, const std::vector<BlockCopy>& copies, Precision p) {
+  const PoolView pool = cache.pools()[pool_index(p)];
+  py::gil_scoped_release release;
+  cpu::copy_blocks(copies, pool);
+}
+
+py::tuple paged_decode_attention(const HostKVCache& cache, const DecodeMetadata& metadata, std::int32_t layer,
+                                 py::handle q, std::optional<float> sm_scale, py::object out, py::object lse) {
+  const CacheShape& s = cache.config().shape;
+  if (layer < 0 || static_cast<std::size_t>(layer) >= metadata.layers.size()) {
+    throw IndexOutOfRange("paged_decode_attention: layer = " + std::to_string(layer) + ", expected 0 <= layer < " +
+                          std::to_string(metadata.layers.size()) + " (metadata.num_layers)");
+  }
+  const std::int64_t batch = metadata.batch_size;
+  const auto qq = input_array<Half>(q, "paged_decode_attention: q",
+                                    {{batch, "batch"}, {kAny, "num_q_heads"}, {s.head_dim, "head_dim"}});
+  const py::ssize_t q_heads = qq.dim(1);
+  if (out.is_none()) out = new_float_array({batch, q_heads, s.head_dim});
+  if (lse.is_none()) lse = new_float_array({batch, q_heads});
+  const auto o = output_array<float>(out, "paged_decode_attention: out",
+                                     {{batch, "batch"}, {q_heads, "num_q_heads"}, {s.head_dim, "head_dim"}});
+  const auto l = output_array<float>(lse, "paged_decode_attention: lse", {{batch, "batch"}, {q_heads, "num_q_heads"}});
+  cpu::DecodeAttentionArgs args;
+  args.q = qq.values;
+  args.num_q_heads = static_cast<std::int32_t>(q_heads);
+  args.sm_scale = sm_scale.value_or(1.0f / std::sqrt(static_cast<float>(s.head_dim)));
+  args.tables = &metadata.layers[layer];
+  args.pools = cache.pools();
+  args.out = o.values;
+  args.lse = l.values;
+  {
+    py::gil_scoped_release release;
+    cpu::decode_attention(args);
+  }
+  return py::make_tuple(out, lse);
+}
+
+// Shapes (*states, head_dim) and (*states) taken from out_a.
+py::tuple merge_states(py::array out_a, py::array lse_a, py::array out_b, py::array lse_b, py::object out,
+                       py::object lse) {
+  constexpr const char* fn = "merge_states: ";
+  if (out_a.ndim() < 1) throw InvalidArgument(string(fn) + "out_a: expected shape (*states, head_dim), got a scalar");
+  std::vector<Dim> out_dims;
+  std::vector<Dim> lse_dims;
+  for (py::ssize_t i = 0; i + 1 < out_a.ndim(); ++i) {
+    out_dims.push_back({out_a.shape(i), "states"});
+    lse_dims.push_back({out_a.shape(i), "states"});
+  }
+  out_dims.push_back({out_a.shape(out_a.ndim() - 1), "head_dim"});
+  auto input = [&](py::handle a, const char* name, const std::vector<Dim>& dims) {
+    const py::array checked = check_host_array(a, string(fn) + name, "float32", dims, false);
+    return std::span<const float>(static_cast<const float*>(checked.data()), static_cast<std::size_t>(checked.size()));
+  };
+  const auto oa = input(out_a, "out_a", out_dims);
+  const auto la = input(lse_a, "lse_a", lse_dims);
+  const auto ob = input(out_b, "out_b", out_dims);
+  const auto lb = input(lse_b, "lse_b", lse_dims);
+  if (out.is_none()) out = py::array_t<float>(std::vector<py::ssize_t>(out_a.shape(), out_a.shape() + out_a.ndim()));
+  if (lse.is_none()) lse = py::array_t<float>(std::vector<py::ssize_t>(out_a.shape(), out_a.shape() + out_a.ndim() - 1));
+  py::array o = check_host_array(out, string(fn) + "out", "float32", out_dims, true);
+  py::array l = check_host_array(lse, string(fn) + "lse", "float32", lse_dims, true);
+  const std::span<float> os(static_cast<float*>(o.mutable_data()), static_cast<std::size_t>(o.size()));
+  const std::span<float> ls(static_cast<float*>(l.mutable_data()), static_cast<std::size_t>(l.size()));
+  const auto head_dim = static_cast<std::int32_t>(out_a.shape(out_a.ndim() - 1));
+  {
+    py::gil_scoped_release release;
+    cpu::merge_states(oa, la, ob, lb, head_dim, os, ls);
+  }
+  return py::make_tuple(out, lse);
+}
+
+py::tuple read_head(const BlockFormat& format, py::handle head_region) {
+  validate(CacheShape{1, format.num_kv_heads, format.head_dim, format.block_size});
+  const auto bytes = static_cast<std::int64_t>(format.head_bytes());
+  const auto region = input_array<std::uint8_t>(head_region, "read_head: head_region", {{bytes, "head_bytes"}});
+  py::array_t<float> k({format.block_size, format.head_dim});
+  py::array_t<float> v({format.block_size, format.head_dim});
+  cpu::read_head(format, reinterpret_cast<const std::byte*>(region.values.data()), k.mutable_data(),
+                 v.mutable_data());
+  return py::make_tuple(k, v);
+}
+
+}  // namespace
+
+void bind_cpu_ops(py::module_& ops) {
+  ops.def("store_prefill", &store_prefill, py::arg("cache"), py::arg("k"), py::arg("v"), py::arg("mapping"),
+          "Stores one layer's prefill K/V, float16 [rows, num_kv_heads, head_dim] each, where `mapping` "
+          "(KVCacheManager.prefill_mapping, several appended for a batch) says: FP16 rows to their slots, "
+          "INT4/INT2 windows quantized into their blocks.");
+  ops.def("append", &append, py::arg("cache"), py::arg("k"), py::arg("v"), py::arg("slots"),
+          "Writes one decode token per sequence, float16 [batch, num_kv_heads, head_dim], into the FP16 slots of "
+          "one layer (AppendResult.slots[layer]).");
+  ops.def("copy_blocks", &copy_blocks, py::arg("cache"), py::arg("copies"), py::arg("precision") = Precision::FP16,
+          "Copies whole blocks inside one pool (AppendResult.copies, before the step's tokens are written).");
+  ops.def("paged_decode_attention", &paged_decode_attention, py::arg("cache"), py::arg("metadata"), py::arg("layer"),
+          py::arg("q"), py::kw_only(), py::arg("sm_scale") = py::none(), py::arg("out") = py::none(),
+          py::arg("lse") = py::none(),
+          "Decode attention of one layer over the three pools of every sequence of `metadata`, with GQA. q is "
+          "float16 [batch, num_q_heads, head_dim]; returns (out float32 [batch, num_q_heads, head_dim], lse float32 "
+          "[batch, num_q_heads]), natural-log LSE, -inf for a sequence without tokens. sm_scale defaults to "
+          "1/sqrt(head_dim). Accumulates in float64 on the dequantized K/V: the reference the CUDA kernel is held "
+          "to.");
+  ops.def("merge_states", &merge_states, py::arg("out_a"), py::arg("lse_a"), py::arg("out_b"), py::arg("lse_b"),
+          py::kw_only(), py::arg("out") = py::none(), py::arg("lse") = py::none(),
+          "Merges attention states of the same queries over disjoint keys: out (*states, head_dim) and lse "
+          "(*states), float32, natural-log LSE. An empty state (lse -inf) contributes nothing; two empty states "
+          "give (0, -inf), never NaN. out/lse may be out_a/lse_a (in place). Returns (out, lse).");
+  ops.def("read_head", &read_head, py::arg("format"), py::arg("head_region"),
+          "Dequantizes (or widens) one KV head of a block: head_region is uint8 [format.head_bytes] (e.g. a slice "
+          "of KVCache.block()); returns (k, v) float32 [block_size, head_dim], the values every decode kernel sees.");
+}
+
+}  // namespace mixkv::python

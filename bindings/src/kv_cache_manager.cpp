@@ -1,0 +1,166 @@
+// KVCacheManager and the values it hands out: StoreMapping, AppendResult,
+// DecodeMetadata. Index vectors cross as NumPy int32 arrays (copies), the
+// shape engines upload them in.
+//
+// No call here releases the GIL: the manager is not thread-safe, and the GIL
+// is what serializes Python threads that share one.
+#include <string>
+#include <vector>
+
+#include <pybind11/stl.h>
+
+#include "bindings.h"
+#include "host_arrays.h"
+#include "mixkv/cache/errors.h"
+#include "mixkv/cache/kv_cache_manager.h"
+
+namespace mixkv::python {
+namespace {
+
+std::string window_slot_repr(const WindowSlot& w) {
+  return "WindowSlot(block_id=" + std::to_string(w.block_id) + ", first_row=" + std::to_string(w.first_row) + ")";
+}
+
+// [layer][i] slots of AppendResult as one [num_layers, batch] array.
+py::array_t<std::int32_t> slots_array(const std::vector<std::vector<std::int32_t>>& slots) {
+  const py::ssize_t layers = static_cast<py::ssize_t>(slots.size());
+  const py::ssize_t batch = slots.empty() ? 0 : static_cast<py::ssize_t>(slots.front().size());
+  py::array_t<std::int32_t> a({layers, batch});
+  auto view = a.mutable_unchecked<2>();
+  for (py::ssize_t l = 0; l < layers; ++l) {
+    for (py::ssize_t i = 0; i < batch; ++i) view(l, i) = slots[l][i];
+  }
+  return a;
+}
+
+PagedPoolTable& metadata_table(DecodeMetadata& md, std::int32_t layer, Precision p) {
+  if (layer < 0 || static_cast<std::size_t>(layer) >= md.layers.size()) {
+    throw IndexOutOfRange("layer = " + std::to_string(layer) + ", expected 0 <= layer < " +
+                          std::to_string(md.layers.size()));
+  }
+  return md.layers[layer][pool_index(p)];
+}
+
+}  // namespace
+
+void bind_kv_cache_manager(py::module_& m) {
+  py::class_<WindowSlot>(m, "WindowSlot", "One quantized window to store: its block and the row of its first token.")
+      .def(py::init([](std::int32_t block_id, std::int32_t first_row) { return WindowSlot{block_id, first_row}; }),
+           py::arg("block_id"), py::arg("first_row"))
+      .def_readwrite("block_id", &WindowSlot::block_id)
+      .def_readwrite("first_row", &WindowSlot::first_row)
+      .def("__eq__", [](const WindowSlot& a, const WindowSlot& b) {
+        return a.block_id == b.block_id && a.first_row == b.first_row;
+      })
+      .def("__repr__", &window_slot_repr);
+
+  py::class_<StoreMapping>(m, "StoreMapping",
+                           "Where each K/V row of a prefill goes in one layer: an FP16 slot per row (block_id * "
+                           "block_size + offset, or -1 for a row of a quantized window) and one block per "
+                           "INT4/INT2 window.")
+      .def(py::init<>())
+      .def_property(
+          "fp16_slots", [](const StoreMapping& s) { return int32_array(s.fp16_slots); },
+          [](StoreMapping& s, py::handle v) { s.fp16_slots = index_vector(v, "StoreMapping.fp16_slots"); },
+          "int32 array [rows] (a copy; assign to change it).")
+      .def_readwrite("int4_windows", &StoreMapping::int4_windows, "list[WindowSlot] (a copy; assign to change it).")
+      .def_readwrite("int2_windows", &StoreMapping::int2_windows, "list[WindowSlot] (a copy; assign to change it).")
+      .def_property_readonly("num_rows", [](const StoreMapping& s) { return s.fp16_slots.size(); })
+      .def("append", &StoreMapping::append, py::arg("other"),
+           "Appends `other`, whose rows follow this mapping's rows (several sequences in one store_prefill).")
+      .def("__repr__", [](const StoreMapping& s) {
+        return "StoreMapping(rows=" + std::to_string(s.fp16_slots.size()) + ", int4_windows=" +
+               std::to_string(s.int4_windows.size()) + ", int2_windows=" + std::to_string(s.int2_windows.size()) +
+               ")";
+      });
+
+  py::class_<BlockCopy>(m, "BlockCopy", "A whole-block copy inside one pool (copy-on-write after fork).")
+      .def(py::init([](std::int32_t src, std::int32_t dst) { return BlockCopy{src, dst}; }), py::arg("src"),
+           py::arg("dst"))
+      .def_readwrite("src", &BlockCopy::src)
+      .def_readwrite("dst", &BlockCopy::dst)
+      .def("__eq__", [](const BlockCopy& a, const BlockCopy& b) { return a.src == b.src && a.dst == b.dst; })
+      .def("__repr__", [](const BlockCopy& c) {
+        return "BlockCopy(src=" + std::to_string(c.src) + ", dst=" + std::to_string(c.dst) + ")";
+      });
+
+  py::class_<AppendResult>(m, "AppendResult", "What append_tokens() allocated for one decode token per sequence.")
+      .def_property_readonly(
+          "slots", [](const AppendResult& r) { return slots_array(r.slots); },
+          "int32 array [num_layers, batch]: FP16 slot of sequence i's new token in each layer.")
+      .def_readonly("copies", &AppendResult::copies,
+                    "list[BlockCopy]: shared, partly filled FP16 tails to copy (ops.copy_blocks) before the "
+                    "new tokens are written.");
+
+  py::class_<PagedPoolTable>(m, "PagedPoolTable",
+                             "The page lists of a batch for one (layer, pool) in CSR form (FlashInfer's paged_kv_t).")
+      .def(py::init<>())
+      .def_property(
+          "indptr", [](const PagedPoolTable& t) { return int32_array(t.indptr); },
+          [](PagedPoolTable& t, py::handle v) { t.indptr = index_vector(v, "PagedPoolTable.indptr"); },
+          "int32 [batch + 1]")
+      .def_property(
+          "indices", [](const PagedPoolTable& t) { return int32_array(t.indices); },
+          [](PagedPoolTable& t, py::handle v) { t.indices = index_vector(v, "PagedPoolTable.indices"); },
+          "int32 block ids; indptr[i]..indptr[i+1] are sequence i's")
+      .def_property(
+          "last_block_len", [](const PagedPoolTable& t) { return int32_array(t.last_block_len); },
+          [](PagedPoolTable& t, py::handle v) { t.last_block_len = index_vector(v, "PagedPoolTable.last_block_len"); },
+          "int32 [batch]: valid tokens in each sequence's last block (0 if it has none)");
+
+  py::class_<DecodeMetadata>(m, "DecodeMetadata", "Page tables of a decode batch, per layer and pool.")
+      .def_readonly("batch_size", &DecodeMetadata::batch_size)
+      .def_property_readonly("num_layers", [](const DecodeMetadata& md) { return md.layers.size(); })
+      .def("table", &metadata_table, py::arg("layer"), py::arg("precision"), py::return_value_policy::reference_internal,
+           "The table of (layer, pool), by reference: assigning its fields changes this metadata.");
+
+  py::class_<KVCacheManager>(m, "KVCacheManager",
+                             "The bookkeeping of a KV cache: arena slabs, the three pools, every sequence's page "
+                             "tables. It never touches KV bytes (mixkv.KVCache adds host memory for them). Every "
+                             "call validates its input and raises naming the argument; a call that raises changes "
+                             "nothing.")
+      .def(py::init<CacheConfig>(), py::arg("config"))
+      .def_property_readonly("config", &KVCacheManager::config)
+      .def_property_readonly("total_slabs", &KVCacheManager::total_slabs)
+      .def_property_readonly("free_slabs", &KVCacheManager::free_slabs)
+      .def("format", &KVCacheManager::format, py::arg("precision"))
+      .def("pool_stats", &KVCacheManager::pool_stats, py::arg("precision"))
+      .def("demand", &KVCacheManager::demand, py::arg("layout"), py::arg("plan"),
+           "Blocks the prompt needs per pool over all layers: [FP16, INT4, INT2].")
+      .def("can_allocate", &KVCacheManager::can_allocate, py::arg("blocks"),
+           "Whether [FP16, INT4, INT2] more blocks could be allocated now, counting free slabs and empty slabs "
+           "other pools could give back.")
+      .def("add_sequence", &KVCacheManager::add_sequence, py::arg("id"), py::arg("layout"), py::arg("plan"),
+           "Registers a sequence and allocates its whole prompt under `plan`. MemoryError leaves nothing "
+           "allocated; an id already present raises ValueError.")
+      .def("contains", &KVCacheManager::contains, py::arg("id"))
+      .def("__contains__", &KVCacheManager::contains, py::arg("id"))
+      .def("sequence_ids", &KVCacheManager::sequence_ids, "Ascending.")
+      .def("num_tokens", &KVCacheManager::num_tokens, py::arg("id"), "Prompt + appended tokens.")
+      .def("layout", &KVCacheManager::layout, py::arg("id"))
+      .def("plan", &KVCacheManager::plan, py::arg("id"))
+      .def("prefill_mapping", &KVCacheManager::prefill_mapping, py::arg("id"), py::arg("layer"),
+           "Where the prompt rows of `id` go in `layer`.")
+      .def("append_tokens", &KVCacheManager::append_tokens, py::arg("ids"),
+           "One decode token for each sequence (distinct ids), FP16 in every layer. All or nothing: "
+           "MemoryError leaves every sequence as it was.")
+      .def("fork", &KVCacheManager::fork, py::arg("parent"), py::arg("child"),
+           "`child` shares every block of `parent`; the partly filled FP16 tail is copied on the first append.")
+      .def("free_sequence", &KVCacheManager::free_sequence, py::arg("id"))
+      .def(
+          "blocks",
+          [](const KVCacheManager& mgr, SequenceId id, std::int32_t layer, Precision p) {
+            return int32_array(mgr.blocks(id, layer, p));
+          },
+          py::arg("id"), py::arg("layer"), py::arg("precision"), "Block ids of (sequence, layer, pool) in order.")
+      .def("fp16_tail_fill", &KVCacheManager::fp16_tail_fill, py::arg("id"), py::arg("layer"))
+      .def("ref_count", &KVCacheManager::ref_count, py::arg("precision"), py::arg("block_id"))
+      .def("decode_metadata", &KVCacheManager::decode_metadata, py::arg("ids"),
+           "Page tables of a decode batch (sequences in the order given) for every layer and pool.")
+      .def("check_invariants", &KVCacheManager::check_invariants,
+           "Raises mixkv.InvariantViolation (a RuntimeError) describing the first broken invariant.")
+      .def("describe_state", &KVCacheManager::describe_state,
+           "Canonical text of all bookkeeping: equal texts mean equal states.");
+}
+
+}  // namespace mixkv::python
