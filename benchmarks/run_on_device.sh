@@ -25,6 +25,16 @@ while [ $# -gt 0 ]; do
   esac
   shift
 done
+ROOT=$PWD
+# Build from a snapshot of the last commit (.devsnap, made with `git archive
+# HEAD`) with this tree's CUDA-backend files laid over it, so that other
+# areas' uncommitted work in the shared tree cannot break the device build.
+if [ -d .devsnap ]; then
+  cp -r kernels/. .devsnap/kernels/
+  cp -r tests/cuda/. .devsnap/tests/cuda/
+  cp benchmarks/decode_bench.cpp benchmarks/sdpa_bench.py benchmarks/summarize.py .devsnap/benchmarks/
+  cd .devsnap
+fi
 JOBS=$(nproc)
 BUILD=build-device
 export PATH=/usr/local/cuda/bin:$PATH
@@ -33,14 +43,14 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
 # --- dependencies
 CMAKE_ARGS=()
 if [ ! -f /usr/include/boost/unordered/unordered_flat_map.hpp ]; then
-  CMAKE_ARGS+=("-DBoost_DIR=$PWD/.devdeps/lib/cmake/Boost")
+  CMAKE_ARGS+=("-DBoost_DIR=$ROOT/.devdeps/lib/cmake/Boost")
 fi
 if ! ls /usr/lib/x86_64-linux-gnu/cmake/benchmark /usr/lib/cmake/benchmark /usr/local/lib/cmake/benchmark >/dev/null 2>&1; then
-  CMAKE_ARGS+=("-Dbenchmark_DIR=$PWD/.devdeps/lib/cmake/benchmark")
+  CMAKE_ARGS+=("-Dbenchmark_DIR=$ROOT/.devdeps/lib/cmake/benchmark")
 fi
 if ! ls /usr/lib/x86_64-linux-gnu/cmake/GTest/GTestConfig.cmake /usr/lib/cmake/GTest/GTestConfig.cmake >/dev/null 2>&1; then
   if [ ! -f /tmp/gtest/lib/cmake/GTest/GTestConfig.cmake ]; then
-    cmake -S .devdeps/googletest -B /tmp/gtest-build -G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_GMOCK=OFF \
+    cmake -S "$ROOT/.devdeps/googletest" -B /tmp/gtest-build -G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_GMOCK=OFF \
       -DCMAKE_INSTALL_PREFIX=/tmp/gtest >/tmp/gtest.log 2>&1 &&
       cmake --build /tmp/gtest-build -j"$JOBS" >>/tmp/gtest.log 2>&1 &&
       cmake --install /tmp/gtest-build >>/tmp/gtest.log 2>&1 || { tail -20 /tmp/gtest.log; exit 1; }

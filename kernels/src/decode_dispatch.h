@@ -13,6 +13,9 @@ inline constexpr int kMaxGroupHost = 8;
 // Split-KV aims at about this many work items per SM (3 CTAs fit per SM at
 // head_dim 128: one full wave).
 inline constexpr int kTargetItemsPerSm = 3;
+// Split-KV chunks of one (sequence, KV head) at most (the merge keeps their
+// weights in shared memory).
+inline constexpr int kMaxMergePieces = 1024;
 
 // Throws for a shape with no built instance; launches nothing.
 void check_decode_supported(int head_dim, int block_size);

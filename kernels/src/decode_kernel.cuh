@@ -12,8 +12,9 @@
 // scales multiply Q (q' = q * s_c, one half2 multiply per fragment) and the
 // K minimums become one extra MMA per k-step (sum_c q_c m_c); per-token V
 // scales multiply P and the V minimums a per-head scalar sum_t p_t m_t
-// added once at the end. The tensor cores see the raw integer codes,
-// converted exactly with the 0x6400 trick.
+// added once at the end. The tensor cores see the integer codes biased by
+// 1024 (one lop3 into the mantissa of 1024.0, 0x6400); the bias is removed
+// from the sums, not from each element (compute_quant_block).
 //
 // Memory: each warp streams its own blocks through a private cp.async ring
 // (16-byte copies, several blocks in flight; FP16 blocks go in 16-token
@@ -72,6 +73,7 @@ struct WarpState {
   float m[2];            // running max (base 2) of heads 2r, 2r+1
   float l[2];            // this thread's part of the softmax sum
   float vb[2];           // this thread's part of sum_t p_t * vmin_t
+  float corr[4];         // -1024 sum_t p'_t over quantized tokens (complete, every row alike)
 };
 
 // Bank-conflict-free placement of 16-byte chunks of FP16 rows in shared
@@ -103,6 +105,10 @@ __device__ __forceinline__ void online_softmax_rescale(float& bm0, float& bm1, W
   st.l[1] *= alpha1;
   st.vb[0] *= alpha0;
   st.vb[1] *= alpha1;
+  st.corr[0] *= alpha0;
+  st.corr[1] *= alpha1;
+  st.corr[2] *= alpha0;
+  st.corr[3] *= alpha1;
 #pragma unroll
   for (int cm = 0; cm < D / 16; ++cm) {
     st.acc[cm][0] *= alpha0;
@@ -250,7 +256,38 @@ struct VRun {
   }
 };
 
+// Where token i of a thread's K run lies in the pair word of two channels
+// (x[0]: bits 0..15 of each run, x[1]: bits 16..31): its half, whether that
+// half is shifted right by 8 first, and the bit k of its code there, so that
+// k + Bits <= 10 and one lop3 makes 1024 + 2^k code (device_math.cuh).
+template <int Bits>
+struct KRunPos {
+  static constexpr int half(int i) { return i * Bits / 16; }
+  static constexpr int bit(int i) { return i * Bits % 16; }
+  static constexpr bool shifted(int i) { return bit(i) + Bits > 10; }
+  static constexpr int k(int i) { return shifted(i) ? bit(i) - 8 : bit(i); }
+};
+
+template <int Bits>
+__device__ __forceinline__ uint32_t biased_codes_at(uint32_t x, int k) {
+  const uint32_t mask = (((1u << Bits) - 1u) << k) * 0x00010001u;
+  return lop3_and_or(x, mask, 0x64006400u);
+}
+
+template <int Bits>
+__device__ __forceinline__ uint32_t k_codes_of(const uint32_t (&x)[2], int i) {
+  const uint32_t h = x[KRunPos<Bits>::half(i)];
+  return biased_codes_at<Bits>(KRunPos<Bits>::shifted(i) ? h >> 8 : h, KRunPos<Bits>::k(i));
+}
+
 // One quantized block of S tokens (permuted token order, see the top).
+// The tensor cores get biased codes straight from one lop3 each:
+//   K: 1024 + 2^k x (k fixed per token row), so
+//      S^T[t] = 2^-k_t (sum_c q'_c (1024 + 2^k x_tc) - 1024 sum_c q'_c) + sum_c q_c m_c,
+//      with sum_c q'_c and sum_c q_c m_c from two rank-1 MMAs per k-step;
+//   V: 1024 + x, and -1024 sum_t p'_t goes to a per-head correction MMA.
+// FP32 accumulation keeps the 1024 offsets exact enough: the products are
+// exact and the offset costs about 7 of the accumulator's 24 bits.
 template <int D, int S, int Bits>
 __device__ __forceinline__ void compute_quant_block(const char* slot, const uint32_t (&qf)[D / 16][2],
                                                     float scale_log2, WarpState<D>& st, int lane) {
@@ -259,14 +296,17 @@ __device__ __forceinline__ void compute_quant_block(const char* slot, const uint
   constexpr int MT = S / 16;
   constexpr int kRunTokens = S / 8;
   constexpr int kCodesPer16 = 16 / Bits;
+  constexpr uint32_t kOnes = 0x3C003C00u;      // half2(1, 1)
+  constexpr uint32_t kMinus1024 = 0xE400E400u; // half2(-1024, -1024)
   const int g = lane >> 2;
   const int r = lane & 3;
 
-  // ---- S^T = K Q'^T + 1 (m Q^T)
+  // ---- S^T = K Q'^T, plus the rank-1 terms
   float s[MT][4];
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) s[mt][0] = s[mt][1] = s[mt][2] = s[mt][3] = 0.0f;
-  float bias[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  float bias[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // sum_c q_c m_c (every row alike)
+  float qsum[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // sum_c q'_c
   const char* k_codes = slot + F.k_offset();
   const uint32_t* k_params = reinterpret_cast<const uint32_t*>(slot + F.k_params_offset());
 #pragma unroll
@@ -284,24 +324,26 @@ __device__ __forceinline__ void compute_quant_block(const char* slot, const uint
     const uint32_t min8 = prmt(p8.x, p8.y, 0x7632);
     const uint32_t am[4] = {min0, min0, min8, min8};
     mma_16816(bias, am, qf[ks][0], qf[ks][1]);
+    const uint32_t ones[4] = {kOnes, kOnes, kOnes, kOnes};
+    mma_16816(qsum, ones, qb0, qb1);
     const uint32_t x01[2] = {prmt(u0, u1, 0x5410), prmt(u0, u1, 0x7632)};
     const uint32_t x89[2] = {prmt(u8, u9, 0x5410), prmt(u8, u9, 0x7632)};
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
-      const int i0 = 2 * mt;
-      const int i1 = 2 * mt + 1;
-      const uint32_t a[4] = {
-          codes_to_half2<Bits>(x01[i0 / kCodesPer16], (i0 % kCodesPer16) * Bits),
-          codes_to_half2<Bits>(x01[i1 / kCodesPer16], (i1 % kCodesPer16) * Bits),
-          codes_to_half2<Bits>(x89[i0 / kCodesPer16], (i0 % kCodesPer16) * Bits),
-          codes_to_half2<Bits>(x89[i1 / kCodesPer16], (i1 % kCodesPer16) * Bits)};
+      const uint32_t a[4] = {k_codes_of<Bits>(x01, 2 * mt), k_codes_of<Bits>(x01, 2 * mt + 1),
+                             k_codes_of<Bits>(x89, 2 * mt), k_codes_of<Bits>(x89, 2 * mt + 1)};
       mma_16816(s[mt], a, qb0, qb1);
     }
   }
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) s[mt][e] = (s[mt][e] + bias[e]) * scale_log2;
+    // rows g: run token 2mt; rows g + 8: run token 2mt + 1
+    const float f0 = __int_as_float((127 - KRunPos<Bits>::k(2 * mt)) << 23);
+    const float f1 = __int_as_float((127 - KRunPos<Bits>::k(2 * mt + 1)) << 23);
+    s[mt][0] = ((s[mt][0] - 1024.0f * qsum[0]) * f0 + bias[0]) * scale_log2;
+    s[mt][1] = ((s[mt][1] - 1024.0f * qsum[1]) * f0 + bias[1]) * scale_log2;
+    s[mt][2] = ((s[mt][2] - 1024.0f * qsum[2]) * f1 + bias[2]) * scale_log2;
+    s[mt][3] = ((s[mt][3] - 1024.0f * qsum[3]) * f1 + bias[3]) * scale_log2;
   }
   online_softmax<MT>(s, st);
 
@@ -337,6 +379,8 @@ __device__ __forceinline__ void compute_quant_block(const char* slot, const uint
   for (int mt = 0; mt < MT; ++mt) {
     const uint32_t b0 = movmatrix_trans(pack_half2(s[mt][0], s[mt][1]));
     const uint32_t b1 = movmatrix_trans(pack_half2(s[mt][2], s[mt][3]));
+    const uint32_t neg[4] = {kMinus1024, kMinus1024, kMinus1024, kMinus1024};
+    mma_16816(st.corr, neg, b0, b1);  // -1024 sum_t p'_t, with the same FP16 p' as below
     // k = 2r, 2r+1, 2r+8, 2r+9 of this m-tile
     const int ta = kRunTokens * (2 * r) + 2 * mt;
     const int tb = kRunTokens * (2 * r + 1) + 2 * mt;
@@ -354,8 +398,8 @@ __device__ __forceinline__ void compute_quant_block(const char* slot, const uint
       const int shift = (in_word % kCodesPer16) * Bits;
       const uint32_t xab = prmt(va.w[word], vbr.w[word], sel);
       const uint32_t xcd = prmt(vc.w[word], vd.w[word], sel);
-      const uint32_t a[4] = {codes_to_half2<Bits>(xab, shift), codes_to_half2<Bits>(xab, shift + Bits),
-                             codes_to_half2<Bits>(xcd, shift), codes_to_half2<Bits>(xcd, shift + Bits)};
+      const uint32_t a[4] = {biased_codes_at<Bits>(xab >> shift, 0), biased_codes_at<Bits>(xab >> (shift + Bits), 0),
+                             biased_codes_at<Bits>(xcd >> shift, 0), biased_codes_at<Bits>(xcd >> (shift + Bits), 0)};
       mma_16816(st.acc[cm], a, b0, b1);
     }
   }
@@ -442,11 +486,9 @@ __global__ void __launch_bounds__(kDecodeThreads) paged_decode_kernel(const __gr
   const int r = lane & 3;
   const int group = p.group;
 
-  const int slot = p.slots[item.seq];
-  int n[kNumPrecisions];
-#pragma unroll
-  for (int pool = 0; pool < kNumPrecisions; ++pool) n[pool] = p.counts[pool * p.max_sequences + slot];
-  const int fill = p.fp16_fill[slot];
+  const int slot = item.slot;
+  const int n[kNumPrecisions] = {item.counts[0], item.counts[1], item.counts[2]};
+  const int fill = item.fill;
 
   // Q^T as B fragments: b0 = Q[head g][16 ks + 2r ..], b1 = Q[head g][16 ks + 2r + 8 ..]
   uint32_t qf[D / 16][2];
@@ -464,6 +506,7 @@ __global__ void __launch_bounds__(kDecodeThreads) paged_decode_kernel(const __gr
   for (int cm = 0; cm < D / 16; ++cm) st.acc[cm][0] = st.acc[cm][1] = st.acc[cm][2] = st.acc[cm][3] = 0.0f;
   st.m[0] = st.m[1] = -INFINITY;
   st.l[0] = st.l[1] = st.vb[0] = st.vb[1] = 0.0f;
+  st.corr[0] = st.corr[1] = st.corr[2] = st.corr[3] = 0.0f;
 
   char* ring = smem + warp * Tile::kRingBytes;
   const std::int32_t* table = p.blocks + static_cast<std::size_t>(slot) * p.max_blocks;
@@ -508,8 +551,10 @@ __global__ void __launch_bounds__(kDecodeThreads) paged_decode_kernel(const __gr
 #pragma unroll
     for (int cm = 0; cm < D / 16; ++cm) {
       const int ch = (D / 8) * g + 2 * cm;
-      *reinterpret_cast<float2*>(o0 + ch) = make_float2(st.acc[cm][0] + st.vb[0], st.acc[cm][2] + st.vb[0]);
-      *reinterpret_cast<float2*>(o1 + ch) = make_float2(st.acc[cm][1] + st.vb[1], st.acc[cm][3] + st.vb[1]);
+      const float add0 = st.vb[0] + st.corr[0];
+      const float add1 = st.vb[1] + st.corr[1];
+      *reinterpret_cast<float2*>(o0 + ch) = make_float2(st.acc[cm][0] + add0, st.acc[cm][2] + add0);
+      *reinterpret_cast<float2*>(o1 + ch) = make_float2(st.acc[cm][1] + add1, st.acc[cm][3] + add1);
     }
     if (g == 0) {
       sm[warp * kMaxGroup + 2 * r] = st.m[0];

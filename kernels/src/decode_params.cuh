@@ -11,12 +11,18 @@ namespace mixkv::gpu::detail {
 
 // A range of one (sequence, KV head)'s blocks in the concatenation of its
 // FP16, INT4 and INT2 page lists (in that order).
+// The planner copies the list lengths from the host mirror of the page
+// tables into the item, which saves the kernel two dependent global loads
+// before its first block address is known (batch-1 latency).
 struct DecodeWorkItem {
   std::int32_t seq = 0;      // batch index
   std::int32_t kv_head = 0;
   std::int32_t begin = 0;    // virtual block range [begin, end)
   std::int32_t end = 0;
   std::int32_t partial = -1; // row of the partial-state workspace, or -1: the item covers the whole sequence
+  std::int32_t slot = 0;     // page-table slot of the sequence
+  std::int32_t counts[3] = {0, 0, 0};  // FP16, INT4, INT2 list lengths
+  std::int32_t fill = 0;     // valid tokens in the last FP16 block
 };
 
 // One (sequence, KV head) whose items were split: partial states
@@ -33,14 +39,12 @@ struct DecodeParams {
   __half* out = nullptr;      // [batch][num_q_heads][head_dim]
   float* lse = nullptr;       // [batch][num_q_heads] or null
 
-  // This layer's device page tables (DeviceTablesView offset to the layer).
+  // This layer's device page tables (DeviceTablesView offset to the layer);
+  // list lengths come with the work items.
   const std::int32_t* blocks = nullptr;     // [pool][slot][max_blocks]
-  const std::int32_t* counts = nullptr;     // [pool][slot]
-  const std::int32_t* fp16_fill = nullptr;  // [slot]
   std::int32_t max_sequences = 0;
   std::int32_t max_blocks = 0;
 
-  const std::int32_t* slots = nullptr;        // [batch]: page-table slot of each sequence
   // The plan: this layer's items are items[*item_offset .. + *num_items]
   // (read on the device, so a captured graph survives re-planning).
   const DecodeWorkItem* items = nullptr;

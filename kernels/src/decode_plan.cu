@@ -37,6 +37,8 @@ void launch_decode(const DecodeParams& params, int head_dim, int block_size, int
 
 namespace {
 
+constexpr int kMergeThreads = 128;
+
 struct MergeParams {
   const MergeItem* merges = nullptr;
   const std::int32_t* num_merges = nullptr;
@@ -50,30 +52,51 @@ struct MergeParams {
   std::int32_t head_dim = 0;
 };
 
-// Merges the split chunks of one (sequence, KV head) by their natural-log
-// LSE; empty chunks (lse = -inf) weigh 0 and an all-empty set gives (0, -inf).
-__global__ void merge_partials_kernel(const __grid_constant__ MergeParams p) {
-  if (static_cast<int>(blockIdx.x) >= *p.num_merges) return;
-  const MergeItem m = p.merges[*p.merge_offset + blockIdx.x];
-  const int d = p.head_dim;
-  for (int idx = threadIdx.x; idx < p.group * d; idx += blockDim.x) {
-    const int head = idx / d;
-    const int ch = idx % d;
-    float mx = -INFINITY;
-    for (int i = 0; i < m.count; ++i) mx = fmaxf(mx, p.partial_lse[(m.first + i) * p.group + head]);
-    float o = 0.0f, sum = 0.0f;
-    if (mx != -INFINITY) {
-      for (int i = 0; i < m.count; ++i) {
-        const std::size_t row = static_cast<std::size_t>(m.first + i) * p.group + head;
-        const float w = __expf(p.partial_lse[row] - mx);
-        o += w * p.partial_out[row * d + ch];
-        sum += w;
-      }
-    }
-    const std::size_t row = static_cast<std::size_t>(m.seq) * p.num_q_heads + m.kv_head * p.group + head;
-    p.out[row * d + ch] = __float2half_rn(sum > 0.0f ? o / sum : 0.0f);
-    if (p.lse != nullptr && ch == 0) p.lse[row] = sum > 0.0f ? mx + logf(sum) : -INFINITY;
+__device__ float block_reduce(float x, bool is_max, float* scratch) {
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    const float y = __shfl_xor_sync(0xffffffffu, x, offset);
+    x = is_max ? fmaxf(x, y) : x + y;
   }
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  __syncthreads();  // scratch may still be read from a previous call
+  if (lane == 0) scratch[warp] = x;
+  __syncthreads();
+  x = is_max ? -INFINITY : 0.0f;
+  for (int w = 0; w < static_cast<int>(blockDim.x / 32); ++w) x = is_max ? fmaxf(x, scratch[w]) : x + scratch[w];
+  return x;
+}
+
+// Merges the split chunks of one (sequence, KV head, query head): one CTA
+// per (merge item, head) so a batch-1 step spreads over group x KV heads
+// CTAs. Weights exp(lse_i - max) are computed once into shared memory;
+// empty chunks (lse = -inf) weigh 0 and an all-empty set gives (0, -inf).
+__global__ void __launch_bounds__(kMergeThreads) merge_partials_kernel(const __grid_constant__ MergeParams p) {
+  __shared__ float weight[kMaxMergePieces];
+  __shared__ float scratch[kMergeThreads / 32];
+  if (static_cast<int>(blockIdx.x) >= *p.num_merges || static_cast<int>(blockIdx.y) >= p.group) return;
+  const MergeItem m = p.merges[*p.merge_offset + blockIdx.x];
+  const int head = blockIdx.y;
+  const int d = p.head_dim;
+  float mx = -INFINITY;
+  for (int i = threadIdx.x; i < m.count; i += blockDim.x) mx = fmaxf(mx, p.partial_lse[(m.first + i) * p.group + head]);
+  mx = block_reduce(mx, true, scratch);
+  float sum = 0.0f;
+  for (int i = threadIdx.x; i < m.count; i += blockDim.x) {
+    const float w = mx == -INFINITY ? 0.0f : __expf(p.partial_lse[(m.first + i) * p.group + head] - mx);
+    weight[i] = w;
+    sum += w;
+  }
+  sum = block_reduce(sum, false, scratch);  // its barriers also publish `weight`
+  const std::size_t row = static_cast<std::size_t>(m.seq) * p.num_q_heads + m.kv_head * p.group + head;
+  for (int ch = threadIdx.x; ch < d; ch += blockDim.x) {
+    float o = 0.0f;
+    const float* po = p.partial_out + (static_cast<std::size_t>(m.first) * p.group + head) * d + ch;
+    const std::size_t stride = static_cast<std::size_t>(p.group) * d;
+#pragma unroll 4
+    for (int i = 0; i < m.count; ++i) o += weight[i] * po[i * stride];
+    p.out[row * d + ch] = __float2half_rn(sum > 0.0f ? o / sum : 0.0f);
+  }
+  if (p.lse != nullptr && threadIdx.x == 0) p.lse[row] = sum > 0.0f ? mx + logf(sum) : -INFINITY;
 }
 
 }  // namespace
@@ -235,7 +258,7 @@ void DecodePlan::Impl::plan_layer(int layer, int target_items) {
     } else if (target_items > 0 && total_cost > 0) {
       chunks = static_cast<int>(std::llround(static_cast<double>(cost[b]) * kvh / total_cost * target_items / kvh));
     }
-    chunks = std::clamp(chunks, 1, std::max(1, n_total));
+    chunks = std::clamp(chunks, 1, std::min(detail::kMaxMergePieces, std::max(1, n_total)));
     // Chunk boundaries at equal cost along FP16 | INT4 | INT2 (per-block cost
     // of each pool), so split items carry about the same bytes.
     const std::int64_t unit[3] = {fp16_block_bytes, int4_block_bytes, int2_block_bytes};
@@ -258,13 +281,27 @@ void DecodePlan::Impl::plan_layer(int layer, int target_items) {
     }
     cuts.push_back(n_total);
     const int pieces = static_cast<int>(cuts.size()) - 1;
+    DecodeWorkItem item;
+    item.seq = b;
+    item.slot = slots[b];
+    for (int p = 0; p < kNumPrecisions; ++p) item.counts[p] = counts[b][p];
+    item.fill = fills[b];
     for (int h = 0; h < kvh; ++h) {
+      item.kv_head = h;
       if (pieces == 1) {
-        out.push_back({b, h, 0, n_total, -1});
+        item.begin = 0;
+        item.end = n_total;
+        item.partial = -1;
+        out.push_back(item);
         continue;
       }
       merge_list.push_back({b, h, next_partial, pieces});
-      for (int k = 0; k < pieces; ++k) out.push_back({b, h, cuts[k], cuts[k + 1], next_partial++});
+      for (int k = 0; k < pieces; ++k) {
+        item.begin = cuts[k];
+        item.end = cuts[k + 1];
+        item.partial = next_partial++;
+        out.push_back(item);
+      }
     }
   }
   if (static_cast<std::int32_t>(out.size()) > max_items || next_partial > max_partials) {
@@ -365,11 +402,8 @@ void DecodePlan::run(const DecodeRunArgs& args) const {
   p.lse = args.lse;
   const std::size_t layer_pools = static_cast<std::size_t>(args.layer) * kNumPrecisions;
   p.blocks = view.blocks + layer_pools * view.max_sequences * view.max_blocks;
-  p.counts = view.counts + layer_pools * view.max_sequences;
-  p.fp16_fill = view.fp16_fill + static_cast<std::size_t>(args.layer) * view.max_sequences;
   p.max_sequences = view.max_sequences;
   p.max_blocks = view.max_blocks;
-  p.slots = s.slots_at(header);
   p.items = s.d_items.get();
   p.num_items = s.num_items_at(header, args.layer);
   p.item_offset = s.item_offset_at(header, args.layer);
@@ -397,7 +431,8 @@ void DecodePlan::run(const DecodeRunArgs& args) const {
     m.num_q_heads = c.num_q_heads;
     m.group = s.group;
     m.head_dim = c.head_dim;
-    detail::merge_partials_kernel<<<merge_grid, 256, 0, args.stream>>>(m);
+    const dim3 grid(merge_grid, args.fixed_grid ? detail::kMaxGroupHost : s.group);
+    detail::merge_partials_kernel<<<grid, detail::kMergeThreads, 0, args.stream>>>(m);
     MIXKV_CUDA_CHECK_LAUNCH("merge_partials_kernel");
   }
 }

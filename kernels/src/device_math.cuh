@@ -64,6 +64,24 @@ __device__ __forceinline__ uint32_t hmul2_u32(uint32_t a, uint32_t b) {
   return *reinterpret_cast<uint32_t*>(&r);
 }
 
+// (a & b) | c in one instruction.
+__device__ __forceinline__ uint32_t lop3_and_or(uint32_t a, uint32_t b, uint32_t c) {
+  uint32_t d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+
+// Two codes of `Bits` bits at bit k (k + Bits <= 10) of each 16-bit half of x
+// -> the half2 (1024 + 2^k code_lo, 1024 + 2^k code_hi), exactly, in one
+// lop3: the code lands in the mantissa of 1024.0 (0x6400). The kernels
+// remove the 1024 and the 2^k afterwards, on sums (see decode_kernel.cuh).
+template <int Bits, int K>
+__device__ __forceinline__ uint32_t biased_codes(uint32_t x) {
+  static_assert(K + Bits <= 10, "code must stay inside the mantissa");
+  constexpr uint32_t kMask = (((1u << Bits) - 1u) << K) * 0x00010001u;
+  return lop3_and_or(x, kMask, 0x64006400u);
+}
+
 // Two codes of `Bits` bits at bit `shift` of each 16-bit half of x -> the
 // half2 (code_lo, code_hi), exactly: OR-ing a code into the mantissa of
 // 1024.0 (0x6400) gives 1024 + code, and subtracting 1024 is exact.

@@ -40,21 +40,40 @@ __device__ __forceinline__ void copy_row(const PoolView& pool, std::int32_t slot
 }
 
 // Loads window rows [first_row, first_row + S) of KV head `head` as floats.
+// Each thread issues kBatch 16-byte loads of K and of V before converting
+// any, so several loads are in flight (the tile is 2 * S * D halves).
 __device__ __forceinline__ void load_window(const uint4* k, const uint4* v, std::int32_t first_row, int head,
                                             int heads, int D, int S, float* tile) {
+  constexpr int kBatch = 4;
   const int chunks_per_row = D / 8;
-  for (int i = threadIdx.x; i < S * chunks_per_row; i += blockDim.x) {
-    const int t = i / chunks_per_row;
-    const int c = i % chunks_per_row;
-    const std::size_t src = (static_cast<std::size_t>(first_row + t) * heads + head) * chunks_per_row + c;
-    const uint4 kx = k[src];
-    const uint4 vx = v[src];
-    const __half* kh = reinterpret_cast<const __half*>(&kx);
-    const __half* vh = reinterpret_cast<const __half*>(&vx);
+  const int total = S * chunks_per_row;
+  for (int base = threadIdx.x; base < total; base += kBatch * blockDim.x) {
+    uint4 kx[kBatch], vx[kBatch];
 #pragma unroll
-    for (int e = 0; e < 8; ++e) {
-      tile[t * D + 8 * c + e] = __half2float(kh[e]);
-      tile[S * D + t * D + 8 * c + e] = __half2float(vh[e]);
+    for (int u = 0; u < kBatch; ++u) {
+      const int i = base + u * blockDim.x;
+      if (i < total) {
+        const std::size_t src =
+            (static_cast<std::size_t>(first_row + i / chunks_per_row) * heads + head) * chunks_per_row +
+            i % chunks_per_row;
+        kx[u] = __ldg(k + src);
+        vx[u] = __ldg(v + src);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int i = base + u * blockDim.x;
+      if (i < total) {
+        const int t = i / chunks_per_row;
+        const int c = i % chunks_per_row;
+        const __half* kh = reinterpret_cast<const __half*>(&kx[u]);
+        const __half* vh = reinterpret_cast<const __half*>(&vx[u]);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          tile[t * D + 8 * c + e] = __half2float(kh[e]);
+          tile[S * D + t * D + 8 * c + e] = __half2float(vh[e]);
+        }
+      }
     }
   }
 }
@@ -70,12 +89,33 @@ __global__ void __launch_bounds__(kThreads) store_prefill_kernel(const __grid_co
     const int chunks_per_row = heads * chunks_per_head;
     const int first = blockIdx.x * kRowsPerCta;
     const int rows = min(kRowsPerCta, p.rows - first);
-    for (int i = threadIdx.x; i < rows * chunks_per_row; i += blockDim.x) {
-      const int row = first + i / chunks_per_row;
-      const std::int32_t slot = p.fp16_slots[row];
-      if (slot < 0) continue;
-      const std::size_t base = static_cast<std::size_t>(row) * chunks_per_row;
-      copy_row(p.pools[0], slot, p.k + base, p.v + base, i % chunks_per_row, chunks_per_head);
+    const int total = rows * chunks_per_row;
+    constexpr int kBatch = 4;  // loads in flight per thread before the first store
+    for (int base = threadIdx.x; base < total; base += kBatch * blockDim.x) {
+      uint4 kx[kBatch], vx[kBatch];
+      std::int32_t slot[kBatch];
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const int i = base + u * blockDim.x;
+        slot[u] = -1;
+        if (i < total) {
+          const std::size_t at = static_cast<std::size_t>(first) * chunks_per_row + i;
+          slot[u] = __ldg(p.fp16_slots + first + i / chunks_per_row);
+          kx[u] = __ldg(p.k + at);
+          vx[u] = __ldg(p.v + at);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        if (slot[u] < 0) continue;
+        const int chunk = (base + u * blockDim.x) % chunks_per_row;
+        const BlockFormat& f = p.pools[0].format;
+        char* head_base = reinterpret_cast<char*>(p.pools[0].block(slot[u] / f.block_size)) +
+                          f.head_offset(chunk / chunks_per_head);
+        const std::size_t row_offset = static_cast<std::size_t>(slot[u] % f.block_size) * f.head_dim * 2;
+        reinterpret_cast<uint4*>(head_base + f.k_offset() + row_offset)[chunk % chunks_per_head] = kx[u];
+        reinterpret_cast<uint4*>(head_base + f.v_offset() + row_offset)[chunk % chunks_per_head] = vx[u];
+      }
     }
     return;
   }
