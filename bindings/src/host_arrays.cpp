@@ -85,14 +85,15 @@ std::vector<std::int32_t> index_vector(py::handle obj, std::string_view where) {
     const py::object item = seq[i];
     // operator.index semantics: Python ints and NumPy integer scalars, not floats.
     if (!PyIndex_Check(item.ptr())) {
-      fail(where, "[" + std::to_string(i) + "]: expected an int, got " + type_name(item));
+      throw InvalidArgument(std::string(where) + "[" + std::to_string(i) + "]: expected an int, got " + type_name(item));
     }
     const py::int_ index = py::reinterpret_steal<py::int_>(PyNumber_Index(item.ptr()));
     if (!index) throw py::error_already_set();
     int overflow = 0;
     const long long v = PyLong_AsLongLongAndOverflow(index.ptr(), &overflow);
     if (overflow != 0 || v < std::numeric_limits<std::int32_t>::min() || v > std::numeric_limits<std::int32_t>::max()) {
-      fail(where, "[" + std::to_string(i) + "] = " + std::string(py::str(index)) + ": expected a value that fits int32");
+      throw InvalidArgument(std::string(where) + "[" + std::to_string(i) + "] = " + std::string(py::str(index)) +
+                            ": expected a value that fits int32");
     }
     values.push_back(static_cast<std::int32_t>(v));
   }

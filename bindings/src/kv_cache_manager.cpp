@@ -141,7 +141,10 @@ void bind_kv_cache_manager(py::module_& m) {
       .def("plan", &KVCacheManager::plan, py::arg("id"))
       .def("prefill_mapping", &KVCacheManager::prefill_mapping, py::arg("id"), py::arg("layer"),
            "Where the prompt rows of `id` go in `layer`.")
-      .def("append_tokens", &KVCacheManager::append_tokens, py::arg("ids"),
+      .def(
+          "append_tokens",
+          [](KVCacheManager& mgr, const std::vector<SequenceId>& ids) { return mgr.append_tokens(ids); },
+          py::arg("ids"),
            "One decode token for each sequence (distinct ids), FP16 in every layer. All or nothing: "
            "MemoryError leaves every sequence as it was.")
       .def("fork", &KVCacheManager::fork, py::arg("parent"), py::arg("child"),
@@ -155,7 +158,10 @@ void bind_kv_cache_manager(py::module_& m) {
           py::arg("id"), py::arg("layer"), py::arg("precision"), "Block ids of (sequence, layer, pool) in order.")
       .def("fp16_tail_fill", &KVCacheManager::fp16_tail_fill, py::arg("id"), py::arg("layer"))
       .def("ref_count", &KVCacheManager::ref_count, py::arg("precision"), py::arg("block_id"))
-      .def("decode_metadata", &KVCacheManager::decode_metadata, py::arg("ids"),
+      .def(
+          "decode_metadata",
+          [](const KVCacheManager& mgr, const std::vector<SequenceId>& ids) { return mgr.decode_metadata(ids); },
+          py::arg("ids"),
            "Page tables of a decode batch (sequences in the order given) for every layer and pool.")
       .def("check_invariants", &KVCacheManager::check_invariants,
            "Raises mixkv.InvariantViolation (a RuntimeError) describing the first broken invariant.")
