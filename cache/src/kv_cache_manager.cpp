@@ -4,9 +4,11 @@
 #include <limits>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <utility>
 
 #include <boost/unordered/unordered_flat_map.hpp>
+#include <boost/unordered_map.hpp>
 
 #include "checks.h"
 #include "mixkv/cache/arena.h"
@@ -35,16 +37,29 @@ std::string counts_text(const BlockCounts& counts) {
          std::to_string(counts[2]);
 }
 
-// A prompt never changes once added; forks share it.
+// A prompt is shared by forks; only demotion changes it (its plan), on a
+// private copy.
 struct Prompt {
   TokenLayout layout;
   PrecisionPlan plan;
 };
 
 struct Sequence {
-  std::shared_ptr<const Prompt> prompt;
+  std::shared_ptr<Prompt> prompt;
   std::int32_t num_tokens = 0;
-  PageTable table;
+  PageTable table;       // device block ids, or host swap slots while swapped
+  bool swapped = false;
+  // Batch validation (require_ids) marks each sequence it has seen with the
+  // batch's epoch, instead of hashing the ids a second time.
+  mutable std::uint64_t seen_epoch = 0;
+  mutable std::size_t seen_index = 0;
+};
+
+// Host swap slots of one pool: a stack of free slots (slot 0 on top when
+// fresh) and a used flag per slot.
+struct SwapPool {
+  std::vector<std::int32_t> free;
+  std::vector<std::uint8_t> used;
 };
 
 }  // namespace
@@ -53,7 +68,11 @@ struct KVCacheManager::Impl {
   CacheConfig config;
   Arena arena;
   std::array<std::unique_ptr<BlockPool>, kNumPrecisions> pools;
-  boost::unordered_flat_map<SequenceId, Sequence> sequences;
+  // Node-based (Boost 1.81 has no unordered_node_map): a sequence's address,
+  // and so page_table(), stays valid while other sequences come and go.
+  boost::unordered_map<SequenceId, Sequence> sequences;
+  std::array<SwapPool, kNumPrecisions> swap;
+  mutable std::uint64_t epoch = 0;
 
   explicit Impl(const CacheConfig& c);
 
@@ -64,7 +83,15 @@ struct KVCacheManager::Impl {
 
   const Sequence& find(SequenceId id, const char* name) const;
   Sequence& find(SequenceId id, const char* name) { return const_cast<Sequence&>(std::as_const(*this).find(id, name)); }
-  void require_ids(std::span<const SequenceId> ids) const;
+  // Validates a batch of distinct, device-resident ids; returns the sequences.
+  std::vector<const Sequence*> require_ids(std::span<const SequenceId> ids) const;
+  const Sequence& resident(SequenceId id, const char* name) const;
+  Sequence& resident(SequenceId id, const char* name) {
+    return const_cast<Sequence&>(std::as_const(*this).resident(id, name));
+  }
+  std::int64_t fp16_rank(const Prompt& prompt, std::int32_t layer, std::int32_t window) const;
+  std::optional<std::string> why_not(const Sequence& seq, std::int32_t layer, std::int32_t window,
+                                     Precision target) const;
   void require_layer(std::int32_t layer) const { require_index("layer", layer, num_layers()); }
   void require_prompt(const TokenLayout& layout, const PrecisionPlan& plan) const;
   BlockCounts prompt_demand(const TokenLayout& layout, const PrecisionPlan& plan) const;
@@ -94,6 +121,13 @@ const CacheConfig& checked(const CacheConfig& c) {
     throw InvalidArgument("arena_bytes = " + std::to_string(c.arena_bytes) + " holds " + std::to_string(slots) +
                           " FP16 token slots, expected fewer than 2^31 (slot ids are int32)");
   }
+  for (const Precision p : kAllPrecisions) {
+    const std::int64_t n = c.swap_blocks[at(p)];
+    if (n < 0 || n > std::numeric_limits<std::int32_t>::max()) {
+      throw InvalidArgument("swap_blocks[" + std::string(to_string(p)) + "] = " + std::to_string(n) +
+                            ", expected 0 <= swap_blocks < 2^31");
+    }
+  }
   return c;
 }
 
@@ -103,6 +137,11 @@ KVCacheManager::Impl::Impl(const CacheConfig& c) : config(checked(c)), arena(c.a
   for (const Precision p : kAllPrecisions) {
     pools[at(p)] = std::make_unique<BlockPool>(
         BlockFormat{p, c.shape.num_kv_heads, c.shape.head_dim, c.shape.block_size}, c.slab_bytes, arena.total_slabs());
+    const auto slots = static_cast<std::int32_t>(c.swap_blocks[at(p)]);
+    SwapPool& sp = swap[at(p)];
+    sp.used.assign(static_cast<std::size_t>(slots), 0);
+    sp.free.reserve(static_cast<std::size_t>(slots));
+    for (std::int32_t s = slots; s-- > 0;) sp.free.push_back(s);
   }
 }
 
@@ -114,20 +153,92 @@ const Sequence& KVCacheManager::Impl::find(SequenceId id, const char* name) cons
   return it->second;
 }
 
-void KVCacheManager::Impl::require_ids(std::span<const SequenceId> ids) const {
-  boost::unordered_flat_map<SequenceId, std::size_t> seen;
-  seen.reserve(ids.size());
-  for (std::size_t i = 0; i < ids.size(); ++i) {
-    const std::string name = "ids[" + std::to_string(i) + "]";
-    if (!sequences.contains(ids[i])) {
-      throw UnknownId(name + " = " + std::to_string(ids[i]) + " is not a sequence of this cache");
-    }
-    const auto [it, fresh] = seen.emplace(ids[i], i);
-    if (!fresh) {
-      throw InvalidArgument(name + " = " + std::to_string(ids[i]) + " repeats ids[" + std::to_string(it->second) +
-                            "], expected distinct ids");
-    }
+const Sequence& KVCacheManager::Impl::resident(SequenceId id, const char* name) const {
+  const Sequence& seq = find(id, name);
+  if (seq.swapped) {
+    throw InvalidArgument(std::string(name) + " = " + std::to_string(id) +
+                          " is swapped out, expected a sequence in device memory (swap_in first)");
   }
+  return seq;
+}
+
+std::vector<const Sequence*> KVCacheManager::Impl::require_ids(std::span<const SequenceId> ids) const {
+  std::vector<const Sequence*> seqs;
+  seqs.reserve(ids.size());
+  const std::uint64_t batch = ++epoch;
+  for (std::size_t i = 0; i < ids.size(); ++i) {
+    const auto it = sequences.find(ids[i]);
+    if (it == sequences.end()) {
+      throw UnknownId("ids[" + std::to_string(i) + "] = " + std::to_string(ids[i]) +
+                      " is not a sequence of this cache");
+    }
+    const Sequence& seq = it->second;
+    if (seq.seen_epoch == batch) {
+      throw InvalidArgument("ids[" + std::to_string(i) + "] = " + std::to_string(ids[i]) + " repeats ids[" +
+                            std::to_string(seq.seen_index) + "], expected distinct ids");
+    }
+    if (seq.swapped) {
+      throw InvalidArgument("ids[" + std::to_string(i) + "] = " + std::to_string(ids[i]) +
+                            " is swapped out, expected a sequence in device memory (swap_in first)");
+    }
+    seq.seen_epoch = batch;
+    seq.seen_index = i;
+    seqs.push_back(&seq);
+  }
+  return seqs;
+}
+
+// FP16 rank (position among the layer's FP16 tokens) of the first token of
+// `window`, an FP16 window of `layer`.
+std::int64_t KVCacheManager::Impl::fp16_rank(const Prompt& prompt, std::int32_t layer, std::int32_t window) const {
+  const std::int32_t bs = block_size();
+  std::int64_t rank = 0;
+  if (config.fp16_windows_first) {
+    for (std::int32_t w = 0; w < window; ++w) rank += prompt.plan.at(layer, w) == Precision::FP16 ? bs : 0;
+    return rank;
+  }
+  std::int32_t w = 0;
+  for (const Segment& segment : prompt.layout.segments()) {
+    if (segment.kind == TokenKind::Text) {
+      rank += segment.length;
+      continue;
+    }
+    const std::int32_t full = segment.length / bs;
+    for (std::int32_t i = 0; i < full; ++i, ++w) {
+      if (w == window) return rank;
+      rank += prompt.plan.at(layer, w) == Precision::FP16 ? bs : 0;
+    }
+    rank += segment.length - full * bs;
+  }
+  return rank;
+}
+
+std::optional<std::string> KVCacheManager::Impl::why_not(const Sequence& seq, std::int32_t layer,
+                                                         std::int32_t window, Precision target) const {
+  const PrecisionPlan& plan = seq.prompt->plan;
+  const Precision current = plan.at(layer, window);
+  if (bits_of(target) >= bits_of(current)) {
+    return "target " + std::string(to_string(target)) + " is not below the window's " +
+           std::string(to_string(current));
+  }
+  std::int32_t index = 0;
+  if (current == Precision::FP16) {
+    const std::int64_t rank = fp16_rank(*seq.prompt, layer, window);
+    if (rank % block_size() != 0) {
+      return "its FP16 tokens start at FP16 rank " + std::to_string(rank) + ", inside a block of " +
+             std::to_string(block_size()) + " (they share blocks with other tokens; fp16_windows_first avoids this)";
+    }
+    index = static_cast<std::int32_t>(rank / block_size());
+  } else {
+    for (std::int32_t w = 0; w < window; ++w) index += plan.at(layer, w) == current ? 1 : 0;
+  }
+  const std::int32_t block = seq.table.blocks(layer, current)[static_cast<std::size_t>(index)];
+  const std::int32_t refs = pool(current).ref_count(block);
+  if (refs != 1) {
+    return "its " + std::string(to_string(current)) + " block " + std::to_string(block) + " is shared by " +
+           std::to_string(refs) + " sequences (a shared block is never demoted in place)";
+  }
+  return std::nullopt;
 }
 
 void KVCacheManager::Impl::require_prompt(const TokenLayout& layout, const PrecisionPlan& plan) const {
@@ -272,7 +383,7 @@ void KVCacheManager::add_sequence(SequenceId id, const TokenLayout& layout, cons
   }
   m.require_prompt(layout, plan);
   const BlockCounts need = m.prompt_demand(layout, plan);
-  Sequence seq{std::make_shared<const Prompt>(Prompt{layout, plan}), layout.num_tokens(),
+  Sequence seq{std::make_shared<Prompt>(Prompt{layout, plan}), layout.num_tokens(),
                PageTable(m.num_layers(), m.block_size())};
   m.sequences.reserve(m.sequences.size() + 1);
   auto ids = m.allocate(need, "add_sequence(id = " + std::to_string(id) + ")");
@@ -311,7 +422,7 @@ const PrecisionPlan& KVCacheManager::plan(SequenceId id) const { return impl_->f
 
 StoreMapping KVCacheManager::prefill_mapping(SequenceId id, std::int32_t layer) const {
   const Impl& m = *impl_;
-  const Sequence& seq = m.find(id, "id");
+  const Sequence& seq = m.resident(id, "id");
   m.require_layer(layer);
   const TokenLayout& layout = seq.prompt->layout;
   const PrecisionPlan& plan = seq.prompt->plan;
@@ -321,7 +432,11 @@ StoreMapping KVCacheManager::prefill_mapping(SequenceId id, std::int32_t layer) 
 
   StoreMapping mapping;
   mapping.fp16_slots.reserve(static_cast<std::size_t>(layout.num_tokens()));
-  std::int64_t fp16_rank = 0;  // FP16 tokens are packed densely in prompt order
+  // FP16 tokens are packed densely: in prompt order, or with
+  // fp16_windows_first the FP16 windows first (one block each), then the rest.
+  std::int64_t window_rank = 0;
+  std::int64_t fp16_rank = 0;
+  if (m.config.fp16_windows_first) fp16_rank = std::int64_t{plan.window_counts(layer)[0]} * bs;
   std::int32_t window = 0;
   std::int32_t row = 0;
   auto add_fp16 = [&](std::int32_t count) {
@@ -337,7 +452,12 @@ StoreMapping KVCacheManager::prefill_mapping(SequenceId id, std::int32_t layer) 
     for (std::int32_t w = 0; w < full; ++w, ++window) {
       const Precision p = plan.at(layer, window);
       if (p == Precision::FP16) {
-        add_fp16(bs);
+        if (!m.config.fp16_windows_first) {
+          add_fp16(bs);
+          continue;
+        }
+        for (std::int32_t i = 0; i < bs; ++i, ++row)
+          mapping.fp16_slots.push_back(seq.table.fp16_slot(layer, window_rank++));
         continue;
       }
       auto& windows = p == Precision::INT4 ? mapping.int4_windows : mapping.int2_windows;
@@ -353,16 +473,17 @@ StoreMapping KVCacheManager::prefill_mapping(SequenceId id, std::int32_t layer) 
 
 AppendResult KVCacheManager::append_tokens(std::span<const SequenceId> ids) {
   Impl& m = *impl_;
-  m.require_ids(ids);
   std::vector<Sequence*> seqs;
-  seqs.reserve(ids.size());
-  for (std::size_t i = 0; i < ids.size(); ++i) {
-    Sequence& seq = m.find(ids[i], "id");
-    if (seq.num_tokens == std::numeric_limits<std::int32_t>::max()) {
-      throw InvalidArgument("ids[" + std::to_string(i) + "] = " + std::to_string(ids[i]) +
-                            " holds 2^31 - 1 tokens, expected room for one more");
+  {
+    const std::vector<const Sequence*> found = m.require_ids(ids);
+    seqs.reserve(found.size());
+    for (std::size_t i = 0; i < found.size(); ++i) {
+      if (found[i]->num_tokens == std::numeric_limits<std::int32_t>::max()) {
+        throw InvalidArgument("ids[" + std::to_string(i) + "] = " + std::to_string(ids[i]) +
+                              " holds 2^31 - 1 tokens, expected room for one more");
+      }
+      seqs.push_back(const_cast<Sequence*>(found[i]));  // the manager's own, non-const
     }
-    seqs.push_back(&seq);
   }
 
   // Count the new FP16 blocks exactly, in the order they will be taken: a
@@ -379,6 +500,7 @@ AppendResult KVCacheManager::append_tokens(std::span<const SequenceId> ids) {
   for (std::int32_t layer = 0; layer < m.num_layers(); ++layer) {
     for (const Sequence* seq : seqs) {
       const bool fresh = needs_block(seq->table, layer, [&](std::int32_t block) {
+        if (fp16.ref_count(block) <= 1) return false;  // the common case: no map look-up
         std::int32_t& left = copied[block];
         if (fp16.ref_count(block) - left <= 1) return false;
         ++left;
@@ -422,7 +544,7 @@ AppendResult KVCacheManager::append_tokens(std::span<const SequenceId> ids) {
 
 void KVCacheManager::fork(SequenceId parent, SequenceId child) {
   Impl& m = *impl_;
-  const Sequence& source = m.find(parent, "parent");
+  const Sequence& source = m.resident(parent, "parent");
   if (m.sequences.contains(child)) {
     throw InvalidArgument("child = " + std::to_string(child) +
                           " is already a sequence of this cache, expected a new id");
@@ -449,21 +571,29 @@ void KVCacheManager::free_sequence(SequenceId id) {
   for (std::int32_t layer = m.num_layers(); layer-- > 0;) {
     for (const Precision p : {Precision::INT2, Precision::INT4, Precision::FP16}) {
       const auto blocks = table.blocks(layer, p);
-      for (auto b = blocks.rbegin(); b != blocks.rend(); ++b) m.pool(p).release(*b);
+      for (auto b = blocks.rbegin(); b != blocks.rend(); ++b) {
+        if (it->second.swapped) {
+          SwapPool& sp = m.swap[at(p)];
+          sp.used[static_cast<std::size_t>(*b)] = 0;
+          sp.free.push_back(*b);
+        } else {
+          m.pool(p).release(*b);
+        }
+      }
     }
   }
   m.sequences.erase(it);
 }
 
 std::span<const std::int32_t> KVCacheManager::blocks(SequenceId id, std::int32_t layer, Precision p) const {
-  const Sequence& seq = impl_->find(id, "id");
+  const Sequence& seq = impl_->resident(id, "id");
   impl_->require_layer(layer);
   require_precision(p, "p");
   return seq.table.blocks(layer, p);
 }
 
 std::int32_t KVCacheManager::fp16_tail_fill(SequenceId id, std::int32_t layer) const {
-  const Sequence& seq = impl_->find(id, "id");
+  const Sequence& seq = impl_->resident(id, "id");
   impl_->require_layer(layer);
   return seq.table.fp16_tail_fill(layer);
 }
@@ -475,10 +605,7 @@ std::int32_t KVCacheManager::ref_count(Precision p, std::int32_t block_id) const
 
 DecodeMetadata KVCacheManager::decode_metadata(std::span<const SequenceId> ids) const {
   const Impl& m = *impl_;
-  m.require_ids(ids);
-  std::vector<const Sequence*> seqs;
-  seqs.reserve(ids.size());
-  for (const SequenceId id : ids) seqs.push_back(&m.find(id, "id"));
+  const std::vector<const Sequence*> seqs = m.require_ids(ids);
 
   DecodeMetadata meta;
   meta.batch_size = static_cast<std::int32_t>(ids.size());
@@ -499,6 +626,209 @@ DecodeMetadata KVCacheManager::decode_metadata(std::span<const SequenceId> ids) 
     }
   }
   return meta;
+}
+
+const PageTable& KVCacheManager::page_table(SequenceId id) const { return impl_->resident(id, "id").table; }
+
+BlockCounts KVCacheManager::blocks_held(SequenceId id) const {
+  const Impl& m = *impl_;
+  const Sequence& seq = m.find(id, "id");
+  BlockCounts held{};
+  for (std::int32_t layer = 0; layer < m.num_layers(); ++layer) {
+    for (const Precision p : kAllPrecisions) held[at(p)] += static_cast<std::int64_t>(seq.table.blocks(layer, p).size());
+  }
+  return held;
+}
+
+BlockCounts KVCacheManager::free_swap_slots() const {
+  BlockCounts free{};
+  for (const Precision p : kAllPrecisions) free[at(p)] = static_cast<std::int64_t>(impl_->swap[at(p)].free.size());
+  return free;
+}
+
+std::size_t KVCacheManager::swap_bytes() const {
+  std::size_t bytes = 0;
+  for (const Precision p : kAllPrecisions) {
+    bytes += static_cast<std::size_t>(impl_->config.swap_blocks[at(p)]) * impl_->pool(p).format().block_bytes();
+  }
+  return bytes;
+}
+
+PoolView KVCacheManager::swap_view(Precision p, std::byte* host_base) const {
+  require_precision(p, "p");
+  if (host_base == nullptr) throw InvalidArgument("host_base = nullptr, expected the host swap buffer's first byte");
+  std::size_t offset = 0;
+  for (const Precision q : kAllPrecisions) {
+    if (q == p) break;
+    offset += static_cast<std::size_t>(impl_->config.swap_blocks[at(q)]) * impl_->pool(q).format().block_bytes();
+  }
+  const BlockFormat f = impl_->pool(p).format();
+  // All slots of the pool form one "slab", so block(slot) = base + slot * block_bytes.
+  const auto slots = static_cast<std::int32_t>(std::max<std::int64_t>(impl_->config.swap_blocks[at(p)], 1));
+  return PoolView{host_base + offset, static_cast<std::size_t>(slots) * f.block_bytes(), slots, f};
+}
+
+bool KVCacheManager::is_swapped(SequenceId id) const { return impl_->find(id, "id").swapped; }
+
+std::vector<SwapCopy> KVCacheManager::swap_out(SequenceId id) {
+  Impl& m = *impl_;
+  Sequence& seq = m.resident(id, "id");
+  const BlockCounts held = blocks_held(id);
+  for (const Precision p : kAllPrecisions) {
+    const auto free = static_cast<std::int64_t>(m.swap[at(p)].free.size());
+    if (held[at(p)] > free) {
+      throw OutOfMemory("swap_out(id = " + std::to_string(id) + "): out of host swap memory: the " +
+                        std::string(to_string(p)) + " swap pool has " + std::to_string(free) + " free slots of " +
+                        std::to_string(m.config.swap_blocks[at(p)]) + ", the sequence holds " +
+                        std::to_string(held[at(p)]) + " " + std::string(to_string(p)) + " blocks");
+    }
+  }
+  std::vector<SwapCopy> copies;
+  copies.reserve(static_cast<std::size_t>(held[0] + held[1] + held[2]));
+  PageTable host(m.num_layers(), m.block_size());
+  const std::int32_t bs = m.block_size();
+  for (std::int32_t layer = 0; layer < m.num_layers(); ++layer) {
+    for (const Precision p : kAllPrecisions) {
+      const auto blocks = seq.table.blocks(layer, p);
+      SwapPool& sp = m.swap[at(p)];
+      for (std::size_t i = 0; i < blocks.size(); ++i) {
+        const std::int32_t slot = sp.free.back();
+        sp.free.pop_back();
+        sp.used[static_cast<std::size_t>(slot)] = 1;
+        copies.push_back({p, blocks[i], slot});
+        const bool tail = p == Precision::FP16 && i + 1 == blocks.size();
+        host.push_block(layer, p, slot, tail ? seq.table.fp16_tail_fill(layer) : bs);
+      }
+    }
+  }
+  // Released only now: the copies above read the blocks before anyone reuses them.
+  for (const SwapCopy& c : copies) m.pool(c.pool).release(c.device_block);
+  seq.table = std::move(host);
+  seq.swapped = true;
+  return copies;
+}
+
+std::vector<SwapCopy> KVCacheManager::swap_in(SequenceId id) {
+  Impl& m = *impl_;
+  Sequence& seq = m.find(id, "id");
+  if (!seq.swapped) {
+    throw InvalidArgument("id = " + std::to_string(id) + " is not swapped out, expected a swapped-out sequence");
+  }
+  const BlockCounts held = blocks_held(id);
+  auto ids = m.allocate(held, "swap_in(id = " + std::to_string(id) + ")");
+  std::vector<SwapCopy> copies;
+  copies.reserve(static_cast<std::size_t>(held[0] + held[1] + held[2]));
+  PageTable device(m.num_layers(), m.block_size());
+  const std::int32_t bs = m.block_size();
+  std::array<std::size_t, kNumPrecisions> next{};
+  for (std::int32_t layer = 0; layer < m.num_layers(); ++layer) {
+    for (const Precision p : kAllPrecisions) {
+      const auto slots = seq.table.blocks(layer, p);
+      for (std::size_t i = 0; i < slots.size(); ++i) {
+        const std::int32_t block = ids[at(p)][next[at(p)]++];
+        copies.push_back({p, block, slots[i]});
+        const bool tail = p == Precision::FP16 && i + 1 == slots.size();
+        device.push_block(layer, p, block, tail ? seq.table.fp16_tail_fill(layer) : bs);
+      }
+    }
+  }
+  // In reverse, so the host pool hands the slots out again in the same order.
+  for (auto c = copies.rbegin(); c != copies.rend(); ++c) {
+    SwapPool& sp = m.swap[at(c->pool)];
+    sp.used[static_cast<std::size_t>(c->host_slot)] = 0;
+    sp.free.push_back(c->host_slot);
+  }
+  seq.table = std::move(device);
+  seq.swapped = false;
+  return copies;
+}
+
+std::optional<std::string> KVCacheManager::why_not_demotable(SequenceId id, std::int32_t layer, std::int32_t window,
+                                                              Precision target) const {
+  const Impl& m = *impl_;
+  const Sequence& seq = m.resident(id, "id");
+  m.require_layer(layer);
+  require_index("window", window, seq.prompt->plan.num_windows());
+  require_precision(target, "target");
+  if (window == 0) return std::string("window 0 (the first visual window) always stays FP16");
+  return m.why_not(seq, layer, window, target);
+}
+
+std::vector<DemoteOp> KVCacheManager::demote(std::span<const Demotion> demotions) {
+  Impl& m = *impl_;
+  // Validate everything first: a throwing call changes nothing.
+  std::vector<Sequence*> seqs;
+  seqs.reserve(demotions.size());
+  BlockCounts need{};
+  std::vector<std::tuple<SequenceId, std::int32_t, std::int32_t, std::size_t>> keys;
+  keys.reserve(demotions.size());
+  for (std::size_t i = 0; i < demotions.size(); ++i) {
+    const Demotion& d = demotions[i];
+    const std::string name = "demotions[" + std::to_string(i) + "]";
+    const auto it = m.sequences.find(d.id);
+    if (it == m.sequences.end()) {
+      throw UnknownId(name + ".id = " + std::to_string(d.id) + " is not a sequence of this cache");
+    }
+    Sequence& seq = it->second;
+    if (seq.swapped) {
+      throw InvalidArgument(name + ".id = " + std::to_string(d.id) +
+                            " is swapped out, expected a sequence in device memory");
+    }
+    require_index(name + ".layer", d.layer, m.num_layers());
+    require_index(name + ".window", d.window, seq.prompt->plan.num_windows());
+    require_precision(d.target, name + ".target");
+    if (d.window == 0) {
+      throw InvalidArgument(name + ".window = 0: the first visual window always stays FP16, expected >= 1");
+    }
+    if (auto reason = m.why_not(seq, d.layer, d.window, d.target)) {
+      throw InvalidArgument(name + " (id " + std::to_string(d.id) + ", layer " + std::to_string(d.layer) +
+                            ", window " + std::to_string(d.window) + ") cannot be demoted: " + *reason);
+    }
+    keys.emplace_back(d.id, d.layer, d.window, i);
+    ++need[at(d.target)];
+    seqs.push_back(&seq);
+  }
+  std::sort(keys.begin(), keys.end());
+  for (std::size_t k = 1; k < keys.size(); ++k) {
+    if (std::get<0>(keys[k]) == std::get<0>(keys[k - 1]) && std::get<1>(keys[k]) == std::get<1>(keys[k - 1]) &&
+        std::get<2>(keys[k]) == std::get<2>(keys[k - 1])) {
+      throw InvalidArgument("demotions[" + std::to_string(std::max(std::get<3>(keys[k]), std::get<3>(keys[k - 1]))) +
+                            "] repeats demotions[" +
+                            std::to_string(std::min(std::get<3>(keys[k]), std::get<3>(keys[k - 1]))) +
+                            "], expected each (id, layer, window) once");
+    }
+  }
+  // Every destination is taken before any source is released, so no op's
+  // destination overlaps another op's source.
+  auto fresh = m.allocate(need, "demote");
+  std::array<std::size_t, kNumPrecisions> next{};
+  std::vector<DemoteOp> ops;
+  ops.reserve(demotions.size());
+  const std::int32_t bs = m.block_size();
+  for (std::size_t i = 0; i < demotions.size(); ++i) {
+    const Demotion& d = demotions[i];
+    Sequence& seq = *seqs[i];
+    if (seq.prompt.use_count() > 1) seq.prompt = std::make_shared<Prompt>(*seq.prompt);  // forks keep theirs
+    Prompt& prompt = *seq.prompt;
+    const Precision current = prompt.plan.at(d.layer, d.window);
+    std::int32_t src_index = 0;
+    std::int32_t dst_index = 0;
+    if (current == Precision::FP16) {
+      src_index = static_cast<std::int32_t>(m.fp16_rank(prompt, d.layer, d.window) / bs);
+    }
+    for (std::int32_t w = 0; w < d.window; ++w) {
+      const Precision p = prompt.plan.at(d.layer, w);
+      src_index += current != Precision::FP16 && p == current ? 1 : 0;
+      dst_index += p == d.target ? 1 : 0;
+    }
+    const std::int32_t src = seq.table.remove_block(d.layer, current, src_index);
+    const std::int32_t dst = fresh[at(d.target)][next[at(d.target)]++];
+    seq.table.insert_block(d.layer, d.target, dst_index, dst);
+    prompt.plan.set(d.layer, d.window, d.target);
+    ops.push_back({d.id, d.layer, d.window, current, src, d.target, dst});
+  }
+  for (const DemoteOp& op : ops) m.pool(op.src_precision).release(op.src_block);
+  return ops;
 }
 
 void KVCacheManager::check_invariants() const {
@@ -527,6 +857,7 @@ void KVCacheManager::check_invariants() const {
   // Ref counts must equal the number of page tables holding each block.
   const std::int32_t bs = m.block_size();
   std::array<boost::unordered_flat_map<std::int32_t, std::int32_t>, kNumPrecisions> holders;
+  std::array<boost::unordered_flat_map<std::int32_t, std::int32_t>, kNumPrecisions> swapped_holders;
   for (const auto& [id, seq] : m.sequences) {
     const std::string name = "sequence " + std::to_string(id);
     const PageTable& table = seq.table;
@@ -542,6 +873,18 @@ void KVCacheManager::check_invariants() const {
       const auto windows = seq.prompt->plan.window_counts(layer);
       for (const Precision p : kAllPrecisions) {
         for (const std::int32_t block : table.blocks(layer, p)) {
+          if (seq.swapped) {
+            // Host slots: each used by exactly one swapped sequence.
+            const SwapPool& sp = m.swap[at(p)];
+            if (block < 0 || static_cast<std::size_t>(block) >= sp.used.size() || !sp.used[static_cast<std::size_t>(block)]) {
+              fail(where + std::string(to_string(p)) + " host slot " + std::to_string(block) +
+                   " is out of range or marked free");
+            }
+            if (++swapped_holders[at(p)][block] > 1) {
+              fail(where + std::string(to_string(p)) + " host slot " + std::to_string(block) + " is held twice");
+            }
+            continue;
+          }
           if (block < 0 || block >= m.pool(p).id_limit() || !m.pool(p).owns_slab(block / m.pool(p).blocks_per_slab())) {
             fail(where + std::string(to_string(p)) + " block " + std::to_string(block) +
                  " is outside the pool's slabs");
@@ -582,6 +925,21 @@ void KVCacheManager::check_invariants() const {
       fail(std::string(to_string(p)) + " pool has " + std::to_string(bp.used_blocks()) +
            " used blocks but page tables hold " + std::to_string(holders[at(p)].size()));
     }
+    // Host swap pool: free + held == capacity, each free slot listed once.
+    const SwapPool& sp = m.swap[at(p)];
+    std::vector<std::uint8_t> listed(sp.used.size(), 0);
+    for (const std::int32_t slot : sp.free) {
+      if (slot < 0 || static_cast<std::size_t>(slot) >= sp.used.size() || sp.used[static_cast<std::size_t>(slot)] ||
+          listed[static_cast<std::size_t>(slot)]) {
+        fail(std::string(to_string(p)) + " swap pool: free slot " + std::to_string(slot) +
+             " is out of range, used or listed twice");
+      }
+      listed[static_cast<std::size_t>(slot)] = 1;
+    }
+    if (sp.free.size() + swapped_holders[at(p)].size() != sp.used.size()) {
+      fail(std::string(to_string(p)) + " swap pool: " + std::to_string(sp.free.size()) + " free + " +
+           std::to_string(swapped_holders[at(p)].size()) + " held slots, capacity " + std::to_string(sp.used.size()));
+    }
   }
 }
 
@@ -603,9 +961,18 @@ std::string KVCacheManager::describe_state() const {
   for (const std::int32_t s : m.arena.free_list()) put(" ", s);
   out += "\n";
   for (const Precision p : kAllPrecisions) m.pool(p).describe(out);
+  for (const Precision p : kAllPrecisions) {
+    if (m.config.swap_blocks[at(p)] == 0) continue;  // no host pool: nothing to show
+    out += "swap ";
+    out += to_string(p);
+    out += " free:";
+    for (const std::int32_t slot : m.swap[at(p)].free) put(" ", slot);
+    out += "\n";
+  }
   for (const SequenceId id : sequence_ids()) {
     const Sequence& seq = m.sequences.at(id);
     put("sequence ", id);
+    if (seq.swapped) out += " (swapped: host slots)";
     put(": tokens ", seq.num_tokens);
     out += ", prompt";
     for (const Segment& s : seq.prompt->layout.segments()) put(s.kind == TokenKind::Text ? " T" : " V", s.length);

@@ -94,4 +94,32 @@ void PageTable::replace_fp16_tail(std::int32_t layer, std::int32_t block_id) {
   l.blocks[0].back() = block_id;
 }
 
+std::int32_t PageTable::remove_block(std::int32_t layer, Precision p, std::int32_t index) {
+  Layer& l = layer_at(layer);
+  std::vector<std::int32_t>& list = l.blocks[index_of(p)];
+  detail::require_index("index", index, static_cast<std::int64_t>(list.size()));
+  const bool tail = static_cast<std::size_t>(index) + 1 == list.size();
+  if (p == Precision::FP16 && tail && l.fp16_tail_fill != block_size_) {
+    throw InvalidArgument("layer " + std::to_string(layer) + ": FP16 block " + std::to_string(index) + " holds " +
+                          std::to_string(l.fp16_tail_fill) + " of " + std::to_string(block_size_) +
+                          " tokens, expected a full block");
+  }
+  const std::int32_t block = list[static_cast<std::size_t>(index)];
+  list.erase(list.begin() + index);
+  // Every FP16 block before the tail is full, so a removed tail leaves a full one.
+  if (p == Precision::FP16 && tail) l.fp16_tail_fill = list.empty() ? 0 : block_size_;
+  return block;
+}
+
+void PageTable::insert_block(std::int32_t layer, Precision p, std::int32_t index, std::int32_t block_id) {
+  Layer& l = layer_at(layer);
+  if (!is_quantized(p)) {
+    throw InvalidArgument("p = FP16: insert_block takes INT4 or INT2 blocks (FP16 tokens stay densely packed)");
+  }
+  std::vector<std::int32_t>& list = l.blocks[index_of(p)];
+  detail::require_index("index", index, static_cast<std::int64_t>(list.size()) + 1);
+  if (block_id < 0) throw InvalidArgument("block_id = " + std::to_string(block_id) + ", expected >= 0");
+  list.insert(list.begin() + index, block_id);
+}
+
 }  // namespace mixkv

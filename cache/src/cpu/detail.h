@@ -111,6 +111,8 @@ inline std::size_t fp16_v_row(const BlockFormat& f, std::int32_t token) {
 void write_head_unchecked(const BlockFormat& format, const Half* k, const Half* v, std::size_t row_stride,
                           std::byte* head_region);
 void read_head_unchecked(const BlockFormat& format, const std::byte* head_region, float* k_out, float* v_out);
+// Quantizes [block_size][head_dim] float K/V into a quantized head (demote).
+void quantize_head_floats(const BlockFormat& format, const float* k, const float* v, std::byte* head_region);
 
 // The merge rule of two attention states over disjoint key sets (natural
 // log), evaluated in double. Empty states (lse = -inf) are handled by

@@ -62,28 +62,23 @@ void check_codes(std::string_view function, std::string_view name, const std::ui
   }
 }
 
-}  // namespace
+float widen(Half h) { return half_to_float(h); }
+float widen(float f) { return f; }
 
-namespace detail {
-
-void write_head_unchecked(const BlockFormat& format, const Half* k, const Half* v, std::size_t row_stride,
-                          std::byte* head_region) {
+// Quantizes one head from K/V rows of halves (store) or floats (demotion of
+// dequantized INT4 values); a half widens exactly, so both give the codes of
+// the same float values.
+template <typename T>
+void quantize_head(const BlockFormat& format, const T* k, const T* v, std::size_t row_stride, std::byte* head_region) {
   const int tokens = format.block_size;
   const int dim = format.head_dim;
-  if (format.precision == Precision::FP16) {
-    for (int t = 0; t < tokens; ++t) {
-      std::memcpy(head_region + fp16_k_row(format, t), k + t * row_stride, dim * sizeof(Half));
-      std::memcpy(head_region + fp16_v_row(format, t), v + t * row_stride, dim * sizeof(Half));
-    }
-    return;
-  }
   const int bits = format.bits();
   const int max_code = mixkv::max_code(format.precision);
   std::vector<float> group(static_cast<std::size_t>(std::max(tokens, dim)));
 
   // K: one group per channel, over the block's tokens.
   for (int c = 0; c < dim; ++c) {
-    for (int t = 0; t < tokens; ++t) group[t] = half_to_float(k[t * row_stride + c]);
+    for (int t = 0; t < tokens; ++t) group[t] = widen(k[t * row_stride + c]);
     const auto [lo, hi] = std::minmax_element(group.begin(), group.begin() + tokens);
     const GroupParams params = group_params(*lo, *hi, max_code);
     const float scale = half_to_float(params.scale);
@@ -95,7 +90,7 @@ void write_head_unchecked(const BlockFormat& format, const Half* k, const Half* 
   }
   // V: one group per token, over the channels.
   for (int t = 0; t < tokens; ++t) {
-    for (int c = 0; c < dim; ++c) group[c] = half_to_float(v[t * row_stride + c]);
+    for (int c = 0; c < dim; ++c) group[c] = widen(v[t * row_stride + c]);
     const auto [lo, hi] = std::minmax_element(group.begin(), group.begin() + dim);
     const GroupParams params = group_params(*lo, *hi, max_code);
     const float scale = half_to_float(params.scale);
@@ -105,6 +100,26 @@ void write_head_unchecked(const BlockFormat& format, const Half* k, const Half* 
     }
     store_params(head_region + format.v_params_offset() + static_cast<std::size_t>(t) * 2 * sizeof(Half), params);
   }
+}
+
+}  // namespace
+
+namespace detail {
+
+void write_head_unchecked(const BlockFormat& format, const Half* k, const Half* v, std::size_t row_stride,
+                          std::byte* head_region) {
+  if (format.precision == Precision::FP16) {
+    for (int t = 0; t < format.block_size; ++t) {
+      std::memcpy(head_region + fp16_k_row(format, t), k + t * row_stride, format.head_dim * sizeof(Half));
+      std::memcpy(head_region + fp16_v_row(format, t), v + t * row_stride, format.head_dim * sizeof(Half));
+    }
+    return;
+  }
+  quantize_head(format, k, v, row_stride, head_region);
+}
+
+void quantize_head_floats(const BlockFormat& format, const float* k, const float* v, std::byte* head_region) {
+  quantize_head(format, k, v, static_cast<std::size_t>(format.head_dim), head_region);
 }
 
 void read_head_unchecked(const BlockFormat& format, const std::byte* head_region, float* k_out, float* v_out) {

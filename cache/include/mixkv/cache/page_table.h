@@ -46,6 +46,16 @@ class PageTable {
   // Swaps the tail block for `block_id` (copy-on-write); fill is kept.
   // InvalidArgument when the layer has no FP16 block.
   void replace_fp16_tail(std::int32_t layer, std::int32_t block_id);
+  // Demotion: removes the index-th block of pool p and returns its id. An
+  // FP16 block must be full (FP16 tokens after it move down one block, still
+  // densely packed); when it was the tail, the block before it (full)
+  // becomes the tail. InvalidArgument for a partly filled FP16 block;
+  // IndexOutOfRange names "index".
+  std::int32_t remove_block(std::int32_t layer, Precision p, std::int32_t index);
+  // Inserts a quantized block (one whole window) at position `index` of
+  // pool p's list (0..size). InvalidArgument for FP16 or a negative id;
+  // IndexOutOfRange names "index".
+  void insert_block(std::int32_t layer, Precision p, std::int32_t index, std::int32_t block_id);
 
   friend bool operator==(const PageTable&, const PageTable&) = default;
 
