@@ -1,0 +1,794 @@
+#include "mixkv/scheduler/scheduler.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <optional>
+#include <queue>
+#include <string>
+#include <tuple>
+#include <utility>
+
+#include <boost/intrusive/set.hpp>
+#include <boost/unordered/unordered_flat_set.hpp>
+#include <boost/unordered_map.hpp>
+
+#include "mixkv/cache/errors.h"
+
+namespace mixkv {
+namespace {
+
+using SetHook = boost::intrusive::set_member_hook<boost::intrusive::link_mode<boost::intrusive::safe_link>>;
+
+std::size_t at(Precision p) { return static_cast<std::size_t>(pool_index(p)); }
+
+// The scheduler's record of one live request.
+struct Entry {
+  SetHook hook;  // in exactly one of waiting_, running_, swapped_
+
+  // Fixed at add_request: the queue key and the request's limits.
+  RequestId id = 0;
+  std::int32_t neg_priority = 0;  // -priority under SchedulingPolicy::Priority, else 0
+  double arrival = 0.0;
+  std::int64_t order = 0;  // add_request order: the last tie-break
+  TokenLayout original;
+  std::int32_t max_new_tokens = 1;
+
+  // The prompt to prefill now: the original, plus the generated tokens as
+  // text after a recompute. The plan follows the manager's after demotions.
+  TokenLayout prompt;
+  PrecisionPlan plan;
+  BlockCounts demand{};  // cache.demand(prompt, plan)
+  std::vector<std::int32_t> window_starts;  // of prompt (text adds no window)
+
+  RequestState state = RequestState::Waiting;
+  std::int32_t computed = 0;    // prompt rows computed
+  std::int32_t generated = 0;   // tokens generated
+  std::int32_t num_tokens = 0;  // tokens in the cache (prompt + appended decode tokens)
+  std::int32_t slot = -1;
+  std::int32_t preemptions = 0;
+  std::int32_t bypassed = 0;  // steps in which requests behind it were admitted instead
+  bool done = false;          // generated max_new_tokens; retired at the next step
+  const PageTable* table = nullptr;  // while resident in device memory
+
+  // Demotion candidates: windows 1.. in ascending similarity score, and how
+  // far demotion has gone through them.
+  std::vector<std::int32_t> demote_order;
+  std::size_t demote_cursor = 0;
+};
+
+struct KeyLess {
+  bool operator()(const Entry& a, const Entry& b) const {
+    return std::tie(a.neg_priority, a.arrival, a.order) < std::tie(b.neg_priority, b.arrival, b.order);
+  }
+};
+
+using Queue = boost::intrusive::multiset<Entry, boost::intrusive::member_hook<Entry, SetHook, &Entry::hook>,
+                                         boost::intrusive::compare<KeyLess>>;
+
+std::string counts_text(const BlockCounts& c) {
+  return "FP16 " + std::to_string(c[0]) + ", INT4 " + std::to_string(c[1]) + ", INT2 " + std::to_string(c[2]);
+}
+
+}  // namespace
+
+struct Scheduler::Impl {
+  KVCacheManager& cache;
+  SchedulerConfig config;
+  std::optional<WindowPlanner> planner;
+  std::int32_t num_layers = 0;
+  std::int32_t block_size = 0;
+  std::int64_t reserve_fp16 = 0;  // watermark, in FP16 blocks
+
+  boost::unordered_map<RequestId, Entry> entries;  // node-based: hooks need stable addresses
+  boost::unordered_flat_set<RequestId> retired;    // finished, cancelled or rejected
+  Queue waiting;
+  Queue running;  // Prefilling and Running
+  Queue swapped;
+  std::vector<std::int32_t> free_slots;  // stack
+  std::vector<Entry*> done;              // reached max_new_tokens last step
+  std::vector<FinishedRequest> finished_reports;
+  std::vector<RejectedRequest> rejected_reports;
+  std::vector<RequestId> last_decodes;
+  std::int64_t next_order = 0;
+  SchedulerStats stats;
+
+  Impl(KVCacheManager& c, SchedulerConfig cfg);
+
+  Entry& live(RequestId id, const char* name);
+  void plan_prefix(Entry& e) const;
+  std::optional<std::string> never_fits(const Entry& e) const;
+  std::int32_t chunk_end(const Entry& e, std::int32_t budget) const;
+  bool fits(const BlockCounts& blocks, bool with_reserve) const;
+
+  void take_slot(Entry& e);
+  void drop_slot(Entry& e);
+  void release(Entry& e);                    // frees memory, unlinks, erases
+  void retire(Entry& e, FinishReason reason);
+  void reject(Entry& e, std::string reason);
+  void preempt(Entry& e, StepOutput& out);
+  void relieve(std::vector<Entry*>& decodes, std::int64_t& need, StepOutput& out);
+  void demote_for(std::int64_t deficit, const std::vector<Entry*>& decodes, StepOutput& out);
+  void schedule_chunk(Entry& e, std::int32_t end, StepOutput& out);
+  void build_metadata(const std::vector<Entry*>& decodes, StepOutput& out) const;
+};
+
+Scheduler::Impl::Impl(KVCacheManager& c, SchedulerConfig cfg) : cache(c), config(std::move(cfg)) {
+  const CacheConfig& cc = cache.config();
+  num_layers = cc.shape.num_layers;
+  block_size = cc.shape.block_size;
+  auto bad = [](const std::string& what) { throw InvalidArgument("config." + what); };
+  if (config.max_num_seqs < 1) bad("max_num_seqs = " + std::to_string(config.max_num_seqs) + ", expected >= 1");
+  if (config.max_num_batched_tokens < std::max(config.max_num_seqs, block_size)) {
+    bad("max_num_batched_tokens = " + std::to_string(config.max_num_batched_tokens) +
+        ", expected >= max(max_num_seqs, block_size) = " + std::to_string(std::max(config.max_num_seqs, block_size)));
+  }
+  if (!(config.watermark >= 0.0 && config.watermark < 1.0)) {
+    bad("watermark = " + std::to_string(config.watermark) + ", expected 0 <= watermark < 1");
+  }
+  if (config.max_demotions_per_step < 0) {
+    bad("max_demotions_per_step = " + std::to_string(config.max_demotions_per_step) + ", expected >= 0");
+  }
+  if (config.lookahead < 0) bad("lookahead = " + std::to_string(config.lookahead) + ", expected >= 0");
+  if (config.max_head_bypass < 0) {
+    bad("max_head_bypass = " + std::to_string(config.max_head_bypass) + ", expected >= 0");
+  }
+  const auto policy = static_cast<int>(config.policy);
+  if (policy < 0 || policy > 1) bad("policy = " + std::to_string(policy) + ", expected FCFS (0) or Priority (1)");
+  const auto mode = static_cast<int>(config.preemption);
+  if (mode < 0 || mode > 1) bad("preemption = " + std::to_string(mode) + ", expected Recompute (0) or Swap (1)");
+  if (config.planner) {
+    if (config.planner->window_size != block_size) {
+      bad("planner.window_size = " + std::to_string(config.planner->window_size) + ", expected the cache's block_size " +
+          std::to_string(block_size));
+    }
+    planner.emplace(*config.planner);
+    if (planner->num_layers() != num_layers) {
+      bad("planner.sensitivities has " + std::to_string(planner->num_layers()) + " layers, expected " +
+          std::to_string(num_layers) + " (the cache's num_layers)");
+    }
+  }
+  if (!cache.sequence_ids().empty()) {
+    throw InvalidArgument("cache holds " + std::to_string(cache.sequence_ids().size()) +
+                          " sequences, expected an empty cache for the scheduler to drive");
+  }
+  const auto slabs = static_cast<std::int64_t>(std::ceil(config.watermark * cache.total_slabs()));
+  reserve_fp16 = slabs * cache.pool_stats(Precision::FP16).blocks_per_slab;
+  free_slots.reserve(static_cast<std::size_t>(config.max_num_seqs));
+  for (std::int32_t s = config.max_num_seqs; s-- > 0;) free_slots.push_back(s);
+}
+
+Entry& Scheduler::Impl::live(RequestId id, const char* name) {
+  const auto it = entries.find(id);
+  if (it == entries.end()) {
+    throw UnknownId(std::string(name) + " = " + std::to_string(id) + " is not a live request of this scheduler");
+  }
+  return it->second;
+}
+
+// Whether `blocks` can be had now, leaving the watermark for the running
+// requests' growth when there are any.
+bool Scheduler::Impl::fits(const BlockCounts& blocks, bool with_reserve) const {
+  BlockCounts need = blocks;
+  if (with_reserve && !running.empty()) need[0] += reserve_fp16;
+  return cache.can_allocate(need);
+}
+
+// Why `e` can never run to completion in this cache, or nullopt.
+std::optional<std::string> Scheduler::Impl::never_fits(const Entry& e) const {
+  if (!config.chunked_prefill && e.prompt.num_tokens() > config.max_num_batched_tokens) {
+    return "its prompt of " + std::to_string(e.prompt.num_tokens()) +
+           " tokens exceeds max_num_batched_tokens = " + std::to_string(config.max_num_batched_tokens) +
+           " and chunked_prefill is off";
+  }
+  // The most it will ever hold: the prompt plus max_new_tokens - 1 decode
+  // tokens (the last sampled token is never stored), all FP16.
+  BlockCounts most = e.demand;
+  const std::int64_t more = e.max_new_tokens - 1 - (e.prompt.num_tokens() - e.original.num_tokens());
+  most[0] = 0;
+  for (std::int32_t layer = 0; layer < num_layers; ++layer) {
+    const auto windows = e.plan.window_counts(layer);
+    const std::int64_t fp16 =
+        e.prompt.num_tokens() - (std::int64_t{windows[1]} + windows[2]) * block_size + std::max<std::int64_t>(more, 0);
+    most[0] += (fp16 + block_size - 1) / block_size;
+  }
+  auto slabs_for = [&](const BlockCounts& c) {
+    std::int64_t slabs = 0;
+    for (const Precision p : kAllPrecisions) {
+      const std::int64_t per = cache.pool_stats(p).blocks_per_slab;
+      slabs += (c[at(p)] + per - 1) / per;
+    }
+    return slabs;
+  };
+  const std::int64_t total = cache.total_slabs();
+  if (slabs_for(most) > total) {
+    return "with its " + std::to_string(e.max_new_tokens) + " new tokens it needs " + counts_text(most) +
+           " blocks (" + std::to_string(slabs_for(most)) + " slabs), the whole cache holds " + std::to_string(total) +
+           " slabs";
+  }
+  return std::nullopt;
+}
+
+// End of the chunk that starts at e.computed with `budget` tokens: never
+// inside a visual window (a quantized window is stored from all its rows at
+// once), 0 when no chunk fits.
+std::int32_t Scheduler::Impl::chunk_end(const Entry& e, std::int32_t budget) const {
+  const std::int32_t total = e.prompt.num_tokens();
+  const std::int32_t remaining = total - e.computed;
+  if (remaining <= budget) return total;
+  if (!config.chunked_prefill) return 0;
+  std::int32_t end = e.computed + budget;
+  const auto next = std::upper_bound(e.window_starts.begin(), e.window_starts.end(), end - 1);
+  if (next != e.window_starts.begin()) {
+    const std::int32_t start = *std::prev(next);
+    if (start < end && end < start + block_size) end = start;
+  }
+  return end > e.computed ? end : 0;
+}
+
+void Scheduler::Impl::take_slot(Entry& e) {
+  e.slot = free_slots.back();
+  free_slots.pop_back();
+}
+
+void Scheduler::Impl::drop_slot(Entry& e) {
+  if (e.slot >= 0) free_slots.push_back(e.slot);
+  e.slot = -1;
+  e.table = nullptr;
+}
+
+void Scheduler::Impl::release(Entry& e) {
+  if (e.state == RequestState::Prefilling || e.state == RequestState::Running || e.state == RequestState::Swapped) {
+    cache.free_sequence(e.id);
+  }
+  drop_slot(e);
+  if (e.hook.is_linked()) {
+    Queue& q = e.state == RequestState::Waiting ? waiting : (e.state == RequestState::Swapped ? swapped : running);
+    q.erase(q.iterator_to(e));
+  }
+  retired.insert(e.id);
+  entries.erase(e.id);
+}
+
+void Scheduler::Impl::retire(Entry& e, FinishReason reason) {
+  finished_reports.push_back({e.id, reason, e.generated});
+  if (reason == FinishReason::Cancelled) {
+    ++stats.cancelled;
+  } else {
+    ++stats.finished;
+  }
+  release(e);
+}
+
+void Scheduler::Impl::reject(Entry& e, std::string reason) {
+  rejected_reports.push_back({e.id, "request " + std::to_string(e.id) + " can never run: " + std::move(reason)});
+  ++stats.rejected;
+  release(e);
+}
+
+void Scheduler::Impl::preempt(Entry& e, StepOutput& out) {
+  ++e.preemptions;
+  running.erase(running.iterator_to(e));
+  const BlockCounts held = cache.blocks_held(e.id);
+  const BlockCounts host = cache.free_swap_slots();
+  const bool swap = config.preemption == PreemptionMode::Swap && held[0] <= host[0] && held[1] <= host[1] &&
+                    held[2] <= host[2];
+  if (swap) {
+    const std::vector<SwapCopy> copies = cache.swap_out(e.id);
+    out.swap_out.insert(out.swap_out.end(), copies.begin(), copies.end());
+    out.swapped_out.push_back(e.id);
+    drop_slot(e);
+    e.state = RequestState::Swapped;
+    swapped.insert(e);
+    ++stats.preempted_swap;
+    return;
+  }
+  // Recompute: the prompt becomes the original plus every generated token
+  // (as FP16 text); the plan keeps its demotions.
+  e.plan = cache.plan(e.id);
+  cache.free_sequence(e.id);
+  drop_slot(e);
+  std::vector<Segment> segments(e.original.segments().begin(), e.original.segments().end());
+  if (e.generated > 0) {
+    if (segments.back().kind == TokenKind::Text) {
+      segments.back().length += e.generated;
+    } else {
+      segments.push_back({TokenKind::Text, e.generated});
+    }
+  }
+  e.prompt = TokenLayout(std::move(segments));
+  e.demand = cache.demand(e.prompt, e.plan);
+  e.computed = 0;
+  e.num_tokens = 0;
+  e.state = RequestState::Waiting;
+  out.preempted.push_back(e.id);
+  ++stats.preempted_recompute;
+  if (auto reason = never_fits(e)) {
+    reject(e, *std::move(reason));
+    return;
+  }
+  waiting.insert(e);
+}
+
+// Demotes the lowest-similarity FP16 windows of decoding requests to INT4,
+// in one manager call, until about `deficit` FP16 blocks come free.
+void Scheduler::Impl::demote_for(std::int64_t deficit, const std::vector<Entry*>& decodes, StepOutput& out) {
+  // Lowest score first across requests: a heap of each request's next candidate.
+  using Candidate = std::pair<float, Entry*>;
+  auto later = [](const Candidate& a, const Candidate& b) {
+    return std::tie(a.first, a.second->order) > std::tie(b.first, b.second->order);
+  };
+  std::priority_queue<Candidate, std::vector<Candidate>, decltype(later)> heap(later);
+  for (Entry* e : decodes) {
+    if (e->demote_cursor < e->demote_order.size()) {
+      heap.push({e->plan.score(e->demote_order[e->demote_cursor]), e});
+    }
+  }
+  std::vector<Demotion> demotions;
+  std::vector<Entry*> touched;
+  const auto limit = static_cast<std::size_t>(config.max_demotions_per_step);
+  while (!heap.empty() && static_cast<std::int64_t>(demotions.size()) < deficit && demotions.size() < limit) {
+    Entry* e = heap.top().second;
+    heap.pop();
+    const std::int32_t window = e->demote_order[e->demote_cursor++];
+    const PrecisionPlan& plan = cache.plan(e->id);
+    bool any = false;
+    for (std::int32_t layer = 0; layer < num_layers && demotions.size() < limit; ++layer) {
+      if (plan.at(layer, window) != Precision::FP16) continue;
+      if (cache.why_not_demotable(e->id, layer, window, Precision::INT4)) continue;
+      demotions.push_back({e->id, layer, window, Precision::INT4});
+      any = true;
+    }
+    if (any && (touched.empty() || touched.back() != e)) touched.push_back(e);
+    if (e->demote_cursor < e->demote_order.size()) heap.push({e->plan.score(e->demote_order[e->demote_cursor]), e});
+  }
+  // The INT4 blocks must be there: take as many demotions as they allow.
+  auto int4_fits = [&](std::size_t n) { return cache.can_allocate({0, static_cast<std::int64_t>(n), 0}); };
+  std::size_t n = demotions.size();
+  if (!int4_fits(n)) {
+    std::size_t lo = 0;
+    std::size_t hi = n;  // int4_fits(lo), !int4_fits(hi)
+    while (hi - lo > 1) {
+      const std::size_t mid = (lo + hi) / 2;
+      (int4_fits(mid) ? lo : hi) = mid;
+    }
+    n = lo;
+  }
+  if (n == 0) return;
+  demotions.resize(n);
+  const std::vector<DemoteOp> ops = cache.demote(demotions);
+  out.demotions.insert(out.demotions.end(), ops.begin(), ops.end());
+  stats.demotions += static_cast<std::int64_t>(ops.size());
+  boost::unordered_flat_set<RequestId> changed;
+  for (const Demotion& d : demotions) {
+    if (changed.insert(d.id).second) out.tables_changed.push_back(d.id);
+  }
+}
+
+// Makes room for `need` new FP16 blocks of the decode batch: demotion first
+// (if enabled), then preemption of the lowest-ranked running requests.
+void Scheduler::Impl::relieve(std::vector<Entry*>& decodes, std::int64_t& need, StepOutput& out) {
+  if (config.demote_under_pressure && config.max_demotions_per_step > 0) {
+    const std::int64_t deficit = need - cache.pool_stats(Precision::FP16).free_blocks;
+    demote_for(std::max<std::int64_t>(deficit, 1), decodes, out);
+  }
+  while (!cache.can_allocate({need, 0, 0}) && !running.empty()) {
+    Entry& victim = *std::prev(running.end());
+    if (victim.state == RequestState::Running) {
+      const auto it = std::find(decodes.begin(), decodes.end(), &victim);
+      decodes.erase(it);
+      if (victim.num_tokens % block_size == 0) need -= num_layers;
+    }
+    preempt(victim, out);
+  }
+}
+
+void Scheduler::Impl::schedule_chunk(Entry& e, std::int32_t end, StepOutput& out) {
+  PrefillChunk chunk;
+  chunk.id = e.id;
+  chunk.slot = e.slot;
+  chunk.start = e.computed;
+  chunk.end = end;
+  chunk.last = end == e.prompt.num_tokens();
+  out.num_batched_tokens += end - e.computed;
+  stats.prefill_tokens += end - e.computed;
+  e.computed = end;
+  if (chunk.last) {
+    e.state = RequestState::Running;
+    ++e.generated;
+    if (e.generated >= e.max_new_tokens) {
+      e.done = true;
+      done.push_back(&e);
+    }
+  }
+  out.prefills.push_back(std::move(chunk));
+}
+
+// Full CSR of the decode batch, from the page tables the entries hold (no
+// look-ups): O(blocks of the batch), the part of a step that grows with context.
+void Scheduler::Impl::build_metadata(const std::vector<Entry*>& decodes, StepOutput& out) const {
+  DecodeMetadata& meta = out.metadata;
+  const std::size_t n = decodes.size();
+  meta.batch_size = static_cast<std::int32_t>(n);
+  meta.layers.resize(static_cast<std::size_t>(num_layers));
+  std::vector<const PageTable*> tables;
+  tables.reserve(n);
+  for (const Entry* e : decodes) tables.push_back(e->table);
+  for (std::int32_t layer = 0; layer < num_layers; ++layer) {
+    for (const Precision p : kAllPrecisions) {
+      PagedPoolTable& t = meta.layers[static_cast<std::size_t>(layer)][at(p)];
+      t.indptr.resize(n + 1);
+      t.last_block_len.resize(n);
+      std::int32_t total = 0;
+      t.indptr[0] = 0;
+      for (std::size_t i = 0; i < n; ++i) {
+        total += static_cast<std::int32_t>(tables[i]->blocks(layer, p).size());
+        t.indptr[i + 1] = total;
+      }
+      t.indices.resize(static_cast<std::size_t>(total));
+      for (std::size_t i = 0; i < n; ++i) {
+        const auto blocks = tables[i]->blocks(layer, p);
+        std::copy(blocks.begin(), blocks.end(), t.indices.begin() + t.indptr[i]);
+        const std::int32_t last = p == Precision::FP16 ? tables[i]->fp16_tail_fill(layer) : block_size;
+        t.last_block_len[i] = blocks.empty() ? 0 : last;
+      }
+    }
+  }
+}
+
+Scheduler::Scheduler(KVCacheManager& cache, SchedulerConfig config)
+    : impl_(std::make_unique<Impl>(cache, std::move(config))) {}
+Scheduler::~Scheduler() = default;
+
+const SchedulerConfig& Scheduler::config() const { return impl_->config; }
+const KVCacheManager& Scheduler::cache() const { return impl_->cache; }
+
+void Scheduler::add_request(const Request& r) {
+  Impl& s = *impl_;
+  const std::string name = "request (id " + std::to_string(r.id) + ")";
+  if (s.entries.contains(r.id)) {
+    throw InvalidArgument("request.id = " + std::to_string(r.id) + " is a live request, expected a new id");
+  }
+  if (r.layout.num_tokens() < 1) {
+    throw InvalidArgument(name + ": request.layout has 0 tokens, expected at least one segment");
+  }
+  if (r.max_new_tokens < 1) {
+    throw InvalidArgument(name + ": request.max_new_tokens = " + std::to_string(r.max_new_tokens) +
+                          ", expected >= 1");
+  }
+  if (!std::isfinite(r.arrival_time)) {
+    throw InvalidArgument(name + ": request.arrival_time is not finite, expected a time on the engine's clock");
+  }
+  if (r.plan.has_value() == r.embeddings.has_value()) {
+    throw InvalidArgument(name + ": request has " + (r.plan ? "both a plan and embeddings" : "neither plan nor embeddings") +
+                          ", expected exactly one of request.plan and request.embeddings");
+  }
+  if (static_cast<std::int64_t>(r.layout.num_tokens()) + r.max_new_tokens > std::numeric_limits<std::int32_t>::max()) {
+    throw InvalidArgument(name + ": request.max_new_tokens = " + std::to_string(r.max_new_tokens) +
+                          " makes more than 2^31 - 1 tokens");
+  }
+  PrecisionPlan plan;
+  if (r.embeddings) {
+    if (!s.planner) {
+      throw InvalidArgument(name + ": request.embeddings given but config.planner is not set, expected request.plan");
+    }
+    plan = s.planner->plan(r.layout, *r.embeddings);
+  } else {
+    plan = *r.plan;
+  }
+  BlockCounts demand{};
+  try {
+    demand = s.cache.demand(r.layout, plan);
+  } catch (const InvalidArgument& e) {
+    throw InvalidArgument(name + ": request." + e.what());
+  }
+
+  Entry& e = s.entries[r.id];
+  e.id = r.id;
+  e.neg_priority = s.config.policy == SchedulingPolicy::Priority ? -r.priority : 0;
+  e.arrival = r.arrival_time;
+  e.order = s.next_order++;
+  e.original = r.layout;
+  e.max_new_tokens = r.max_new_tokens;
+  e.prompt = r.layout;
+  e.plan = std::move(plan);
+  e.demand = demand;
+  e.window_starts = r.layout.window_starts(s.block_size);
+  for (std::int32_t w = 1; w < e.plan.num_windows(); ++w) e.demote_order.push_back(w);
+  std::stable_sort(e.demote_order.begin(), e.demote_order.end(),
+                   [&](std::int32_t a, std::int32_t b) { return e.plan.score(a) < e.plan.score(b); });
+  s.retired.erase(r.id);
+  if (auto reason = s.never_fits(e)) {
+    s.reject(e, *std::move(reason));
+    return;
+  }
+  s.waiting.insert(e);
+}
+
+StepOutput Scheduler::step() {
+  Impl& s = *impl_;
+  StepOutput out;
+  out.step = ++s.stats.steps;
+
+  // Requests whose last token came out of the previous step.
+  for (Entry* e : s.done) {
+    if (e != nullptr) s.retire(*e, FinishReason::Length);
+  }
+  s.done.clear();
+
+  std::int32_t budget = s.config.max_num_batched_tokens;
+
+  // 1. Decodes: every running request past its prompt gets one token.
+  std::vector<Entry*> decodes;
+  decodes.reserve(s.running.size());
+  std::int64_t need = 0;
+  for (Entry& e : s.running) {
+    if (e.state != RequestState::Running) continue;
+    decodes.push_back(&e);
+    if (e.num_tokens % s.block_size == 0) need += s.num_layers;  // every layer opens an FP16 block
+  }
+  const bool pressure = !s.cache.can_allocate({need, 0, 0});
+  if (pressure) s.relieve(decodes, need, out);
+  out.decodes.reserve(decodes.size());
+  out.decode_slots.reserve(decodes.size());
+  for (Entry* e : decodes) {
+    out.decodes.push_back(e->id);
+    out.decode_slots.push_back(e->slot);
+  }
+  out.append = s.cache.append_tokens(out.decodes);
+  for (Entry* e : decodes) {
+    ++e->num_tokens;
+    ++e->generated;
+    if (e->generated >= e->max_new_tokens) {
+      e->done = true;
+      s.done.push_back(e);
+    }
+  }
+  budget -= static_cast<std::int32_t>(decodes.size());
+  out.num_batched_tokens += static_cast<std::int32_t>(decodes.size());
+  s.stats.decode_tokens += static_cast<std::int64_t>(decodes.size());
+
+  // 2. Prompts already admitted go on, oldest first.
+  for (Entry& e : s.running) {
+    if (e.state != RequestState::Prefilling || budget == 0) continue;
+    const std::int32_t end = s.chunk_end(e, budget);
+    if (end == 0) continue;
+    budget -= end - e.computed;
+    s.schedule_chunk(e, end, out);
+  }
+
+  // 3. Swapped requests come back before new ones are admitted; nothing
+  // comes in during a step that had to preempt (no preempt/resume thrash).
+  const bool preempted = !out.preempted.empty() || !out.swapped_out.empty();
+  auto room = [&] { return static_cast<std::int32_t>(s.running.size()) < s.config.max_num_seqs; };
+  while (!preempted && !s.swapped.empty() && room()) {
+    Entry& e = *s.swapped.begin();
+    if (!s.fits(s.cache.blocks_held(e.id), true)) break;
+    const std::vector<SwapCopy> copies = s.cache.swap_in(e.id);
+    out.swap_in.insert(out.swap_in.end(), copies.begin(), copies.end());
+    out.swapped_in.push_back(e.id);
+    out.tables_changed.push_back(e.id);
+    s.swapped.erase(s.swapped.iterator_to(e));
+    e.state = e.computed == e.prompt.num_tokens() ? RequestState::Running : RequestState::Prefilling;
+    e.table = &s.cache.page_table(e.id);
+    s.take_slot(e);
+    s.running.insert(e);
+  }
+
+  // 4. Admission with bounded look-ahead: the first waiting request that
+  // does not fit lets up to `lookahead` others past it, for at most
+  // max_head_bypass steps.
+  if (!preempted && s.swapped.empty()) {
+    Entry* blocked = nullptr;
+    std::int32_t looked = 0;
+    for (auto it = s.waiting.begin(); it != s.waiting.end() && room() && budget > 0;) {
+      Entry& e = *it++;
+      const std::int32_t end = s.chunk_end(e, budget);
+      if (end != 0 && s.fits(e.demand, true)) {
+        s.waiting.erase(s.waiting.iterator_to(e));
+        s.cache.add_sequence(e.id, e.prompt, e.plan);
+        e.state = RequestState::Prefilling;
+        e.num_tokens = e.prompt.num_tokens();
+        e.table = &s.cache.page_table(e.id);
+        s.take_slot(e);
+        s.running.insert(e);
+        out.tables_changed.push_back(e.id);
+        budget -= end - e.computed;
+        s.schedule_chunk(e, end, out);
+        continue;
+      }
+      if (blocked == nullptr) {
+        blocked = &e;
+        if (++e.bypassed > s.config.max_head_bypass) break;  // drain: nothing past it
+      }
+      if (++looked > s.config.lookahead) break;
+    }
+  }
+
+  // Slots of the prefill chunks' rows, per layer.
+  for (PrefillChunk& chunk : out.prefills) {
+    chunk.mappings.resize(static_cast<std::size_t>(s.num_layers));
+    for (std::int32_t layer = 0; layer < s.num_layers; ++layer) {
+      StoreMapping whole = s.cache.prefill_mapping(chunk.id, layer);
+      StoreMapping& m = chunk.mappings[static_cast<std::size_t>(layer)];
+      m.fp16_slots.assign(whole.fp16_slots.begin() + chunk.start, whole.fp16_slots.begin() + chunk.end);
+      for (auto [windows, part] : {std::pair{&whole.int4_windows, &m.int4_windows},
+                                   std::pair{&whole.int2_windows, &m.int2_windows}}) {
+        for (const WindowSlot& w : *windows) {
+          if (w.first_row >= chunk.start && w.first_row < chunk.end) part->push_back({w.block_id, w.first_row - chunk.start});
+        }
+      }
+    }
+  }
+
+  if (s.config.build_metadata) s.build_metadata(decodes, out);
+  s.last_decodes = out.decodes;
+  out.finished = std::move(s.finished_reports);
+  out.rejected = std::move(s.rejected_reports);
+  s.finished_reports.clear();
+  s.rejected_reports.clear();
+  return out;
+}
+
+bool Scheduler::finish(RequestId id) {
+  Impl& s = *impl_;
+  const auto it = s.entries.find(id);
+  if (it == s.entries.end()) {
+    if (s.retired.contains(id)) return false;
+    throw UnknownId("id = " + std::to_string(id) + " was never added to this scheduler");
+  }
+  Entry& e = it->second;
+  if (e.done) std::replace(s.done.begin(), s.done.end(), &e, static_cast<Entry*>(nullptr));
+  s.retire(e, FinishReason::Stopped);
+  return true;
+}
+
+bool Scheduler::cancel(RequestId id) {
+  Impl& s = *impl_;
+  const auto it = s.entries.find(id);
+  if (it == s.entries.end()) {
+    if (s.retired.contains(id)) return false;
+    throw UnknownId("id = " + std::to_string(id) + " was never added to this scheduler");
+  }
+  Entry& e = it->second;
+  if (e.done) std::replace(s.done.begin(), s.done.end(), &e, static_cast<Entry*>(nullptr));
+  s.retire(e, FinishReason::Cancelled);
+  return true;
+}
+
+bool Scheduler::contains(RequestId id) const { return impl_->entries.contains(id); }
+
+RequestStatus Scheduler::status(RequestId id) const {
+  const Entry& e = impl_->live(id, "id");
+  return RequestStatus{e.state, e.prompt.num_tokens(), e.computed, e.generated, e.slot, e.preemptions};
+}
+
+SchedulerStats Scheduler::stats() const {
+  const Impl& s = *impl_;
+  SchedulerStats st = s.stats;
+  st.waiting = static_cast<std::int32_t>(s.waiting.size());
+  st.swapped = static_cast<std::int32_t>(s.swapped.size());
+  st.running = 0;
+  st.prefilling = 0;
+  for (const Entry& e : s.running) (e.state == RequestState::Running ? st.running : st.prefilling) += 1;
+  return st;
+}
+
+bool Scheduler::has_unfinished() const {
+  const Impl& s = *impl_;
+  return !s.entries.empty() || !s.finished_reports.empty() || !s.rejected_reports.empty();
+}
+
+std::array<PagedPoolTable, kNumPrecisions> Scheduler::layer_metadata(std::int32_t layer) const {
+  const Impl& s = *impl_;
+  if (layer < 0 || layer >= s.num_layers) {
+    throw IndexOutOfRange("layer = " + std::to_string(layer) + ", expected 0 <= layer < " +
+                          std::to_string(s.num_layers));
+  }
+  std::array<PagedPoolTable, kNumPrecisions> tables;
+  for (const Precision p : kAllPrecisions) {
+    PagedPoolTable& t = tables[at(p)];
+    t.indptr.push_back(0);
+    for (const RequestId id : s.last_decodes) {
+      const PageTable& table = s.cache.page_table(id);
+      const auto blocks = table.blocks(layer, p);
+      t.indices.insert(t.indices.end(), blocks.begin(), blocks.end());
+      t.indptr.push_back(static_cast<std::int32_t>(t.indices.size()));
+      const std::int32_t last = p == Precision::FP16 ? table.fp16_tail_fill(layer) : s.block_size;
+      t.last_block_len.push_back(blocks.empty() ? 0 : last);
+    }
+  }
+  return tables;
+}
+
+void Scheduler::check_invariants() const {
+  const Impl& s = *impl_;
+  auto fail = [](const std::string& what) { throw InvariantViolation("scheduler: " + what); };
+  s.cache.check_invariants();
+  std::size_t in_queues = 0;
+  std::size_t resident = 0;
+  std::vector<std::uint8_t> slot_used(static_cast<std::size_t>(s.config.max_num_seqs), 0);
+  auto check_queue = [&](const Queue& q, std::initializer_list<RequestState> states, const char* name) {
+    for (const Entry& e : q) {
+      ++in_queues;
+      const std::string who = "request " + std::to_string(e.id) + " (" + std::string(to_string(e.state)) + ")";
+      if (std::find(states.begin(), states.end(), e.state) == states.end()) fail(who + " is on the " + name + " queue");
+      const auto it = s.entries.find(e.id);
+      if (it == s.entries.end() || &it->second != &e) fail(who + " is queued but not a live entry");
+      const bool on_device = e.state == RequestState::Prefilling || e.state == RequestState::Running;
+      if (s.cache.contains(e.id) != (e.state != RequestState::Waiting)) fail(who + ": the cache disagrees on its memory");
+      if (e.state == RequestState::Swapped && !s.cache.is_swapped(e.id)) fail(who + " is not swapped out in the cache");
+      if (on_device) {
+        ++resident;
+        if (s.cache.is_swapped(e.id)) fail(who + " is swapped out in the cache");
+        if (e.table != &s.cache.page_table(e.id)) fail(who + " holds a stale page table");
+        if (e.num_tokens != s.cache.num_tokens(e.id)) {
+          fail(who + " counts " + std::to_string(e.num_tokens) + " tokens, the cache " +
+               std::to_string(s.cache.num_tokens(e.id)));
+        }
+        if (e.slot < 0 || e.slot >= s.config.max_num_seqs || slot_used[static_cast<std::size_t>(e.slot)]) {
+          fail(who + " has slot " + std::to_string(e.slot) + ", out of range or shared");
+        }
+        slot_used[static_cast<std::size_t>(e.slot)] = 1;
+      } else if (e.slot != -1) {
+        fail(who + " holds slot " + std::to_string(e.slot) + " without device memory");
+      }
+      if (e.computed < 0 || e.computed > e.prompt.num_tokens()) fail(who + " computed " + std::to_string(e.computed));
+      if (e.state == RequestState::Running && e.computed != e.prompt.num_tokens()) fail(who + " runs before its prompt is done");
+      if (e.state == RequestState::Prefilling && e.computed == e.prompt.num_tokens()) fail(who + " prefills a done prompt");
+      if (e.generated > e.max_new_tokens) fail(who + " generated more than max_new_tokens");
+    }
+  };
+  check_queue(s.waiting, {RequestState::Waiting}, "waiting");
+  check_queue(s.running, {RequestState::Prefilling, RequestState::Running}, "running");
+  check_queue(s.swapped, {RequestState::Swapped}, "swapped");
+  if (in_queues != s.entries.size()) {
+    fail(std::to_string(s.entries.size()) + " live requests but " + std::to_string(in_queues) + " queued");
+  }
+  if (s.cache.sequence_ids().size() != s.running.size() + s.swapped.size()) {
+    fail("the cache holds " + std::to_string(s.cache.sequence_ids().size()) + " sequences, the scheduler " +
+         std::to_string(s.running.size() + s.swapped.size()));
+  }
+  if (resident > static_cast<std::size_t>(s.config.max_num_seqs)) fail("more than max_num_seqs hold memory");
+  if (s.free_slots.size() + resident != static_cast<std::size_t>(s.config.max_num_seqs)) {
+    fail(std::to_string(s.free_slots.size()) + " free slots + " + std::to_string(resident) + " used != max_num_seqs");
+  }
+  for (const std::int32_t slot : s.free_slots) {
+    if (slot < 0 || slot >= s.config.max_num_seqs || slot_used[static_cast<std::size_t>(slot)]) {
+      fail("free slot " + std::to_string(slot) + " is out of range, used or listed twice");
+    }
+    slot_used[static_cast<std::size_t>(slot)] = 1;
+  }
+}
+
+std::string Scheduler::describe_state() const {
+  const Impl& s = *impl_;
+  std::string out;
+  auto queue = [&](const Queue& q, const char* name) {
+    out += name;
+    out += ":";
+    // Plain += keeps GCC 12's -Wrestrict false positive on `" " + std::to_string(..)` away.
+    for (const Entry& e : q) {
+      out += ' ';
+      out += std::to_string(e.id);
+      out += '(';
+      out += to_string(e.state);
+      out += ' ';
+      out += std::to_string(e.computed);
+      out += '/';
+      out += std::to_string(e.prompt.num_tokens());
+      out += " gen ";
+      out += std::to_string(e.generated);
+      out += " slot ";
+      out += std::to_string(e.slot);
+      out += ')';
+    }
+    out += "\n";
+  };
+  queue(s.waiting, "waiting");
+  queue(s.running, "running");
+  queue(s.swapped, "swapped");
+  return out + s.cache.describe_state();
+}
+
+}  // namespace mixkv

@@ -1,0 +1,219 @@
+// A randomized serving simulation: 10,000 requests of mixed sizes and plans
+// arrive over time at a cache small enough to force demotion, swapping and
+// preemption by recompute; the engine (engine_sim.h) applies every step on
+// real bytes. After every step the scheduler's and the manager's invariants
+// hold and every pool conserves its blocks; at the end every request has
+// finished or been rejected with a reason, exactly once, and every pool is
+// whole again. Swapped blocks come back bit-identical (EngineSim checks).
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstdio>
+#include <map>
+#include <random>
+#include <set>
+
+#include "engine_sim.h"
+#include "mixkv/scheduler/scheduler.h"
+
+namespace mixkv {
+namespace {
+
+struct Workload {
+  std::uint64_t seed = 1;
+  std::int32_t requests = 10000;
+  SchedulingPolicy policy = SchedulingPolicy::FCFS;
+};
+
+CacheConfig small_cache() {
+  CacheConfig c;
+  c.shape = CacheShape{2, 1, 16, 16};  // FP16 block 1 KiB, INT4 384 B, INT2 256 B
+  c.slab_bytes = 4096;                 // 4 FP16, 10 INT4 or 16 INT2 blocks a slab
+  c.arena_bytes = 4096 * 28;
+  c.swap_blocks = {16, 12, 12};  // small: some swaps fall back to recompute
+  c.fp16_windows_first = true;
+  return c;
+}
+
+class Simulation {
+ public:
+  explicit Simulation(const Workload& w) : w_(w), rng_(w.seed), cache_(small_cache()), sched_(cache_, config(w)), engine_(sched_) {}
+
+  static SchedulerConfig config(const Workload& w) {
+    SchedulerConfig c;
+    c.max_num_seqs = 10;
+    c.max_num_batched_tokens = 96;
+    c.watermark = 0.0;
+    c.policy = w.policy;
+    c.preemption = PreemptionMode::Swap;  // falls back to recompute when the host pool is full
+    c.demote_under_pressure = true;
+    c.max_demotions_per_step = 8;
+    c.lookahead = 4;
+    c.max_head_bypass = 16;
+    return c;
+  }
+
+  Request make_request(RequestId id) {
+    const std::int32_t bs = cache_.config().shape.block_size;
+    std::vector<Segment> segments;
+    if (pick(0, 3) > 0) segments.push_back({TokenKind::Text, pick(1, 20)});
+    const int dice = pick(0, 99);
+    // Mostly small, some large, ~1% that can never fit.
+    const std::int32_t visual = dice < 1 ? pick(1500, 2500) : dice < 10 ? pick(96, 260) : pick(0, 90);
+    if (visual > 0) segments.push_back({TokenKind::Visual, visual});
+    segments.push_back({TokenKind::Text, pick(1, 12)});
+    Request r;
+    r.id = id;
+    r.layout = TokenLayout(segments);
+    const std::int32_t windows = r.layout.num_windows(bs);
+    PrecisionPlan plan(2, windows);
+    for (std::int32_t win = 0; win < windows; ++win) {
+      plan.set_score(win, static_cast<float>(pick(0, 1000)) / 1000.0f);
+      for (std::int32_t layer = 0; layer < 2; ++layer) {
+        const int p = pick(0, 9);
+        plan.set(layer, win, win == 0 || p < 5 ? Precision::FP16 : (p < 8 ? Precision::INT4 : Precision::INT2));
+      }
+    }
+    r.plan = std::move(plan);
+    r.max_new_tokens = pick(0, 4) == 0 ? pick(40, 160) : pick(1, 30);
+    r.priority = pick(0, 3);
+    r.arrival_time = static_cast<double>(id);
+    return r;
+  }
+
+  void run() {
+    const auto t0 = std::chrono::steady_clock::now();
+    RequestId next = 0;
+    std::int64_t steps = 0;
+    while (next < w_.requests || sched_.has_unfinished()) {
+      // Arrivals: about 0.6 a step, a little more than the cache serves.
+      for (int k = pick(0, 2); k > 0 && next < w_.requests; --k) {
+        if (pick(0, 9) < 6) {
+          sched_.add_request(make_request(next));
+          live_.insert(next++);
+        }
+      }
+      // The engine ends some requests early (EOS) and users cancel some, in whatever state.
+      if (!live_.empty() && pick(0, 99) < 8) {
+        // A random state first, so that rare states (swapped) get their share.
+        const auto wanted = static_cast<RequestState>(pick(0, 3));
+        RequestId id = -1;
+        for (const RequestId candidate : live_) {
+          if (sched_.contains(candidate) && sched_.status(candidate).state == wanted) {
+            id = candidate;
+            if (pick(0, 3) == 0) break;
+          }
+        }
+        if (id >= 0) {
+          const RequestState state = sched_.status(id).state;
+          ++cancelled_in_[static_cast<int>(state)];
+          const bool cancel = pick(0, 1) == 0;
+          ASSERT_TRUE(cancel ? sched_.cancel(id) : sched_.finish(id));
+          ASSERT_FALSE(sched_.cancel(id)) << "cancel must be idempotent";
+          engine_.forget(id);
+        }
+      }
+      const StepOutput out = sched_.step();
+      ++steps;
+      engine_.apply(out, /*attention=*/steps % 8 == 0);
+      if (testing::Test::HasFatalFailure()) return;
+      record(out);
+      ASSERT_NO_THROW(sched_.check_invariants()) << "after step " << steps;
+      check_conservation();
+      if (testing::Test::HasFatalFailure()) return;
+      ASSERT_LT(steps, 2'000'000) << "the simulation does not drain";
+    }
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const SchedulerStats st = sched_.stats();
+    std::printf(
+        "seed %llu: %d requests, %lld steps, %lld finished, %lld rejected, %lld cancelled, %lld recompute "
+        "preemptions, %lld swap preemptions (%lld blocks back bit-identical), %lld demotions, %.1f s\n",
+        static_cast<unsigned long long>(w_.seed), w_.requests, static_cast<long long>(steps),
+        static_cast<long long>(st.finished), static_cast<long long>(st.rejected), static_cast<long long>(st.cancelled),
+        static_cast<long long>(st.preempted_recompute), static_cast<long long>(st.preempted_swap),
+        static_cast<long long>(engine_.blocks_swapped_back()), static_cast<long long>(st.demotions), seconds);
+    std::printf("cancelled/finished by the engine in state: waiting %d, prefilling %d, running %d, swapped %d\n",
+                cancelled_in_[0], cancelled_in_[1], cancelled_in_[2], cancelled_in_[3]);
+
+    // Every request left exactly once, rejected ones with a reason.
+    EXPECT_EQ(reported_.size(), static_cast<std::size_t>(w_.requests));
+    for (RequestId id = 0; id < w_.requests; ++id) EXPECT_EQ(reported_.count(id), 1u) << "request " << id;
+    // No leak: every pool full, no ref count left, the host pool whole.
+    for (const Precision p : kAllPrecisions) {
+      EXPECT_EQ(cache_.pool_stats(p).used_blocks, 0) << to_string(p);
+    }
+    EXPECT_EQ(cache_.free_swap_slots(), cache_.config().swap_blocks);
+    EXPECT_TRUE(cache_.sequence_ids().empty());
+    // The cache was small enough to force every kind of pressure relief.
+    EXPECT_GT(st.preempted_recompute, 0);
+    EXPECT_GT(st.preempted_swap, 0);
+    EXPECT_GT(engine_.blocks_swapped_back(), 0);
+    EXPECT_GT(st.demotions, 0);
+    EXPECT_GT(st.rejected, 0);
+    for (int s = 0; s < 4; ++s) EXPECT_GT(cancelled_in_[s], 0) << "no cancel in state " << s;
+  }
+
+ private:
+  int pick(int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng_); }
+
+  void record(const StepOutput& out) {
+    for (const FinishedRequest& f : out.finished) {
+      EXPECT_TRUE(reported_.insert(f.id).second) << "request " << f.id << " reported twice";
+      live_.erase(f.id);
+    }
+    for (const RejectedRequest& r : out.rejected) {
+      EXPECT_TRUE(reported_.insert(r.id).second) << "request " << r.id << " reported twice";
+      EXPECT_NE(r.reason.find("can never run"), std::string::npos) << r.reason;
+      live_.erase(r.id);
+    }
+    // Chunks never end inside a visual window.
+    for (const PrefillChunk& c : out.prefills) {
+      if (c.last) continue;
+      for (const WindowSlot& w : c.mappings[0].int4_windows) EXPECT_LE(w.first_row + 16, c.end - c.start);
+      for (const WindowSlot& w : c.mappings[0].int2_windows) EXPECT_LE(w.first_row + 16, c.end - c.start);
+    }
+    EXPECT_LE(out.num_batched_tokens, 96);
+    EXPECT_LE(out.decodes.size(), 10u);
+  }
+
+  // Per pool: blocks held by the scheduler's requests == used blocks, and
+  // host slots held by swapped requests == slots not free.
+  void check_conservation() {
+    BlockCounts device{};
+    BlockCounts host{};
+    for (const SequenceId id : cache_.sequence_ids()) {
+      const BlockCounts held = cache_.blocks_held(id);
+      BlockCounts& into = cache_.is_swapped(id) ? host : device;
+      for (int p = 0; p < kNumPrecisions; ++p) into[p] += held[p];
+    }
+    const BlockCounts free_host = cache_.free_swap_slots();
+    for (const Precision p : kAllPrecisions) {
+      const PoolStats st = cache_.pool_stats(p);
+      ASSERT_EQ(device[pool_index(p)], st.used_blocks) << to_string(p);
+      ASSERT_EQ(st.used_blocks + st.free_blocks, static_cast<std::int64_t>(st.slabs) * st.blocks_per_slab);
+      ASSERT_EQ(host[pool_index(p)] + free_host[pool_index(p)], cache_.config().swap_blocks[pool_index(p)]);
+    }
+  }
+
+  Workload w_;
+  std::mt19937_64 rng_;
+  KVCacheManager cache_;
+  Scheduler sched_;
+  test::EngineSim engine_;
+  std::set<RequestId> live_;
+  std::set<RequestId> reported_;
+  int cancelled_in_[5] = {};
+};
+
+TEST(SchedulerRandomized, TenThousandRequestsUnderPressure) {
+  Simulation sim(Workload{1, 10000, SchedulingPolicy::FCFS});
+  sim.run();
+}
+
+TEST(SchedulerRandomized, PriorityPolicyUnderPressure) {
+  Simulation sim(Workload{2, 2000, SchedulingPolicy::Priority});
+  sim.run();
+}
+
+}  // namespace
+}  // namespace mixkv
