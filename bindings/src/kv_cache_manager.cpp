@@ -49,9 +49,10 @@ void bind_kv_cache_manager(py::module_& m) {
            py::arg("block_id"), py::arg("first_row"))
       .def_readwrite("block_id", &WindowSlot::block_id)
       .def_readwrite("first_row", &WindowSlot::first_row)
-      .def("__eq__", [](const WindowSlot& a, const WindowSlot& b) {
-        return a.block_id == b.block_id && a.first_row == b.first_row;
-      })
+      .def(
+          "__eq__",
+          [](const WindowSlot& a, const WindowSlot& b) { return a.block_id == b.block_id && a.first_row == b.first_row; },
+          py::is_operator())
       .def("__repr__", &window_slot_repr);
 
   py::class_<StoreMapping>(m, "StoreMapping",
@@ -79,7 +80,9 @@ void bind_kv_cache_manager(py::module_& m) {
            py::arg("dst"))
       .def_readwrite("src", &BlockCopy::src)
       .def_readwrite("dst", &BlockCopy::dst)
-      .def("__eq__", [](const BlockCopy& a, const BlockCopy& b) { return a.src == b.src && a.dst == b.dst; })
+      .def(
+          "__eq__", [](const BlockCopy& a, const BlockCopy& b) { return a.src == b.src && a.dst == b.dst; },
+          py::is_operator())
       .def("__repr__", [](const BlockCopy& c) {
         return "BlockCopy(src=" + std::to_string(c.src) + ", dst=" + std::to_string(c.dst) + ")";
       });

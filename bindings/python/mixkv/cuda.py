@@ -12,6 +12,7 @@ if not _core.built_with_cuda:
     raise ImportError("mixkv was built without CUDA (MIXKV_CUDA=OFF): mixkv.cuda is not available")
 
 _cuda = _core.cuda
+DeviceBytes = _cuda.DeviceBytes
 DeviceKVCache = _cuda.DeviceKVCache
 PageTableConfig = _cuda.PageTableConfig
 DevicePageTables = _cuda.DevicePageTables
@@ -23,6 +24,7 @@ layer_sensitivity = _cuda.layer_sensitivity
 device_available = _cuda.device_available
 
 __all__ = [
+    "DeviceBytes",
     "DeviceKVCache",
     "PageTableConfig",
     "DevicePageTables",
