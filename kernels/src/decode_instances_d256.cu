@@ -15,7 +15,7 @@ bool decode_d256_supports(int block_size) {
   return block_size == 32 || (MIXKV_D256_SMALL_AND_LARGE_BLOCKS && (block_size == 16 || block_size == 64));
 }
 
-void launch_decode_d256(const DecodeParams& params, int block_size, int grid, cudaStream_t stream) {
+int launch_decode_d256(const DecodeParams& params, int block_size, int grid, cudaStream_t stream) {
   switch (block_size) {
     case 32: return launch_decode_kernel<256, 32>(params, grid, stream);
 #if MIXKV_D256_SMALL_AND_LARGE_BLOCKS
@@ -24,6 +24,7 @@ void launch_decode_d256(const DecodeParams& params, int block_size, int grid, cu
 #endif
     default: check_decode_supported(256, block_size);  // throws
   }
+  return 0;
 }
 
 }  // namespace mixkv::gpu::detail

@@ -73,7 +73,6 @@ struct WarpState {
   float m[2];            // running max (base 2) of heads 2r, 2r+1
   float l[2];            // this thread's part of the softmax sum
   float vb[2];           // this thread's part of sum_t p_t * vmin_t
-  float corr[4];         // -1024 sum_t p'_t over quantized tokens (complete, every row alike)
 };
 
 // Bank-conflict-free placement of 16-byte chunks of FP16 rows in shared
@@ -105,10 +104,6 @@ __device__ __forceinline__ void online_softmax_rescale(float& bm0, float& bm1, W
   st.l[1] *= alpha1;
   st.vb[0] *= alpha0;
   st.vb[1] *= alpha1;
-  st.corr[0] *= alpha0;
-  st.corr[1] *= alpha1;
-  st.corr[2] *= alpha0;
-  st.corr[3] *= alpha1;
 #pragma unroll
   for (int cm = 0; cm < D / 16; ++cm) {
     st.acc[cm][0] *= alpha0;
@@ -274,6 +269,22 @@ __device__ __forceinline__ uint32_t biased_codes_at(uint32_t x, int k) {
   return lop3_and_or(x, mask, 0x64006400u);
 }
 
+// Exact codes (as half2) of the two `Bits`-bit fields at bit `bit` of each
+// 16-bit half: fields above bit 10 - Bits are first shifted down by 8; the
+// lop3 gives 1024 + 2^k code and one FMA by 2^-k, -1024 2^-k restores the
+// code exactly. (V needs exact codes: its accumulator lives for a whole work
+// item, and a long average is far smaller than a 1024 offset.)
+template <int Bits>
+__device__ __forceinline__ uint32_t exact_codes(uint32_t x, int bit) {
+  const bool high = bit + Bits > 10;
+  const int k = high ? bit - 8 : bit;
+  const uint32_t biased = biased_codes_at<Bits>(high ? x >> 8 : x, k);
+  const __half2 scale = __half2half2(__ushort_as_half(static_cast<unsigned short>((15 - k) << 10)));  // 2^-k
+  const __half2 offset = __half2half2(__ushort_as_half(static_cast<unsigned short>(0xE400 - (k << 10))));  // -1024 2^-k
+  const __half2 r = __hfma2(*reinterpret_cast<const __half2*>(&biased), scale, offset);
+  return *reinterpret_cast<const uint32_t*>(&r);
+}
+
 template <int Bits>
 __device__ __forceinline__ uint32_t k_codes_of(const uint32_t (&x)[2], int i) {
   const uint32_t h = x[KRunPos<Bits>::half(i)];
@@ -285,9 +296,9 @@ __device__ __forceinline__ uint32_t k_codes_of(const uint32_t (&x)[2], int i) {
 //   K: 1024 + 2^k x (k fixed per token row), so
 //      S^T[t] = 2^-k_t (sum_c q'_c (1024 + 2^k x_tc) - 1024 sum_c q'_c) + sum_c q_c m_c,
 //      with sum_c q'_c and sum_c q_c m_c from two rank-1 MMAs per k-step;
-//   V: 1024 + x, and -1024 sum_t p'_t goes to a per-head correction MMA.
-// FP32 accumulation keeps the 1024 offsets exact enough: the products are
-// exact and the offset costs about 7 of the accumulator's 24 bits.
+//   V: exact codes (exact_codes): its accumulator spans the whole work item.
+// K's accumulators are fresh per block, so the 1024 offset costs about 7 of
+// their 24 bits on scores of a few units: noise far below FP16 rounding.
 template <int D, int S, int Bits>
 __device__ __forceinline__ void compute_quant_block(const char* slot, const uint32_t (&qf)[D / 16][2],
                                                     float scale_log2, WarpState<D>& st, int lane) {
@@ -297,14 +308,17 @@ __device__ __forceinline__ void compute_quant_block(const char* slot, const uint
   constexpr int kRunTokens = S / 8;
   constexpr int kCodesPer16 = 16 / Bits;
   constexpr uint32_t kOnes = 0x3C003C00u;      // half2(1, 1)
-  constexpr uint32_t kMinus1024 = 0xE400E400u; // half2(-1024, -1024)
   const int g = lane >> 2;
   const int r = lane & 3;
 
   // ---- S^T = K Q'^T, plus the rank-1 terms
-  float s[MT][4];
+  // Even and odd k-steps accumulate apart: two MMA dependency chains.
+  float s[MT][4], s_odd[MT][4];
 #pragma unroll
-  for (int mt = 0; mt < MT; ++mt) s[mt][0] = s[mt][1] = s[mt][2] = s[mt][3] = 0.0f;
+  for (int mt = 0; mt < MT; ++mt) {
+    s[mt][0] = s[mt][1] = s[mt][2] = s[mt][3] = 0.0f;
+    s_odd[mt][0] = s_odd[mt][1] = s_odd[mt][2] = s_odd[mt][3] = 0.0f;
+  }
   float bias[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // sum_c q_c m_c (every row alike)
   float qsum[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // sum_c q'_c
   const char* k_codes = slot + F.k_offset();
@@ -332,11 +346,13 @@ __device__ __forceinline__ void compute_quant_block(const char* slot, const uint
     for (int mt = 0; mt < MT; ++mt) {
       const uint32_t a[4] = {k_codes_of<Bits>(x01, 2 * mt), k_codes_of<Bits>(x01, 2 * mt + 1),
                              k_codes_of<Bits>(x89, 2 * mt), k_codes_of<Bits>(x89, 2 * mt + 1)};
-      mma_16816(s[mt], a, qb0, qb1);
+      mma_16816(ks % 2 ? s_odd[mt] : s[mt], a, qb0, qb1);
     }
   }
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[mt][e] += s_odd[mt][e];
     // rows g: run token 2mt; rows g + 8: run token 2mt + 1
     const float f0 = __int_as_float((127 - KRunPos<Bits>::k(2 * mt)) << 23);
     const float f1 = __int_as_float((127 - KRunPos<Bits>::k(2 * mt + 1)) << 23);
@@ -379,8 +395,6 @@ __device__ __forceinline__ void compute_quant_block(const char* slot, const uint
   for (int mt = 0; mt < MT; ++mt) {
     const uint32_t b0 = movmatrix_trans(pack_half2(s[mt][0], s[mt][1]));
     const uint32_t b1 = movmatrix_trans(pack_half2(s[mt][2], s[mt][3]));
-    const uint32_t neg[4] = {kMinus1024, kMinus1024, kMinus1024, kMinus1024};
-    mma_16816(st.corr, neg, b0, b1);  // -1024 sum_t p'_t, with the same FP16 p' as below
     // k = 2r, 2r+1, 2r+8, 2r+9 of this m-tile
     const int ta = kRunTokens * (2 * r) + 2 * mt;
     const int tb = kRunTokens * (2 * r + 1) + 2 * mt;
@@ -398,8 +412,8 @@ __device__ __forceinline__ void compute_quant_block(const char* slot, const uint
       const int shift = (in_word % kCodesPer16) * Bits;
       const uint32_t xab = prmt(va.w[word], vbr.w[word], sel);
       const uint32_t xcd = prmt(vc.w[word], vd.w[word], sel);
-      const uint32_t a[4] = {biased_codes_at<Bits>(xab >> shift, 0), biased_codes_at<Bits>(xab >> (shift + Bits), 0),
-                             biased_codes_at<Bits>(xcd >> shift, 0), biased_codes_at<Bits>(xcd >> (shift + Bits), 0)};
+      const uint32_t a[4] = {exact_codes<Bits>(xab, shift), exact_codes<Bits>(xab, shift + Bits),
+                             exact_codes<Bits>(xcd, shift), exact_codes<Bits>(xcd, shift + Bits)};
       mma_16816(st.acc[cm], a, b0, b1);
     }
   }
@@ -478,6 +492,9 @@ template <int D, int S>
 __global__ void __launch_bounds__(kDecodeThreads) paged_decode_kernel(const __grid_constant__ DecodeParams p) {
   using Tile = DecodeTile<D, S>;
   extern __shared__ __align__(128) char smem[];
+  // Let the merge kernel (a programmatic dependent) be scheduled now; it
+  // waits for this grid's completion before reading anything.
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
   if (static_cast<int>(blockIdx.x) >= *p.num_items) return;
   const DecodeWorkItem item = p.items[*p.item_offset + blockIdx.x];
   const int warp = threadIdx.x >> 5;
@@ -506,7 +523,6 @@ __global__ void __launch_bounds__(kDecodeThreads) paged_decode_kernel(const __gr
   for (int cm = 0; cm < D / 16; ++cm) st.acc[cm][0] = st.acc[cm][1] = st.acc[cm][2] = st.acc[cm][3] = 0.0f;
   st.m[0] = st.m[1] = -INFINITY;
   st.l[0] = st.l[1] = st.vb[0] = st.vb[1] = 0.0f;
-  st.corr[0] = st.corr[1] = st.corr[2] = st.corr[3] = 0.0f;
 
   char* ring = smem + warp * Tile::kRingBytes;
   const std::int32_t* table = p.blocks + static_cast<std::size_t>(slot) * p.max_blocks;
@@ -551,8 +567,8 @@ __global__ void __launch_bounds__(kDecodeThreads) paged_decode_kernel(const __gr
 #pragma unroll
     for (int cm = 0; cm < D / 16; ++cm) {
       const int ch = (D / 8) * g + 2 * cm;
-      const float add0 = st.vb[0] + st.corr[0];
-      const float add1 = st.vb[1] + st.corr[1];
+      const float add0 = st.vb[0];
+      const float add1 = st.vb[1];
       *reinterpret_cast<float2*>(o0 + ch) = make_float2(st.acc[cm][0] + add0, st.acc[cm][2] + add0);
       *reinterpret_cast<float2*>(o1 + ch) = make_float2(st.acc[cm][1] + add1, st.acc[cm][3] + add1);
     }
@@ -593,8 +609,5 @@ __global__ void __launch_bounds__(kDecodeThreads) paged_decode_kernel(const __gr
     }
   }
 }
-
-template <int D, int S>
-void launch_decode_kernel(const DecodeParams& params, int grid, cudaStream_t stream);
 
 }  // namespace mixkv::gpu::detail

@@ -6,8 +6,10 @@
 
 namespace mixkv::gpu::detail {
 
+// grid == 0 only configures the instance and returns how many of its CTAs
+// fit on one SM; otherwise launches and returns 0.
 template <int D, int S>
-void launch_decode_kernel(const DecodeParams& params, int grid, cudaStream_t stream) {
+int launch_decode_kernel(const DecodeParams& params, int grid, cudaStream_t stream) {
   using Tile = DecodeTile<D, S>;
   // Above 48 KiB of dynamic shared memory needs an opt-in, once per process.
   static const bool configured = [] {
@@ -16,9 +18,15 @@ void launch_decode_kernel(const DecodeParams& params, int grid, cudaStream_t str
     return true;
   }();
   (void)configured;
-  if (grid == 0) return;  // configuration only (DecodePlan does this before any capture)
+  if (grid == 0) {  // configuration only (DecodePlan does this before any capture)
+    int ctas = 0;
+    MIXKV_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, paged_decode_kernel<D, S>, kDecodeThreads,
+                                                                   Tile::kSmemBytes));
+    return ctas;
+  }
   paged_decode_kernel<D, S><<<grid, kDecodeThreads, Tile::kSmemBytes, stream>>>(params);
   MIXKV_CUDA_CHECK_LAUNCH("paged_decode_kernel");
+  return 0;
 }
 
 }  // namespace mixkv::gpu::detail

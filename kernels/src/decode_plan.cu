@@ -26,7 +26,7 @@ void check_decode_supported(int head_dim, int block_size) {
   if (!supported) throw InvalidArgument("Unsupported block_size: " + std::to_string(block_size));
 }
 
-void launch_decode(const DecodeParams& params, int head_dim, int block_size, int grid, cudaStream_t stream) {
+int launch_decode(const DecodeParams& params, int head_dim, int block_size, int grid, cudaStream_t stream) {
   switch (head_dim) {
     case 64: return launch_decode_d64(params, block_size, grid, stream);
     case 128: return launch_decode_d128(params, block_size, grid, stream);
@@ -37,7 +37,7 @@ void launch_decode(const DecodeParams& params, int head_dim, int block_size, int
 
 namespace {
 
-constexpr int kMergeThreads = 128;
+constexpr int kMergeThreads = 256;  // >= the largest head_dim
 
 struct MergeParams {
   const MergeItem* merges = nullptr;
@@ -70,9 +70,13 @@ __device__ float block_reduce(float x, bool is_max, float* scratch) {
 // per (merge item, head) so a batch-1 step spreads over group x KV heads
 // CTAs. Weights exp(lse_i - max) are computed once into shared memory;
 // empty chunks (lse = -inf) weigh 0 and an all-empty set gives (0, -inf).
+// Launched as a programmatic dependent of the decode kernel: it starts
+// while the decode grid drains and waits for its results here.
 __global__ void __launch_bounds__(kMergeThreads) merge_partials_kernel(const __grid_constant__ MergeParams p) {
   __shared__ float weight[kMaxMergePieces];
   __shared__ float scratch[kMergeThreads / 32];
+  __shared__ float partial_sums[kMergeThreads];
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
   if (static_cast<int>(blockIdx.x) >= *p.num_merges || static_cast<int>(blockIdx.y) >= p.group) return;
   const MergeItem m = p.merges[*p.merge_offset + blockIdx.x];
   const int head = blockIdx.y;
@@ -87,14 +91,24 @@ __global__ void __launch_bounds__(kMergeThreads) merge_partials_kernel(const __g
     sum += w;
   }
   sum = block_reduce(sum, false, scratch);  // its barriers also publish `weight`
-  const std::size_t row = static_cast<std::size_t>(m.seq) * p.num_q_heads + m.kv_head * p.group + head;
-  for (int ch = threadIdx.x; ch < d; ch += blockDim.x) {
-    float o = 0.0f;
-    const float* po = p.partial_out + (static_cast<std::size_t>(m.first) * p.group + head) * d + ch;
+  // Threads split as (subset of the chunks) x (channel): many loads in flight.
+  const int subsets = kMergeThreads / d;
+  const int sub = threadIdx.x / d;
+  const int ch = threadIdx.x % d;
+  float o = 0.0f;
+  if (sub < subsets) {
     const std::size_t stride = static_cast<std::size_t>(p.group) * d;
-#pragma unroll 4
-    for (int i = 0; i < m.count; ++i) o += weight[i] * po[i * stride];
-    p.out[row * d + ch] = __float2half_rn(sum > 0.0f ? o / sum : 0.0f);
+    const float* po = p.partial_out + (static_cast<std::size_t>(m.first) * p.group + head) * d + ch;
+#pragma unroll 8
+    for (int i = sub; i < m.count; i += subsets) o += weight[i] * po[i * stride];
+  }
+  partial_sums[threadIdx.x] = o;
+  __syncthreads();
+  const std::size_t row = static_cast<std::size_t>(m.seq) * p.num_q_heads + m.kv_head * p.group + head;
+  if (threadIdx.x < d) {
+    float total = 0.0f;
+    for (int k = 0; k < subsets; ++k) total += partial_sums[k * d + threadIdx.x];
+    p.out[row * d + threadIdx.x] = __float2half_rn(sum > 0.0f ? total / sum : 0.0f);
   }
   if (p.lse != nullptr && threadIdx.x == 0) p.lse[row] = sum > 0.0f ? mx + logf(sum) : -INFINITY;
 }
@@ -128,6 +142,7 @@ struct DecodePlan::Impl {
   std::int32_t max_items = 0;     // per layer
   std::int32_t max_merges = 0;    // per layer
   std::int32_t max_partials = 0;  // per layer (the workspace is shared by the layers run one after another)
+  std::int32_t ctas_per_sm = 3;   // of the decode instance
   std::int64_t fp16_block_bytes = 0, int4_block_bytes = 0, int2_block_bytes = 0;  // per head
 
   // Host state of the current plan.
@@ -192,7 +207,7 @@ DecodePlan::DecodePlan(const DecodePlanConfig& config, const DevicePageTables& t
   const std::int32_t pairs = config.max_batch * config.num_kv_heads;
   s.max_items = config.max_items_per_layer > 0
                     ? config.max_items_per_layer
-                    : pairs + detail::kTargetItemsPerSm * s.config.num_sms +
+                    : pairs + 3 * detail::kMaxCtasPerSm * s.config.num_sms +
                           (config.chunks_per_sequence > 0 ? pairs * config.chunks_per_sequence : 0);
   s.max_merges = pairs;
   s.max_partials = s.max_items;
@@ -212,8 +227,10 @@ DecodePlan::DecodePlan(const DecodePlanConfig& config, const DevicePageTables& t
   s.h_merges.reserve(static_cast<std::size_t>(s.max_merges) * config.num_layers);
   s.d_partial_out.allocate(static_cast<std::size_t>(s.max_partials) * s.group * config.head_dim);
   s.d_partial_lse.allocate(static_cast<std::size_t>(s.max_partials) * s.group);
-  // Set the kernel's shared-memory limit now: run() may be under graph capture.
-  detail::launch_decode(detail::DecodeParams{}, config.head_dim, config.block_size, 0, nullptr);
+  // Set the kernel's shared-memory limit now (run() may be under graph
+  // capture) and learn how many of its CTAs share an SM.
+  s.ctas_per_sm = std::max(1, detail::launch_decode(detail::DecodeParams{}, config.head_dim, config.block_size, 0,
+                                                    nullptr));
   s.items.resize(config.num_layers);
   s.merges.resize(config.num_layers);
   s.partials.assign(config.num_layers, 0);
@@ -255,7 +272,7 @@ void DecodePlan::Impl::plan_layer(int layer, int target_items) {
     int chunks = 1;
     if (c.chunks_per_sequence > 0) {
       chunks = c.chunks_per_sequence;
-    } else if (target_items > 0 && total_cost > 0) {
+    } else if (total_cost > 0) {
       chunks = static_cast<int>(std::llround(static_cast<double>(cost[b]) * kvh / total_cost * target_items / kvh));
     }
     chunks = std::clamp(chunks, 1, std::min(detail::kMaxMergePieces, std::max(1, n_total)));
@@ -328,8 +345,26 @@ void DecodePlan::plan(std::span<const std::int32_t> slots, cudaStream_t stream) 
   s.batch = static_cast<std::int32_t>(slots.size());
   s.slots.assign(slots.begin(), slots.end());
   const int pairs = s.batch * c.num_kv_heads;
-  // Split only when the (sequence, KV head) pairs cannot fill the GPU.
-  const int target = pairs >= 2 * c.num_sms ? 0 : detail::kTargetItemsPerSm * c.num_sms;
+  // Items to aim for: whole waves of resident CTAs. With equal sequences,
+  // c chunks per pair give pairs * c items in ceil(pairs * c / wave) waves;
+  // take the smallest c that fills those waves to >= 93% (batch 1, 4 KV
+  // heads: 99 chunks; batch 64: 3 chunks, 768 items in 2 waves of 396).
+  const int wave = s.ctas_per_sm * c.num_sms;
+  int target = pairs;
+  if (pairs < 4 * wave) {
+    double best = 0.0;
+    const int c_max = std::max(1, 3 * ((wave + pairs - 1) / pairs));
+    for (int chunks = 1; chunks <= c_max; ++chunks) {
+      const int items = pairs * chunks;
+      const double efficiency = static_cast<double>(items) / (((items + wave - 1) / wave) * wave);
+      if (efficiency > best + 1e-9) {
+        best = efficiency;
+        target = items;
+      }
+      if (efficiency >= 0.93) break;
+    }
+  }
+  target = std::min(target, s.max_items);
   auto items_backup = s.items;
   auto merges_backup = s.merges;
   try {
@@ -431,8 +466,16 @@ void DecodePlan::run(const DecodeRunArgs& args) const {
     m.num_q_heads = c.num_q_heads;
     m.group = s.group;
     m.head_dim = c.head_dim;
-    const dim3 grid(merge_grid, args.fixed_grid ? detail::kMaxGroupHost : s.group);
-    detail::merge_partials_kernel<<<grid, detail::kMergeThreads, 0, args.stream>>>(m);
+    cudaLaunchConfig_t launch = {};
+    launch.gridDim = dim3(merge_grid, args.fixed_grid ? detail::kMaxGroupHost : s.group);
+    launch.blockDim = dim3(detail::kMergeThreads);
+    launch.stream = args.stream;
+    cudaLaunchAttribute attribute = {};
+    attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attribute.val.programmaticStreamSerializationAllowed = 1;
+    launch.attrs = &attribute;
+    launch.numAttrs = 1;
+    MIXKV_CUDA_CHECK(cudaLaunchKernelEx(&launch, detail::merge_partials_kernel, m));
     MIXKV_CUDA_CHECK_LAUNCH("merge_partials_kernel");
   }
 }
