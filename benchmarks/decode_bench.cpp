@@ -102,10 +102,22 @@ int main(int argc, char** argv) {
   std::string out_path = "decode_bench.json";
   int reps = 50;
   bool quick = false;
+  std::vector<int> only_batches, only_contexts;
+  std::string only_plans;
+  auto parse_list = [](const char* text) {
+    std::vector<int> v;
+    std::stringstream ss(text);
+    std::string item;
+    while (std::getline(ss, item, ',')) v.push_back(std::atoi(item.c_str()));
+    return v;
+  };
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--out") && i + 1 < argc) out_path = argv[++i];
     else if (!std::strcmp(argv[i], "--reps") && i + 1 < argc) reps = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--quick")) quick = true;
+    else if (!std::strcmp(argv[i], "--batches") && i + 1 < argc) only_batches = parse_list(argv[++i]);
+    else if (!std::strcmp(argv[i], "--contexts") && i + 1 < argc) only_contexts = parse_list(argv[++i]);
+    else if (!std::strcmp(argv[i], "--plans") && i + 1 < argc) only_plans = argv[++i];  // e.g. int2,mixed
   }
   if (!gpu::cuda_device_available()) {
     std::printf("no CUDA device: benchmark skipped\n");
@@ -126,6 +138,8 @@ int main(int argc, char** argv) {
     batches = {1, 64};
     contexts = {19600};
   }
+  if (!only_batches.empty()) batches = only_batches;
+  if (!only_contexts.empty()) contexts = only_contexts;
   const int max_batch = *std::max_element(batches.begin(), batches.end());
   const int max_ctx = *std::max_element(contexts.begin(), contexts.end());
   const int max_blocks = max_ctx / kBlock + 2;
@@ -198,6 +212,7 @@ int main(int argc, char** argv) {
       }
 
       for (const PlanMix& mix : kMixes) {
+        if (!only_plans.empty() && only_plans.find(mix.name) == std::string::npos) continue;
         // Windows of every sequence: the same precision pattern, shuffled ids.
         const int windows = ctx / kBlock;
         const int tail = ctx % kBlock;

@@ -5,13 +5,15 @@
 # Usage: benchmarks/run_on_device.sh [--bench-only] [--tests-only]
 #          [--skip-sanitizer] [--skip-sdpa] [--quick] [--filter GTEST_FILTER]
 #          [--mine]  (build only mixkv_cuda_tests + mixkv_decode_bench, no ctest)
+#          [--ncu]   (Nsight Compute sections of the decode kernel: batch 64 x 19,600 INT2
+#                     and batch 1 x 19,600 mixed, into ncu.log)
 # Boost (headers) and GoogleTest are taken from the system when present,
 # else from .devdeps/ (a header subset and the googletest sources carried
 # along: see docs/benchmarks/kernel-notes-log.md).
 set -uo pipefail
 OUT=${OUT:-$PWD/device-out}
 mkdir -p "$OUT"
-TESTS=1 SANITIZER=1 BENCH=1 SDPA=1 QUICK="" FILTER="*" MINE=0
+TESTS=1 SANITIZER=1 BENCH=1 SDPA=1 QUICK="" FILTER="*" MINE=0 NCU=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --bench-only) TESTS=0; SANITIZER=0 ;;
@@ -20,6 +22,7 @@ while [ $# -gt 0 ]; do
     --skip-sdpa) SDPA=0 ;;
     --quick) QUICK=--quick ;;
     --mine) MINE=1 ;;
+    --ncu) NCU=1 ;;
     --filter) FILTER="$2"; shift ;;
     *) echo "unknown flag $1"; exit 2 ;;
   esac
@@ -84,6 +87,17 @@ if [ "$SANITIZER" = 1 ]; then
   timeout 240 compute-sanitizer --tool memcheck --error-exitcode 1 "$BUILD/tests/mixkv_cuda_tests" \
     --gtest_filter='-*19600*:*LargeBatch*:*rows19600*' >"$OUT/memcheck.log" 2>&1
   echo "memcheck: rc=$? in $(( $(date +%s) - t0 )) s"; grep -E "ERROR SUMMARY|PASSED|FAILED" "$OUT/memcheck.log" | tail -5
+fi
+if [ "$NCU" = 1 ]; then
+  BENCHBIN="$BUILD/benchmarks/mixkv_decode_bench"
+  {
+    timeout 150 ncu --clock-control none -k regex:paged_decode -c 1 --section SpeedOfLight --section WarpStateStats \
+      --section SchedulerStats --section Occupancy --section LaunchStats --section ComputeWorkloadAnalysis \
+      "$BENCHBIN" --batches 64 --contexts 19600 --plans int2 --reps 1 --out /tmp/ncu1.json
+    timeout 100 ncu --clock-control none -k regex:"paged_decode|merge_partials" -c 2 --section SpeedOfLight \
+      --section LaunchStats "$BENCHBIN" --batches 1 --contexts 19600 --plans mixed --reps 1 --out /tmp/ncu2.json
+  } >"$OUT/ncu.log" 2>&1
+  echo "ncu: rc=$?"; grep -E "Duration|Warp Cycles Per Issued|Issued Warp|No Eligible|Achieved Occupancy|Registers|Stall|Memory Throughput|Compute \(SM\)" "$OUT/ncu.log" | head -40
 fi
 if [ "$BENCH" = 1 ]; then
   timeout 300 "$BUILD/benchmarks/mixkv_decode_bench" --out "$OUT/decode_bench.json" $QUICK 2>&1 | tee "$OUT/bench.log"

@@ -237,14 +237,19 @@ TEST(DecodeCudaInvariance, SplitAndLayerDoNotChangeTheResult) {
   const PlacedBatch placed = place_batch(arena, make_sequences(contexts, kvh, dim, block, kMixed, rng));
   const auto q = random_halves(rng, contexts.size() * qh * dim);
   const float scale = 1.0f / std::sqrt(128.0f);
+  // Chunks differ only in rounding: P is rounded to FP16 relative to each
+  // chunk's own running max, and the output to FP16 (2.4e-4 of the row's
+  // largest value per rounding), hence mean <= 1e-3 and max <= 2.5e-3.
   const GpuResult one = run_gpu(arena, placed, q, qh, scale, 1);
   for (int chunks : {2, 7, 40}) {
     const GpuResult other = run_gpu(arena, placed, q, qh, scale, chunks);
     const ErrorStats e = row_errors(other.out, one.out, dim);
-    EXPECT_LE(e.max, 1e-3) << chunks << " chunks";
+    EXPECT_LE(e.mean, 1e-3) << chunks << " chunks";
+    EXPECT_LE(e.max, 2.5e-3) << chunks << " chunks";
   }
   const GpuResult layer2 = run_gpu(arena, placed, q, qh, scale, 0, /*layers=*/3, /*layer=*/2);
-  EXPECT_LE(row_errors(layer2.out, one.out, dim).max, 1e-3);
+  EXPECT_LE(row_errors(layer2.out, one.out, dim).mean, 1e-3);
+  EXPECT_LE(row_errors(layer2.out, one.out, dim).max, 2.5e-3);
 }
 
 // A captured graph of run() (fixed grids) replays correctly after the
