@@ -131,6 +131,13 @@ void require_one_type(std::span<const EmbeddingsView> views, const char* name) {
 constexpr int kWarp = 32;
 constexpr int kBlockThreads = 256;
 constexpr int kWarpsPerBlock = kBlockThreads / kWarp;
+// window_plan_kernel: 4 warps a window, and at least 8 blocks an SM (<= 64
+// registers), so that the paper's 612 windows run as one wave on 132 SMs
+// whatever the element type (a second, mostly empty wave would double the
+// time).
+constexpr int kWindowThreads = 128;
+constexpr int kWindowWarps = kWindowThreads / kWarp;
+constexpr int kWindowMinBlocksPerSm = 8;
 // Below this a float sum of squares may have lost digits to underflow (the
 // CPU planner uses the same bound).
 constexpr float kSmallestTrustedSquares = 1e-30f;
@@ -199,7 +206,8 @@ __device__ __forceinline__ void row_partials(const T* row, const float* u, int h
                                              float& squares) {
   if constexpr (kVec) {
     constexpr int V = kVecElems<T>;
-#pragma unroll 4
+    // 8 loads in flight a lane: 2 round trips for a 3,584-channel FP16 row.
+#pragma unroll 8
     for (int c = lane * V; c < hidden; c += kWarp * V) {
       float x[V];
       load16(row + c, x);
@@ -312,31 +320,45 @@ __global__ void __launch_bounds__(kBlockThreads) text_norm_kernel(BatchArgs a) {
   if (lane == 0) a.text_inv_norm[j] = squares > 0.0 ? 1.0 / sqrt(squares) : 0.0;
 }
 
-// u_r = mean_j t_j / |t_j|; a thread a column, text rows in order (no atomics:
-// the same input gives the same bits).
+// u_r = mean_j t_j / |t_j|. A block covers 32 channels of one request; its
+// 8 warps take every 8th text row, so each thread's loads are independent and
+// in flight together (a thread walking all N rows alone would pay N memory
+// latencies). Per-warp sums meet in shared memory in a fixed order: the same
+// input gives the same bits.
 template <typename T>
 __global__ void __launch_bounds__(kBlockThreads) text_mean_kernel(BatchArgs a) {
+  __shared__ double partial[kWarpsPerBlock][kWarp];
   const int request = blockIdx.y;
-  const int c = blockIdx.x * blockDim.x + threadIdx.x;
-  if (c >= a.hidden) return;
+  const int lane = threadIdx.x % kWarp;
+  const int warp = threadIdx.x / kWarp;
+  const int c = blockIdx.x * kWarp + lane;
   const int begin = a.text_begin[request];
   const int end = a.text_begin[request + 1];
   double sum = 0.0;
-  for (int j = begin; j < end; ++j) {
-    sum += static_cast<double>(to_float(row_at<T>(a, request, a.text_row[j])[c])) * a.text_inv_norm[j];
+  if (c < a.hidden) {
+#pragma unroll 4
+    for (int j = begin + warp; j < end; j += kWarpsPerBlock) {
+      sum += static_cast<double>(to_float(row_at<T>(a, request, a.text_row[j])[c])) * a.text_inv_norm[j];
+    }
   }
-  a.text_mean[static_cast<long long>(request) * a.hidden + c] = static_cast<float>(sum / (end - begin));
+  partial[warp][lane] = sum;
+  __syncthreads();
+  if (warp == 0 && c < a.hidden) {
+    double total = 0.0;
+    for (int w = 0; w < kWarpsPerBlock; ++w) total += partial[w][lane];
+    a.text_mean[static_cast<long long>(request) * a.hidden + c] = static_cast<float>(total / (end - begin));
+  }
 }
 
-// One block a window: eq. 8 as mean_k (u . w_k) / |w_k| (8 warps share the
+// One block a window: eq. 8 as mean_k (u . w_k) / |w_k| (4 warps share the
 // window's rows), then eqs. 10-11 and the rule for every layer.
 template <typename T, bool kVec>
-__global__ void __launch_bounds__(kBlockThreads) window_plan_kernel(BatchArgs a) {
+__global__ void __launch_bounds__(kWindowThreads, kWindowMinBlocksPerSm) window_plan_kernel(BatchArgs a) {
   extern __shared__ float4 shared4[];
   float* u = reinterpret_cast<float*>(shared4);
   // After the text mean, rounded up to 16 bytes as on the host.
   auto* thresholds = reinterpret_cast<LayerThresholds*>(u + ((a.hidden + 3) & ~3));
-  __shared__ double warp_sums[kWarpsPerBlock];
+  __shared__ double warp_sums[kWindowWarps];
   __shared__ float window_score;
 
   const int w = blockIdx.x;
@@ -352,7 +374,7 @@ __global__ void __launch_bounds__(kBlockThreads) window_plan_kernel(BatchArgs a)
   const int lane = threadIdx.x % kWarp;
   const int first_row = a.window_row[w];
   double sum = 0.0;
-  for (int k = warp; k < a.window_size; k += kWarpsPerBlock) {
+  for (int k = warp; k < a.window_size; k += kWindowWarps) {
     const T* row = row_at<T>(a, request, first_row + k);
     float dot_f = 0.0f, squares_f = 0.0f;
     row_partials<T, kVec, true>(row, u, a.hidden, lane, dot_f, squares_f);
@@ -372,7 +394,7 @@ __global__ void __launch_bounds__(kBlockThreads) window_plan_kernel(BatchArgs a)
   __syncthreads();
   if (threadIdx.x == 0) {
     double total = 0.0;
-    for (int i = 0; i < kWarpsPerBlock; ++i) total += warp_sums[i];
+    for (int i = 0; i < kWindowWarps; ++i) total += warp_sums[i];
     window_score = static_cast<float>(total / a.window_size);
     a.scores[w] = window_score;
   }
@@ -418,7 +440,7 @@ template <typename T, bool kVec>
 void launch_planner_kernels(const BatchArgs& args, bool vote, cudaStream_t stream) {
   text_norm_kernel<T, kVec><<<(args.num_text + kWarpsPerBlock - 1) / kWarpsPerBlock, kBlockThreads, 0, stream>>>(args);
   MIXKV_PLANNER_LAUNCHED("text_norm_kernel");
-  const dim3 mean_grid((args.hidden + kBlockThreads - 1) / kBlockThreads, args.num_requests);
+  const dim3 mean_grid((args.hidden + kWarp - 1) / kWarp, args.num_requests);
   text_mean_kernel<T><<<mean_grid, kBlockThreads, 0, stream>>>(args);
   MIXKV_PLANNER_LAUNCHED("text_mean_kernel");
   if (args.num_windows == 0) return;
@@ -428,7 +450,7 @@ void launch_planner_kernels(const BatchArgs& args, bool vote, cudaStream_t strea
     MIXKV_PLANNER_CUDA(cudaFuncSetAttribute(window_plan_kernel<T, kVec>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             static_cast<int>(shared)));
   }
-  window_plan_kernel<T, kVec><<<args.num_windows, kBlockThreads, shared, stream>>>(args);
+  window_plan_kernel<T, kVec><<<args.num_windows, kWindowThreads, shared, stream>>>(args);
   MIXKV_PLANNER_LAUNCHED("window_plan_kernel");
   if (vote && args.num_requests > 1) {
     const long long threads = static_cast<long long>(args.num_layers) * args.max_windows;
