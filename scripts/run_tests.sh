@@ -1,8 +1,22 @@
 #!/usr/bin/env bash
 # Every test: builds mixkv (CUDA code included whenever nvcc exists) and runs
-# the whole suite; GPU tests skip, saying so, on a machine without a GPU.
+# the whole suite, C++ under ctest, then the Python package (pip install .,
+# CPU backend) under pytest; GPU tests skip, saying so, on a machine without
+# a GPU.
 set -euo pipefail
 source "$(dirname "$0")/common.sh"
 "$MIXKV_ROOT/scripts/setup.sh"
 configure_and_build "$MIXKV_ROOT/build-test" -DMIXKV_TESTS=ON -DMIXKV_BENCHMARKS=ON
 ctest --test-dir "$MIXKV_ROOT/build-test" --output-on-failure -j "$MIXKV_JOBS"
+
+# The Python package, built and installed as a user would (pip install .),
+# CPU backend only: the C++ suite above already built the CUDA code, and the
+# Python GPU tests need a GPU anyway. --no-build-isolation uses the build
+# tools setup.sh installed instead of fetching them again.
+python3 -m pip install --quiet --root-user-action=ignore --no-build-isolation "$MIXKV_ROOT" \
+  -C cmake.define.MIXKV_CUDA=OFF
+# pytest exits 5 when it collected nothing: a failure here, like any other.
+status=0
+python3 -m pytest -q "$MIXKV_ROOT/tests/python" || status=$?
+if [ "$status" -eq 5 ]; then echo "run_tests.sh: pytest collected no tests" >&2; fi
+exit "$status"

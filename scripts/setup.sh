@@ -15,3 +15,14 @@ if ((${#missing[@]})); then
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
+
+# The Python package (bindings/, pyproject.toml) and its tests, for the python3
+# on PATH: scikit-build-core drives CMake; the bindings need pybind11 >= 3.
+if ! python3 - 2>/dev/null <<'PY'
+import sys
+import numpy, pybind11, pytest, scikit_build_core
+sys.exit(pybind11.version_info[0] < 3)
+PY
+then
+  python3 -m pip install --quiet --root-user-action=ignore "scikit-build-core>=0.10" "pybind11>=3.0" numpy pytest
+fi
