@@ -72,22 +72,7 @@ else
 fi
 echo "build: rc=$? in $(( $(date +%s) - t0 )) s"; grep -E "error|FAILED" "$OUT/build.log" | head -20
 
-# --- tests
-if [ "$TESTS" = 1 ]; then
-  t0=$(date +%s)
-  if [ "$MINE" = 0 ]; then
-    timeout 300 ctest --test-dir "$BUILD" -j8 --output-on-failure --timeout 280 >"$OUT/ctest.log" 2>&1
-    echo "ctest: rc=$? in $(( $(date +%s) - t0 )) s"; grep -E "tests passed|tests failed|\(Failed\)|Not Run|Timeout" "$OUT/ctest.log" | head -30
-  fi
-  timeout 300 "$BUILD/tests/mixkv_cuda_tests" --gtest_filter="$FILTER" >"$OUT/cuda_tests.log" 2>&1
-  echo "mixkv_cuda_tests: rc=$?"; grep -E "^\[  (PASSED|FAILED|SKIPPED) |Failure|Expected|Which is|error" "$OUT/cuda_tests.log" | head -40
-fi
-if [ "$SANITIZER" = 1 ]; then
-  t0=$(date +%s)
-  timeout 240 compute-sanitizer --tool memcheck --error-exitcode 1 "$BUILD/tests/mixkv_cuda_tests" \
-    --gtest_filter='-*19600*:*LargeBatch*:*rows19600*' >"$OUT/memcheck.log" 2>&1
-  echo "memcheck: rc=$? in $(( $(date +%s) - t0 )) s"; grep -E "ERROR SUMMARY|PASSED|FAILED" "$OUT/memcheck.log" | tail -5
-fi
+# --- benchmarks first: their numbers must survive a later timeout
 if [ "$NCU" = 1 ]; then
   BENCHBIN="$BUILD/benchmarks/mixkv_decode_bench"
   {
@@ -100,10 +85,27 @@ if [ "$NCU" = 1 ]; then
   echo "ncu: rc=$?"; grep -E "Duration|Warp Cycles Per Issued|Issued Warp|No Eligible|Achieved Occupancy|Registers|Stall|Memory Throughput|Compute \(SM\)" "$OUT/ncu.log" | head -40
 fi
 if [ "$BENCH" = 1 ]; then
-  timeout 300 "$BUILD/benchmarks/mixkv_decode_bench" --out "$OUT/decode_bench.json" $QUICK 2>&1 | tee "$OUT/bench.log"
+  timeout 150 "$BUILD/benchmarks/mixkv_decode_bench" --out "$OUT/decode_bench.json" $QUICK 2>&1 | tee "$OUT/bench.log"
 fi
 if [ "$SDPA" = 1 ]; then
-  PYTHONUNBUFFERED=1 timeout 200 python3 benchmarks/sdpa_bench.py --out "$OUT/sdpa_bench.json" $QUICK 2>&1
+  PYTHONUNBUFFERED=1 timeout 100 python3 benchmarks/sdpa_bench.py --out "$OUT/sdpa_bench.json" $QUICK 2>&1
+fi
+# --- tests
+if [ "$TESTS" = 1 ]; then
+  t0=$(date +%s)
+  if [ "$MINE" = 0 ]; then
+    timeout 240 ctest --test-dir "$BUILD" -j8 --output-on-failure --timeout 200 >"$OUT/ctest.log" 2>&1
+    echo "ctest: rc=$? in $(( $(date +%s) - t0 )) s"; grep -E "tests passed|tests failed|\(Failed\)|Not Run|Timeout" "$OUT/ctest.log" | head -30
+  else
+    timeout 300 "$BUILD/tests/mixkv_cuda_tests" --gtest_filter="$FILTER" >"$OUT/cuda_tests.log" 2>&1
+    echo "mixkv_cuda_tests: rc=$?"; grep -E "^\[  (PASSED|FAILED|SKIPPED) |Failure|Expected|Which is|error" "$OUT/cuda_tests.log" | head -40
+  fi
+fi
+if [ "$SANITIZER" = 1 ]; then
+  t0=$(date +%s)
+  timeout 200 compute-sanitizer --tool memcheck --error-exitcode 1 "$BUILD/tests/mixkv_cuda_tests" \
+    --gtest_filter='-*19600*:*LargeBatch*:*rows19600*' >"$OUT/memcheck.log" 2>&1
+  echo "memcheck: rc=$? in $(( $(date +%s) - t0 )) s"; grep -E "ERROR SUMMARY|PASSED|FAILED" "$OUT/memcheck.log" | tail -5
 fi
 if [ -f "$OUT/decode_bench.json" ]; then
   python3 benchmarks/summarize.py "$OUT/decode_bench.json" "$OUT/sdpa_bench.json" || true

@@ -37,7 +37,7 @@ int launch_decode(const DecodeParams& params, int head_dim, int block_size, int 
 
 namespace {
 
-constexpr int kMergeThreads = 256;  // >= the largest head_dim
+constexpr int kMergeThreads = 1024;  // (chunk subsets) x channels: ~12 loads a thread at batch 1
 
 struct MergeParams {
   const MergeItem* merges = nullptr;
