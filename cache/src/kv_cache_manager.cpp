@@ -49,6 +49,10 @@ struct Sequence {
   std::int32_t num_tokens = 0;
   PageTable table;       // device block ids, or host swap slots while swapped
   bool swapped = false;
+  // Set on both sides of a fork: only such sequences can share blocks, so
+  // the others append without looking at ref counts.
+  bool forked = false;
+  SequenceHandle handle;
   // Batch validation (require_ids) marks each sequence it has seen with the
   // batch's epoch, instead of hashing the ids a second time.
   mutable std::uint64_t seen_epoch = 0;
@@ -73,6 +77,17 @@ struct KVCacheManager::Impl {
   boost::unordered_map<SequenceId, Sequence> sequences;
   std::array<SwapPool, kNumPrecisions> swap;
   mutable std::uint64_t epoch = 0;
+  // Handle registry: index -> sequence (null when free), with generations.
+  std::vector<Sequence*> handles;
+  std::vector<std::uint32_t> generations;
+  std::vector<std::int32_t> free_handles;
+
+  void register_handle(Sequence& seq);
+  void release_handle(const Sequence& seq);
+  AppendResult append(std::vector<Sequence*>& seqs);
+  BlockCounts count_fresh(const std::vector<Sequence*>& seqs) const;
+  void fill_general(const std::vector<Sequence*>& seqs, const std::vector<std::size_t>& positions,
+                    const std::vector<std::int32_t>& fresh_ids, AppendResult& result);
 
   explicit Impl(const CacheConfig& c);
 
@@ -151,6 +166,25 @@ const Sequence& KVCacheManager::Impl::find(SequenceId id, const char* name) cons
     throw UnknownId(std::string(name) + " = " + std::to_string(id) + " is not a sequence of this cache");
   }
   return it->second;
+}
+
+void KVCacheManager::Impl::register_handle(Sequence& seq) {
+  if (free_handles.empty()) {
+    free_handles.push_back(static_cast<std::int32_t>(handles.size()));
+    handles.push_back(nullptr);
+    generations.push_back(0);
+  }
+  const std::int32_t index = free_handles.back();
+  free_handles.pop_back();
+  handles[static_cast<std::size_t>(index)] = &seq;
+  seq.handle = SequenceHandle{index, generations[static_cast<std::size_t>(index)]};
+}
+
+void KVCacheManager::Impl::release_handle(const Sequence& seq) {
+  const auto index = static_cast<std::size_t>(seq.handle.index);
+  handles[index] = nullptr;
+  ++generations[index];  // every handle to the freed sequence goes stale
+  free_handles.push_back(seq.handle.index);
 }
 
 const Sequence& KVCacheManager::Impl::resident(SequenceId id, const char* name) const {
@@ -403,7 +437,9 @@ void KVCacheManager::add_sequence(SequenceId id, const TokenLayout& layout, cons
       for (std::int32_t w = 0; w < windows[at(p)]; ++w) seq.table.push_block(layer, p, ids[at(p)][next[at(p)]++], bs);
     }
   }
-  m.sequences.emplace(id, std::move(seq));
+  m.handles.reserve(m.handles.size() + 1);
+  m.generations.reserve(m.generations.size() + 1);
+  m.register_handle(m.sequences.emplace(id, std::move(seq)).first->second);
 }
 
 bool KVCacheManager::contains(SequenceId id) const { return impl_->sequences.contains(id); }
@@ -485,17 +521,91 @@ AppendResult KVCacheManager::append_tokens(std::span<const SequenceId> ids) {
       seqs.push_back(const_cast<Sequence*>(found[i]));  // the manager's own, non-const
     }
   }
+  return m.append(seqs);
+}
 
-  // Count the new FP16 blocks exactly, in the order they will be taken: a
-  // shared tail copied for one holder may be written in place by the last
-  // holder of the same batch.
-  BlockPool& fp16 = m.pool(Precision::FP16);
+SequenceHandle KVCacheManager::handle(SequenceId id) const { return impl_->find(id, "id").handle; }
+
+AppendResult KVCacheManager::append_tokens(std::span<const SequenceHandle> handles) {
+  Impl& m = *impl_;
+  std::vector<Sequence*> seqs;
+  seqs.reserve(handles.size());
+  const std::uint64_t batch = ++m.epoch;
+  for (std::size_t i = 0; i < handles.size(); ++i) {
+    const SequenceHandle h = handles[i];
+    const std::string name = "handles[" + std::to_string(i) + "]";
+    if (h.index < 0 || static_cast<std::size_t>(h.index) >= m.handles.size() ||
+        m.handles[static_cast<std::size_t>(h.index)] == nullptr ||
+        m.generations[static_cast<std::size_t>(h.index)] != h.generation) {
+      throw UnknownId(name + " = (" + std::to_string(h.index) + ", " + std::to_string(h.generation) +
+                      ") names no sequence of this cache (stale or never handed out)");
+    }
+    Sequence& seq = *m.handles[static_cast<std::size_t>(h.index)];
+    if (seq.seen_epoch == batch) {
+      throw InvalidArgument(name + " repeats handles[" + std::to_string(seq.seen_index) +
+                            "], expected distinct sequences");
+    }
+    if (seq.swapped) throw InvalidArgument(name + " names a swapped-out sequence, expected one in device memory");
+    if (seq.num_tokens == std::numeric_limits<std::int32_t>::max()) {
+      throw InvalidArgument(name + " holds 2^31 - 1 tokens, expected room for one more");
+    }
+    seq.seen_epoch = batch;
+    seq.seen_index = i;
+    seqs.push_back(&seq);
+  }
+  return m.append(seqs);
+}
+
+AppendResult KVCacheManager::Impl::append(std::vector<Sequence*>& all) {
+  Impl& m = *this;
+  const std::int32_t bs = m.block_size();
+  AppendResult result;
+  result.slots.assign(static_cast<std::size_t>(m.num_layers()), std::vector<std::int32_t>(all.size()));
+  // Fast path: a sequence that never took part in a fork shares no block,
+  // and when its token count is not a multiple of block_size every layer's
+  // FP16 tail has room (FP16 tokens = tokens - whole quantized windows), so
+  // its new token only fills tails. The other sequences take the general
+  // path below, in layer order as before.
+  std::vector<Sequence*> seqs;
+  std::vector<std::size_t> positions;
+  {
+    std::vector<std::int32_t*> out(result.slots.size());
+    for (std::size_t l = 0; l < out.size(); ++l) out[l] = result.slots[l].data();
+    for (std::size_t i = 0; i < all.size(); ++i) {
+      if (!all[i]->forked && all[i]->num_tokens % bs != 0) continue;
+      seqs.push_back(all[i]);
+      positions.push_back(i);
+    }
+    // Count the new FP16 blocks exactly, in the order they will be taken: a
+    // sequence outside forks opens a block in every layer; for forked ones a
+    // shared tail copied for one holder may be written in place by the last
+    // holder of the same batch.
+    std::vector<Sequence*> forked;
+    for (Sequence* seq : seqs) {
+      if (seq->forked) forked.push_back(seq);
+    }
+    BlockCounts need = count_fresh(forked);
+    need[0] += static_cast<std::int64_t>(seqs.size() - forked.size()) * m.num_layers();
+    std::vector<std::int32_t> fresh_ids = std::move(m.allocate(need, "append_tokens")[0]);
+    fill_general(seqs, positions, fresh_ids, result);
+    for (std::size_t i = 0; i < all.size(); ++i) {
+      if (!all[i]->forked && all[i]->num_tokens % bs != 0) all[i]->table.fill_all_fp16_tails(out, i);
+    }
+  }
+  for (Sequence* seq : all) ++seq->num_tokens;
+  return result;
+}
+
+BlockCounts KVCacheManager::Impl::count_fresh(const std::vector<Sequence*>& seqs) const {
+  Impl& m = const_cast<Impl&>(*this);
+  const BlockPool& fp16 = m.pool(Precision::FP16);
   const std::int32_t bs = m.block_size();
   auto needs_block = [&](const PageTable& t, std::int32_t layer, auto&& shared) {
     const auto tail = t.blocks(layer, Precision::FP16);
     return tail.empty() || t.fp16_tail_fill(layer) == bs || shared(tail.back());
   };
   BlockCounts need{};
+  if (seqs.empty()) return need;
   boost::unordered_flat_map<std::int32_t, std::int32_t> copied;  // tail block -> holders that left it
   for (std::int32_t layer = 0; layer < m.num_layers(); ++layer) {
     for (const Sequence* seq : seqs) {
@@ -509,14 +619,24 @@ AppendResult KVCacheManager::append_tokens(std::span<const SequenceId> ids) {
       need[0] += fresh ? 1 : 0;
     }
   }
-  AppendResult result;
-  result.slots.assign(static_cast<std::size_t>(m.num_layers()), std::vector<std::int32_t>(seqs.size()));
-  result.copies.reserve(static_cast<std::size_t>(need[0]));
-  const std::vector<std::int32_t> fresh_ids = std::move(m.allocate(need, "append_tokens")[0]);
+  return need;
+}
+
+void KVCacheManager::Impl::fill_general(const std::vector<Sequence*>& seqs, const std::vector<std::size_t>& positions,
+                                        const std::vector<std::int32_t>& fresh_ids, AppendResult& result) {
+  Impl& m = *this;
+  BlockPool& fp16 = m.pool(Precision::FP16);
+  const std::int32_t bs = m.block_size();
   std::size_t next = 0;
   for (std::int32_t layer = 0; layer < m.num_layers(); ++layer) {
     for (std::size_t i = 0; i < seqs.size(); ++i) {
       PageTable& table = seqs[i]->table;
+      if (!seqs[i]->forked) {  // every tail is full (or the layer has none): a new block
+        const std::int32_t block = fresh_ids[next++];
+        table.push_block(layer, Precision::FP16, block, 1);
+        result.slots[static_cast<std::size_t>(layer)][positions[i]] = block * bs;
+        continue;
+      }
       const auto tail = table.blocks(layer, Precision::FP16);
       std::int32_t slot = 0;
       if (tail.empty() || table.fp16_tail_fill(layer) == bs) {
@@ -535,11 +655,9 @@ AppendResult KVCacheManager::append_tokens(std::span<const SequenceId> ids) {
       } else {
         slot = table.fill_fp16_tail(layer);
       }
-      result.slots[static_cast<std::size_t>(layer)][i] = slot;
+      result.slots[static_cast<std::size_t>(layer)][positions[i]] = slot;
     }
   }
-  for (Sequence* seq : seqs) ++seq->num_tokens;
-  return result;
 }
 
 void KVCacheManager::fork(SequenceId parent, SequenceId child) {
@@ -550,13 +668,17 @@ void KVCacheManager::fork(SequenceId parent, SequenceId child) {
                           " is already a sequence of this cache, expected a new id");
   }
   Sequence copy = source;
+  copy.forked = true;
   m.sequences.reserve(m.sequences.size() + 1);
+  m.handles.reserve(m.handles.size() + 1);
+  m.generations.reserve(m.generations.size() + 1);
   for (std::int32_t layer = 0; layer < m.num_layers(); ++layer) {
     for (const Precision p : kAllPrecisions) {
       for (const std::int32_t block : copy.table.blocks(layer, p)) m.pool(p).retain(block);
     }
   }
-  m.sequences.emplace(child, std::move(copy));
+  const_cast<Sequence&>(source).forked = true;
+  m.register_handle(m.sequences.emplace(child, std::move(copy)).first->second);
 }
 
 void KVCacheManager::free_sequence(SequenceId id) {
@@ -582,6 +704,7 @@ void KVCacheManager::free_sequence(SequenceId id) {
       }
     }
   }
+  m.release_handle(it->second);
   m.sequences.erase(it);
 }
 

@@ -24,15 +24,25 @@ std::size_t at(Precision p) { return static_cast<std::size_t>(pool_index(p)); }
 
 // The scheduler's record of one live request.
 struct Entry {
-  SetHook hook;  // in exactly one of waiting_, running_, swapped_
+  // What a decode step touches, together at the front.
+  SequenceHandle handle;             // while in the cache
+  std::int32_t num_tokens = 0;       // tokens in the cache (prompt + appended decode tokens)
+  std::int32_t generated = 0;        // tokens generated
+  std::int32_t max_new_tokens = 1;
+  std::int32_t slot = -1;
+  std::int32_t decode_index = -1;    // position in Impl::decoding while Running
+  RequestState state = RequestState::Waiting;
+  bool done = false;                 // generated max_new_tokens; retired at the next step
+  RequestId id = 0;
+  const PageTable* table = nullptr;  // while resident in device memory
+
+  SetHook hook;  // in exactly one of waiting, running, swapped
 
   // Fixed at add_request: the queue key and the request's limits.
-  RequestId id = 0;
   std::int32_t neg_priority = 0;  // -priority under SchedulingPolicy::Priority, else 0
   double arrival = 0.0;
   std::int64_t order = 0;  // add_request order: the last tie-break
   TokenLayout original;
-  std::int32_t max_new_tokens = 1;
 
   // The prompt to prefill now: the original, plus the generated tokens as
   // text after a recompute. The plan follows the manager's after demotions.
@@ -41,15 +51,9 @@ struct Entry {
   BlockCounts demand{};  // cache.demand(prompt, plan)
   std::vector<std::int32_t> window_starts;  // of prompt (text adds no window)
 
-  RequestState state = RequestState::Waiting;
-  std::int32_t computed = 0;    // prompt rows computed
-  std::int32_t generated = 0;   // tokens generated
-  std::int32_t num_tokens = 0;  // tokens in the cache (prompt + appended decode tokens)
-  std::int32_t slot = -1;
+  std::int32_t computed = 0;  // prompt rows computed
   std::int32_t preemptions = 0;
   std::int32_t bypassed = 0;  // steps in which requests behind it were admitted instead
-  bool done = false;          // generated max_new_tokens; retired at the next step
-  const PageTable* table = nullptr;  // while resident in device memory
 
   // Demotion candidates: windows 1.. in ascending similarity score, and how
   // far demotion has gone through them.
@@ -83,7 +87,10 @@ struct Scheduler::Impl {
   boost::unordered_map<RequestId, Entry> entries;  // node-based: hooks need stable addresses
   boost::unordered_flat_set<RequestId> retired;    // finished, cancelled or rejected
   Queue waiting;
-  Queue running;  // Prefilling and Running
+  Queue running;  // Prefilling and Running, in key order (victims from the back)
+  // The Running ones again, unordered, for the decode step's one pass.
+  std::vector<Entry*> decoding;
+  std::int32_t prefilling = 0;
   Queue swapped;
   std::vector<std::int32_t> free_slots;  // stack
   std::vector<Entry*> done;              // reached max_new_tokens last step
@@ -101,6 +108,7 @@ struct Scheduler::Impl {
   std::int32_t chunk_end(const Entry& e, std::int32_t budget) const;
   bool fits(const BlockCounts& blocks, bool with_reserve) const;
 
+  void set_state(Entry& e, RequestState state);
   void take_slot(Entry& e);
   void drop_slot(Entry& e);
   void release(Entry& e);                    // frees memory, unlinks, erases
@@ -226,6 +234,24 @@ std::int32_t Scheduler::Impl::chunk_end(const Entry& e, std::int32_t budget) con
   return end > e.computed ? end : 0;
 }
 
+// Keeps `decoding` and the prefilling count in step with the states.
+void Scheduler::Impl::set_state(Entry& e, RequestState state) {
+  if (e.state == RequestState::Running) {
+    Entry* last = decoding.back();
+    decoding[static_cast<std::size_t>(e.decode_index)] = last;
+    last->decode_index = e.decode_index;
+    decoding.pop_back();
+    e.decode_index = -1;
+  }
+  if (e.state == RequestState::Prefilling) --prefilling;
+  e.state = state;
+  if (state == RequestState::Running) {
+    e.decode_index = static_cast<std::int32_t>(decoding.size());
+    decoding.push_back(&e);
+  }
+  if (state == RequestState::Prefilling) ++prefilling;
+}
+
 void Scheduler::Impl::take_slot(Entry& e) {
   e.slot = free_slots.back();
   free_slots.pop_back();
@@ -246,6 +272,7 @@ void Scheduler::Impl::release(Entry& e) {
     Queue& q = e.state == RequestState::Waiting ? waiting : (e.state == RequestState::Swapped ? swapped : running);
     q.erase(q.iterator_to(e));
   }
+  set_state(e, RequestState::Finished);
   retired.insert(e.id);
   entries.erase(e.id);
 }
@@ -278,7 +305,7 @@ void Scheduler::Impl::preempt(Entry& e, StepOutput& out) {
     out.swap_out.insert(out.swap_out.end(), copies.begin(), copies.end());
     out.swapped_out.push_back(e.id);
     drop_slot(e);
-    e.state = RequestState::Swapped;
+    set_state(e, RequestState::Swapped);
     swapped.insert(e);
     ++stats.preempted_swap;
     return;
@@ -300,7 +327,7 @@ void Scheduler::Impl::preempt(Entry& e, StepOutput& out) {
   e.demand = cache.demand(e.prompt, e.plan);
   e.computed = 0;
   e.num_tokens = 0;
-  e.state = RequestState::Waiting;
+  set_state(e, RequestState::Waiting);
   out.preempted.push_back(e.id);
   ++stats.preempted_recompute;
   if (auto reason = never_fits(e)) {
@@ -394,7 +421,7 @@ void Scheduler::Impl::schedule_chunk(Entry& e, std::int32_t end, StepOutput& out
   stats.prefill_tokens += end - e.computed;
   e.computed = end;
   if (chunk.last) {
-    e.state = RequestState::Running;
+    set_state(e, RequestState::Running);
     ++e.generated;
     if (e.generated >= e.max_new_tokens) {
       e.done = true;
@@ -519,23 +546,23 @@ StepOutput Scheduler::step() {
   std::int32_t budget = s.config.max_num_batched_tokens;
 
   // 1. Decodes: every running request past its prompt gets one token.
-  std::vector<Entry*> decodes;
-  decodes.reserve(s.running.size());
+  std::vector<Entry*> decodes = s.decoding;
   std::int64_t need = 0;
-  for (Entry& e : s.running) {
-    if (e.state != RequestState::Running) continue;
-    decodes.push_back(&e);
-    if (e.num_tokens % s.block_size == 0) need += s.num_layers;  // every layer opens an FP16 block
+  for (const Entry* e : decodes) {
+    if (e->num_tokens % s.block_size == 0) need += s.num_layers;  // every layer opens an FP16 block
   }
   const bool pressure = !s.cache.can_allocate({need, 0, 0});
   if (pressure) s.relieve(decodes, need, out);
   out.decodes.reserve(decodes.size());
   out.decode_slots.reserve(decodes.size());
+  std::vector<SequenceHandle> handles;
+  handles.reserve(decodes.size());
   for (Entry* e : decodes) {
     out.decodes.push_back(e->id);
     out.decode_slots.push_back(e->slot);
+    handles.push_back(e->handle);
   }
-  out.append = s.cache.append_tokens(out.decodes);
+  out.append = s.cache.append_tokens(std::span<const SequenceHandle>(handles));
   for (Entry* e : decodes) {
     ++e->num_tokens;
     ++e->generated;
@@ -549,8 +576,10 @@ StepOutput Scheduler::step() {
   s.stats.decode_tokens += static_cast<std::int64_t>(decodes.size());
 
   // 2. Prompts already admitted go on, oldest first.
-  for (Entry& e : s.running) {
-    if (e.state != RequestState::Prefilling || budget == 0) continue;
+  for (auto it = s.running.begin(); s.prefilling > 0 && it != s.running.end();) {
+    Entry& e = *it++;
+    if (budget == 0) break;
+    if (e.state != RequestState::Prefilling) continue;
     const std::int32_t end = s.chunk_end(e, budget);
     if (end == 0) continue;
     budget -= end - e.computed;
@@ -569,7 +598,7 @@ StepOutput Scheduler::step() {
     out.swapped_in.push_back(e.id);
     out.tables_changed.push_back(e.id);
     s.swapped.erase(s.swapped.iterator_to(e));
-    e.state = e.computed == e.prompt.num_tokens() ? RequestState::Running : RequestState::Prefilling;
+    s.set_state(e, e.computed == e.prompt.num_tokens() ? RequestState::Running : RequestState::Prefilling);
     e.table = &s.cache.page_table(e.id);
     s.take_slot(e);
     s.running.insert(e);
@@ -587,7 +616,8 @@ StepOutput Scheduler::step() {
       if (end != 0 && s.fits(e.demand, true)) {
         s.waiting.erase(s.waiting.iterator_to(e));
         s.cache.add_sequence(e.id, e.prompt, e.plan);
-        e.state = RequestState::Prefilling;
+        e.handle = s.cache.handle(e.id);
+        s.set_state(e, RequestState::Prefilling);
         e.num_tokens = e.prompt.num_tokens();
         e.table = &s.cache.page_table(e.id);
         s.take_slot(e);
@@ -707,6 +737,8 @@ void Scheduler::check_invariants() const {
   s.cache.check_invariants();
   std::size_t in_queues = 0;
   std::size_t resident = 0;
+  std::int32_t prefilling = 0;
+  std::size_t decoding = 0;
   std::vector<std::uint8_t> slot_used(static_cast<std::size_t>(s.config.max_num_seqs), 0);
   auto check_queue = [&](const Queue& q, std::initializer_list<RequestState> states, const char* name) {
     for (const Entry& e : q) {
@@ -737,11 +769,20 @@ void Scheduler::check_invariants() const {
       if (e.state == RequestState::Running && e.computed != e.prompt.num_tokens()) fail(who + " runs before its prompt is done");
       if (e.state == RequestState::Prefilling && e.computed == e.prompt.num_tokens()) fail(who + " prefills a done prompt");
       if (e.generated > e.max_new_tokens) fail(who + " generated more than max_new_tokens");
+      const bool listed = e.decode_index >= 0 && static_cast<std::size_t>(e.decode_index) < s.decoding.size() &&
+                          s.decoding[static_cast<std::size_t>(e.decode_index)] == &e;
+      if (listed != (e.state == RequestState::Running)) fail(who + " is wrongly (un)listed for decoding");
+      prefilling += e.state == RequestState::Prefilling ? 1 : 0;
+      decoding += e.state == RequestState::Running ? 1 : 0;
     }
   };
   check_queue(s.waiting, {RequestState::Waiting}, "waiting");
   check_queue(s.running, {RequestState::Prefilling, RequestState::Running}, "running");
   check_queue(s.swapped, {RequestState::Swapped}, "swapped");
+  if (prefilling != s.prefilling || decoding != s.decoding.size()) {
+    fail("counts " + std::to_string(s.prefilling) + " prefilling and " + std::to_string(s.decoding.size()) +
+         " decoding requests, the queues hold " + std::to_string(prefilling) + " and " + std::to_string(decoding));
+  }
   if (in_queues != s.entries.size()) {
     fail(std::to_string(s.entries.size()) + " live requests but " + std::to_string(in_queues) + " queued");
   }

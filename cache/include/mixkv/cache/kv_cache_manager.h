@@ -108,6 +108,15 @@ struct DemoteOp {
   std::int32_t dst_block = 0;
 };
 
+// Names a sequence without a look-up by id, for callers that append every
+// step (a scheduler): valid from add_sequence/fork until free_sequence (swap
+// out and in keep it); a stale handle is an UnknownId, never a wrong sequence.
+struct SequenceHandle {
+  std::int32_t index = -1;
+  std::uint32_t generation = 0;
+  friend bool operator==(const SequenceHandle&, const SequenceHandle&) = default;
+};
+
 struct AppendResult {
   // [layer][i]: FP16 slot of sequence i's new token in that layer.
   std::vector<std::vector<std::int32_t>> slots;
@@ -173,6 +182,9 @@ class KVCacheManager {
   // One decode token for each sequence (distinct ids), FP16 in every layer.
   // All or nothing: OutOfMemory leaves every sequence as it was.
   AppendResult append_tokens(std::span<const SequenceId> ids);
+  // The same through handles (UnknownId names handles[i] when stale).
+  AppendResult append_tokens(std::span<const SequenceHandle> handles);
+  SequenceHandle handle(SequenceId id) const;
 
   // `child` shares every block of `parent` (ref counts); the partly filled
   // FP16 tail is copied on the first append to either.

@@ -57,12 +57,18 @@ class PageTable {
   // IndexOutOfRange names "index".
   void insert_block(std::int32_t layer, Precision p, std::int32_t index, std::int32_t block_id);
 
+  // Decode fast path: one token into the FP16 tail of every layer, writing
+  // layer l's slot to layer_slots[l][i]. All or nothing: InvalidArgument
+  // (nothing changed) unless every layer's tail has room and
+  // layer_slots.size() == num_layers(). Touches two contiguous arrays, not
+  // the page lists.
+  void fill_all_fp16_tails(std::span<std::int32_t* const> layer_slots, std::size_t i);
+
   friend bool operator==(const PageTable&, const PageTable&) = default;
 
  private:
   struct Layer {
     std::array<std::vector<std::int32_t>, kNumPrecisions> blocks;  // [pool_index]
-    std::int32_t fp16_tail_fill = 0;
     friend bool operator==(const Layer&, const Layer&) = default;
   };
   const Layer& layer_at(std::int32_t layer) const;
@@ -70,6 +76,10 @@ class PageTable {
 
   std::int32_t block_size_ = 0;
   std::vector<Layer> layers_;
+  // Per layer, contiguous (the decode step's working set): the FP16 tail's
+  // fill (0 without FP16 blocks) and its block id (-1 without).
+  std::vector<std::int32_t> fills_;
+  std::vector<std::int32_t> tails_;
 };
 
 }  // namespace mixkv
