@@ -83,6 +83,10 @@ struct Scheduler::Impl {
   std::int32_t num_layers = 0;
   std::int32_t block_size = 0;
   std::int64_t reserve_fp16 = 0;  // watermark, in FP16 blocks
+  // With demotion on, decode growth starts demoting while one slab is still
+  // obtainable: a demotion needs INT4 room, which FP16 growth would
+  // otherwise have taken to the last slab.
+  std::int64_t demote_headroom = 0;
 
   boost::unordered_map<RequestId, Entry> entries;  // node-based: hooks need stable addresses
   boost::unordered_flat_set<RequestId> retired;    // finished, cancelled or rejected
@@ -116,6 +120,7 @@ struct Scheduler::Impl {
   void reject(Entry& e, std::string reason);
   void preempt(Entry& e, StepOutput& out);
   void relieve(std::vector<Entry*>& decodes, std::int64_t& need, StepOutput& out);
+
   void demote_for(std::int64_t deficit, const std::vector<Entry*>& decodes, StepOutput& out);
   void schedule_chunk(Entry& e, std::int32_t end, StepOutput& out);
   void build_metadata(const std::vector<Entry*>& decodes, StepOutput& out) const;
@@ -162,6 +167,9 @@ Scheduler::Impl::Impl(KVCacheManager& c, SchedulerConfig cfg) : cache(c), config
   }
   const auto slabs = static_cast<std::int64_t>(std::ceil(config.watermark * cache.total_slabs()));
   reserve_fp16 = slabs * cache.pool_stats(Precision::FP16).blocks_per_slab;
+  if (config.demote_under_pressure && config.max_demotions_per_step > 0) {
+    demote_headroom = cache.pool_stats(Precision::FP16).blocks_per_slab;
+  }
   free_slots.reserve(static_cast<std::size_t>(config.max_num_seqs));
   for (std::int32_t s = config.max_num_seqs; s-- > 0;) free_slots.push_back(s);
 }
@@ -352,21 +360,21 @@ void Scheduler::Impl::demote_for(std::int64_t deficit, const std::vector<Entry*>
     }
   }
   std::vector<Demotion> demotions;
-  std::vector<Entry*> touched;
   const auto limit = static_cast<std::size_t>(config.max_demotions_per_step);
   while (!heap.empty() && static_cast<std::int64_t>(demotions.size()) < deficit && demotions.size() < limit) {
     Entry* e = heap.top().second;
     heap.pop();
-    const std::int32_t window = e->demote_order[e->demote_cursor++];
+    const std::int32_t window = e->demote_order[e->demote_cursor];
     const PrecisionPlan& plan = cache.plan(e->id);
-    bool any = false;
-    for (std::int32_t layer = 0; layer < num_layers && demotions.size() < limit; ++layer) {
+    std::int32_t layer = 0;
+    for (; layer < num_layers && demotions.size() < limit; ++layer) {
       if (plan.at(layer, window) != Precision::FP16) continue;
       if (cache.why_not_demotable(e->id, layer, window, Precision::INT4)) continue;
       demotions.push_back({e->id, layer, window, Precision::INT4});
-      any = true;
     }
-    if (any && (touched.empty() || touched.back() != e)) touched.push_back(e);
+    // A window is done when all its layers were looked at; a later step
+    // finishes one the per-step limit cut short.
+    if (layer == num_layers) ++e->demote_cursor;
     if (e->demote_cursor < e->demote_order.size()) heap.push({e->plan.score(e->demote_order[e->demote_cursor]), e});
   }
   // The INT4 blocks must be there: take as many demotions as they allow.
@@ -395,9 +403,12 @@ void Scheduler::Impl::demote_for(std::int64_t deficit, const std::vector<Entry*>
 // Makes room for `need` new FP16 blocks of the decode batch: demotion first
 // (if enabled), then preemption of the lowest-ranked running requests.
 void Scheduler::Impl::relieve(std::vector<Entry*>& decodes, std::int64_t& need, StepOutput& out) {
-  if (config.demote_under_pressure && config.max_demotions_per_step > 0) {
-    const std::int64_t deficit = need - cache.pool_stats(Precision::FP16).free_blocks;
-    demote_for(std::max<std::int64_t>(deficit, 1), decodes, out);
+  if (demote_headroom > 0) {
+    // Demote about as much as restores the headroom: FP16 blocks free in
+    // their slabs plus those of the free slabs.
+    const PoolStats fp16 = cache.pool_stats(Precision::FP16);
+    const std::int64_t available = fp16.free_blocks + std::int64_t{cache.free_slabs()} * fp16.blocks_per_slab;
+    demote_for(std::max<std::int64_t>(need + demote_headroom - available, 1), decodes, out);
   }
   while (!cache.can_allocate({need, 0, 0}) && !running.empty()) {
     Entry& victim = *std::prev(running.end());
@@ -551,8 +562,7 @@ StepOutput Scheduler::step() {
   for (const Entry* e : decodes) {
     if (e->num_tokens % s.block_size == 0) need += s.num_layers;  // every layer opens an FP16 block
   }
-  const bool pressure = !s.cache.can_allocate({need, 0, 0});
-  if (pressure) s.relieve(decodes, need, out);
+  if (!s.cache.can_allocate({need + s.demote_headroom, 0, 0})) s.relieve(decodes, need, out);
   out.decodes.reserve(decodes.size());
   out.decode_slots.reserve(decodes.size());
   std::vector<SequenceHandle> handles;

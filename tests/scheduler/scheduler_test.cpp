@@ -1,0 +1,351 @@
+// The scheduler's promises, one at a time, on tiny caches: forced
+// preemption changes no FP16 result, cancel frees everything in every state,
+// requests that can never fit are rejected with a reason, a large request
+// blocks the others only for a bounded number of steps, chunks end on
+// window boundaries, demotion takes the least similar windows first, and
+// bad input is refused by name without changing anything.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <map>
+#include <random>
+
+#include "../cache/cache_test_util.h"
+#include "engine_sim.h"
+#include "mixkv/scheduler/scheduler.h"
+
+namespace mixkv {
+namespace {
+
+using test::expect_error;
+
+// 2 layers, 1 KV head, head_dim 16, block_size 16; 4 KiB slabs: 4 FP16,
+// 10 INT4 or 16 INT2 blocks.
+CacheConfig tiny(std::int32_t slabs, BlockCounts swap = {}) {
+  CacheConfig c;
+  c.shape = CacheShape{2, 1, 16, 16};
+  c.slab_bytes = 4096;
+  c.arena_bytes = 4096 * static_cast<std::size_t>(slabs);
+  c.swap_blocks = swap;
+  c.fp16_windows_first = true;
+  return c;
+}
+
+Request request(RequestId id, std::vector<Segment> segments, std::int32_t max_new, Precision fill = Precision::FP16) {
+  Request r;
+  r.id = id;
+  r.layout = TokenLayout(std::move(segments));
+  PrecisionPlan plan(2, r.layout.num_windows(16), fill);
+  for (std::int32_t w = 0; w < plan.num_windows(); ++w) {
+    plan.set_score(w, 1.0f - 0.1f * static_cast<float>(w));
+    for (std::int32_t l = 0; l < 2; ++l) plan.set(l, w, w == 0 ? Precision::FP16 : fill);
+  }
+  r.plan = std::move(plan);
+  r.max_new_tokens = max_new;
+  r.arrival_time = static_cast<double>(id);
+  return r;
+}
+
+SchedulerConfig base_config() {
+  SchedulerConfig c;
+  c.max_num_seqs = 8;
+  c.max_num_batched_tokens = 64;
+  c.watermark = 0.0;
+  return c;
+}
+
+// Runs to completion; returns every attention output.
+std::map<std::tuple<RequestId, std::int64_t, std::int32_t>, std::vector<float>> serve(
+    const CacheConfig& cache_config, const SchedulerConfig& config, const std::vector<Request>& requests,
+    SchedulerStats* stats) {
+  KVCacheManager cache(cache_config);
+  Scheduler sched(cache, config);
+  test::EngineSim engine(sched);
+  for (const Request& r : requests) sched.add_request(r);
+  for (int step = 0; sched.has_unfinished() && step < 100000; ++step) {
+    const StepOutput out = sched.step();
+    engine.apply(out, true);
+    EXPECT_NO_THROW(sched.check_invariants());
+    EXPECT_TRUE(out.rejected.empty()) << out.rejected.front().reason;
+  }
+  EXPECT_FALSE(sched.has_unfinished());
+  if (stats) *stats = sched.stats();
+  return engine.outputs();
+}
+
+// Every decode output of the run under pressure equals the unpressured
+// one. A request recomputed after generating g tokens prefills its g-th
+// token instead of decoding it, so that decode output is absent, and only
+// those: at most one per recompute.
+void expect_same_outputs(const std::map<std::tuple<RequestId, std::int64_t, std::int32_t>, std::vector<float>>& big,
+                         const std::map<std::tuple<RequestId, std::int64_t, std::int32_t>, std::vector<float>>& small,
+                         std::int64_t recomputes, std::int32_t layers) {
+  EXPECT_LE(big.size() - small.size(), static_cast<std::size_t>(recomputes * layers));
+  double worst = 0.0;
+  for (const auto& [key, out] : small) {
+    const auto it = big.find(key);
+    ASSERT_NE(it, big.end());
+    for (std::size_t i = 0; i < out.size(); ++i) worst = std::max(worst, std::abs(double(out[i]) - it->second[i]));
+  }
+  // Only the order of the pools' blocks differs: the merge is in double.
+  EXPECT_LE(worst, 1e-6);
+}
+
+std::vector<Request> fp16_workload(int n, std::uint64_t seed) {
+  std::mt19937 rng(static_cast<std::uint32_t>(seed));
+  auto pick = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
+  std::vector<Request> rs;
+  for (int i = 0; i < n; ++i) {
+    rs.push_back(request(i, {{TokenKind::Text, pick(1, 9)}, {TokenKind::Visual, pick(0, 70)}, {TokenKind::Text, pick(1, 9)}},
+                         pick(1, 60)));
+  }
+  return rs;
+}
+
+TEST(Scheduler, ForcedPreemptionChangesNoFp16Result) {
+  const std::vector<Request> work = fp16_workload(60, 3);
+  SchedulerConfig config = base_config();
+  config.demote_under_pressure = false;  // demotion would change FP16 results on purpose
+  SchedulerStats big_stats;
+  const auto big = serve(tiny(200), config, work, &big_stats);
+  EXPECT_EQ(big_stats.preempted_recompute + big_stats.preempted_swap, 0);
+  for (const PreemptionMode mode : {PreemptionMode::Recompute, PreemptionMode::Swap}) {
+    config.preemption = mode;
+    SchedulerStats small_stats;
+    const auto small = serve(tiny(12, {20, 4, 4}), config, work, &small_stats);
+    EXPECT_GT(small_stats.preempted_recompute + small_stats.preempted_swap, 0) << "the tiny cache forced nothing";
+    if (mode == PreemptionMode::Swap) EXPECT_GT(small_stats.preempted_swap, 0);
+    expect_same_outputs(big, small, small_stats.preempted_recompute, 2);
+  }
+}
+
+// Steps until `id` is in `state` (or gives up).
+void step_until(Scheduler& sched, test::EngineSim& engine, RequestId id, RequestState state) {
+  for (int i = 0; i < 200 && sched.contains(id) && sched.status(id).state != state; ++i) engine.apply(sched.step(), false);
+  ASSERT_TRUE(sched.contains(id));
+  ASSERT_EQ(sched.status(id).state, state);
+}
+
+TEST(Scheduler, CancelFreesEverythingInEveryState) {
+  for (const RequestState target : {RequestState::Waiting, RequestState::Prefilling, RequestState::Running,
+                                    RequestState::Swapped}) {
+    KVCacheManager cache(tiny(10, {40, 40, 40}));
+    SchedulerConfig config = base_config();
+    config.preemption = PreemptionMode::Swap;
+    config.demote_under_pressure = false;
+    config.max_num_batched_tokens = 32;  // long prompts prefill in chunks
+    Scheduler sched(cache, config);
+    test::EngineSim engine(sched);
+    // Request 1 takes most of the cache and grows; 0 is older and is the
+    // one to swap out (the victim is the newest... so 0 arrives later).
+    if (target == RequestState::Swapped) {
+      sched.add_request(request(1, {{TokenKind::Text, 20}}, 200));
+      sched.add_request(request(2, {{TokenKind::Text, 20}}, 200));
+      step_until(sched, engine, 2, RequestState::Swapped);
+      ASSERT_TRUE(sched.cancel(2));
+    } else {
+      sched.add_request(request(1, {{TokenKind::Text, 5}, {TokenKind::Visual, 64}, {TokenKind::Text, 5}}, 10));
+      if (target == RequestState::Waiting) {
+        ASSERT_EQ(sched.status(1).state, RequestState::Waiting);
+      } else {
+        step_until(sched, engine, 1, target);
+      }
+      ASSERT_TRUE(sched.cancel(1));
+      for (const Precision p : kAllPrecisions) EXPECT_EQ(cache.pool_stats(p).used_blocks, 0) << to_string(p);
+    }
+    EXPECT_NO_THROW(sched.check_invariants());
+    // Idempotent: a second cancel (or finish) does nothing.
+    const std::string before = sched.describe_state();
+    EXPECT_FALSE(sched.cancel(target == RequestState::Swapped ? 2 : 1));
+    EXPECT_FALSE(sched.finish(target == RequestState::Swapped ? 2 : 1));
+    EXPECT_EQ(sched.describe_state(), before);
+    const StepOutput out = sched.step();
+    ASSERT_EQ(out.finished.size(), 1u);
+    EXPECT_EQ(out.finished[0].reason, FinishReason::Cancelled);
+    sched.cancel(1);
+    EXPECT_EQ(cache.free_swap_slots(), cache.config().swap_blocks);
+    for (const Precision p : kAllPrecisions) EXPECT_EQ(cache.pool_stats(p).used_blocks, 0) << to_string(p);
+    EXPECT_TRUE(cache.sequence_ids().empty());
+  }
+}
+
+TEST(Scheduler, RequestThatCanNeverFitIsRejectedWithAReason) {
+  KVCacheManager cache(tiny(4));
+  Scheduler sched(cache, base_config());
+  sched.add_request(request(1, {{TokenKind::Text, 20}, {TokenKind::Visual, 400}}, 4));  // 4 slabs hold 16 FP16 blocks
+  sched.add_request(request(2, {{TokenKind::Text, 20}}, 10));
+  sched.add_request(request(3, {{TokenKind::Text, 10}}, 400));  // the prompt fits, its growth never will
+  const StepOutput out = sched.step();
+  ASSERT_EQ(out.rejected.size(), 2u);
+  EXPECT_EQ(out.rejected[0].id, 1);
+  EXPECT_NE(out.rejected[0].reason.find("the whole cache holds 4 slabs"), std::string::npos) << out.rejected[0].reason;
+  EXPECT_EQ(out.rejected[1].id, 3);
+  EXPECT_NE(out.rejected[1].reason.find("400 new tokens"), std::string::npos) << out.rejected[1].reason;
+  EXPECT_FALSE(sched.contains(1));
+  EXPECT_EQ(out.prefills.size(), 1u);  // request 2 was not held up
+  EXPECT_FALSE(sched.cancel(1));       // rejected requests have left
+}
+
+TEST(Scheduler, OneLargeRequestBlocksOthersOnlyForBoundedSteps) {
+  KVCacheManager cache(tiny(8));
+  SchedulerConfig config = base_config();
+  config.lookahead = 2;
+  config.max_head_bypass = 5;
+  Scheduler sched(cache, config);
+  test::EngineSim engine(sched);
+  sched.add_request(request(0, {{TokenKind::Text, 60}}, 40));   // holds half the cache for a while
+  engine.apply(sched.step(), false);
+  sched.add_request(request(1, {{TokenKind::Text, 200}}, 2));   // needs most of it: waits
+  for (RequestId id = 2; id < 6; ++id) sched.add_request(request(id, {{TokenKind::Text, 8}}, 2));
+  std::int64_t step = 1;
+  std::map<RequestId, std::int64_t> admitted;
+  while (sched.has_unfinished() && step < 500) {
+    const StepOutput out = sched.step();
+    ++step;
+    for (const PrefillChunk& c : out.prefills) admitted.emplace(c.id, step);
+    engine.apply(out, false);
+    ASSERT_NO_THROW(sched.check_invariants());
+  }
+  ASSERT_EQ(admitted.count(1), 1u) << "the large request starved";
+  // The small requests behind it within look-ahead got in first...
+  EXPECT_LT(admitted.at(2), admitted.at(1));
+  EXPECT_LT(admitted.at(3), admitted.at(1));
+  // ...and the large one was not bypassed forever (request 0 finishes at step ~41).
+  EXPECT_LT(admitted.at(1), 60);
+}
+
+TEST(Scheduler, ChunksEndOnWindowBoundariesAndThePromptIsAllocatedAtAdmission) {
+  KVCacheManager cache(tiny(40));
+  SchedulerConfig config = base_config();
+  config.max_num_batched_tokens = 40;  // 7 text + 2 windows = 39; 40 would cut window 2
+  Scheduler sched(cache, config);
+  Request r = request(1, {{TokenKind::Text, 7}, {TokenKind::Visual, 100}, {TokenKind::Text, 3}}, 3, Precision::INT4);
+  const BlockCounts demand = cache.demand(r.layout, *r.plan);
+  sched.add_request(r);
+  std::vector<std::pair<std::int32_t, std::int32_t>> chunks;
+  for (int i = 0; i < 6 && sched.contains(1); ++i) {
+    const StepOutput out = sched.step();
+    if (i == 0) {
+      for (const Precision p : kAllPrecisions) EXPECT_EQ(cache.pool_stats(p).used_blocks, demand[pool_index(p)]);
+    }
+    for (const PrefillChunk& c : out.prefills) chunks.emplace_back(c.start, c.end);
+  }
+  // Windows start at 7, 23, 39, 55, 71, 87 (visual tail 103..106).
+  const std::vector<std::pair<std::int32_t, std::int32_t>> expected = {{0, 39}, {39, 71}, {71, 110}};
+  EXPECT_EQ(chunks, expected);
+}
+
+TEST(Scheduler, DemotionTakesTheLeastSimilarWindowsFirstAndNeverWindowZero) {
+  KVCacheManager cache(tiny(9));
+  SchedulerConfig config = base_config();
+  config.max_demotions_per_step = 2;  // one window (both layers) a step
+  Scheduler sched(cache, config);
+  test::EngineSim engine(sched);
+  // 4 FP16 windows, scores 1.0, 0.9, 0.8, 0.7: window 3 is the least similar.
+  sched.add_request(request(1, {{TokenKind::Visual, 64}, {TokenKind::Text, 16}}, 200));
+  std::vector<std::int32_t> order;
+  for (int i = 0; i < 300 && sched.contains(1); ++i) {
+    const StepOutput out = sched.step();
+    for (const DemoteOp& op : out.demotions) {
+      EXPECT_NE(op.window, 0);
+      EXPECT_EQ(op.src_precision, Precision::FP16);
+      EXPECT_EQ(op.dst_precision, Precision::INT4);
+      if (order.empty() || order.back() != op.window) order.push_back(op.window);
+    }
+    engine.apply(out, true);
+    ASSERT_NO_THROW(sched.check_invariants());
+  }
+  ASSERT_GE(order.size(), 2u) << "the cache never ran short";
+  EXPECT_EQ(order[0], 3);
+  EXPECT_EQ(order[1], 2);
+  EXPECT_EQ(sched.stats().preempted_recompute, 0);
+}
+
+TEST(Scheduler, PriorityPolicyAdmitsTheMostUrgentFirst) {
+  KVCacheManager cache(tiny(40));
+  SchedulerConfig config = base_config();
+  config.policy = SchedulingPolicy::Priority;
+  config.max_num_seqs = 1;
+  config.max_num_batched_tokens = 16;
+  Scheduler sched(cache, config);
+  for (RequestId id = 0; id < 3; ++id) {
+    Request r = request(id, {{TokenKind::Text, 4}}, 1);
+    r.priority = static_cast<std::int32_t>(id);
+    sched.add_request(r);
+  }
+  std::vector<RequestId> order;
+  while (sched.has_unfinished()) {
+    const StepOutput out = sched.step();
+    for (const PrefillChunk& c : out.prefills) order.push_back(c.id);
+  }
+  EXPECT_EQ(order, (std::vector<RequestId>{2, 1, 0}));
+}
+
+TEST(Scheduler, BadInputIsRefusedByNameAndChangesNothing) {
+  KVCacheManager cache(tiny(8));
+  auto bad_config = [&](auto change, const std::string& needle) {
+    SchedulerConfig c = base_config();
+    change(c);
+    expect_error<InvalidArgument>([&] { Scheduler s(cache, c); }, needle);
+  };
+  bad_config([](SchedulerConfig& c) { c.max_num_seqs = 0; }, "config.max_num_seqs = 0");
+  bad_config([](SchedulerConfig& c) { c.max_num_batched_tokens = 4; }, "config.max_num_batched_tokens = 4");
+  bad_config([](SchedulerConfig& c) { c.watermark = 1.5; }, "config.watermark");
+  bad_config([](SchedulerConfig& c) { c.lookahead = -1; }, "config.lookahead = -1");
+
+  Scheduler sched(cache, base_config());
+  sched.add_request(request(1, {{TokenKind::Text, 4}}, 3));
+  const std::string before = sched.describe_state();
+  auto refused = [&](const Request& r, const std::string& needle) {
+    expect_error<InvalidArgument>([&] { sched.add_request(r); }, needle);
+    EXPECT_EQ(sched.describe_state(), before);
+  };
+  refused(request(1, {{TokenKind::Text, 4}}, 3), "request.id = 1 is a live request");
+  Request r = request(2, {{TokenKind::Text, 4}}, 0);
+  refused(r, "request.max_new_tokens = 0");
+  r = request(2, {{TokenKind::Text, 4}}, 3);
+  r.plan.reset();
+  refused(r, "neither plan nor embeddings");
+  r = request(2, {{TokenKind::Visual, 40}}, 3);
+  r.plan = PrecisionPlan(2, 5);
+  refused(r, "request.plan.num_windows() = 5");
+  r = request(2, {{TokenKind::Text, 4}}, 3);
+  r.embeddings = EmbeddingsView{};
+  refused(r, "both a plan and embeddings");
+  r.plan.reset();
+  refused(r, "config.planner is not set");
+  expect_error<UnknownId>([&] { sched.cancel(99); }, "id = 99 was never added");
+  expect_error<UnknownId>([&] { (void)sched.status(99); }, "id = 99");
+  expect_error<IndexOutOfRange>([&] { (void)sched.layer_metadata(2); }, "layer = 2");
+  EXPECT_EQ(sched.describe_state(), before);
+  (void)sched.step();
+  expect_error<InvalidArgument>([&] { Scheduler other(cache, base_config()); }, "cache holds 1 sequences");
+}
+
+TEST(Scheduler, LayerMetadataMatchesTheFullMetadata) {
+  KVCacheManager cache(tiny(40));
+  Scheduler sched(cache, base_config());
+  for (RequestId id = 0; id < 3; ++id) {
+    sched.add_request(request(id, {{TokenKind::Text, 3 + static_cast<std::int32_t>(id)}, {TokenKind::Visual, 40}}, 20,
+                              Precision::INT2));
+  }
+  for (int i = 0; i < 5; ++i) {
+    const StepOutput out = sched.step();
+    const DecodeMetadata full = cache.decode_metadata(out.decodes);
+    for (std::int32_t layer = 0; layer < 2; ++layer) {
+      const auto lazy = sched.layer_metadata(layer);
+      for (const Precision p : kAllPrecisions) {
+        const PagedPoolTable& a = out.metadata.layers[layer][pool_index(p)];
+        const PagedPoolTable& b = full.layers[layer][pool_index(p)];
+        EXPECT_EQ(a.indptr, b.indptr);
+        EXPECT_EQ(a.indices, b.indices);
+        EXPECT_EQ(a.last_block_len, b.last_block_len);
+        EXPECT_EQ(lazy[pool_index(p)].indices, b.indices);
+        EXPECT_EQ(lazy[pool_index(p)].last_block_len, b.last_block_len);
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace mixkv
