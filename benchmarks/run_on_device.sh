@@ -81,6 +81,9 @@ if [ "$NCU" = 1 ]; then
       "$BENCHBIN" --batches 64 --contexts 19600 --plans int2 --reps 1 --out /tmp/ncu1.json
     timeout 100 ncu --clock-control none -k regex:"paged_decode|merge_partials" -c 2 --section SpeedOfLight \
       --section LaunchStats "$BENCHBIN" --batches 1 --contexts 19600 --plans mixed --reps 1 --out /tmp/ncu2.json
+    timeout 100 ncu --clock-control none -k regex:store_prefill -c 1 --section SpeedOfLight --section WarpStateStats \
+      --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis_Tables \
+      "$BENCHBIN" --batches 1 --contexts 19600 --plans int4 --reps 5 --out /tmp/ncu3.json
   } >"$OUT/ncu.log" 2>&1
   echo "ncu: rc=$?"; grep -E "Duration|Warp Cycles Per Issued|Issued Warp|No Eligible|Achieved Occupancy|Registers|Stall|Memory Throughput|Compute \(SM\)" "$OUT/ncu.log" | head -40
 fi

@@ -96,21 +96,26 @@ __device__ __forceinline__ void online_softmax_rescale(float& bm0, float& bm1, W
   // A head with no valid score yet keeps base 0, so -inf - -inf never occurs.
   base0 = m0 == -INFINITY ? 0.0f : m0;
   base1 = m1 == -INFINITY ? 0.0f : m1;
-  const float alpha0 = exp2f(st.m[0] - base0);
-  const float alpha1 = exp2f(st.m[1] - base1);
+  // Once the running max has settled it rarely moves: when it moved for no
+  // head of the warp, every alpha is 1 and the rescale is skipped.
+  const bool moved = __any_sync(0xffffffffu, m0 != st.m[0] || m1 != st.m[1]);
+  if (moved) {
+    const float alpha0 = exp2f(st.m[0] - base0);
+    const float alpha1 = exp2f(st.m[1] - base1);
+    st.l[0] *= alpha0;
+    st.l[1] *= alpha1;
+    st.vb[0] *= alpha0;
+    st.vb[1] *= alpha1;
+#pragma unroll
+    for (int cm = 0; cm < D / 16; ++cm) {
+      st.acc[cm][0] *= alpha0;
+      st.acc[cm][1] *= alpha1;
+      st.acc[cm][2] *= alpha0;
+      st.acc[cm][3] *= alpha1;
+    }
+  }
   st.m[0] = m0;
   st.m[1] = m1;
-  st.l[0] *= alpha0;
-  st.l[1] *= alpha1;
-  st.vb[0] *= alpha0;
-  st.vb[1] *= alpha1;
-#pragma unroll
-  for (int cm = 0; cm < D / 16; ++cm) {
-    st.acc[cm][0] *= alpha0;
-    st.acc[cm][1] *= alpha1;
-    st.acc[cm][2] *= alpha0;
-    st.acc[cm][3] *= alpha1;
-  }
 }
 
 // Scores (base 2) of MT m-tiles -> probabilities relative to the new running
