@@ -647,6 +647,7 @@ StepOutput Scheduler::step() {
 
   // Slots of the prefill chunks' rows, per layer.
   for (PrefillChunk& chunk : out.prefills) {
+    if (!s.config.build_mappings) break;
     chunk.mappings.resize(static_cast<std::size_t>(s.num_layers));
     for (std::int32_t layer = 0; layer < s.num_layers; ++layer) {
       StoreMapping whole = s.cache.prefill_mapping(chunk.id, layer);

@@ -55,6 +55,9 @@ struct SchedulerConfig {
   // (Scheduler::layer_metadata builds one layer on demand). docs/scheduler.md
   // gives the cost of both.
   bool build_metadata = true;
+  // Fill PrefillChunk::mappings. Off, an engine asks the cache
+  // (KVCacheManager::prefill_mapping) itself; simulations skip them.
+  bool build_mappings = true;
   // Plans requests that come with embeddings instead of a plan.
   std::optional<PlannerConfig> planner;
 };
