@@ -14,6 +14,7 @@ void bind_precision_plan(py::module_& m);
 void bind_kv_cache_manager(py::module_& m);
 void bind_host_kv_cache(py::module_& m);
 void bind_window_planner(py::module_& m);
+void bind_scheduler(py::module_& m);
 void bind_cpu_ops(py::module_& ops);
 #ifdef MIXKV_PYTHON_CUDA
 void bind_cuda_cache(py::module_& cuda);

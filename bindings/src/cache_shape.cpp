@@ -5,6 +5,8 @@
 #include <pybind11/native_enum.h>
 #include <pybind11/operators.h>
 
+#include <pybind11/stl.h>
+
 #include "bindings.h"
 #include "mixkv/cache/block_format.h"
 #include "mixkv/cache/cache_shape.h"
@@ -43,16 +45,24 @@ void bind_cache_shape(py::module_& m) {
       });
 
   py::class_<CacheConfig>(m, "CacheConfig", "A cache: its shape, the bytes of its one arena, the slab size.")
-      .def(py::init([](const CacheShape& shape, std::size_t arena_bytes, std::size_t slab_bytes) {
-             return CacheConfig{shape, arena_bytes, slab_bytes};
+      .def(py::init([](const CacheShape& shape, std::size_t arena_bytes, std::size_t slab_bytes,
+                       const BlockCounts& swap_blocks, bool fp16_windows_first) {
+             return CacheConfig{shape, arena_bytes, slab_bytes, swap_blocks, fp16_windows_first};
            }),
-           py::arg("shape"), py::arg("arena_bytes"), py::arg("slab_bytes") = CacheConfig{}.slab_bytes)
+           py::arg("shape"), py::arg("arena_bytes"), py::arg("slab_bytes") = CacheConfig{}.slab_bytes,
+           py::arg("swap_blocks") = BlockCounts{}, py::arg("fp16_windows_first") = false)
       .def_readwrite("shape", &CacheConfig::shape)
       .def_readwrite("arena_bytes", &CacheConfig::arena_bytes, "Total KV memory, all pools together.")
       .def_readwrite("slab_bytes", &CacheConfig::slab_bytes, "Unit in which memory moves between pools.")
+      .def_readwrite("swap_blocks", &CacheConfig::swap_blocks,
+                     "Host swap slots per pool [FP16, INT4, INT2]; all 0: no swapping.")
+      .def_readwrite("fp16_windows_first", &CacheConfig::fp16_windows_first,
+                     "Pack each FP16 visual window in a block of its own, first, so that every one can be demoted.")
       .def("__repr__", [](const CacheConfig& c) {
         return "CacheConfig(shape=" + std::string(py::repr(py::cast(c.shape))) +
-               ", arena_bytes=" + std::to_string(c.arena_bytes) + ", slab_bytes=" + std::to_string(c.slab_bytes) + ")";
+               ", arena_bytes=" + std::to_string(c.arena_bytes) + ", slab_bytes=" + std::to_string(c.slab_bytes) +
+               ", swap_blocks=" + std::string(py::repr(py::cast(c.swap_blocks))) +
+               ", fp16_windows_first=" + (c.fp16_windows_first ? "True" : "False") + ")";
       });
 
   py::class_<BlockFormat>(m, "BlockFormat", "Byte layout of one block of a precision (block_format.h).")

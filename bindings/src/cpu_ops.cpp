@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include <pybind11/native_enum.h>
 #include <pybind11/stl.h>
 
 #include "bindings.h"
@@ -17,9 +18,11 @@
 #include "mixkv/cache/cache_shape.h"
 #include "mixkv/cache/errors.h"
 #include "mixkv/cpu/decode_attention.h"
+#include "mixkv/cpu/demote.h"
 #include "mixkv/cpu/merge_states.h"
 #include "mixkv/cpu/quantize.h"
 #include "mixkv/cpu/store.h"
+#include "mixkv/cpu/swap.h"
 
 namespace mixkv::python {
 namespace {
@@ -55,6 +58,19 @@ void copy_blocks(const HostKVCache& cache, const std::vector<BlockCopy>& copies,
   const PoolView pool = cache.pools()[pool_index(p)];
   py::gil_scoped_release release;
   cpu::copy_blocks(copies, pool);
+}
+
+void demote(const HostKVCache& cache, const std::vector<DemoteOp>& demote_ops) {
+  const cpu::PoolViews pools = cache.pools();
+  py::gil_scoped_release release;
+  cpu::demote(demote_ops, pools);
+}
+
+void swap_blocks(const HostKVCache& cache, const std::vector<SwapCopy>& copies, cpu::SwapDirection direction) {
+  const cpu::PoolViews device = cache.pools();
+  const cpu::PoolViews host = cache.swap_pools();
+  py::gil_scoped_release release;
+  cpu::swap_blocks(copies, direction, device, host);
 }
 
 py::tuple paged_decode_attention(const HostKVCache& cache, const DecodeMetadata& metadata, std::int32_t layer,
@@ -145,6 +161,16 @@ void bind_cpu_ops(py::module_& ops) {
           "one layer (AppendResult.slots[layer]).");
   ops.def("copy_blocks", &copy_blocks, py::arg("cache"), py::arg("copies"), py::arg("precision") = Precision::FP16,
           "Copies whole blocks inside one pool (AppendResult.copies, before the step's tokens are written).");
+  ops.def("demote", &demote, py::arg("cache"), py::arg("ops"),
+          "Requantizes what KVCacheManager.demote returned (list[DemoteOp]): FP16 -> INT4/INT2 gives the codes "
+          "store_prefill makes from those FP16 values, INT4 -> INT2 requantizes the INT4-dequantized values.");
+  py::native_enum<cpu::SwapDirection>(ops, "SwapDirection", "enum.IntEnum", "Direction of ops.swap_blocks.")
+      .value("DeviceToHost", cpu::SwapDirection::DeviceToHost, "swap_out's copies")
+      .value("HostToDevice", cpu::SwapDirection::HostToDevice, "swap_in's copies")
+      .finalize();
+  ops.def("swap_blocks", &swap_blocks, py::arg("cache"), py::arg("copies"), py::arg("direction"),
+          "Copies whole blocks between the arena and the host swap pool (KVCache.swap) as swap_out (DeviceToHost) "
+          "or swap_in (HostToDevice) listed them.");
   ops.def("paged_decode_attention", &paged_decode_attention, py::arg("cache"), py::arg("metadata"), py::arg("layer"),
           py::arg("q"), py::kw_only(), py::arg("sm_scale") = py::none(), py::arg("out") = py::none(),
           py::arg("lse") = py::none(),

@@ -10,19 +10,34 @@
 
 namespace mixkv::python {
 
-HostKVCache::HostKVCache(CacheConfig config) : KVCacheManager(config) {
-  // calloc: the pages are only touched when KV bytes are written, and every
-  // block format is 16-byte aligned inside a slab, which malloc guarantees.
-  arena_.reset(static_cast<std::byte*>(std::calloc(config.arena_bytes, 1)));
-  if (!arena_) {
-    throw OutOfMemory("arena_bytes = " + std::to_string(config.arena_bytes) +
-                      ": the host cannot allocate the arena, expected a smaller arena");
+namespace {
+
+// calloc: the pages are only touched when KV bytes are written, and every
+// block format is 16-byte aligned inside a slab, which malloc guarantees.
+std::byte* host_bytes(std::size_t bytes, const char* name) {
+  auto* p = static_cast<std::byte*>(std::calloc(bytes == 0 ? 1 : bytes, 1));
+  if (p == nullptr) {
+    throw OutOfMemory(std::string(name) + " = " + std::to_string(bytes) + ": the host cannot allocate it, expected less");
   }
+  return p;
 }
+
+}  // namespace
+
+HostKVCache::HostKVCache(CacheConfig config)
+    : KVCacheManager(config),
+      arena_(host_bytes(config.arena_bytes, "arena_bytes")),
+      swap_(host_bytes(swap_bytes(), "swap_bytes()")) {}
 
 cpu::PoolViews HostKVCache::pools() const {
   cpu::PoolViews views;
   for (Precision p : kAllPrecisions) views[pool_index(p)] = pool_view(p, arena());
+  return views;
+}
+
+cpu::PoolViews HostKVCache::swap_pools() const {
+  cpu::PoolViews views;
+  for (Precision p : kAllPrecisions) views[pool_index(p)] = swap_view(p, swap());
   return views;
 }
 
@@ -41,6 +56,15 @@ void bind_host_kv_cache(py::module_& m) {
                                              self);
           },
           "The whole arena as a uint8 array (a view, not a copy).")
+      .def_property_readonly(
+          "swap",
+          [](py::object self) {
+            const auto& cache = self.cast<const HostKVCache&>();
+            const auto bytes = static_cast<py::ssize_t>(cache.swap_bytes());
+            return py::array_t<std::uint8_t>({bytes}, {py::ssize_t{1}}, reinterpret_cast<std::uint8_t*>(cache.swap()),
+                                             self);
+          },
+          "The host swap pool (config.swap_blocks slots) as a uint8 array view.")
       .def(
           "block",
           [](py::object self, Precision p, std::int32_t block_id) {

@@ -10,8 +10,8 @@ namespace mixkv::python {
 
 // design.md's Python KVCache for the CPU backend: a KVCacheManager together
 // with the host memory of its arena (one zero-filled allocation of
-// config.arena_bytes), so that the CPU ops have somewhere to put KV bytes.
-// Nothing else is added to the manager.
+// config.arena_bytes) and of its swap pool (swap_bytes()), so that the CPU
+// ops have somewhere to put KV bytes. Nothing else is added to the manager.
 class HostKVCache : public KVCacheManager {
  public:
   // Errors of KVCacheManager's constructor first; OutOfMemory when the host
@@ -19,13 +19,16 @@ class HostKVCache : public KVCacheManager {
   explicit HostKVCache(CacheConfig config);
 
   std::byte* arena() const { return arena_.get(); }
+  std::byte* swap() const { return swap_.get(); }
   cpu::PoolViews pools() const;
+  cpu::PoolViews swap_pools() const;
 
  private:
   struct Free {
     void operator()(std::byte* p) const { std::free(p); }
   };
   std::unique_ptr<std::byte, Free> arena_;
+  std::unique_ptr<std::byte, Free> swap_;
 };
 
 }  // namespace mixkv::python

@@ -87,6 +87,47 @@ void bind_kv_cache_manager(py::module_& m) {
         return "BlockCopy(src=" + std::to_string(c.src) + ", dst=" + std::to_string(c.dst) + ")";
       });
 
+  py::class_<SwapCopy>(m, "SwapCopy",
+                       "One block moved between a device pool and the host swap pool (swap_out / swap_in).")
+      .def(py::init([](Precision pool, std::int32_t device_block, std::int32_t host_slot) {
+             return SwapCopy{pool, device_block, host_slot};
+           }),
+           py::arg("pool"), py::arg("device_block"), py::arg("host_slot"))
+      .def_readwrite("pool", &SwapCopy::pool)
+      .def_readwrite("device_block", &SwapCopy::device_block)
+      .def_readwrite("host_slot", &SwapCopy::host_slot)
+      .def("__repr__", [](const SwapCopy& c) {
+        return "SwapCopy(pool=" + std::string(to_string(c.pool)) + ", device_block=" + std::to_string(c.device_block) +
+               ", host_slot=" + std::to_string(c.host_slot) + ")";
+      });
+
+  py::class_<Demotion>(m, "Demotion", "One window of one layer to move to a lower precision (demote()).")
+      .def(py::init([](SequenceId id, std::int32_t layer, std::int32_t window, Precision target) {
+             return Demotion{id, layer, window, target};
+           }),
+           py::arg("id"), py::arg("layer"), py::arg("window"), py::arg("target") = Precision::INT4)
+      .def_readwrite("id", &Demotion::id)
+      .def_readwrite("layer", &Demotion::layer)
+      .def_readwrite("window", &Demotion::window, "1 .. num_windows - 1 (window 0 always stays FP16)")
+      .def_readwrite("target", &Demotion::target);
+
+  py::class_<DemoteOp>(m, "DemoteOp",
+                       "The requantization one Demotion asks of ops.demote: src_block of the src pool into "
+                       "dst_block of the dst pool (the manager has already moved the window).")
+      .def_readonly("id", &DemoteOp::id)
+      .def_readonly("layer", &DemoteOp::layer)
+      .def_readonly("window", &DemoteOp::window)
+      .def_readonly("src_precision", &DemoteOp::src_precision)
+      .def_readonly("src_block", &DemoteOp::src_block)
+      .def_readonly("dst_precision", &DemoteOp::dst_precision)
+      .def_readonly("dst_block", &DemoteOp::dst_block)
+      .def("__repr__", [](const DemoteOp& d) {
+        return "DemoteOp(id=" + std::to_string(d.id) + ", layer=" + std::to_string(d.layer) +
+               ", window=" + std::to_string(d.window) + ", " + std::string(to_string(d.src_precision)) + " " +
+               std::to_string(d.src_block) + " -> " + std::string(to_string(d.dst_precision)) + " " +
+               std::to_string(d.dst_block) + ")";
+      });
+
   py::class_<AppendResult>(m, "AppendResult", "What append_tokens() allocated for one decode token per sequence.")
       .def_property_readonly(
           "slots", [](const AppendResult& r) { return slots_array(r.slots); },
@@ -166,6 +207,26 @@ void bind_kv_cache_manager(py::module_& m) {
           [](const KVCacheManager& mgr, const std::vector<SequenceId>& ids) { return mgr.decode_metadata(ids); },
           py::arg("ids"),
            "Page tables of a decode batch (sequences in the order given) for every layer and pool.")
+      .def("blocks_held", &KVCacheManager::blocks_held, py::arg("id"),
+           "Blocks the sequence holds per pool [FP16, INT4, INT2] (host slots while swapped out).")
+      .def("free_swap_slots", &KVCacheManager::free_swap_slots)
+      .def("swap_bytes", &KVCacheManager::swap_bytes,
+           "Bytes of the host swap buffer: the three pools' slots, FP16 first.")
+      .def("is_swapped", &KVCacheManager::is_swapped, py::arg("id"))
+      .def("swap_out", &KVCacheManager::swap_out, py::arg("id"),
+           "Moves every block of `id` to the host swap pool; returns the copies to make (device -> host, "
+           "ops.swap_blocks) before the released device blocks are reused.")
+      .def("swap_in", &KVCacheManager::swap_in, py::arg("id"),
+           "Brings `id` back into fresh device blocks; returns the copies to make (host -> device). All or "
+           "nothing: MemoryError when the device pools lack blocks.")
+      .def("why_not_demotable", &KVCacheManager::why_not_demotable, py::arg("id"), py::arg("layer"), py::arg("window"),
+           py::arg("target"), "None when (id, layer, window) could move down to `target` now, else the reason.")
+      .def(
+          "demote",
+          [](KVCacheManager& mgr, const std::vector<Demotion>& demotions) { return mgr.demote(demotions); },
+          py::arg("demotions"),
+          "Moves every listed window to a block of its target pool (page table and plan) and releases the "
+          "source; returns the DemoteOp list that ops.demote performs. All or nothing.")
       .def("check_invariants", &KVCacheManager::check_invariants,
            "Raises mixkv.InvariantViolation (a RuntimeError) describing the first broken invariant.")
       .def("describe_state", &KVCacheManager::describe_state,

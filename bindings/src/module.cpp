@@ -12,6 +12,7 @@ PYBIND11_MODULE(_core, m) {
   bind_kv_cache_manager(m);
   bind_host_kv_cache(m);
   bind_window_planner(m);
+  bind_scheduler(m);
 
   py::module_ ops = m.def_submodule(
       "ops", "Cache operations: NumPy arrays with a mixkv.KVCache, CUDA arrays with a mixkv.cuda.DeviceKVCache.");

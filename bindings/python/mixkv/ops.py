@@ -3,8 +3,8 @@
 Each takes the cache first and dispatches on it: a ``mixkv.KVCache`` with NumPy
 arrays (CPU backend), a ``mixkv.cuda.DeviceKVCache`` with CUDA arrays from
 torch or CuPy (``__cuda_array_interface__``, no copies, on the caller's
-stream). ``demote`` exists only when mixkv was built with CUDA: the C++ CPU
-backend has no demote.
+stream). ``swap_blocks`` is CPU only: with the CUDA backend swapping is the
+engine's cudaMemcpyAsync between the device arena and pinned host memory.
 """
 
 from . import _core
@@ -15,9 +15,18 @@ copy_blocks = _core.ops.copy_blocks
 paged_decode_attention = _core.ops.paged_decode_attention
 merge_states = _core.ops.merge_states
 read_head = _core.ops.read_head
+demote = _core.ops.demote
+swap_blocks = _core.ops.swap_blocks
+SwapDirection = _core.ops.SwapDirection
 
-__all__ = ["store_prefill", "append", "copy_blocks", "paged_decode_attention", "merge_states", "read_head"]
-
-if _core.built_with_cuda:
-    demote = _core.ops.demote
-    __all__.append("demote")
+__all__ = [
+    "store_prefill",
+    "append",
+    "copy_blocks",
+    "paged_decode_attention",
+    "merge_states",
+    "read_head",
+    "demote",
+    "swap_blocks",
+    "SwapDirection",
+]

@@ -1,0 +1,236 @@
+// mixkv.Scheduler: continuous batching over a KVCacheManager (scheduler.h),
+// with its request, configuration and step-output types. The scheduler keeps
+// its cache alive; calls hold the GIL, which serializes threads sharing them.
+#include <string>
+#include <vector>
+
+#include <pybind11/native_enum.h>
+#include <pybind11/stl.h>
+
+#include "bindings.h"
+#include "host_arrays.h"
+#include "mixkv/cache/errors.h"
+#include "mixkv/scheduler/scheduler.h"
+
+namespace mixkv::python {
+namespace {
+
+// A Request whose embeddings are a NumPy array (float32, float16 or
+// bfloat16 [num_tokens, hidden]), read only during add_request().
+struct PyRequest {
+  Request request;
+  py::object embeddings = py::none();
+};
+
+EmbeddingsView request_embeddings(const py::object& obj) {
+  const std::string where = "add_request: request.embeddings";
+  if (!py::isinstance<py::array>(obj)) throw InvalidArgument(where + ": expected a 2-D NumPy array, got " + type_name(obj));
+  const auto a = py::reinterpret_borrow<py::array>(obj);
+  const std::string dtype = py::str(a.dtype().attr("name"));
+  const ElementType type = dtype == "float32"   ? ElementType::F32
+                           : dtype == "float16" ? ElementType::F16
+                           : dtype == "bfloat16"
+                               ? ElementType::BF16
+                               : throw InvalidArgument(where + ": expected dtype float32, float16 or bfloat16, got " + dtype);
+  const py::array checked = check_host_array(a, where, dtype.c_str(), std::vector<Dim>{{kAny, "tokens"}, {kAny, "hidden"}}, false);
+  return {checked.data(), type, checked.shape(0), static_cast<std::int32_t>(checked.shape(1))};
+}
+
+}  // namespace
+
+void bind_scheduler(py::module_& m) {
+  py::native_enum<SchedulingPolicy>(m, "SchedulingPolicy", "enum.IntEnum", "Order of admission.")
+      .value("FCFS", SchedulingPolicy::FCFS, "earliest arrival_time first")
+      .value("Priority", SchedulingPolicy::Priority, "highest priority first, then FCFS")
+      .finalize();
+  py::native_enum<PreemptionMode>(m, "PreemptionMode", "enum.IntEnum", "What happens to a preempted request.")
+      .value("Recompute", PreemptionMode::Recompute, "free its blocks, prefill prompt + generated tokens again later")
+      .value("Swap", PreemptionMode::Swap, "copy its blocks to the host swap pool and back later")
+      .finalize();
+  py::native_enum<RequestState>(m, "RequestState", "enum.IntEnum", "Where a request stands.")
+      .value("Waiting", RequestState::Waiting)
+      .value("Prefilling", RequestState::Prefilling)
+      .value("Running", RequestState::Running)
+      .value("Swapped", RequestState::Swapped)
+      .value("Finished", RequestState::Finished)
+      .finalize();
+  py::native_enum<FinishReason>(m, "FinishReason", "enum.IntEnum", "Why a request left.")
+      .value("Length", FinishReason::Length, "generated max_new_tokens")
+      .value("Stopped", FinishReason::Stopped, "the engine called finish()")
+      .value("Cancelled", FinishReason::Cancelled, "cancel()")
+      .finalize();
+
+  const SchedulerConfig defaults;
+  py::class_<SchedulerConfig>(m, "SchedulerConfig", "Configuration of a Scheduler (scheduler_config.h).")
+      .def(py::init([](std::int32_t max_num_seqs, std::int32_t max_num_batched_tokens, bool chunked_prefill,
+                       SchedulingPolicy policy, double watermark, bool demote_under_pressure,
+                       std::int32_t max_demotions_per_step, PreemptionMode preemption, std::int32_t lookahead,
+                       std::int32_t max_head_bypass, bool build_metadata, std::optional<PlannerConfig> planner) {
+             // Field by field: the struct may grow (the defaults stay the C++ ones).
+             SchedulerConfig c;
+             c.max_num_seqs = max_num_seqs;
+             c.max_num_batched_tokens = max_num_batched_tokens;
+             c.chunked_prefill = chunked_prefill;
+             c.policy = policy;
+             c.watermark = watermark;
+             c.demote_under_pressure = demote_under_pressure;
+             c.max_demotions_per_step = max_demotions_per_step;
+             c.preemption = preemption;
+             c.lookahead = lookahead;
+             c.max_head_bypass = max_head_bypass;
+             c.build_metadata = build_metadata;
+             c.planner = std::move(planner);
+             return c;
+           }),
+           py::kw_only(), py::arg("max_num_seqs") = defaults.max_num_seqs,
+           py::arg("max_num_batched_tokens") = defaults.max_num_batched_tokens,
+           py::arg("chunked_prefill") = defaults.chunked_prefill, py::arg("policy") = defaults.policy,
+           py::arg("watermark") = defaults.watermark, py::arg("demote_under_pressure") = defaults.demote_under_pressure,
+           py::arg("max_demotions_per_step") = defaults.max_demotions_per_step,
+           py::arg("preemption") = defaults.preemption, py::arg("lookahead") = defaults.lookahead,
+           py::arg("max_head_bypass") = defaults.max_head_bypass, py::arg("build_metadata") = defaults.build_metadata,
+           py::arg("planner") = py::none())
+      .def_readwrite("max_num_seqs", &SchedulerConfig::max_num_seqs)
+      .def_readwrite("max_num_batched_tokens", &SchedulerConfig::max_num_batched_tokens)
+      .def_readwrite("chunked_prefill", &SchedulerConfig::chunked_prefill)
+      .def_readwrite("policy", &SchedulerConfig::policy)
+      .def_readwrite("watermark", &SchedulerConfig::watermark)
+      .def_readwrite("demote_under_pressure", &SchedulerConfig::demote_under_pressure)
+      .def_readwrite("max_demotions_per_step", &SchedulerConfig::max_demotions_per_step)
+      .def_readwrite("preemption", &SchedulerConfig::preemption)
+      .def_readwrite("lookahead", &SchedulerConfig::lookahead)
+      .def_readwrite("max_head_bypass", &SchedulerConfig::max_head_bypass)
+      .def_readwrite("build_metadata", &SchedulerConfig::build_metadata)
+      .def_readwrite("planner", &SchedulerConfig::planner);
+
+  py::class_<PyRequest>(m, "Request",
+                        "A generation request: its prompt layout and exactly one of a plan or the prompt's "
+                        "embeddings (a NumPy array [num_tokens, hidden], for the scheduler's planner).")
+      .def(py::init([](RequestId id, const TokenLayout& layout, std::optional<PrecisionPlan> plan,
+                       py::object embeddings, std::int32_t max_new_tokens, std::int32_t priority, double arrival_time) {
+             PyRequest r;
+             r.request.id = id;
+             r.request.layout = layout;
+             r.request.plan = std::move(plan);
+             r.request.max_new_tokens = max_new_tokens;
+             r.request.priority = priority;
+             r.request.arrival_time = arrival_time;
+             r.embeddings = std::move(embeddings);
+             return r;
+           }),
+           py::arg("id"), py::arg("layout"), py::kw_only(), py::arg("plan") = py::none(),
+           py::arg("embeddings") = py::none(), py::arg("max_new_tokens") = 1, py::arg("priority") = 0,
+           py::arg("arrival_time") = 0.0)
+      .def_property(
+          "id", [](const PyRequest& r) { return r.request.id; }, [](PyRequest& r, RequestId v) { r.request.id = v; })
+      .def_property(
+          "layout", [](const PyRequest& r) { return r.request.layout; },
+          [](PyRequest& r, const TokenLayout& v) { r.request.layout = v; })
+      .def_property(
+          "plan", [](const PyRequest& r) { return r.request.plan; },
+          [](PyRequest& r, std::optional<PrecisionPlan> v) { r.request.plan = std::move(v); })
+      .def_readwrite("embeddings", &PyRequest::embeddings)
+      .def_property(
+          "max_new_tokens", [](const PyRequest& r) { return r.request.max_new_tokens; },
+          [](PyRequest& r, std::int32_t v) { r.request.max_new_tokens = v; })
+      .def_property(
+          "priority", [](const PyRequest& r) { return r.request.priority; },
+          [](PyRequest& r, std::int32_t v) { r.request.priority = v; })
+      .def_property(
+          "arrival_time", [](const PyRequest& r) { return r.request.arrival_time; },
+          [](PyRequest& r, double v) { r.request.arrival_time = v; });
+
+  py::class_<PrefillChunk>(m, "PrefillChunk", "Prompt rows [start, end) of a request computed in this step.")
+      .def_readonly("id", &PrefillChunk::id)
+      .def_readonly("slot", &PrefillChunk::slot, "the request's page-table slot")
+      .def_readonly("start", &PrefillChunk::start)
+      .def_readonly("end", &PrefillChunk::end)
+      .def_readonly("last", &PrefillChunk::last, "completes the prompt: the engine samples a token")
+      .def_readonly("mappings", &PrefillChunk::mappings,
+                    "[layer] StoreMapping of rows [start, end): chunk row r is mapping row r - start");
+  py::class_<FinishedRequest>(m, "FinishedRequest")
+      .def_readonly("id", &FinishedRequest::id)
+      .def_readonly("reason", &FinishedRequest::reason)
+      .def_readonly("generated", &FinishedRequest::generated);
+  py::class_<RejectedRequest>(m, "RejectedRequest")
+      .def_readonly("id", &RejectedRequest::id)
+      .def_readonly("reason", &RejectedRequest::reason);
+
+  py::class_<StepOutput>(m, "StepOutput",
+                         "What the engine does in one step, in this order: demotions (ops.demote), swap_out copies, "
+                         "swap_in copies (ops.swap_blocks), append.copies (ops.copy_blocks), then the forward pass: "
+                         "prefill chunks (store_prefill through their mappings) and the decode batch (append K/V at "
+                         "append.slots, decode attention over metadata).")
+      .def_readonly("step", &StepOutput::step)
+      .def_readonly("prefills", &StepOutput::prefills)
+      .def_readonly("decodes", &StepOutput::decodes, "the decode batch, in batch order")
+      .def_property_readonly("decode_slots", [](const StepOutput& o) { return int32_array(o.decode_slots); })
+      .def_readonly("append", &StepOutput::append)
+      .def_readonly("demotions", &StepOutput::demotions)
+      .def_readonly("swap_out", &StepOutput::swap_out)
+      .def_readonly("swap_in", &StepOutput::swap_in)
+      .def_readonly("swapped_out", &StepOutput::swapped_out)
+      .def_readonly("swapped_in", &StepOutput::swapped_in)
+      .def_readonly("preempted", &StepOutput::preempted)
+      .def_readonly("tables_changed", &StepOutput::tables_changed)
+      .def_readonly("finished", &StepOutput::finished)
+      .def_readonly("rejected", &StepOutput::rejected)
+      .def_readonly("num_batched_tokens", &StepOutput::num_batched_tokens)
+      .def_readonly("metadata", &StepOutput::metadata, "decode metadata of `decodes` (when build_metadata)");
+
+  py::class_<RequestStatus>(m, "RequestStatus")
+      .def_readonly("state", &RequestStatus::state)
+      .def_readonly("prompt_tokens", &RequestStatus::prompt_tokens)
+      .def_readonly("computed_tokens", &RequestStatus::computed_tokens)
+      .def_readonly("generated", &RequestStatus::generated)
+      .def_readonly("slot", &RequestStatus::slot)
+      .def_readonly("preemptions", &RequestStatus::preemptions);
+  py::class_<SchedulerStats>(m, "SchedulerStats")
+      .def_readonly("steps", &SchedulerStats::steps)
+      .def_readonly("waiting", &SchedulerStats::waiting)
+      .def_readonly("prefilling", &SchedulerStats::prefilling)
+      .def_readonly("running", &SchedulerStats::running)
+      .def_readonly("swapped", &SchedulerStats::swapped)
+      .def_readonly("finished", &SchedulerStats::finished)
+      .def_readonly("rejected", &SchedulerStats::rejected)
+      .def_readonly("cancelled", &SchedulerStats::cancelled)
+      .def_readonly("preempted_recompute", &SchedulerStats::preempted_recompute)
+      .def_readonly("preempted_swap", &SchedulerStats::preempted_swap)
+      .def_readonly("demotions", &SchedulerStats::demotions)
+      .def_readonly("decode_tokens", &SchedulerStats::decode_tokens)
+      .def_readonly("prefill_tokens", &SchedulerStats::prefill_tokens);
+
+  py::class_<Scheduler>(m, "Scheduler",
+                        "The continuous-batching scheduler over `cache` (which must start empty; while the scheduler "
+                        "lives nothing else may add, free, append, swap or demote its sequences). add_request() as "
+                        "requests arrive, step() once per engine step, finish() on EOS.")
+      .def(py::init<KVCacheManager&, SchedulerConfig>(), py::arg("cache"), py::arg("config") = SchedulerConfig{},
+           py::keep_alive<1, 2>())
+      .def_property_readonly("config", &Scheduler::config)
+      .def(
+          "add_request",
+          [](Scheduler& s, const PyRequest& r) {
+            Request request = r.request;
+            if (!r.embeddings.is_none()) request.embeddings = request_embeddings(r.embeddings);
+            s.add_request(request);
+          },
+          py::arg("request"),
+          "Queues a request (ValueError naming request.<field> for a malformed one). One that can never fit is "
+          "reported in the next step's `rejected`.")
+      .def("step", &Scheduler::step, "Schedules the next step.")
+      .def("finish", &Scheduler::finish, py::arg("id"),
+           "Ends a request (EOS): frees what it holds; False when it has already left; KeyError for an id never "
+           "added.")
+      .def("cancel", &Scheduler::cancel, py::arg("id"), "Cancels a request in any state; idempotent.")
+      .def("contains", &Scheduler::contains, py::arg("id"))
+      .def("__contains__", &Scheduler::contains, py::arg("id"))
+      .def("status", &Scheduler::status, py::arg("id"))
+      .def("stats", &Scheduler::stats)
+      .def("has_unfinished", &Scheduler::has_unfinished)
+      .def("layer_metadata", &Scheduler::layer_metadata, py::arg("layer"),
+           "[FP16, INT4, INT2] PagedPoolTable of the last step's decode batch for one layer.")
+      .def("check_invariants", &Scheduler::check_invariants)
+      .def("describe_state", &Scheduler::describe_state);
+}
+
+}  // namespace mixkv::python
