@@ -15,7 +15,7 @@ constexpr int kThreads = 128;
 // Reads one head of `src` as floats (FP16 widened, INT4 dequantized with
 // the reference's min + scale * code), then quantizes it into `dst`.
 __global__ void __launch_bounds__(kThreads) demote_kernel(const BlockCopy* moves, PoolView src, PoolView dst) {
-  extern __shared__ __align__(16) float tile[];
+  extern __shared__ __align__(16) float tile[];  // QuantTile<float>: K, V rows at pitch, then scratch
   const int heads = src.format.num_kv_heads;
   const BlockCopy move = moves[blockIdx.x / heads];
   const int head = blockIdx.x % heads;
@@ -23,14 +23,15 @@ __global__ void __launch_bounds__(kThreads) demote_kernel(const BlockCopy* moves
   const int S = f.block_size;
   const int D = f.head_dim;
   const char* in = reinterpret_cast<const char*>(src.block(move.src)) + f.head_offset(head);
+  const int P = detail::QuantTile<float>::pitch(D);
   float* k = tile;
-  float* v = tile + S * D;
+  float* v = tile + S * P;
   if (f.precision == Precision::FP16) {
     const __half* kh = reinterpret_cast<const __half*>(in + f.k_offset());
     const __half* vh = reinterpret_cast<const __half*>(in + f.v_offset());
     for (int i = threadIdx.x; i < S * D; i += blockDim.x) {
-      k[i] = __half2float(kh[i]);
-      v[i] = __half2float(vh[i]);
+      k[(i / D) * P + i % D] = __half2float(kh[i]);
+      v[(i / D) * P + i % D] = __half2float(vh[i]);
     }
   } else {
     const int bits = f.bits();
@@ -47,15 +48,15 @@ __global__ void __launch_bounds__(kThreads) demote_kernel(const BlockCopy* moves
       const uint32_t vc = (bytes[vl.byte] >> vl.shift) & mask;
       const uint32_t kp = k_params[c];
       const uint32_t vp = v_params[t];
-      k[i] = detail::dequant_device(kc, __half2float(__ushort_as_half(kp & 0xffffu)),
+      k[t * P + c] = detail::dequant_device(kc, __half2float(__ushort_as_half(kp & 0xffffu)),
                                     __half2float(__ushort_as_half(kp >> 16)));
-      v[i] = detail::dequant_device(vc, __half2float(__ushort_as_half(vp & 0xffffu)),
+      v[t * P + c] = detail::dequant_device(vc, __half2float(__ushort_as_half(vp & 0xffffu)),
                                     __half2float(__ushort_as_half(vp >> 16)));
     }
   }
   __syncthreads();
   char* out = reinterpret_cast<char*>(dst.block(move.dst)) + dst.format.head_offset(head);
-  detail::quantize_tile(dst.format, tile, out);
+  detail::quantize_tile(dst.format, static_cast<const float*>(tile), tile + 2 * S * P, out);
 }
 
 }  // namespace
@@ -81,7 +82,7 @@ void demote(const DemoteArgs& a) {
   require(a.count >= 0, std::string(fn) + ": count = " + std::to_string(a.count) + ": expected >= 0");
   if (a.count == 0) return;
   require(a.moves != nullptr, std::string(fn) + ": moves is null: expected device [count] BlockCopy");
-  const std::size_t smem = detail::quant_tile_smem_bytes(s.head_dim, s.block_size);
+  const std::size_t smem = detail::QuantTile<float>::bytes(s.head_dim, s.block_size);
   require(smem <= 227 * 1024, std::string(fn) + ": head_dim * block_size too large for one tile in shared memory");
   if (smem > 48 * 1024) {
     MIXKV_CUDA_CHECK(

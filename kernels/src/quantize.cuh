@@ -37,23 +37,36 @@ __device__ __forceinline__ float dequant_device(uint32_t code, float scale, floa
   return __fadd_rn(min, __fmul_rn(scale, static_cast<float>(code)));
 }
 
-// Shared-memory layout of a tile: K [S][D] floats, V [S][D] floats, then
-// per-channel K (scale, min) and per-token V (scale, min) as floats.
-__host__ __device__ constexpr std::size_t quant_tile_smem_bytes(int head_dim, int block_size) {
-  return (2 * static_cast<std::size_t>(block_size) * head_dim + 2 * head_dim + 2 * block_size) * sizeof(float);
-}
+__device__ __forceinline__ float tile_value(float x) { return x; }
+__device__ __forceinline__ float tile_value(__half x) { return __half2float(x); }
 
-// Quantizes the K/V tile in `tile` (all threads of the CTA take part) into
-// the head region `out` of `format` (INT4 or INT2). Ends with no barrier
-// pending; the caller's next use of `tile` needs __syncthreads().
-__device__ inline void quantize_tile(const BlockFormat& format, float* tile, char* out) {
+// A K/V tile in shared memory: K [S][pitch] then V [S][pitch] elements of T
+// (__half for store_prefill: exact and half the bytes; float for demote's
+// dequantized INT4 values). The pitch pads each row so that column walks and
+// 16-byte row stores avoid bank conflicts.
+template <typename T>
+struct QuantTile {
+  static constexpr int pad() { return 16 / static_cast<int>(sizeof(T)); }
+  __host__ __device__ static constexpr int pitch(int head_dim) { return head_dim + pad(); }
+  __host__ __device__ static constexpr std::size_t bytes(int head_dim, int block_size) {
+    return 2 * static_cast<std::size_t>(block_size) * pitch(head_dim) * sizeof(T) +
+           (2 * static_cast<std::size_t>(head_dim) + 2 * block_size) * sizeof(float);
+  }
+};
+
+// Quantizes the K/V tile (all threads of the CTA take part) into the head
+// region `out` of `format` (INT4 or INT2). Ends with no barrier pending; the
+// caller's next use of the tile needs __syncthreads().
+template <typename T>
+__device__ inline void quantize_tile(const BlockFormat& format, const T* tile, float* scratch, char* out) {
   const int S = format.block_size;
   const int D = format.head_dim;
+  const int P = QuantTile<T>::pitch(D);
   const int bits = format.bits();
   const int max_code = (1 << bits) - 1;
-  const float* k = tile;
-  const float* v = tile + S * D;
-  float* k_scale = tile + 2 * S * D;
+  const T* k = tile;
+  const T* v = tile + S * P;
+  float* k_scale = scratch;
   float* k_min = k_scale + D;
   float* v_scale = k_min + D;
   float* v_min = v_scale + S;
@@ -62,10 +75,11 @@ __device__ inline void quantize_tile(const BlockFormat& format, float* tile, cha
 
   // K: one group per channel over the tokens.
   for (int c = threadIdx.x; c < D; c += blockDim.x) {
-    float lo = k[c], hi = k[c];
+    float lo = tile_value(k[c]), hi = lo;
     for (int t = 1; t < S; ++t) {
-      lo = fminf(lo, k[t * D + c]);
-      hi = fmaxf(hi, k[t * D + c]);
+      const float x = tile_value(k[t * P + c]);
+      lo = fminf(lo, x);
+      hi = fmaxf(hi, x);
     }
     const GroupParamsDevice g = group_params(lo, hi, max_code);
     k_scale[c] = g.scale;
@@ -77,8 +91,9 @@ __device__ inline void quantize_tile(const BlockFormat& format, float* tile, cha
   for (int t = warp; t < S; t += warps) {
     float lo = INFINITY, hi = -INFINITY;
     for (int c = lane; c < D; c += 32) {
-      lo = fminf(lo, v[t * D + c]);
-      hi = fmaxf(hi, v[t * D + c]);
+      const float x = tile_value(v[t * P + c]);
+      lo = fminf(lo, x);
+      hi = fmaxf(hi, x);
     }
     for (int offset = 16; offset > 0; offset >>= 1) {
       lo = fminf(lo, __shfl_xor_sync(0xffffffffu, lo, offset));
@@ -93,18 +108,20 @@ __device__ inline void quantize_tile(const BlockFormat& format, float* tile, cha
   }
   __syncthreads();
   // Codes, one 32-bit word per thread: K channel-major packed along tokens,
-  // V token-major packed along channels (block_format.h).
+  // V token-major packed along channels (block_format.h). Consecutive lanes
+  // take consecutive K channels (conflict-free column walks).
   const int per_word = 32 / bits;
   const int k_words_per_channel = S * bits / 32;
   uint32_t* k_codes = reinterpret_cast<uint32_t*>(out + format.k_offset());
   for (int w = threadIdx.x; w < D * k_words_per_channel; w += blockDim.x) {
-    const int c = w / k_words_per_channel;
-    const int t0 = (w % k_words_per_channel) * per_word;
+    const int c = w % D;
+    const int j = w / D;
+    const int t0 = j * per_word;
     uint32_t word = 0;
     for (int i = 0; i < per_word; ++i) {
-      word |= quant_code_device(k[(t0 + i) * D + c], k_scale[c], k_min[c], max_code) << (i * bits);
+      word |= quant_code_device(tile_value(k[(t0 + i) * P + c]), k_scale[c], k_min[c], max_code) << (i * bits);
     }
-    k_codes[w] = word;
+    k_codes[c * k_words_per_channel + j] = word;
   }
   const int v_words_per_token = D * bits / 32;
   uint32_t* v_codes = reinterpret_cast<uint32_t*>(out + format.v_offset());
@@ -113,7 +130,7 @@ __device__ inline void quantize_tile(const BlockFormat& format, float* tile, cha
     const int c0 = (w % v_words_per_token) * per_word;
     uint32_t word = 0;
     for (int i = 0; i < per_word; ++i) {
-      word |= quant_code_device(v[t * D + c0 + i], v_scale[t], v_min[t], max_code) << (i * bits);
+      word |= quant_code_device(tile_value(v[t * P + c0 + i]), v_scale[t], v_min[t], max_code) << (i * bits);
     }
     v_codes[w] = word;
   }

@@ -39,14 +39,15 @@ __device__ __forceinline__ void copy_row(const PoolView& pool, std::int32_t slot
   reinterpret_cast<uint4*>(head_base + f.v_offset() + row_offset)[c] = v_row[chunk];
 }
 
-// Loads window rows [first_row, first_row + S) of KV head `head` as floats.
-// Each thread issues kBatch 16-byte loads of K and of V before converting
-// any, so several loads are in flight (the tile is 2 * S * D halves).
+// Loads window rows [first_row, first_row + S) of KV head `head` into the
+// FP16 tile as they are (16-byte row chunks into padded rows). Each thread
+// issues kBatch loads of K and of V before storing any.
 __device__ __forceinline__ void load_window(const uint4* k, const uint4* v, std::int32_t first_row, int head,
-                                            int heads, int D, int S, float* tile) {
+                                            int heads, int D, int S, __half* tile) {
   constexpr int kBatch = 4;
   const int chunks_per_row = D / 8;
   const int total = S * chunks_per_row;
+  const int pitch = detail::QuantTile<__half>::pitch(D);
   for (int base = threadIdx.x; base < total; base += kBatch * blockDim.x) {
     uint4 kx[kBatch], vx[kBatch];
 #pragma unroll
@@ -64,22 +65,16 @@ __device__ __forceinline__ void load_window(const uint4* k, const uint4* v, std:
     for (int u = 0; u < kBatch; ++u) {
       const int i = base + u * blockDim.x;
       if (i < total) {
-        const int t = i / chunks_per_row;
-        const int c = i % chunks_per_row;
-        const __half* kh = reinterpret_cast<const __half*>(&kx[u]);
-        const __half* vh = reinterpret_cast<const __half*>(&vx[u]);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {
-          tile[t * D + 8 * c + e] = __half2float(kh[e]);
-          tile[S * D + t * D + 8 * c + e] = __half2float(vh[e]);
-        }
+        const int at = (i / chunks_per_row) * pitch + 8 * (i % chunks_per_row);
+        *reinterpret_cast<uint4*>(tile + at) = kx[u];
+        *reinterpret_cast<uint4*>(tile + S * pitch + at) = vx[u];
       }
     }
   }
 }
 
 __global__ void __launch_bounds__(kThreads) store_prefill_kernel(const __grid_constant__ StoreParams p) {
-  extern __shared__ __align__(16) float tile[];
+  extern __shared__ __align__(16) unsigned char smem_bytes[];
   const BlockFormat& f16 = p.pools[0].format;
   const int heads = f16.num_kv_heads;
   const int D = f16.head_dim;
@@ -125,10 +120,13 @@ __global__ void __launch_bounds__(kThreads) store_prefill_kernel(const __grid_co
   const WindowSlot w = p.windows[which][j / heads];
   const int head = j % heads;
   const PoolView& pool = p.pools[1 + which];
+  __half* tile = reinterpret_cast<__half*>(smem_bytes);
+  float* scratch = reinterpret_cast<float*>(smem_bytes + 2 * static_cast<std::size_t>(S) *
+                                                             detail::QuantTile<__half>::pitch(D) * sizeof(__half));
   load_window(p.k, p.v, w.first_row, head, heads, D, S, tile);
   __syncthreads();
   char* out = reinterpret_cast<char*>(pool.block(w.block_id)) + pool.format.head_offset(head);
-  detail::quantize_tile(pool.format, tile, out);
+  detail::quantize_tile(pool.format, tile, scratch, out);
 }
 
 struct AppendParams {
@@ -210,7 +208,7 @@ void store_prefill(const StorePrefillArgs& a) {
   for (int i = 0; i < kNumPrecisions; ++i) p.pools[i] = a.pools[i];
   const std::int64_t grid =
       p.fp16_ctas + static_cast<std::int64_t>(a.num_int4_windows + a.num_int2_windows) * f.num_kv_heads;
-  const std::size_t smem = detail::quant_tile_smem_bytes(f.head_dim, f.block_size);
+  const std::size_t smem = detail::QuantTile<__half>::bytes(f.head_dim, f.block_size);
   require(smem <= 227 * 1024, std::string(fn) + ": head_dim * block_size too large for one tile in shared memory");
   if (smem > 48 * 1024) {
     MIXKV_CUDA_CHECK(cudaFuncSetAttribute(store_prefill_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
