@@ -14,6 +14,7 @@
 // host runs, and how the tests check that loop on x86.
 #if defined(__x86_64__) && !defined(MIXKV_PLANNER_PORTABLE)
 #define MIXKV_PLANNER_X86 1
+#include <cpuid.h>
 #include <immintrin.h>
 #endif
 
@@ -151,7 +152,11 @@ using RowSumsFn = RowSums (*)(const float*, const void*, ElementType, std::int32
 RowSumsFn pick_row_sums() {
 #if defined(MIXKV_PLANNER_X86)
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) {
+  // F16C from CPUID leaf 1 (ECX bit 29): clang before 16 has no "f16c" for
+  // __builtin_cpu_supports.
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  const bool f16c = __get_cpuid(1, &eax, &ebx, &ecx, &edx) != 0 && (ecx & bit_F16C) != 0;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c) {
     return row_sums_avx2;
   }
 #endif
