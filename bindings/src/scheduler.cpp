@@ -148,11 +148,11 @@ void bind_scheduler(py::module_& m) {
       .def_readonly("last", &PrefillChunk::last, "completes the prompt: the engine samples a token")
       .def_readonly("mappings", &PrefillChunk::mappings,
                     "[layer] StoreMapping of rows [start, end): chunk row r is mapping row r - start");
-  py::class_<FinishedRequest>(m, "FinishedRequest")
+  py::class_<FinishedRequest>(m, "FinishedRequest", "A request that left: why, and how many tokens it generated.")
       .def_readonly("id", &FinishedRequest::id)
       .def_readonly("reason", &FinishedRequest::reason)
       .def_readonly("generated", &FinishedRequest::generated);
-  py::class_<RejectedRequest>(m, "RejectedRequest")
+  py::class_<RejectedRequest>(m, "RejectedRequest", "A request that can never fit, with the reason.")
       .def_readonly("id", &RejectedRequest::id)
       .def_readonly("reason", &RejectedRequest::reason);
 
@@ -178,14 +178,14 @@ void bind_scheduler(py::module_& m) {
       .def_readonly("num_batched_tokens", &StepOutput::num_batched_tokens)
       .def_readonly("metadata", &StepOutput::metadata, "decode metadata of `decodes` (when build_metadata)");
 
-  py::class_<RequestStatus>(m, "RequestStatus")
+  py::class_<RequestStatus>(m, "RequestStatus", "A request's progress.")
       .def_readonly("state", &RequestStatus::state)
       .def_readonly("prompt_tokens", &RequestStatus::prompt_tokens)
       .def_readonly("computed_tokens", &RequestStatus::computed_tokens)
       .def_readonly("generated", &RequestStatus::generated)
       .def_readonly("slot", &RequestStatus::slot)
       .def_readonly("preemptions", &RequestStatus::preemptions);
-  py::class_<SchedulerStats>(m, "SchedulerStats")
+  py::class_<SchedulerStats>(m, "SchedulerStats", "Queue sizes and counters since the scheduler was made.")
       .def_readonly("steps", &SchedulerStats::steps)
       .def_readonly("waiting", &SchedulerStats::waiting)
       .def_readonly("prefilling", &SchedulerStats::prefilling)

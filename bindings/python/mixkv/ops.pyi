@@ -1,13 +1,14 @@
 # Type stubs of mixkv.ops: each operation has a CPU form (mixkv.KVCache, NumPy
 # arrays) and, when mixkv is built with CUDA, a CUDA form (DeviceKVCache,
 # arrays exporting __cuda_array_interface__, an optional stream).
+import enum
 from collections.abc import Sequence
 from typing import Any, Protocol, SupportsIndex, overload
 
 import numpy as np
 import numpy.typing as npt
 
-from ._core import BlockCopy, BlockFormat, DecodeMetadata, KVCache, Precision, StoreMapping
+from ._core import BlockCopy, BlockFormat, DecodeMetadata, DemoteOp, KVCache, Precision, StoreMapping, SwapCopy
 from .cuda import DecodePlan, DeviceKVCache, DeviceStoreMapping
 
 class CudaArray(Protocol):
@@ -82,6 +83,15 @@ def merge_states(
     stream: Stream = None,
 ) -> tuple[CudaArray, CudaArray]: ...
 def read_head(format: BlockFormat, head_region: npt.NDArray[np.uint8]) -> tuple[_F32, _F32]: ...
+@overload
+def demote(cache: KVCache, ops: Sequence[DemoteOp]) -> None: ...
+@overload
 def demote(
     cache: DeviceKVCache, moves: CudaArray, src: Precision, dst: Precision, *, stream: Stream = None
 ) -> None: ...
+
+class SwapDirection(enum.IntEnum):
+    DeviceToHost = 0
+    HostToDevice = 1
+
+def swap_blocks(cache: KVCache, copies: Sequence[SwapCopy], direction: SwapDirection) -> None: ...
