@@ -1,0 +1,233 @@
+"""The CUDA backend through Python with torch tensors: the same workloads on a
+mixkv.KVCache (CPU reference) and a mixkv.cuda.DeviceKVCache must store the
+same bytes and attend to the same outputs. Skipped, saying why, without a
+CUDA build of mixkv, torch or a GPU."""
+
+import numpy as np
+import pytest
+
+import mixkv
+from helpers import P, layout, plan_of, random_kv, reference_decode, relative_error
+
+if not mixkv.built_with_cuda:
+    pytest.skip("mixkv was built without CUDA (MIXKV_CUDA=OFF): no GPU tests", allow_module_level=True)
+torch = pytest.importorskip("torch", reason="the GPU tests use torch tensors; torch is not installed")
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device visible to torch", allow_module_level=True)
+
+import mixkv.cuda as mc  # noqa: E402
+
+ops = mixkv.ops
+SHAPE = mixkv.CacheShape(num_layers=2, num_kv_heads=4, head_dim=128, block_size=32)
+LAYOUTS = [layout(("text", 1)), layout(("text", 33)), layout(("text", 9), ("visual", 97), ("text", 5))]
+PLANS = [mixkv.PrecisionPlan(2, 0), mixkv.PrecisionPlan(2, 0),
+         plan_of([[P.FP16, P.INT4, P.INT2], [P.FP16, P.INT2, P.INT2]])]
+
+
+def cuda(array):
+    return torch.from_numpy(np.ascontiguousarray(array)).cuda()
+
+
+def config():
+    return mixkv.CacheConfig(SHAPE, 32 << 20, 2 << 20)
+
+
+def pair(rng, layouts=LAYOUTS, plans=PLANS):
+    """The same sequences stored in a host and a device cache; returns both and the K/V."""
+    host, device = mixkv.KVCache(config()), mc.DeviceKVCache(config())
+    mapping = mc.DeviceStoreMapping()
+    kv = []
+    for i, (lay, plan) in enumerate(zip(layouts, plans)):
+        host.add_sequence(i, lay, plan)
+        device.add_sequence(i, lay, plan)
+        kv.append([])
+        for layer in range(SHAPE.num_layers):
+            k, v = random_kv(rng, lay.num_tokens, SHAPE.num_kv_heads, SHAPE.head_dim, 2.0, 0.7)
+            ops.store_prefill(host, k, v, host.prefill_mapping(i, layer))
+            mapping.upload(device.prefill_mapping(i, layer), SHAPE.block_size)
+            ops.store_prefill(device, cuda(k), cuda(v), mapping)
+            kv[-1].append((k, v))
+    return host, device, kv
+
+
+def device_arena(device):
+    torch.cuda.synchronize()
+    return torch.as_tensor(device.arena, device="cuda").cpu().numpy()
+
+
+def used_blocks_equal(host, device, ids):
+    """Every block the sequences hold has the same bytes in both arenas."""
+    arena = device_arena(device)
+    base = host.arena.ctypes.data
+    for i in ids:
+        for layer in range(SHAPE.num_layers):
+            for p in P:
+                for block_id in host.blocks(i, layer, p):
+                    block = host.block(p, int(block_id))
+                    offset = block.ctypes.data - base
+                    if not np.array_equal(block, arena[offset:offset + block.size]):
+                        return False
+    return True
+
+
+def decode_plan(device, ids, q_heads):
+    tables = mc.DevicePageTables(mc.PageTableConfig(SHAPE.num_layers, max_sequences=8, max_blocks_per_sequence=64))
+    for slot, i in enumerate(ids):
+        tables.sync(slot, device, i)
+    tables.upload()
+    plan = mc.DecodePlan(mc.DecodePlanConfig(SHAPE.num_layers, q_heads, SHAPE.num_kv_heads, SHAPE.head_dim,
+                                             SHAPE.block_size, max_batch=8), tables)
+    plan.plan(list(range(len(ids))))
+    return plan
+
+
+def test_store_prefill_is_bit_identical_to_the_cpu_backend(rng):
+    host, device, _ = pair(rng)
+    assert used_blocks_equal(host, device, range(3))
+
+
+@pytest.mark.parametrize("q_heads", [4, 28])
+def test_paged_decode_attention_matches_the_cpu_reference(rng, q_heads):
+    host, device, _ = pair(rng)
+    plan = decode_plan(device, [0, 1, 2], q_heads)
+    q = rng.standard_normal((3, q_heads, SHAPE.head_dim)).astype(np.float16)
+    md = host.decode_metadata([0, 1, 2])
+    for layer in range(SHAPE.num_layers):
+        out = torch.empty((3, q_heads, SHAPE.head_dim), dtype=torch.float16, device="cuda")
+        lse = torch.empty((3, q_heads), dtype=torch.float32, device="cuda")
+        ops.paged_decode_attention(device, plan, layer, cuda(q), out=out, lse=lse)
+        want_out, want_lse = reference_decode(host, md, layer, q, 1 / np.sqrt(SHAPE.head_dim))
+        torch.cuda.synchronize()
+        assert relative_error(out.float().cpu().numpy(), want_out) < 5e-3
+        assert np.abs(lse.cpu().numpy() - want_lse).max() < 1e-3
+
+
+def test_fp16_decode_matches_torch_sdpa(rng):
+    """The dense baseline: SDPA on the same K/V as contiguous tensors."""
+    lays = [layout(("text", 200))] * 2
+    host, device, kv = pair(rng, lays, [mixkv.PrecisionPlan(2, 0)] * 2)
+    plan = decode_plan(device, [0, 1], 28)
+    q = torch.randn((2, 28, SHAPE.head_dim), dtype=torch.float16, device="cuda")
+    out = torch.empty_like(q)
+    ops.paged_decode_attention(device, plan, 0, q, out=out)
+    k = torch.stack([cuda(kv[i][0][0]) for i in range(2)]).transpose(1, 2)  # [batch, kv_heads, tokens, dim]
+    v = torch.stack([cuda(kv[i][0][1]) for i in range(2)]).transpose(1, 2)
+    dense = torch.nn.functional.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True)[:, :, 0]
+    assert (out.float() - dense.float()).abs().max().item() < 5e-3 * dense.abs().max().item() + 1e-3
+
+
+def test_append_and_copy_blocks_match_the_cpu_backend(rng):
+    host, device, _ = pair(rng, LAYOUTS[:2], PLANS[:2])
+    for cache in (host, device):
+        cache.fork(1, 5)
+    results = [cache.append_tokens([0, 5]) for cache in (host, device)]
+    assert results[0].slots.tolist() == results[1].slots.tolist()
+    copies = results[0].copies
+    ops.copy_blocks(host, copies)
+    ops.copy_blocks(device, cuda(np.array([[c.src, c.dst] for c in copies], np.int32).reshape(-1, 2)))
+    slots = cuda(results[1].slots)
+    for layer in range(SHAPE.num_layers):
+        k, v = random_kv(rng, 2, SHAPE.num_kv_heads, SHAPE.head_dim)
+        ops.append(host, k, v, results[0].slots[layer])
+        ops.append(device, cuda(k), cuda(v), slots[layer])
+    assert used_blocks_equal(host, device, [0, 1, 5])
+
+
+def test_demote_matches_the_cpu_backend(rng):
+    cfg = mixkv.CacheConfig(SHAPE, 32 << 20, 2 << 20, fp16_windows_first=True)
+    host, device = mixkv.KVCache(cfg), mc.DeviceKVCache(cfg)
+    lay = layout(("text", 3), ("visual", 96))
+    mapping = mc.DeviceStoreMapping()
+    for cache in (host, device):
+        cache.add_sequence(1, lay, plan_of([[P.FP16, P.FP16, P.INT4]] * 2))
+    for layer in range(2):
+        k, v = random_kv(rng, lay.num_tokens, SHAPE.num_kv_heads, SHAPE.head_dim)
+        ops.store_prefill(host, k, v, host.prefill_mapping(1, layer))
+        mapping.upload(device.prefill_mapping(1, layer), SHAPE.block_size)
+        ops.store_prefill(device, cuda(k), cuda(v), mapping)
+    demotions = [mixkv.Demotion(1, 0, 1, P.INT2), mixkv.Demotion(1, 1, 2, P.INT2)]
+    host_ops = host.demote(demotions)
+    device_ops = device.demote(demotions)
+    ops.demote(host, host_ops)
+    for src, dst in ((P.FP16, P.INT2), (P.INT4, P.INT2)):
+        moves = [[d.src_block, d.dst_block] for d in device_ops if (d.src_precision, d.dst_precision) == (src, dst)]
+        ops.demote(device, cuda(np.array(moves, np.int32)), src, dst)
+    assert used_blocks_equal(host, device, [1])
+
+
+def test_merge_states_matches_the_cpu_backend(rng):
+    out_a, out_b = (rng.standard_normal((17, 128)).astype(np.float32) for _ in range(2))
+    lse_a, lse_b = (rng.standard_normal(17).astype(np.float32) for _ in range(2))
+    lse_a[3] = lse_b[3] = -np.inf
+    want_out, want_lse = ops.merge_states(out_a, lse_a, out_b, lse_b)
+    out, lse = torch.empty((17, 128), device="cuda"), torch.empty(17, device="cuda")
+    ops.merge_states(cuda(out_a), cuda(lse_a), cuda(out_b), cuda(lse_b), out=out, lse=lse)
+    torch.cuda.synchronize()
+    assert np.allclose(out.cpu().numpy(), want_out, atol=1e-5)
+    assert np.allclose(lse.cpu().numpy(), want_lse, atol=1e-5)
+    assert not torch.isnan(out).any()
+
+
+def test_work_runs_on_the_callers_stream(rng):
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        host, device, _ = pair(rng, LAYOUTS[1:2], PLANS[1:2])
+        plan = decode_plan(device, [0], 8)
+        q = torch.randn((1, 8, SHAPE.head_dim), dtype=torch.float16, device="cuda")
+        out = torch.zeros_like(q)
+        ops.paged_decode_attention(device, plan, 1, q, out=out)
+    stream.synchronize()
+    want, _ = reference_decode(host, host.decode_metadata([0]), 1, q.cpu().numpy(), 1 / np.sqrt(SHAPE.head_dim))
+    assert relative_error(out.float().cpu().numpy(), want) < 5e-3
+    # An explicit stream works too: an int or the torch stream object.
+    ops.paged_decode_attention(device, plan, 1, q, out=out, stream=stream.cuda_stream)
+    ops.paged_decode_attention(device, plan, 1, q, out=out, stream=stream)
+    stream.synchronize()
+
+
+def test_cuda_planner_matches_the_cpu_planner(rng):
+    config = mixkv.PlannerConfig(sensitivities=[0.9, 0.4], window_size=32)
+    lay = layout(("text", 9), ("visual", 133), ("text", 7))
+    embeddings = [rng.standard_normal((lay.num_tokens, 64)).astype(np.float32) for _ in range(2)]
+    want = mixkv.WindowPlanner(config).plan([lay, lay], embeddings)
+    got = mc.CudaWindowPlanner(config).plan([lay, lay], [cuda(e) for e in embeddings])
+    for g, w in zip(got, want):
+        assert [[g.at(layer, i) for i in range(g.num_windows)] for layer in range(2)] == \
+               [[w.at(layer, i) for i in range(w.num_windows)] for layer in range(2)]
+    bf16 = [cuda(e).to(torch.bfloat16) for e in embeddings]
+    assert len(mc.CudaWindowPlanner(config).plan([lay, lay], bf16)) == 2
+
+
+def test_bad_cuda_arrays_name_the_argument(rng):
+    _, device, _ = pair(rng, LAYOUTS[:1], PLANS[:1])
+    mapping = mc.DeviceStoreMapping()
+    mapping.upload(device.prefill_mapping(0, 0), SHAPE.block_size)
+    assert mapping.rows == 1
+    k, v = random_kv(rng, 1, SHAPE.num_kv_heads, SHAPE.head_dim)
+    with pytest.raises(ValueError, match="k: expected a CUDA float16 array .* got numpy.ndarray in host memory"):
+        ops.store_prefill(device, k, cuda(v), mapping)
+    with pytest.raises(ValueError, match="k: expected a CUDA float16 array"):
+        ops.store_prefill(device, torch.from_numpy(k), cuda(v), mapping)
+    with pytest.raises(ValueError, match="v: expected dtype float16, got typestr '<f4'"):
+        ops.store_prefill(device, cuda(k), cuda(v).float(), mapping)
+    with pytest.raises(ValueError, match=r"k: expected shape \(mapping.rows=1, num_kv_heads=4, head_dim=128\)"):
+        ops.store_prefill(device, cuda(k)[:, :2], cuda(v), mapping)
+    with pytest.raises(ValueError, match="k: expected a C-contiguous array"):
+        ops.store_prefill(device, cuda(np.zeros((128, 4, 1), np.float16)).permute(2, 1, 0), cuda(v), mapping)
+    with pytest.raises(ValueError, match="requires grad"):
+        ops.store_prefill(device, cuda(k).float().requires_grad_().half(), cuda(v), mapping)
+    plan = decode_plan(device, [0], 8)
+    q = torch.randn((1, 8, SHAPE.head_dim), dtype=torch.float16, device="cuda")
+    with pytest.raises(ValueError, match="out: expected shape"):
+        ops.paged_decode_attention(device, plan, 0, q, out=torch.empty((1, 8, 64), dtype=torch.float16,
+                                                                         device="cuda"))
+    with pytest.raises(IndexError, match="layer = 2"):
+        ops.paged_decode_attention(device, plan, 2, q, out=torch.empty_like(q))
+    with pytest.raises(ValueError, match="stream: expected"):
+        ops.paged_decode_attention(device, plan, 0, q, out=torch.empty_like(q), stream="default")
+    with pytest.raises(ValueError, match="out, lse: expected CUDA float32 arrays"):
+        ops.merge_states(torch.zeros((2, 8), device="cuda"), torch.zeros(2, device="cuda"),
+                         torch.zeros((2, 8), device="cuda"), torch.zeros(2, device="cuda"))
+    with pytest.raises(ValueError, match="Unsupported head_dim"):
+        mc.DecodePlan(mc.DecodePlanConfig(2, 4, 4, 96, 32, 8),
+                      mc.DevicePageTables(mc.PageTableConfig(2, 8, 8)))
