@@ -194,6 +194,12 @@ int main(int argc, char** argv) {
     }
     cudaDeviceProp prop{};
     check(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
+    // Keep stream-ordered allocations (the pairwise search's scratch) in the
+    // pool between runs, so that they are not timed as fresh allocations.
+    cudaMemPool_t pool;
+    check(cudaDeviceGetDefaultMemPool(&pool, 0), "cudaDeviceGetDefaultMemPool");
+    std::uint64_t keep_all = UINT64_MAX;
+    check(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep_all), "cudaMemPoolSetAttribute");
     cudaStream_t stream;
     check(cudaStreamCreate(&stream), "cudaStreamCreate");
     cublasHandle_t cublas;
