@@ -4,7 +4,9 @@
 // WindowQuant-like plan, 32 text) and decoding. A step decides the batch,
 // appends one token per sequence in every layer (AppendResult: 28 x N slots)
 // and, with build_metadata, writes the full CSR decode metadata of all 28
-// layers x 3 pools. Targets: <= 20 us at 256 sequences, <= 80 us at 1,024.
+// layers x 3 pools. With per_layer_slots off the step hands out the
+// compact slots only (offsets + the tails that changed): O(N) outside block
+// boundaries. Targets: <= 20 us at 256 sequences, <= 80 us at 1,024.
 //
 //   scheduler_bench --benchmark_filter=Step
 #include <benchmark/benchmark.h>
@@ -58,7 +60,8 @@ struct SteadyState {
   KVCacheManager cache;
   Scheduler sched;
 
-  SteadyState(std::int32_t n, bool metadata) : cache(qwen2_cache()), sched(warm(cache, n), config(n, metadata)) {
+  SteadyState(std::int32_t n, bool metadata, bool per_layer_slots = true)
+      : cache(qwen2_cache()), sched(warm(cache, n), config(n, metadata, per_layer_slots)) {
     std::mt19937 rng(7);
     for (std::int32_t i = 0; i < n; ++i) sched.add_request(video_request(i, rng));
     (void)sched.step();  // admits and prefills everything in one step
@@ -71,8 +74,9 @@ struct SteadyState {
     return cache;
   }
 
-  static SchedulerConfig config(std::int32_t n, bool metadata) {
+  static SchedulerConfig config(std::int32_t n, bool metadata, bool per_layer_slots) {
     SchedulerConfig c;
+    c.per_layer_slots = per_layer_slots;
     c.max_num_seqs = n;
     c.max_num_batched_tokens = n * 1200;
     c.build_metadata = metadata;
@@ -84,7 +88,7 @@ struct SteadyState {
 void BM_Step(benchmark::State& state) {
   const auto n = static_cast<std::int32_t>(state.range(0));
   const bool metadata = state.range(1) != 0;
-  SteadyState s(n, metadata);
+  SteadyState s(n, metadata, state.range(2) != 0);
   std::int64_t blocks = 0;
   for (auto _ : state) {
     StepOutput out = s.sched.step();
@@ -100,11 +104,13 @@ void BM_Step(benchmark::State& state) {
       benchmark::Counter(static_cast<double>(blocks), benchmark::Counter::kAvgIterations);
 }
 BENCHMARK(BM_Step)
-    ->ArgNames({"seqs", "metadata"})
-    ->Args({256, 0})
-    ->Args({256, 1})
-    ->Args({1024, 0})
-    ->Args({1024, 1})
+    ->ArgNames({"seqs", "metadata", "slots"})
+    ->Args({256, 0, 0})
+    ->Args({256, 0, 1})
+    ->Args({256, 1, 1})
+    ->Args({1024, 0, 0})
+    ->Args({1024, 0, 1})
+    ->Args({1024, 1, 1})
     ->Iterations(2000)
     ->Unit(benchmark::kMicrosecond);
 
@@ -118,14 +124,20 @@ void BM_AppendTokens(benchmark::State& state) {
 }
 BENCHMARK(BM_AppendTokens)->Arg(256)->Arg(1024)->Iterations(2000)->Unit(benchmark::kMicrosecond);
 
+// slots: 1 = AppendSlots::PerLayer, 0 = AppendSlots::Compact.
 void BM_AppendTokensByHandle(benchmark::State& state) {
   const auto n = static_cast<std::int32_t>(state.range(0));
+  const AppendSlots form = state.range(1) != 0 ? AppendSlots::PerLayer : AppendSlots::Compact;
   SteadyState s(n, false);
   std::vector<SequenceHandle> handles;
   for (std::int32_t i = 0; i < n; ++i) handles.push_back(s.cache.handle(i));
-  for (auto _ : state) benchmark::DoNotOptimize(s.cache.append_tokens(std::span<const SequenceHandle>(handles)));
+  for (auto _ : state) benchmark::DoNotOptimize(s.cache.append_tokens(std::span<const SequenceHandle>(handles), form));
 }
-BENCHMARK(BM_AppendTokensByHandle)->Arg(256)->Arg(1024)->Iterations(2000)->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_AppendTokensByHandle)
+    ->ArgNames({"seqs", "slots"})
+    ->ArgsProduct({{256, 1024}, {0, 1}})
+    ->Iterations(2000)
+    ->Unit(benchmark::kMicrosecond);
 
 // The manager's decode_metadata (all layers, CSR) for the same batch.
 void BM_ManagerDecodeMetadata(benchmark::State& state) {

@@ -32,6 +32,13 @@ using detail::require_precision;
 
 std::size_t at(Precision p) { return static_cast<std::size_t>(pool_index(p)); }
 
+void require_slots_form(AppendSlots form) {
+  if (form != AppendSlots::PerLayer && form != AppendSlots::Compact) {
+    throw InvalidArgument("form = " + std::to_string(static_cast<int>(form)) +
+                          ", expected AppendSlots::PerLayer (0) or AppendSlots::Compact (1)");
+  }
+}
+
 std::string counts_text(const BlockCounts& counts) {
   return "FP16 " + std::to_string(counts[0]) + ", INT4 " + std::to_string(counts[1]) + ", INT2 " +
          std::to_string(counts[2]);
@@ -84,9 +91,9 @@ struct KVCacheManager::Impl {
 
   void register_handle(Sequence& seq);
   void release_handle(const Sequence& seq);
-  AppendResult append(std::vector<Sequence*>& seqs);
+  AppendResult append(const std::vector<Sequence*>& all, AppendSlots form);
   BlockCounts count_fresh(const std::vector<Sequence*>& seqs) const;
-  void fill_general(const std::vector<Sequence*>& seqs, const std::vector<std::size_t>& positions,
+  void fill_general(const std::vector<Sequence*>& all, const std::vector<std::size_t>& general, bool any_forked,
                     const std::vector<std::int32_t>& fresh_ids, AppendResult& result);
 
   explicit Impl(const CacheConfig& c);
@@ -507,8 +514,9 @@ StoreMapping KVCacheManager::prefill_mapping(SequenceId id, std::int32_t layer) 
   return mapping;
 }
 
-AppendResult KVCacheManager::append_tokens(std::span<const SequenceId> ids) {
+AppendResult KVCacheManager::append_tokens(std::span<const SequenceId> ids, AppendSlots form) {
   Impl& m = *impl_;
+  require_slots_form(form);
   std::vector<Sequence*> seqs;
   {
     const std::vector<const Sequence*> found = m.require_ids(ids);
@@ -521,78 +529,110 @@ AppendResult KVCacheManager::append_tokens(std::span<const SequenceId> ids) {
       seqs.push_back(const_cast<Sequence*>(found[i]));  // the manager's own, non-const
     }
   }
-  return m.append(seqs);
+  return m.append(seqs, form);
 }
 
 SequenceHandle KVCacheManager::handle(SequenceId id) const { return impl_->find(id, "id").handle; }
 
-AppendResult KVCacheManager::append_tokens(std::span<const SequenceHandle> handles) {
+AppendResult KVCacheManager::append_tokens(std::span<const SequenceHandle> handles, AppendSlots form) {
   Impl& m = *impl_;
+  require_slots_form(form);
   std::vector<Sequence*> seqs;
   seqs.reserve(handles.size());
   const std::uint64_t batch = ++m.epoch;
+  // The argument's name is built only for an error: this loop runs once per
+  // sequence and step.
+  auto name = [](std::size_t i) { return "handles[" + std::to_string(i) + "]"; };
   for (std::size_t i = 0; i < handles.size(); ++i) {
     const SequenceHandle h = handles[i];
-    const std::string name = "handles[" + std::to_string(i) + "]";
-    if (h.index < 0 || static_cast<std::size_t>(h.index) >= m.handles.size() ||
-        m.handles[static_cast<std::size_t>(h.index)] == nullptr ||
-        m.generations[static_cast<std::size_t>(h.index)] != h.generation) {
-      throw UnknownId(name + " = (" + std::to_string(h.index) + ", " + std::to_string(h.generation) +
+    const auto index = static_cast<std::size_t>(h.index);
+    if (h.index < 0 || index >= m.handles.size() || m.handles[index] == nullptr ||
+        m.generations[index] != h.generation) {
+      throw UnknownId(name(i) + " = (" + std::to_string(h.index) + ", " + std::to_string(h.generation) +
                       ") names no sequence of this cache (stale or never handed out)");
     }
-    Sequence& seq = *m.handles[static_cast<std::size_t>(h.index)];
+    Sequence& seq = *m.handles[index];
     if (seq.seen_epoch == batch) {
-      throw InvalidArgument(name + " repeats handles[" + std::to_string(seq.seen_index) +
+      throw InvalidArgument(name(i) + " repeats handles[" + std::to_string(seq.seen_index) +
                             "], expected distinct sequences");
     }
-    if (seq.swapped) throw InvalidArgument(name + " names a swapped-out sequence, expected one in device memory");
+    if (seq.swapped) throw InvalidArgument(name(i) + " names a swapped-out sequence, expected one in device memory");
     if (seq.num_tokens == std::numeric_limits<std::int32_t>::max()) {
-      throw InvalidArgument(name + " holds 2^31 - 1 tokens, expected room for one more");
+      throw InvalidArgument(name(i) + " holds 2^31 - 1 tokens, expected room for one more");
     }
     seq.seen_epoch = batch;
     seq.seen_index = i;
     seqs.push_back(&seq);
   }
-  return m.append(seqs);
+  return m.append(seqs, form);
 }
 
-AppendResult KVCacheManager::Impl::append(std::vector<Sequence*>& all) {
-  Impl& m = *this;
-  const std::int32_t bs = m.block_size();
+// A sequence's new token sits at offset num_tokens % block_size of its FP16
+// tail in every layer (FP16 tokens = tokens - whole quantized windows). A
+// sequence outside forks with a nonzero offset has room in every tail: the
+// fast path, O(1) with AppendSlots::Compact. The others (a new block in
+// every layer, or forked tails that may need copy-on-write) take the
+// general path, O(num_layers), once per block_size tokens outside forks.
+AppendResult KVCacheManager::Impl::append(const std::vector<Sequence*>& all, AppendSlots form) {
+  const std::int32_t bs = block_size();
+  const auto layers = static_cast<std::size_t>(num_layers());
+  const std::size_t n = all.size();
+  const bool per_layer = form == AppendSlots::PerLayer;
   AppendResult result;
-  result.slots.assign(static_cast<std::size_t>(m.num_layers()), std::vector<std::int32_t>(all.size()));
-  // Fast path: a sequence that never took part in a fork shares no block,
-  // and when its token count is not a multiple of block_size every layer's
-  // FP16 tail has room (FP16 tokens = tokens - whole quantized windows), so
-  // its new token only fills tails. The other sequences take the general
-  // path below, in layer order as before.
-  std::vector<Sequence*> seqs;
-  std::vector<std::size_t> positions;
-  {
-    std::vector<std::int32_t*> out(result.slots.size());
-    for (std::size_t l = 0; l < out.size(); ++l) out[l] = result.slots[l].data();
-    for (std::size_t i = 0; i < all.size(); ++i) {
-      if (!all[i]->forked && all[i]->num_tokens % bs != 0) continue;
-      seqs.push_back(all[i]);
-      positions.push_back(i);
+  if (per_layer) result.slots.assign(layers, std::vector<std::int32_t>(n));
+  result.offsets.resize(n);
+  std::vector<std::size_t> general;  // batch indices, ascending
+  std::vector<Sequence*> forked;
+  for (std::size_t i = 0; i < n; ++i) {
+    const Sequence& seq = *all[i];
+    const std::int32_t offset = seq.num_tokens % bs;
+    result.offsets[i] = offset;
+    if (!seq.forked && offset != 0) continue;
+    general.push_back(i);
+    if (seq.forked) forked.push_back(all[i]);
+  }
+  // The new FP16 blocks, counted exactly and taken before anything changes
+  // (all or nothing): a sequence outside forks opens a block in every layer.
+  BlockCounts need = count_fresh(forked);
+  need[0] += static_cast<std::int64_t>(general.size() - forked.size()) * num_layers();
+  const std::vector<std::int32_t> fresh_ids = std::move(allocate(need, "append_tokens")[0]);
+  fill_general(all, general, !forked.empty(), fresh_ids, result);
+
+  std::size_t next_general = 0;
+  if (per_layer) {
+    // Memory-latency bound (a sequence's record, then its tails): both are
+    // fetched a few sequences ahead of the one being written.
+    constexpr std::size_t kAhead = 8;
+    std::vector<std::int32_t*> out(layers);
+    for (std::size_t l = 0; l < layers; ++l) out[l] = result.slots[l].data();
+    for (std::size_t i = 0; i < std::min(n, 2 * kAhead); ++i) __builtin_prefetch(&all[i]->table);
+    for (std::size_t i = 0; i < std::min(n, kAhead); ++i) __builtin_prefetch(all[i]->table.fp16_tails().data());
+    for (std::size_t i = 0; i < n; ++i) {
+      if (i + 2 * kAhead < n) __builtin_prefetch(&all[i + 2 * kAhead]->table);
+      if (i + kAhead < n) __builtin_prefetch(all[i + kAhead]->table.fp16_tails().data());
+      if (next_general < general.size() && general[next_general] == i) {
+        ++next_general;
+      } else {
+        PageTable& table = all[i]->table;
+        table.fill_all_fp16_tails();
+        // The offset is the same in every layer (check_invariants holds the
+        // fills to it).
+        const std::int32_t offset = result.offsets[i];
+        const std::int32_t* tails = table.fp16_tails().data();
+        for (std::size_t l = 0; l < layers; ++l) out[l][i] = tails[l] * bs + offset;
+      }
+      ++all[i]->num_tokens;
     }
-    // Count the new FP16 blocks exactly, in the order they will be taken: a
-    // sequence outside forks opens a block in every layer; for forked ones a
-    // shared tail copied for one holder may be written in place by the last
-    // holder of the same batch.
-    std::vector<Sequence*> forked;
-    for (Sequence* seq : seqs) {
-      if (seq->forked) forked.push_back(seq);
-    }
-    BlockCounts need = count_fresh(forked);
-    need[0] += static_cast<std::int64_t>(seqs.size() - forked.size()) * m.num_layers();
-    std::vector<std::int32_t> fresh_ids = std::move(m.allocate(need, "append_tokens")[0]);
-    fill_general(seqs, positions, fresh_ids, result);
-    for (std::size_t i = 0; i < all.size(); ++i) {
-      if (!all[i]->forked && all[i]->num_tokens % bs != 0) all[i]->table.fill_all_fp16_tails(out, i);
+  } else {
+    for (std::size_t i = 0; i < n; ++i) {
+      if (next_general < general.size() && general[next_general] == i) {
+        ++next_general;
+      } else {
+        all[i]->table.fill_all_fp16_tails();
+      }
+      ++all[i]->num_tokens;
     }
   }
-  for (Sequence* seq : all) ++seq->num_tokens;
   return result;
 }
 
@@ -622,27 +662,47 @@ BlockCounts KVCacheManager::Impl::count_fresh(const std::vector<Sequence*>& seqs
   return need;
 }
 
-void KVCacheManager::Impl::fill_general(const std::vector<Sequence*>& seqs, const std::vector<std::size_t>& positions,
-                                        const std::vector<std::int32_t>& fresh_ids, AppendResult& result) {
-  Impl& m = *this;
-  BlockPool& fp16 = m.pool(Precision::FP16);
-  const std::int32_t bs = m.block_size();
-  std::size_t next = 0;
-  for (std::int32_t layer = 0; layer < m.num_layers(); ++layer) {
-    for (std::size_t i = 0; i < seqs.size(); ++i) {
-      PageTable& table = seqs[i]->table;
-      if (!seqs[i]->forked) {  // every tail is full (or the layer has none): a new block
-        const std::int32_t block = fresh_ids[next++];
-        table.push_block(layer, Precision::FP16, block, 1);
-        result.slots[static_cast<std::size_t>(layer)][positions[i]] = block * bs;
-        continue;
+// The general path for the batch indices `general`. Fresh ids are handed
+// out in layer order, then batch order (the order of earlier versions, so
+// the ids a call gives are unchanged).
+void KVCacheManager::Impl::fill_general(const std::vector<Sequence*>& all, const std::vector<std::size_t>& general,
+                                        bool any_forked, const std::vector<std::int32_t>& fresh_ids,
+                                        AppendResult& result) {
+  BlockPool& fp16 = pool(Precision::FP16);
+  const std::int32_t bs = block_size();
+  const auto layers = static_cast<std::size_t>(num_layers());
+  const bool per_layer = !result.slots.empty();
+  result.tails_changed.reserve(general.size());
+  result.tail_blocks.reserve(general.size() * layers);
+  if (!any_forked) {
+    // Every tail is full (or the layer has none): a new block in every
+    // layer, the id of (layer l, k-th sequence) at l * general.size() + k.
+    std::vector<std::int32_t> ids(layers);
+    for (std::size_t k = 0; k < general.size(); ++k) {
+      const std::size_t i = general[k];
+      for (std::size_t l = 0; l < layers; ++l) ids[l] = fresh_ids[l * general.size() + k];
+      all[i]->table.open_fp16_tails(ids);
+      if (per_layer) {
+        for (std::size_t l = 0; l < layers; ++l) result.slots[l][i] = ids[l] * bs;
       }
+      result.tails_changed.push_back(static_cast<std::int32_t>(i));
+      result.tail_blocks.insert(result.tail_blocks.end(), ids.begin(), ids.end());
+    }
+    return;
+  }
+  std::vector<std::uint8_t> changed(general.size(), 0);
+  std::size_t next = 0;
+  for (std::int32_t layer = 0; layer < num_layers(); ++layer) {
+    for (std::size_t k = 0; k < general.size(); ++k) {
+      const std::size_t i = general[k];
+      PageTable& table = all[i]->table;
       const auto tail = table.blocks(layer, Precision::FP16);
       std::int32_t slot = 0;
       if (tail.empty() || table.fp16_tail_fill(layer) == bs) {
         const std::int32_t block = fresh_ids[next++];
         table.push_block(layer, Precision::FP16, block, 1);
         slot = block * bs;
+        changed[k] = 1;
       } else if (fp16.ref_count(tail.back()) > 1) {
         // Copy-on-write: this holder moves to a private copy of the tail;
         // the others keep the original.
@@ -652,11 +712,18 @@ void KVCacheManager::Impl::fill_general(const std::vector<Sequence*>& seqs, cons
         fp16.release(src);
         table.replace_fp16_tail(layer, dst);
         slot = table.fill_fp16_tail(layer);
+        changed[k] = 1;
       } else {
         slot = table.fill_fp16_tail(layer);
       }
-      result.slots[static_cast<std::size_t>(layer)][positions[i]] = slot;
+      if (per_layer) result.slots[static_cast<std::size_t>(layer)][i] = slot;
     }
+  }
+  for (std::size_t k = 0; k < general.size(); ++k) {
+    if (!changed[k]) continue;
+    const auto tails = all[general[k]]->table.fp16_tails();
+    result.tails_changed.push_back(static_cast<std::int32_t>(general[k]));
+    result.tail_blocks.insert(result.tail_blocks.end(), tails.begin(), tails.end());
   }
 }
 
@@ -991,6 +1058,7 @@ void KVCacheManager::check_invariants() const {
       fail(name + ": " + std::to_string(seq.num_tokens) + " tokens, fewer than its prompt");
     }
     std::array<boost::unordered_flat_map<std::int32_t, std::int32_t>, kNumPrecisions> mine;
+    std::int32_t room = bs;
     for (std::int32_t layer = 0; layer < m.num_layers(); ++layer) {
       const std::string where = name + " layer " + std::to_string(layer) + ": ";
       const auto windows = seq.prompt->plan.window_counts(layer);
@@ -1033,6 +1101,16 @@ void KVCacheManager::check_invariants() const {
         fail(where + "blocks hold " + std::to_string(tokens) + " tokens, the sequence has " +
              std::to_string(seq.num_tokens));
       }
+      // The decode fast path and the compact slots read these two.
+      const std::int32_t tail = table.fp16_tails()[static_cast<std::size_t>(layer)];
+      if (tail != (has_fp16 ? table.blocks(layer, Precision::FP16).back() : -1)) {
+        fail(where + "FP16 tail recorded as block " + std::to_string(tail) + ", the page list ends otherwise");
+      }
+      room = std::min(room, has_fp16 ? bs - fill : 0);
+    }
+    if (table.fp16_room() != room) {
+      fail(name + ": FP16 room recorded as " + std::to_string(table.fp16_room()) + ", the tails leave " +
+           std::to_string(room));
     }
   }
   for (const Precision p : kAllPrecisions) {

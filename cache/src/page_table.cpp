@@ -1,5 +1,6 @@
 #include "mixkv/cache/page_table.h"
 
+#include <algorithm>
 #include <string>
 
 #include "checks.h"
@@ -19,8 +20,16 @@ PageTable::PageTable(std::int32_t num_layers, std::int32_t block_size) : block_s
   if (num_layers < 1) throw InvalidArgument("num_layers = " + std::to_string(num_layers) + ", expected >= 1");
   if (block_size < 1) throw InvalidArgument("block_size = " + std::to_string(block_size) + ", expected >= 1");
   layers_.resize(static_cast<std::size_t>(num_layers));
-  fills_.assign(static_cast<std::size_t>(num_layers), 0);
   tails_.assign(static_cast<std::size_t>(num_layers), -1);
+  base_fills_.assign(static_cast<std::size_t>(num_layers), 0);
+}
+
+bool operator==(const PageTable& a, const PageTable& b) {
+  if (a.block_size_ != b.block_size_ || a.layers_ != b.layers_ || a.tails_ != b.tails_) return false;
+  for (std::size_t l = 0; l < a.layers_.size(); ++l) {
+    if (a.fill_at(l) != b.fill_at(l)) return false;
+  }
+  return true;
 }
 
 const PageTable::Layer& PageTable::layer_at(std::int32_t layer) const {
@@ -33,6 +42,24 @@ PageTable::Layer& PageTable::layer_at(std::int32_t layer) {
   return layers_[static_cast<std::size_t>(layer)];
 }
 
+void PageTable::settle() {
+  if (appended_ != 0) {
+    for (std::int32_t& base : base_fills_) base += appended_;
+    appended_ = 0;
+  }
+  room_ = kStale;
+}
+
+std::int32_t PageTable::compute_room() const {
+  std::int32_t room = block_size_;
+  for (std::size_t l = 0; l < tails_.size(); ++l) {
+    room = std::min(room, tails_[l] < 0 ? 0 : block_size_ - fill_at(l));
+  }
+  return room;
+}
+
+std::int32_t PageTable::fp16_room() const { return room_ == kStale ? compute_room() : room_; }
+
 std::span<const std::int32_t> PageTable::blocks(std::int32_t layer, Precision p) const {
   const Layer& l = layer_at(layer);
   return l.blocks[index_of(p)];
@@ -40,13 +67,13 @@ std::span<const std::int32_t> PageTable::blocks(std::int32_t layer, Precision p)
 
 std::int32_t PageTable::fp16_tail_fill(std::int32_t layer) const {
   detail::require_index("layer", layer, num_layers());
-  return fills_[static_cast<std::size_t>(layer)];
+  return fill_at(static_cast<std::size_t>(layer));
 }
 
 std::int64_t PageTable::fp16_tokens(std::int32_t layer) const {
   const Layer& l = layer_at(layer);
   const auto n = static_cast<std::int64_t>(l.blocks[0].size());
-  return n == 0 ? 0 : (n - 1) * block_size_ + fills_[static_cast<std::size_t>(layer)];
+  return n == 0 ? 0 : (n - 1) * block_size_ + fill_at(static_cast<std::size_t>(layer));
 }
 
 std::int32_t PageTable::fp16_slot(std::int32_t layer, std::int64_t k) const {
@@ -59,6 +86,7 @@ std::int32_t PageTable::fp16_slot(std::int32_t layer, std::int64_t k) const {
 void PageTable::push_block(std::int32_t layer, Precision p, std::int32_t block_id, std::int32_t fill) {
   Layer& l = layer_at(layer);
   const std::size_t pool = index_of(p);
+  const auto at = static_cast<std::size_t>(layer);
   if (block_id < 0) throw InvalidArgument("block_id = " + std::to_string(block_id) + ", expected >= 0");
   if (is_quantized(p)) {
     if (fill != block_size_) {
@@ -70,26 +98,28 @@ void PageTable::push_block(std::int32_t layer, Precision p, std::int32_t block_i
       throw InvalidArgument("fill = " + std::to_string(fill) +
                             ", expected 1 <= fill <= " + std::to_string(block_size_));
     }
-    if (!l.blocks[pool].empty() && fills_[static_cast<std::size_t>(layer)] != block_size_) {
+    if (!l.blocks[pool].empty() && fill_at(at) != block_size_) {
       throw InvalidArgument("layer " + std::to_string(layer) + ": the FP16 tail holds " +
-                            std::to_string(fills_[static_cast<std::size_t>(layer)]) + " of " +
-                            std::to_string(block_size_) + " tokens, expected a full tail before a new FP16 block");
+                            std::to_string(fill_at(at)) + " of " + std::to_string(block_size_) +
+                            " tokens, expected a full tail before a new FP16 block");
     }
-    fills_[static_cast<std::size_t>(layer)] = fill;
-    tails_[static_cast<std::size_t>(layer)] = block_id;
+    settle();
+    base_fills_[at] = fill;
+    tails_[at] = block_id;
   }
   l.blocks[pool].push_back(block_id);
 }
 
 std::int32_t PageTable::fill_fp16_tail(std::int32_t layer) {
   Layer& l = layer_at(layer);
-  std::int32_t& fill = fills_[static_cast<std::size_t>(layer)];
-  if (l.blocks[0].empty() || fill >= block_size_) {
+  const auto at = static_cast<std::size_t>(layer);
+  if (l.blocks[0].empty() || fill_at(at) >= block_size_) {
     throw InvalidArgument("layer " + std::to_string(layer) + ": the FP16 tail has no room (" +
-                          std::to_string(l.blocks[0].size()) + " FP16 blocks, tail fill " + std::to_string(fill) +
-                          "), expected a partly filled tail");
+                          std::to_string(l.blocks[0].size()) + " FP16 blocks, tail fill " +
+                          std::to_string(fill_at(at)) + "), expected a partly filled tail");
   }
-  return l.blocks[0].back() * block_size_ + fill++;
+  settle();
+  return l.blocks[0].back() * block_size_ + base_fills_[at]++;
 }
 
 void PageTable::replace_fp16_tail(std::int32_t layer, std::int32_t block_id) {
@@ -99,7 +129,7 @@ void PageTable::replace_fp16_tail(std::int32_t layer, std::int32_t block_id) {
   }
   if (block_id < 0) throw InvalidArgument("block_id = " + std::to_string(block_id) + ", expected >= 0");
   l.blocks[0].back() = block_id;
-  tails_[static_cast<std::size_t>(layer)] = block_id;
+  tails_[static_cast<std::size_t>(layer)] = block_id;  // the fill (and so the room) stays
 }
 
 std::int32_t PageTable::remove_block(std::int32_t layer, Precision p, std::int32_t index) {
@@ -108,34 +138,57 @@ std::int32_t PageTable::remove_block(std::int32_t layer, Precision p, std::int32
   detail::require_index("index", index, static_cast<std::int64_t>(list.size()));
   const bool tail = static_cast<std::size_t>(index) + 1 == list.size();
   const auto at = static_cast<std::size_t>(layer);
-  if (p == Precision::FP16 && tail && fills_[at] != block_size_) {
+  if (p == Precision::FP16 && tail && fill_at(at) != block_size_) {
     throw InvalidArgument("layer " + std::to_string(layer) + ": FP16 block " + std::to_string(index) + " holds " +
-                          std::to_string(fills_[at]) + " of " + std::to_string(block_size_) +
+                          std::to_string(fill_at(at)) + " of " + std::to_string(block_size_) +
                           " tokens, expected a full block");
   }
   const std::int32_t block = list[static_cast<std::size_t>(index)];
   list.erase(list.begin() + index);
   // Every FP16 block before the tail is full, so a removed tail leaves a full one.
   if (p == Precision::FP16 && tail) {
-    fills_[at] = list.empty() ? 0 : block_size_;
+    settle();
+    base_fills_[at] = list.empty() ? 0 : block_size_;
     tails_[at] = list.empty() ? -1 : list.back();
   }
   return block;
 }
 
-void PageTable::fill_all_fp16_tails(std::span<std::int32_t* const> layer_slots, std::size_t i) {
-  if (layer_slots.size() != fills_.size()) {
-    throw InvalidArgument("layer_slots.size() = " + std::to_string(layer_slots.size()) + ", expected num_layers = " +
-                          std::to_string(fills_.size()));
+void PageTable::fill_all_fp16_tails() {
+  if (room_ == kStale) room_ = compute_room();
+  if (room_ == 0) {
+    std::size_t full = 0;
+    while (tails_[full] >= 0 && fill_at(full) < block_size_) ++full;
+    throw InvalidArgument("layer " + std::to_string(full) + ": the FP16 tail has no room (tail fill " +
+                          std::to_string(fill_at(full)) + "), expected a partly filled tail in every layer");
   }
-  const std::size_t layers = fills_.size();
+  --room_;
+  ++appended_;
+}
+
+void PageTable::open_fp16_tails(std::span<const std::int32_t> block_ids) {
+  const std::size_t layers = tails_.size();
+  if (block_ids.size() != layers) {
+    throw InvalidArgument("block_ids.size() = " + std::to_string(block_ids.size()) + ", expected num_layers = " +
+                          std::to_string(layers));
+  }
   for (std::size_t l = 0; l < layers; ++l) {
-    if (tails_[l] < 0 || fills_[l] >= block_size_) {
-      throw InvalidArgument("layer " + std::to_string(l) + ": the FP16 tail has no room (tail fill " +
-                            std::to_string(fills_[l]) + "), expected a partly filled tail in every layer");
+    if (block_ids[l] < 0) {
+      throw InvalidArgument("block_ids[" + std::to_string(l) + "] = " + std::to_string(block_ids[l]) +
+                            ", expected >= 0");
+    }
+    if (tails_[l] >= 0 && fill_at(l) != block_size_) {
+      throw InvalidArgument("layer " + std::to_string(l) + ": the FP16 tail holds " + std::to_string(fill_at(l)) +
+                            " of " + std::to_string(block_size_) + " tokens, expected a full tail before a new FP16 block");
     }
   }
-  for (std::size_t l = 0; l < layers; ++l) layer_slots[l][i] = tails_[l] * block_size_ + fills_[l]++;
+  for (std::size_t l = 0; l < layers; ++l) {
+    layers_[l].blocks[0].push_back(block_ids[l]);
+    tails_[l] = block_ids[l];
+    base_fills_[l] = 1;
+  }
+  appended_ = 0;
+  room_ = block_size_ - 1;
 }
 
 void PageTable::insert_block(std::int32_t layer, Precision p, std::int32_t index, std::int32_t block_id) {

@@ -556,23 +556,33 @@ StepOutput Scheduler::step() {
 
   std::int32_t budget = s.config.max_num_batched_tokens;
 
-  // 1. Decodes: every running request past its prompt gets one token.
+  // 1. Decodes: every running request past its prompt gets one token. One
+  // pass over the entries finds the FP16 need and the batch; pressure
+  // relief (rare) changes the batch and it is listed again.
   std::vector<Entry*> decodes = s.decoding;
-  std::int64_t need = 0;
-  for (const Entry* e : decodes) {
-    if (e->num_tokens % s.block_size == 0) need += s.num_layers;  // every layer opens an FP16 block
-  }
-  if (!s.cache.can_allocate({need + s.demote_headroom, 0, 0})) s.relieve(decodes, need, out);
-  out.decodes.reserve(decodes.size());
-  out.decode_slots.reserve(decodes.size());
   std::vector<SequenceHandle> handles;
-  handles.reserve(decodes.size());
-  for (Entry* e : decodes) {
-    out.decodes.push_back(e->id);
-    out.decode_slots.push_back(e->slot);
-    handles.push_back(e->handle);
+  auto list_batch = [&] {
+    const std::size_t n = decodes.size();
+    out.decodes.resize(n);
+    out.decode_slots.resize(n);
+    handles.resize(n);
+    std::int64_t opening = 0;
+    for (std::size_t i = 0; i < n; ++i) {
+      const Entry* e = decodes[i];
+      out.decodes[i] = e->id;
+      out.decode_slots[i] = e->slot;
+      handles[i] = e->handle;
+      opening += e->num_tokens % s.block_size == 0 ? 1 : 0;  // every layer opens an FP16 block
+    }
+    return opening * s.num_layers;
+  };
+  std::int64_t need = list_batch();
+  if (!s.cache.can_allocate({need + s.demote_headroom, 0, 0})) {
+    s.relieve(decodes, need, out);
+    need = list_batch();
   }
-  out.append = s.cache.append_tokens(std::span<const SequenceHandle>(handles));
+  out.append = s.cache.append_tokens(std::span<const SequenceHandle>(handles),
+                                     s.config.per_layer_slots ? AppendSlots::PerLayer : AppendSlots::Compact);
   for (Entry* e : decodes) {
     ++e->num_tokens;
     ++e->generated;

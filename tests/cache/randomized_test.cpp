@@ -21,6 +21,7 @@
 namespace mixkv {
 namespace {
 
+using test::to_vector;
 using Tag = std::uint64_t;
 
 struct Scenario {
@@ -220,9 +221,14 @@ class Harness {
       return true;
     }
     const bool fits = cache_.can_allocate({append_need(ids), 0, 0});
+    // Either form; the compact one (offsets + the tails that changed) must
+    // give the same slots as the per-layer one.
+    const AppendSlots form = pick(0, 1) == 0 ? AppendSlots::PerLayer : AppendSlots::Compact;
+    std::vector<std::vector<std::int32_t>> tails_before;
+    for (const SequenceId id : ids) tails_before.push_back(to_vector(cache_.page_table(id).fp16_tails()));
     AppendResult r;
     try {
-      r = cache_.append_tokens(ids);
+      r = cache_.append_tokens(ids, form);
     } catch (const OutOfMemory&) {
       EXPECT_FALSE(fits) << "append ran out of memory although the blocks were there";
       return true;
@@ -235,16 +241,34 @@ class Harness {
         cell(Precision::FP16, std::int64_t{c.dst} * bs_ + i) = cell(Precision::FP16, std::int64_t{c.src} * bs_ + i);
       }
     }
-    EXPECT_EQ(r.slots.size(), static_cast<std::size_t>(scenario_.shape.num_layers));
+    const auto layers = static_cast<std::size_t>(scenario_.shape.num_layers);
+    EXPECT_EQ(r.slots.size(), form == AppendSlots::PerLayer ? layers : 0u);
+    EXPECT_EQ(r.offsets.size(), ids.size());
+    if (r.offsets.size() != ids.size()) return false;
+    // tails_changed lists exactly the sequences whose tail moved in some
+    // layer, with their tails now.
+    std::vector<std::int32_t> changed;
+    for (std::size_t i = 0; i < ids.size(); ++i) {
+      if (to_vector(cache_.page_table(ids[i]).fp16_tails()) != tails_before[i]) changed.push_back(static_cast<std::int32_t>(i));
+    }
+    EXPECT_EQ(r.tails_changed, changed);
+    EXPECT_EQ(r.tail_blocks.size(), r.tails_changed.size() * layers);
+    for (std::size_t k = 0; k < r.tails_changed.size() && k < changed.size(); ++k) {
+      const std::vector<std::int32_t> reported(r.tail_blocks.begin() + static_cast<std::ptrdiff_t>(k * layers),
+                                               r.tail_blocks.begin() + static_cast<std::ptrdiff_t>((k + 1) * layers));
+      EXPECT_EQ(reported, to_vector(cache_.page_table(ids[changed[k]]).fp16_tails()));
+    }
     std::vector<Tag> tags;
     for (std::size_t i = 0; i < ids.size(); ++i) tags.push_back(next_tag_++);
-    for (std::size_t layer = 0; layer < r.slots.size(); ++layer) {
-      EXPECT_EQ(r.slots[layer].size(), ids.size());
+    for (std::size_t layer = 0; layer < layers; ++layer) {
+      if (form == AppendSlots::PerLayer) EXPECT_EQ(r.slots[layer].size(), ids.size());
       for (std::size_t i = 0; i < ids.size(); ++i) {
         const auto layer_i = static_cast<std::int32_t>(layer);
         const std::int32_t tail = cache_.blocks(ids[i], layer_i, Precision::FP16).back();
-        EXPECT_EQ(r.slots[layer][i], tail * bs_ + cache_.fp16_tail_fill(ids[i], layer_i) - 1);
-        cell(Precision::FP16, r.slots[layer][i]) = tags[i];
+        const std::int32_t slot = tail * bs_ + cache_.fp16_tail_fill(ids[i], layer_i) - 1;
+        EXPECT_EQ(tail * bs_ + r.offsets[i], slot) << "compact form, layer " << layer << ", sequence " << i;
+        if (form == AppendSlots::PerLayer) EXPECT_EQ(r.slots[layer][i], slot);
+        cell(Precision::FP16, slot) = tags[i];
       }
     }
     for (std::size_t i = 0; i < ids.size(); ++i) tokens_[ids[i]].push_back(tags[i]);

@@ -117,12 +117,36 @@ struct SequenceHandle {
   friend bool operator==(const SequenceHandle&, const SequenceHandle&) = default;
 };
 
+// What append_tokens() returns for the slots of the new tokens.
+enum class AppendSlots : std::uint8_t {
+  // AppendResult::slots, [layer][i] (num_layers x batch entries), and the
+  // compact form.
+  PerLayer = 0,
+  // The compact form only: O(batch) outside block boundaries.
+  Compact = 1,
+};
+
 struct AppendResult {
-  // [layer][i]: FP16 slot of sequence i's new token in that layer.
+  // [layer][i]: FP16 slot of sequence i's new token in that layer
+  // (AppendSlots::PerLayer; empty with AppendSlots::Compact).
   std::vector<std::vector<std::int32_t>> slots;
   // Copy-on-write of shared, partly filled FP16 tail blocks: the caller
   // copies these (ops::copy_blocks) before writing the new tokens.
   std::vector<BlockCopy> copies;
+
+  // The compact form of the slots (always filled):
+  //   slots[layer][i] == tail(i, layer) * block_size + offsets[i],
+  // tail(i, layer) being the layer's FP16 tail block after the call
+  // (PageTable::fp16_tails()). A layer's FP16 tokens are densely packed
+  // and its quantized blocks hold whole windows, so the new token has the
+  // same offset in every layer; 0 means a new tail block. An engine keeps
+  // the tails per sequence and updates them from tails_changed.
+  std::vector<std::int32_t> offsets;  // [i]
+  // Sequences (batch indices, ascending) whose tail block changed in some
+  // layer in this call (a new block, or a copy-on-write copy), and their
+  // tails after it: tail_blocks[k * num_layers + layer] for tails_changed[k].
+  std::vector<std::int32_t> tails_changed;
+  std::vector<std::int32_t> tail_blocks;
 };
 
 // The page lists of a batch for one (layer, pool) in CSR form, the shape
@@ -180,10 +204,13 @@ class KVCacheManager {
   StoreMapping prefill_mapping(SequenceId id, std::int32_t layer) const;
 
   // One decode token for each sequence (distinct ids), FP16 in every layer.
-  // All or nothing: OutOfMemory leaves every sequence as it was.
-  AppendResult append_tokens(std::span<const SequenceId> ids);
+  // All or nothing: OutOfMemory leaves every sequence as it was. A
+  // sequence outside forks whose token count is not a multiple of
+  // block_size costs O(1) with AppendSlots::Compact (every layer's tail
+  // has room); the others O(num_layers).
+  AppendResult append_tokens(std::span<const SequenceId> ids, AppendSlots form = AppendSlots::PerLayer);
   // The same through handles (UnknownId names handles[i] when stale).
-  AppendResult append_tokens(std::span<const SequenceHandle> handles);
+  AppendResult append_tokens(std::span<const SequenceHandle> handles, AppendSlots form = AppendSlots::PerLayer);
   SequenceHandle handle(SequenceId id) const;
 
   // `child` shares every block of `parent` (ref counts); the partly filled

@@ -29,6 +29,13 @@ class PageTable {
   std::span<const std::int32_t> blocks(std::int32_t layer, Precision p) const;
   // Tokens in the last FP16 block: 1..block_size, or 0 with no FP16 block.
   std::int32_t fp16_tail_fill(std::int32_t layer) const;
+  // The FP16 tail block of every layer ([layer], -1 without FP16 blocks),
+  // contiguous: what an engine mirrors to place decode tokens (slot =
+  // tail * block_size + offset).
+  std::span<const std::int32_t> fp16_tails() const { return tails_; }
+  // Tokens every layer's FP16 tail can still take: the minimum over layers
+  // of block_size - fill, 0 when some layer has no FP16 block.
+  std::int32_t fp16_room() const;
   // FP16 tokens of the layer: (FP16 blocks - 1) * block_size + tail fill.
   std::int64_t fp16_tokens(std::int32_t layer) const;
   // FP16 slot (block_id * block_size + offset) of the layer's k-th FP16
@@ -57,14 +64,18 @@ class PageTable {
   // IndexOutOfRange names "index".
   void insert_block(std::int32_t layer, Precision p, std::int32_t index, std::int32_t block_id);
 
-  // Decode fast path: one token into the FP16 tail of every layer, writing
-  // layer l's slot to layer_slots[l][i]. All or nothing: InvalidArgument
-  // (nothing changed) unless every layer's tail has room and
-  // layer_slots.size() == num_layers(). Touches two contiguous arrays, not
-  // the page lists.
-  void fill_all_fp16_tails(std::span<std::int32_t* const> layer_slots, std::size_t i);
+  // Decode fast path: one token into the FP16 tail of every layer, O(1):
+  // the fills are kept as a per-layer base plus one count of tokens added
+  // to every layer, and fp16_room() is cached. All or nothing:
+  // InvalidArgument (nothing changed) unless fp16_room() > 0.
+  void fill_all_fp16_tails();
+  // Opens a new FP16 tail holding one token in every layer: block_ids[l]
+  // for layer l. All or nothing: InvalidArgument unless block_ids.size() ==
+  // num_layers(), every id is >= 0 and every layer's tail is full or absent.
+  void open_fp16_tails(std::span<const std::int32_t> block_ids);
 
-  friend bool operator==(const PageTable&, const PageTable&) = default;
+  // Equal page lists and fills (however the fills are stored).
+  friend bool operator==(const PageTable& a, const PageTable& b);
 
  private:
   struct Layer {
@@ -74,12 +85,27 @@ class PageTable {
   const Layer& layer_at(std::int32_t layer) const;
   Layer& layer_at(std::int32_t layer);
 
+  // Before a change to one layer: folds appended_ into the per-layer bases.
+  void settle();
+  std::int32_t fill_at(std::size_t layer) const { return base_fills_[layer] + appended_; }
+  std::int32_t compute_room() const;
+
+  static constexpr std::int32_t kStale = -1;
+
   std::int32_t block_size_ = 0;
   std::vector<Layer> layers_;
-  // Per layer, contiguous (the decode step's working set): the FP16 tail's
-  // fill (0 without FP16 blocks) and its block id (-1 without).
-  std::vector<std::int32_t> fills_;
+  // Per layer, contiguous: the FP16 tail's block id (-1 without) and the
+  // base of its fill: fill = base + appended_ (0 without FP16 blocks).
   std::vector<std::int32_t> tails_;
+  std::vector<std::int32_t> base_fills_;
+  // Tokens fill_all_fp16_tails() added to every layer since the last change
+  // to a single layer: a decode token touches this count, not 2 x layers
+  // entries.
+  std::int32_t appended_ = 0;
+  // fp16_room(), or kStale after a change to a single layer (computed again
+  // by the next fill_all_fp16_tails(), once for the block_size tokens after
+  // a boundary).
+  std::int32_t room_ = 0;
 };
 
 }  // namespace mixkv

@@ -55,6 +55,11 @@ struct SchedulerConfig {
   // (Scheduler::layer_metadata builds one layer on demand). docs/scheduler.md
   // gives the cost of both.
   bool build_metadata = true;
+  // Fill StepOutput::append.slots ([layer][i]: num_layers x batch entries a
+  // step). Off, the step hands out only the compact form (append.offsets,
+  // append.tails_changed and append.tail_blocks), O(batch) outside block
+  // boundaries. docs/scheduler.md gives the cost of both.
+  bool per_layer_slots = true;
   // Fill PrefillChunk::mappings. Off, an engine asks the cache
   // (KVCacheManager::prefill_mapping) itself; simulations skip them.
   bool build_mappings = true;

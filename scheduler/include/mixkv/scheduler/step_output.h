@@ -51,7 +51,12 @@ struct StepOutput {
   // The decode batch, in batch order, and each request's page-table slot.
   std::vector<RequestId> decodes;
   std::vector<std::int32_t> decode_slots;
-  // append.slots[layer][i]: FP16 slot of decodes[i]'s new token.
+  // append.slots[layer][i]: FP16 slot of decodes[i]'s new token
+  // (SchedulerConfig::per_layer_slots), always in compact form too:
+  // slots[layer][i] == tail(decode_slots[i], layer) * block_size +
+  // append.offsets[i], where an engine keeps each slot's per-layer FP16 tail
+  // blocks: read from the page table for tables_changed, replaced by
+  // append.tail_blocks for the decodes listed in append.tails_changed.
   AppendResult append;
 
   std::vector<DemoteOp> demotions;
