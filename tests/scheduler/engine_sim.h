@@ -9,6 +9,10 @@
 //
 // It also holds the scheduler to its promises about bytes: a block swapped
 // out comes back bit-identical (hash at swap_out == hash after swap_in).
+// Decode tokens go to the slots of the compact form (per page-table slot,
+// the FP16 tail of every layer, kept from tables_changed and
+// append.tails_changed), which must equal append.slots when the step
+// carries them (SchedulerConfig::per_layer_slots).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -64,7 +68,8 @@ class EngineSim {
         cache_(sched.cache()),
         shape_(cache_.config().shape),
         arena_(cache_.config().arena_bytes),
-        host_(std::max<std::size_t>(cache_.swap_bytes(), 1)) {
+        host_(std::max<std::size_t>(cache_.swap_bytes(), 1)),
+        tails_(static_cast<std::size_t>(sched.config().max_num_seqs) * static_cast<std::size_t>(shape_.num_layers), -1) {
     for (const Precision p : kAllPrecisions) {
       pools_[pool_index(p)] = cache_.pool_view(p, arena_.data());
       host_pools_[pool_index(p)] = cache_.swap_view(p, host_.data());
@@ -120,7 +125,8 @@ class EngineSim {
       prefill_rows_ += static_cast<std::int64_t>(rows);
     }
     const std::size_t batch = out.decodes.size();
-    if (batch == 0) return;
+    const auto slots = compact_slots(out);
+    if (testing::Test::HasFatalFailure() || batch == 0) return;
     std::vector<std::int64_t> positions(batch);
     for (std::size_t b = 0; b < batch; ++b) positions[b] = cache_.num_tokens(out.decodes[b]) - 1;
     std::vector<Half> k(batch * row);
@@ -132,7 +138,7 @@ class EngineSim {
         std::copy(kr.begin(), kr.end(), k.begin() + static_cast<std::ptrdiff_t>(b * row));
         std::copy(vr.begin(), vr.end(), v.begin() + static_cast<std::ptrdiff_t>(b * row));
       }
-      cpu::append(k, v, out.append.slots[static_cast<std::size_t>(layer)], pools_[0]);
+      cpu::append(k, v, slots[static_cast<std::size_t>(layer)], pools_[0]);
     }
     if (!attention) return;
     const std::int32_t q_heads = 2 * heads;
@@ -174,6 +180,44 @@ class EngineSim {
  private:
   std::size_t block_bytes(Precision p) const { return pools_[pool_index(p)].format.block_bytes(); }
 
+  // [layer][i]: the decode slots from the compact form, after updating the
+  // per-slot tails; equal to out.append.slots when the step has them.
+  std::vector<std::vector<std::int32_t>> compact_slots(const StepOutput& out) {
+    const auto layers = static_cast<std::size_t>(shape_.num_layers);
+    const std::int32_t bs = shape_.block_size;
+    for (const RequestId id : out.tables_changed) {
+      // A request demoted and then preempted in the same step holds no slot.
+      if (!sched_.contains(id) || sched_.status(id).slot < 0) continue;
+      const auto tails = cache_.page_table(id).fp16_tails();
+      std::copy(tails.begin(), tails.end(), tails_.begin() + static_cast<std::ptrdiff_t>(sched_.status(id).slot * layers));
+    }
+    const AppendResult& a = out.append;
+    const std::size_t batch = out.decodes.size();
+    EXPECT_EQ(a.offsets.size(), batch);
+    EXPECT_EQ(a.tail_blocks.size(), a.tails_changed.size() * layers);
+    if (a.offsets.size() != batch || a.tail_blocks.size() != a.tails_changed.size() * layers) {
+      ADD_FAILURE() << "malformed compact slots";
+      return {};
+    }
+    for (std::size_t k = 0; k < a.tails_changed.size(); ++k) {
+      const auto slot = static_cast<std::size_t>(out.decode_slots[static_cast<std::size_t>(a.tails_changed[k])]);
+      std::copy(a.tail_blocks.begin() + static_cast<std::ptrdiff_t>(k * layers),
+                a.tail_blocks.begin() + static_cast<std::ptrdiff_t>((k + 1) * layers),
+                tails_.begin() + static_cast<std::ptrdiff_t>(slot * layers));
+    }
+    std::vector<std::vector<std::int32_t>> slots(layers, std::vector<std::int32_t>(batch));
+    for (std::size_t b = 0; b < batch; ++b) {
+      const auto slot = static_cast<std::size_t>(out.decode_slots[b]);
+      for (std::size_t l = 0; l < layers; ++l) slots[l][b] = tails_[slot * layers + l] * bs + a.offsets[b];
+    }
+    if (sched_.config().per_layer_slots) {
+      EXPECT_EQ(slots, a.slots) << "step " << out.step << ": the compact slots differ from append.slots";
+    } else {
+      EXPECT_TRUE(a.slots.empty());
+    }
+    return slots;
+  }
+
   void fill_rows(RequestId id, std::int64_t from, std::int64_t to, std::int32_t layer, std::vector<Half>& k,
                  std::vector<Half>& v) const {
     const std::int32_t heads = shape_.num_kv_heads;
@@ -196,6 +240,7 @@ class EngineSim {
   std::vector<std::byte> host_;
   cpu::PoolViews pools_{};
   cpu::PoolViews host_pools_{};
+  std::vector<std::int32_t> tails_;  // [page-table slot][layer]: FP16 tail block (compact slots)
   std::map<RequestId, std::vector<std::uint64_t>> swapped_;
   std::map<std::tuple<RequestId, std::int64_t, std::int32_t>, std::vector<float>> outputs_;
   std::int64_t demoted_ = 0;

@@ -23,6 +23,7 @@ struct Workload {
   std::uint64_t seed = 1;
   std::int32_t requests = 10000;
   SchedulingPolicy policy = SchedulingPolicy::FCFS;
+  bool per_layer_slots = true;  // false: the engine has only the compact slots
 };
 
 CacheConfig small_cache() {
@@ -45,6 +46,7 @@ class Simulation {
     c.max_num_batched_tokens = 96;
     c.watermark = 0.0;
     c.policy = w.policy;
+    c.per_layer_slots = w.per_layer_slots;
     c.preemption = PreemptionMode::Swap;  // falls back to recompute when the host pool is full
     c.demote_under_pressure = true;
     c.max_demotions_per_step = 8;
@@ -211,7 +213,7 @@ TEST(SchedulerRandomized, TenThousandRequestsUnderPressure) {
 }
 
 TEST(SchedulerRandomized, PriorityPolicyUnderPressure) {
-  Simulation sim(Workload{2, 2000, SchedulingPolicy::Priority});
+  Simulation sim(Workload{2, 2000, SchedulingPolicy::Priority, /*per_layer_slots=*/false});
   sim.run();
 }
 

@@ -119,6 +119,27 @@ TEST(Scheduler, ForcedPreemptionChangesNoFp16Result) {
   }
 }
 
+// An engine with only the compact slots (offsets + changed tails) writes
+// every decode token where the per-layer slots say: the same outputs, bit
+// for bit, under demotion, swapping and recompute.
+TEST(Scheduler, CompactSlotsGiveTheSameOutputs) {
+  std::vector<Request> work = fp16_workload(40, 5);
+  for (Request& r : work) {
+    for (std::int32_t w = 1; w < r.plan->num_windows(); ++w) r.plan->set(w % 2, w, w % 3 == 0 ? Precision::INT2 : Precision::INT4);
+  }
+  SchedulerConfig config = base_config();
+  config.preemption = PreemptionMode::Swap;
+  SchedulerStats with_stats;
+  const auto with_slots = serve(tiny(12, {20, 4, 4}), config, work, &with_stats);
+  config.per_layer_slots = false;
+  SchedulerStats compact_stats;
+  const auto compact = serve(tiny(12, {20, 4, 4}), config, work, &compact_stats);
+  EXPECT_GT(with_stats.demotions, 0);
+  EXPECT_GT(with_stats.preempted_swap + with_stats.preempted_recompute, 0);
+  EXPECT_EQ(compact_stats.decode_tokens, with_stats.decode_tokens);
+  EXPECT_EQ(compact, with_slots);
+}
+
 // Steps until `id` is in `state` (or gives up).
 void step_until(Scheduler& sched, test::EngineSim& engine, RequestId id, RequestState state) {
   for (int i = 0; i < 200 && sched.contains(id) && sched.status(id).state != state; ++i) engine.apply(sched.step(), false);
