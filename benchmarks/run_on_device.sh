@@ -5,6 +5,7 @@
 # Usage: benchmarks/run_on_device.sh [--bench-only] [--tests-only]
 #          [--skip-sanitizer] [--skip-sdpa] [--quick] [--filter GTEST_FILTER]
 #          [--mine]  (build only mixkv_cuda_tests + mixkv_decode_bench, no ctest)
+#          [--contexts LIST] (decode bench contexts only, e.g. 19600)
 #          [--ncu]   (Nsight Compute sections of the decode kernel: batch 64 x 19,600 INT2
 #                     and batch 1 x 19,600 mixed, into ncu.log)
 # Boost (headers) and GoogleTest are taken from the system when present,
@@ -13,7 +14,7 @@
 set -uo pipefail
 OUT=${OUT:-$PWD/device-out}
 mkdir -p "$OUT"
-TESTS=1 SANITIZER=1 BENCH=1 SDPA=1 QUICK="" FILTER="*" MINE=0 NCU=0
+TESTS=1 SANITIZER=1 BENCH=1 SDPA=1 QUICK="" FILTER="*" MINE=0 NCU=0 CONTEXTS=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --bench-only) TESTS=0; SANITIZER=0 ;;
@@ -24,6 +25,7 @@ while [ $# -gt 0 ]; do
     --mine) MINE=1 ;;
     --ncu) NCU=1 ;;
     --filter) FILTER="$2"; shift ;;
+    --contexts) CONTEXTS=(--contexts "$2"); shift ;;
     *) echo "unknown flag $1"; exit 2 ;;
   esac
   shift
@@ -88,7 +90,7 @@ if [ "$NCU" = 1 ]; then
   echo "ncu: rc=$?"; grep -E "Duration|Warp Cycles Per Issued|Issued Warp|No Eligible|Achieved Occupancy|Registers|Stall|Memory Throughput|Compute \(SM\)" "$OUT/ncu.log" | head -40
 fi
 if [ "$BENCH" = 1 ]; then
-  timeout 150 "$BUILD/benchmarks/mixkv_decode_bench" --out "$OUT/decode_bench.json" $QUICK 2>&1 | tee "$OUT/bench.log"
+  timeout 150 "$BUILD/benchmarks/mixkv_decode_bench" --out "$OUT/decode_bench.json" $QUICK ${CONTEXTS[@]+"${CONTEXTS[@]}"} 2>&1 | tee "$OUT/bench.log"
 fi
 if [ "$SDPA" = 1 ]; then
   PYTHONUNBUFFERED=1 timeout 100 python3 benchmarks/sdpa_bench.py --out "$OUT/sdpa_bench.json" $QUICK 2>&1
@@ -100,7 +102,7 @@ if [ "$TESTS" = 1 ]; then
     timeout 240 ctest --test-dir "$BUILD" -j8 --output-on-failure --timeout 200 >"$OUT/ctest.log" 2>&1
     echo "ctest: rc=$? in $(( $(date +%s) - t0 )) s"; grep -E "tests passed|tests failed|\(Failed\)|Not Run|Timeout" "$OUT/ctest.log" | head -30
   else
-    timeout 300 "$BUILD/tests/mixkv_cuda_tests" --gtest_filter="$FILTER" >"$OUT/cuda_tests.log" 2>&1
+    timeout "${TEST_TIMEOUT:-300}" "$BUILD/tests/mixkv_cuda_tests" --gtest_filter="$FILTER" >"$OUT/cuda_tests.log" 2>&1
     echo "mixkv_cuda_tests: rc=$?"; grep -E "^\[  (PASSED|FAILED|SKIPPED) |Failure|Expected|Which is|error" "$OUT/cuda_tests.log" | head -40
   fi
 fi

@@ -23,7 +23,8 @@ def rows(bench, sdpa):
         row["ratio_dense"] = r["time_us"] / dense[key]
         row["sdpa_us"] = sdpa.get(key)
         row["ratio_sdpa"] = r["time_us"] / sdpa[key] if key in sdpa else None
-        row["pct_bw"] = 100.0 * r["gbps"] / bench["read_bandwidth_gbps"]
+        # a row merged in from another run keeps that run's ceiling
+        row["pct_bw"] = 100.0 * r["gbps"] / r.get("read_bandwidth_gbps", bench["read_bandwidth_gbps"])
         out.append(row)
     return out
 

@@ -100,8 +100,8 @@ __device__ __forceinline__ void online_softmax_rescale(float& bm0, float& bm1, W
   // head of the warp, every alpha is 1 and the rescale is skipped.
   const bool moved = __any_sync(0xffffffffu, m0 != st.m[0] || m1 != st.m[1]);
   if (moved) {
-    const float alpha0 = exp2f(st.m[0] - base0);
-    const float alpha1 = exp2f(st.m[1] - base1);
+    const float alpha0 = exp2_ftz(st.m[0] - base0);
+    const float alpha1 = exp2_ftz(st.m[1] - base1);
     st.l[0] *= alpha0;
     st.l[1] *= alpha1;
     st.vb[0] *= alpha0;
@@ -132,10 +132,10 @@ __device__ __forceinline__ void online_softmax(float (&s)[MT][4], WarpState<D>& 
   online_softmax_rescale(bm0, bm1, st, base0, base1);
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
-    s[mt][0] = exp2f(s[mt][0] - base0);
-    s[mt][1] = exp2f(s[mt][1] - base1);
-    s[mt][2] = exp2f(s[mt][2] - base0);
-    s[mt][3] = exp2f(s[mt][3] - base1);
+    s[mt][0] = exp2_ftz(s[mt][0] - base0);
+    s[mt][1] = exp2_ftz(s[mt][1] - base1);
+    s[mt][2] = exp2_ftz(s[mt][2] - base0);
+    s[mt][3] = exp2_ftz(s[mt][3] - base1);
     st.l[0] += s[mt][0] + s[mt][2];
     st.l[1] += s[mt][1] + s[mt][3];
   }
@@ -234,21 +234,23 @@ __device__ __forceinline__ uint32_t load_k_run(const char* k_codes, int channel,
   }
 }
 
-// The thread's run of one token's V codes: D/8 channels of `Bits` bits.
-template <int D, int Bits>
-struct VRun {
-  static constexpr int kBytes = D / 8 * Bits / 8;
-  static constexpr int kWords = kBytes >= 4 ? kBytes / 4 : 1;
+// `Bytes` consecutive bytes of shared memory (aligned to their size, or to
+// 16 above that) in the widest loads; under 4 bytes in the low bits of w[0].
+template <int Bytes>
+struct SmemRun {
+  static constexpr int kWords = Bytes >= 4 ? Bytes / 4 : 1;
   uint32_t w[kWords];
-  __device__ __forceinline__ void load(const char* row, int g) {
-    const char* p = row + g * kBytes;
-    if constexpr (kBytes == 16) {
-      const uint4 x = *reinterpret_cast<const uint4*>(p);
-      w[0] = x.x; w[1] = x.y; w[2] = x.z; w[3] = x.w;
-    } else if constexpr (kBytes == 8) {
+  __device__ __forceinline__ void load(const char* p) {
+    if constexpr (Bytes >= 16) {
+#pragma unroll
+      for (int i = 0; i < Bytes / 16; ++i) {
+        const uint4 x = reinterpret_cast<const uint4*>(p)[i];
+        w[4 * i] = x.x; w[4 * i + 1] = x.y; w[4 * i + 2] = x.z; w[4 * i + 3] = x.w;
+      }
+    } else if constexpr (Bytes == 8) {
       const uint2 x = *reinterpret_cast<const uint2*>(p);
       w[0] = x.x; w[1] = x.y;
-    } else if constexpr (kBytes == 4) {
+    } else if constexpr (Bytes == 4) {
       w[0] = *reinterpret_cast<const uint32_t*>(p);
     } else {
       w[0] = *reinterpret_cast<const uint16_t*>(p);
@@ -256,10 +258,14 @@ struct VRun {
   }
 };
 
+// The thread's run of one token's V codes: D/8 channels of `Bits` bits.
+template <int D, int Bits>
+inline constexpr int kVRunBytes = D / 8 * Bits / 8;
+
 // Where token i of a thread's K run lies in the pair word of two channels
 // (x[0]: bits 0..15 of each run, x[1]: bits 16..31): its half, whether that
 // half is shifted right by 8 first, and the bit k of its code there, so that
-// k + Bits <= 10 and one lop3 makes 1024 + 2^k code (device_math.cuh).
+// k + Bits <= 10 and one lop3 makes 1024 + 2^k code (biased_codes_at).
 template <int Bits>
 struct KRunPos {
   static constexpr int half(int i) { return i * Bits / 16; }
@@ -274,20 +280,19 @@ __device__ __forceinline__ uint32_t biased_codes_at(uint32_t x, int k) {
   return lop3_and_or(x, mask, 0x64006400u);
 }
 
-// Exact codes (as half2) of the two `Bits`-bit fields at bit `bit` of each
-// 16-bit half: fields above bit 10 - Bits are first shifted down by 8; the
-// lop3 gives 1024 + 2^k code and one FMA by 2^-k, -1024 2^-k restores the
-// code exactly. (V needs exact codes: its accumulator lives for a whole work
-// item, and a long average is far smaller than a 1024 offset.)
+// Where a V field at bit `bit` of a 16-bit half lands after its lop3: fields
+// above bit 10 - Bits are first shifted down by 8, the code sits at bit k.
 template <int Bits>
-__device__ __forceinline__ uint32_t exact_codes(uint32_t x, int bit) {
-  const bool high = bit + Bits > 10;
-  const int k = high ? bit - 8 : bit;
-  const uint32_t biased = biased_codes_at<Bits>(high ? x >> 8 : x, k);
-  const __half2 scale = __half2half2(__ushort_as_half(static_cast<unsigned short>((15 - k) << 10)));  // 2^-k
-  const __half2 offset = __half2half2(__ushort_as_half(static_cast<unsigned short>(0xE400 - (k << 10))));  // -1024 2^-k
-  const __half2 r = __hfma2(*reinterpret_cast<const __half2*>(&biased), scale, offset);
-  return *reinterpret_cast<const uint32_t*>(&r);
+struct VFieldPos {
+  static constexpr bool shifted(int bit) { return bit + Bits > 10; }
+  static constexpr int k(int bit) { return shifted(bit) ? bit - 8 : bit; }
+};
+
+// 1024 + 2^k code (as half2) of the two `Bits`-bit fields at bit `bit` of
+// each 16-bit half.
+template <int Bits>
+__device__ __forceinline__ uint32_t v_codes_at(uint32_t x, int bit) {
+  return biased_codes_at<Bits>(VFieldPos<Bits>::shifted(bit) ? x >> 8 : x, VFieldPos<Bits>::k(bit));
 }
 
 template <int Bits>
@@ -296,14 +301,56 @@ __device__ __forceinline__ uint32_t k_codes_of(const uint32_t (&x)[2], int i) {
   return biased_codes_at<Bits>(KRunPos<Bits>::shifted(i) ? h >> 8 : h, KRunPos<Bits>::k(i));
 }
 
+// The thread's K code runs of every k-step, paired as the MMA wants them:
+// x[ks][0] holds channels c0 = 16 ks + 2r and c0 + 1, x[ks][1] channels
+// c0 + 8 and c0 + 9; [..][h] has bits 16h..16h+15 of each run (low channel
+// in the low half).
+template <int D, int S, int Bits>
+__device__ __forceinline__ void load_k_pairs(const char* k_codes, uint32_t (&x)[D / 16][2][2], int lane) {
+  const int g = lane >> 2;
+  const int r = lane & 3;
+  if constexpr (S * Bits / 8 == 16) {
+    // 16-byte channel rows: a transposing ldmatrix of 8 channel rows gives
+    // thread (g, r) the 16-bit run g of channels 2r (low) and 2r + 1 (high),
+    // so one x4 load covers two k-steps; lane l names channel 32 h + l.
+#pragma unroll
+    for (int h = 0; h < D / 32; ++h) {
+      uint32_t m[4];
+      ldmatrix_x4_trans(m, k_codes + (32 * h + lane) * 16);
+      x[2 * h][0][0] = m[0];
+      x[2 * h][1][0] = m[1];
+      x[2 * h + 1][0][0] = m[2];
+      x[2 * h + 1][1][0] = m[3];
+      x[2 * h][0][1] = x[2 * h][1][1] = x[2 * h + 1][0][1] = x[2 * h + 1][1][1] = 0u;  // 16-bit runs
+    }
+  } else {
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+      const int c0 = 16 * ks + 2 * r;
+      const uint32_t u0 = load_k_run<S, Bits>(k_codes, c0, g);
+      const uint32_t u1 = load_k_run<S, Bits>(k_codes, c0 + 1, g);
+      const uint32_t u8 = load_k_run<S, Bits>(k_codes, c0 + 8, g);
+      const uint32_t u9 = load_k_run<S, Bits>(k_codes, c0 + 9, g);
+      x[ks][0][0] = prmt(u0, u1, 0x5410);
+      x[ks][0][1] = prmt(u0, u1, 0x7632);
+      x[ks][1][0] = prmt(u8, u9, 0x5410);
+      x[ks][1][1] = prmt(u8, u9, 0x7632);
+    }
+  }
+}
+
 // One quantized block of S tokens (permuted token order, see the top).
 // The tensor cores get biased codes straight from one lop3 each:
 //   K: 1024 + 2^k x (k fixed per token row), so
 //      S^T[t] = 2^-k_t (sum_c q'_c (1024 + 2^k x_tc) - 1024 sum_c q'_c) + sum_c q_c m_c,
 //      with sum_c q'_c and sum_c q_c m_c from two rank-1 MMAs per k-step;
-//   V: exact codes (exact_codes): its accumulator spans the whole work item.
-// K's accumulators are fresh per block, so the 1024 offset costs about 7 of
-// their 24 bits on scores of a few units: noise far below FP16 rounding.
+//   V: 1024 + 2^k x (k fixed per channel row) into a block accumulator that
+//      starts at -1024 sum_t p'_t (a rank-1 MMA over the same FP16 p'), then
+//      scaled by 2^-k into the running one.
+// Both offsets live in accumulators of one block only, so the 1024 costs
+// about 10 of their 24 bits on sums of a few units: noise far below FP16
+// rounding. (The running V accumulator must never carry the offset: a long
+// average is ~1e4 times smaller than 1024 sum p', v2 in kernel-notes-log.md.)
 template <int D, int S, int Bits>
 __device__ __forceinline__ void compute_quant_block(const char* slot, const uint32_t (&qf)[D / 16][2],
                                                     float scale_log2, WarpState<D>& st, int lane) {
@@ -326,15 +373,12 @@ __device__ __forceinline__ void compute_quant_block(const char* slot, const uint
   }
   float bias[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // sum_c q_c m_c (every row alike)
   float qsum[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // sum_c q'_c
-  const char* k_codes = slot + F.k_offset();
+  uint32_t kx[D / 16][2][2];
+  load_k_pairs<D, S, Bits>(slot + F.k_offset(), kx, lane);
   const uint32_t* k_params = reinterpret_cast<const uint32_t*>(slot + F.k_params_offset());
 #pragma unroll
   for (int ks = 0; ks < D / 16; ++ks) {
     const int c0 = 16 * ks + 2 * r;
-    const uint32_t u0 = load_k_run<S, Bits>(k_codes, c0, g);
-    const uint32_t u1 = load_k_run<S, Bits>(k_codes, c0 + 1, g);
-    const uint32_t u8 = load_k_run<S, Bits>(k_codes, c0 + 8, g);
-    const uint32_t u9 = load_k_run<S, Bits>(k_codes, c0 + 9, g);
     const uint2 p0 = *reinterpret_cast<const uint2*>(k_params + c0);
     const uint2 p8 = *reinterpret_cast<const uint2*>(k_params + c0 + 8);
     const uint32_t qb0 = hmul2_u32(qf[ks][0], prmt(p0.x, p0.y, 0x5410));
@@ -345,12 +389,10 @@ __device__ __forceinline__ void compute_quant_block(const char* slot, const uint
     mma_16816(bias, am, qf[ks][0], qf[ks][1]);
     const uint32_t ones[4] = {kOnes, kOnes, kOnes, kOnes};
     mma_16816(qsum, ones, qb0, qb1);
-    const uint32_t x01[2] = {prmt(u0, u1, 0x5410), prmt(u0, u1, 0x7632)};
-    const uint32_t x89[2] = {prmt(u8, u9, 0x5410), prmt(u8, u9, 0x7632)};
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
-      const uint32_t a[4] = {k_codes_of<Bits>(x01, 2 * mt), k_codes_of<Bits>(x01, 2 * mt + 1),
-                             k_codes_of<Bits>(x89, 2 * mt), k_codes_of<Bits>(x89, 2 * mt + 1)};
+      const uint32_t a[4] = {k_codes_of<Bits>(kx[ks][0], 2 * mt), k_codes_of<Bits>(kx[ks][0], 2 * mt + 1),
+                             k_codes_of<Bits>(kx[ks][1], 2 * mt), k_codes_of<Bits>(kx[ks][1], 2 * mt + 1)};
       mma_16816(ks % 2 ? s_odd[mt] : s[mt], a, qb0, qb1);
     }
   }
@@ -372,10 +414,11 @@ __device__ __forceinline__ void compute_quant_block(const char* slot, const uint
   float vscale[kRunTokens];
   float vmin[kRunTokens];
   {
-    const uint32_t* v_params = reinterpret_cast<const uint32_t*>(slot + F.v_params_offset()) + kRunTokens * g;
+    SmemRun<4 * kRunTokens> v_params;  // (scale, min) of each of the thread's tokens
+    v_params.load(slot + F.v_params_offset() + 4 * kRunTokens * g);
 #pragma unroll
     for (int i = 0; i < kRunTokens; ++i) {
-      const uint32_t sm = v_params[i];
+      const uint32_t sm = v_params.w[i];
       vscale[i] = __half2float(__ushort_as_half(static_cast<unsigned short>(sm & 0xffffu)));
       vmin[i] = __half2float(__ushort_as_half(static_cast<unsigned short>(sm >> 16)));
     }
@@ -393,34 +436,58 @@ __device__ __forceinline__ void compute_quant_block(const char* slot, const uint
   }
 
   // ---- O^T += V^T P'^T, one k-step per m-tile of 16 tokens
+  uint32_t pb[MT][2];  // P'^T as B fragments
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    pb[mt][0] = movmatrix_trans(pack_half2(s[mt][0], s[mt][1]));
+    pb[mt][1] = movmatrix_trans(pack_half2(s[mt][2], s[mt][3]));
+  }
+  // -1024 sum_t p'_t per head (every row alike), from the FP16 p' the MMAs use.
+  float offset[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  {
+    constexpr uint32_t kMinus1024 = 0xE400E400u;  // half2(-1024, -1024)
+    const uint32_t a[4] = {kMinus1024, kMinus1024, kMinus1024, kMinus1024};
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) mma_16816(offset, a, pb[mt][0], pb[mt][1]);
+  }
   const char* v_codes = slot + F.v_offset();
   constexpr int kRowBytes = D * Bits / 8;
   constexpr int kChannelsPerWord = 32 / Bits;
+  // k = 2r, 2r+1, 2r+8, 2r+9 of m-tile mt: tokens ta, tb, ta + 1, tb + 1
+  constexpr int kVBytes = kVRunBytes<D, Bits>;
+  SmemRun<kVBytes> v[MT][4];
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
-    const uint32_t b0 = movmatrix_trans(pack_half2(s[mt][0], s[mt][1]));
-    const uint32_t b1 = movmatrix_trans(pack_half2(s[mt][2], s[mt][3]));
-    // k = 2r, 2r+1, 2r+8, 2r+9 of this m-tile
     const int ta = kRunTokens * (2 * r) + 2 * mt;
     const int tb = kRunTokens * (2 * r + 1) + 2 * mt;
-    VRun<D, Bits> va, vbr, vc, vd;
-    va.load(v_codes + ta * kRowBytes, g);
-    vbr.load(v_codes + tb * kRowBytes, g);
-    vc.load(v_codes + (ta + 1) * kRowBytes, g);
-    vd.load(v_codes + (tb + 1) * kRowBytes, g);
+    const char* run = v_codes + g * kVBytes;
+    v[mt][0].load(run + ta * kRowBytes);
+    v[mt][1].load(run + tb * kRowBytes);
+    v[mt][2].load(run + (ta + 1) * kRowBytes);
+    v[mt][3].load(run + (tb + 1) * kRowBytes);
+  }
 #pragma unroll
-    for (int cm = 0; cm < D / 16; ++cm) {
-      const int e0 = 2 * cm;  // first of the tile's two channels within the thread's run
-      const int word = e0 / kChannelsPerWord;
-      const int in_word = e0 % kChannelsPerWord;
-      const uint32_t sel = in_word / kCodesPer16 ? 0x7632 : 0x5410;
-      const int shift = (in_word % kCodesPer16) * Bits;
-      const uint32_t xab = prmt(va.w[word], vbr.w[word], sel);
-      const uint32_t xcd = prmt(vc.w[word], vd.w[word], sel);
-      const uint32_t a[4] = {exact_codes<Bits>(xab, shift), exact_codes<Bits>(xab, shift + Bits),
-                             exact_codes<Bits>(xcd, shift), exact_codes<Bits>(xcd, shift + Bits)};
-      mma_16816(st.acc[cm], a, b0, b1);
+  for (int cm = 0; cm < D / 16; ++cm) {
+    const int e0 = 2 * cm;  // first of the tile's two channels within the thread's run
+    const int word = e0 / kChannelsPerWord;
+    const int in_word = e0 % kChannelsPerWord;
+    const uint32_t sel = in_word / kCodesPer16 ? 0x7632 : 0x5410;
+    const int shift = (in_word % kCodesPer16) * Bits;  // row g; row g + 8 at shift + Bits
+    float blk[4] = {offset[0], offset[1], offset[2], offset[3]};
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      const uint32_t xab = prmt(v[mt][0].w[word], v[mt][1].w[word], sel);
+      const uint32_t xcd = prmt(v[mt][2].w[word], v[mt][3].w[word], sel);
+      const uint32_t a[4] = {v_codes_at<Bits>(xab, shift), v_codes_at<Bits>(xab, shift + Bits),
+                             v_codes_at<Bits>(xcd, shift), v_codes_at<Bits>(xcd, shift + Bits)};
+      mma_16816(blk, a, pb[mt][0], pb[mt][1]);
     }
+    const float f0 = __int_as_float((127 - VFieldPos<Bits>::k(shift)) << 23);         // 2^-k, row g
+    const float f1 = __int_as_float((127 - VFieldPos<Bits>::k(shift + Bits)) << 23);  // row g + 8
+    st.acc[cm][0] = fmaf(blk[0], f0, st.acc[cm][0]);
+    st.acc[cm][1] = fmaf(blk[1], f0, st.acc[cm][1]);
+    st.acc[cm][2] = fmaf(blk[2], f1, st.acc[cm][2]);
+    st.acc[cm][3] = fmaf(blk[3], f1, st.acc[cm][3]);
   }
 }
 

@@ -1,7 +1,7 @@
 #pragma once
 // Warp-level building blocks of the decode kernels: tensor-core MMA,
-// register transposes, ldmatrix, cp.async, and the exact integer -> FP16
-// conversion of packed codes. sm_80+ PTX (built for sm_90).
+// register transposes, ldmatrix, cp.async, exp2 and the lop3 that puts
+// packed codes into FP16 mantissas. sm_80+ PTX (built for sm_90).
 #include <cuda_fp16.h>
 
 #include <cstdint>
@@ -36,6 +36,15 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* smem_r
                : "r"(addr));
 }
 
+// Transposing ldmatrix: thread (g, r) of each 8x8 b16 matrix gets element g
+// of rows 2r (low half) and 2r + 1 (high half).
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* smem_row) {
+  const auto addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem_row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
 // 16-byte asynchronous global -> shared copy; `src_bytes` < 16 zero-fills
 // the rest (0 reads nothing: used for token rows past a block's fill).
 __device__ __forceinline__ void cp_async_16(void* smem_dst, const void* gmem_src, int src_bytes = 16) {
@@ -46,6 +55,14 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// 2^x in one MUFU: results below 2^-126 flush to zero (exp2f adds a
+// subnormal fix-up of three instructions, pointless for softmax weights).
+__device__ __forceinline__ float exp2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
 }
 
 __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t selector) {
@@ -69,28 +86,6 @@ __device__ __forceinline__ uint32_t lop3_and_or(uint32_t a, uint32_t b, uint32_t
   uint32_t d;
   asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
   return d;
-}
-
-// Two codes of `Bits` bits at bit k (k + Bits <= 10) of each 16-bit half of x
-// -> the half2 (1024 + 2^k code_lo, 1024 + 2^k code_hi), exactly, in one
-// lop3: the code lands in the mantissa of 1024.0 (0x6400). The kernels
-// remove the 1024 and the 2^k afterwards, on sums (see decode_kernel.cuh).
-template <int Bits, int K>
-__device__ __forceinline__ uint32_t biased_codes(uint32_t x) {
-  static_assert(K + Bits <= 10, "code must stay inside the mantissa");
-  constexpr uint32_t kMask = (((1u << Bits) - 1u) << K) * 0x00010001u;
-  return lop3_and_or(x, kMask, 0x64006400u);
-}
-
-// Two codes of `Bits` bits at bit `shift` of each 16-bit half of x -> the
-// half2 (code_lo, code_hi), exactly: OR-ing a code into the mantissa of
-// 1024.0 (0x6400) gives 1024 + code, and subtracting 1024 is exact.
-template <int Bits>
-__device__ __forceinline__ uint32_t codes_to_half2(uint32_t x, int shift) {
-  constexpr uint32_t kMask = ((1u << Bits) - 1u) * 0x00010001u;
-  const uint32_t biased = ((x >> shift) & kMask) | 0x64006400u;
-  const __half2 r = __hsub2(*reinterpret_cast<const __half2*>(&biased), __half2half2(__ushort_as_half(0x6400)));
-  return *reinterpret_cast<const uint32_t*>(&r);
 }
 
 }  // namespace mixkv::gpu::detail
