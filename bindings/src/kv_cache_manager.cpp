@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include <pybind11/native_enum.h>
 #include <pybind11/stl.h>
 
 #include "bindings.h"
@@ -128,10 +129,27 @@ void bind_kv_cache_manager(py::module_& m) {
                std::to_string(d.dst_block) + ")";
       });
 
+  py::native_enum<AppendSlots>(m, "AppendSlots", "enum.IntEnum", "What append_tokens() returns for the slots.")
+      .value("PerLayer", AppendSlots::PerLayer, "AppendResult.slots [num_layers, batch], and the compact form")
+      .value("Compact", AppendSlots::Compact, "the compact form only: O(batch) outside block boundaries")
+      .finalize();
+
   py::class_<AppendResult>(m, "AppendResult", "What append_tokens() allocated for one decode token per sequence.")
       .def_property_readonly(
           "slots", [](const AppendResult& r) { return slots_array(r.slots); },
-          "int32 array [num_layers, batch]: FP16 slot of sequence i's new token in each layer.")
+          "int32 array [num_layers, batch]: FP16 slot of sequence i's new token in each layer (empty with "
+          "AppendSlots.Compact).")
+      .def_property_readonly(
+          "offsets", [](const AppendResult& r) { return int32_array(r.offsets); },
+          "int32 [batch]: the new token's offset in its FP16 tail block, the same in every layer (compact form: "
+          "slot = tail * block_size + offset).")
+      .def_property_readonly(
+          "tails_changed", [](const AppendResult& r) { return int32_array(r.tails_changed); },
+          "int32: batch indices whose tail block changed in some layer (new block or copy-on-write).")
+      .def_property_readonly(
+          "tail_blocks", [](const AppendResult& r) { return int32_array(r.tail_blocks); },
+          "int32 [len(tails_changed) * num_layers]: their tails after the call, tail_blocks[k * num_layers + "
+          "layer].")
       .def_readonly("copies", &AppendResult::copies,
                     "list[BlockCopy]: shared, partly filled FP16 tails to copy (ops.copy_blocks) before the "
                     "new tokens are written.");
@@ -187,8 +205,10 @@ void bind_kv_cache_manager(py::module_& m) {
            "Where the prompt rows of `id` go in `layer`.")
       .def(
           "append_tokens",
-          [](KVCacheManager& mgr, const std::vector<SequenceId>& ids) { return mgr.append_tokens(ids); },
-          py::arg("ids"),
+          [](KVCacheManager& mgr, const std::vector<SequenceId>& ids, AppendSlots form) {
+            return mgr.append_tokens(ids, form);
+          },
+          py::arg("ids"), py::arg("form") = AppendSlots::PerLayer,
            "One decode token for each sequence (distinct ids), FP16 in every layer. All or nothing: "
            "MemoryError leaves every sequence as it was.")
       .def("fork", &KVCacheManager::fork, py::arg("parent"), py::arg("child"),

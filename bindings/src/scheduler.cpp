@@ -65,7 +65,8 @@ void bind_scheduler(py::module_& m) {
       .def(py::init([](std::int32_t max_num_seqs, std::int32_t max_num_batched_tokens, bool chunked_prefill,
                        SchedulingPolicy policy, double watermark, bool demote_under_pressure,
                        std::int32_t max_demotions_per_step, PreemptionMode preemption, std::int32_t lookahead,
-                       std::int32_t max_head_bypass, bool build_metadata, std::optional<PlannerConfig> planner) {
+                       std::int32_t max_head_bypass, bool build_metadata, bool per_layer_slots, bool build_mappings,
+                       std::optional<PlannerConfig> planner) {
              // Field by field: the struct may grow (the defaults stay the C++ ones).
              SchedulerConfig c;
              c.max_num_seqs = max_num_seqs;
@@ -79,6 +80,8 @@ void bind_scheduler(py::module_& m) {
              c.lookahead = lookahead;
              c.max_head_bypass = max_head_bypass;
              c.build_metadata = build_metadata;
+             c.per_layer_slots = per_layer_slots;
+             c.build_mappings = build_mappings;
              c.planner = std::move(planner);
              return c;
            }),
@@ -89,6 +92,7 @@ void bind_scheduler(py::module_& m) {
            py::arg("max_demotions_per_step") = defaults.max_demotions_per_step,
            py::arg("preemption") = defaults.preemption, py::arg("lookahead") = defaults.lookahead,
            py::arg("max_head_bypass") = defaults.max_head_bypass, py::arg("build_metadata") = defaults.build_metadata,
+           py::arg("per_layer_slots") = defaults.per_layer_slots, py::arg("build_mappings") = defaults.build_mappings,
            py::arg("planner") = py::none())
       .def_readwrite("max_num_seqs", &SchedulerConfig::max_num_seqs)
       .def_readwrite("max_num_batched_tokens", &SchedulerConfig::max_num_batched_tokens)
@@ -101,6 +105,9 @@ void bind_scheduler(py::module_& m) {
       .def_readwrite("lookahead", &SchedulerConfig::lookahead)
       .def_readwrite("max_head_bypass", &SchedulerConfig::max_head_bypass)
       .def_readwrite("build_metadata", &SchedulerConfig::build_metadata)
+      .def_readwrite("per_layer_slots", &SchedulerConfig::per_layer_slots,
+                     "fill StepOutput.append.slots; off, only the compact form")
+      .def_readwrite("build_mappings", &SchedulerConfig::build_mappings, "fill PrefillChunk.mappings")
       .def_readwrite("planner", &SchedulerConfig::planner);
 
   py::class_<PyRequest>(m, "Request",

@@ -66,6 +66,11 @@ def test_append_tokens_grows_the_fp16_tail(cache):
     assert len(cache.blocks(2, 1, P.FP16)) == 2
     tail = int(cache.blocks(1, 1, P.FP16)[-1])
     assert result.slots[1, 0] == tail * 32 + 20
+    # The compact form: the same slots as (tail block, offset), tails reported when they change.
+    assert result.offsets.tolist() == [20, 0] and result.tails_changed.tolist() == [1]
+    assert result.tail_blocks.tolist() == [int(cache.blocks(2, layer, P.FP16)[-1]) for layer in range(2)]
+    compact = cache.append_tokens([1, 2], mixkv.AppendSlots.Compact)
+    assert compact.slots.size == 0 and compact.offsets.tolist() == [21, 1]
 
 
 def test_fork_shares_blocks_and_copies_the_tail_on_append(cache):

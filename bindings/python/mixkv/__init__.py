@@ -14,6 +14,7 @@ message: InvalidArgument (ValueError), OutOfMemory (MemoryError), UnknownId
 
 from ._core import (
     AppendResult,
+    AppendSlots,
     BatchPolicy,
     BlockCopy,
     BlockFormat,
@@ -73,6 +74,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AppendResult",
+    "AppendSlots",
     "BatchPolicy",
     "BlockCopy",
     "BlockFormat",
