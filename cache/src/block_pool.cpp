@@ -63,6 +63,12 @@ bool BlockPool::owns_slab(std::int32_t slab) const {
   return slab >= 0 && slab < total_slabs_ && slabs_[static_cast<std::size_t>(slab)] != nullptr;
 }
 
+std::int32_t BlockPool::used_in_slab(std::int32_t slab) const {
+  detail::require_index("slab", slab, total_slabs_);
+  const Slab* record = slabs_[static_cast<std::size_t>(slab)].get();
+  return record == nullptr ? 0 : record->used;
+}
+
 void BlockPool::add_slab(std::int32_t slab) {
   detail::require_index("slab", slab, total_slabs_);
   if (owns_slab(slab)) {

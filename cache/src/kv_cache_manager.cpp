@@ -112,6 +112,7 @@ struct KVCacheManager::Impl {
     return const_cast<Sequence&>(std::as_const(*this).resident(id, name));
   }
   std::int64_t fp16_rank(const Prompt& prompt, std::int32_t layer, std::int32_t window) const;
+  std::int32_t block_index(const Prompt& prompt, std::int32_t layer, std::int32_t window, std::int64_t& rank) const;
   std::optional<std::string> why_not(const Sequence& seq, std::int32_t layer, std::int32_t window,
                                      Precision target) const;
   void require_layer(std::int32_t layer) const { require_index("layer", layer, num_layers()); }
@@ -254,6 +255,21 @@ std::int64_t KVCacheManager::Impl::fp16_rank(const Prompt& prompt, std::int32_t 
   return rank;
 }
 
+// Position of (layer, window)'s block in the list of the window's pool, or
+// -1 for an FP16 window whose tokens start inside a block (FP16 rank of its
+// first token in `rank`).
+std::int32_t KVCacheManager::Impl::block_index(const Prompt& prompt, std::int32_t layer, std::int32_t window,
+                                               std::int64_t& rank) const {
+  const Precision current = prompt.plan.at(layer, window);
+  if (current == Precision::FP16) {
+    rank = fp16_rank(prompt, layer, window);
+    return rank % block_size() == 0 ? static_cast<std::int32_t>(rank / block_size()) : -1;
+  }
+  std::int32_t index = 0;
+  for (std::int32_t w = 0; w < window; ++w) index += prompt.plan.at(layer, w) == current ? 1 : 0;
+  return index;
+}
+
 std::optional<std::string> KVCacheManager::Impl::why_not(const Sequence& seq, std::int32_t layer,
                                                          std::int32_t window, Precision target) const {
   const PrecisionPlan& plan = seq.prompt->plan;
@@ -262,16 +278,11 @@ std::optional<std::string> KVCacheManager::Impl::why_not(const Sequence& seq, st
     return "target " + std::string(to_string(target)) + " is not below the window's " +
            std::string(to_string(current));
   }
-  std::int32_t index = 0;
-  if (current == Precision::FP16) {
-    const std::int64_t rank = fp16_rank(*seq.prompt, layer, window);
-    if (rank % block_size() != 0) {
-      return "its FP16 tokens start at FP16 rank " + std::to_string(rank) + ", inside a block of " +
-             std::to_string(block_size()) + " (they share blocks with other tokens; fp16_windows_first avoids this)";
-    }
-    index = static_cast<std::int32_t>(rank / block_size());
-  } else {
-    for (std::int32_t w = 0; w < window; ++w) index += plan.at(layer, w) == current ? 1 : 0;
+  std::int64_t rank = 0;
+  const std::int32_t index = block_index(*seq.prompt, layer, window, rank);
+  if (index < 0) {
+    return "its FP16 tokens start at FP16 rank " + std::to_string(rank) + ", inside a block of " +
+           std::to_string(block_size()) + " (they share blocks with other tokens; fp16_windows_first avoids this)";
   }
   const std::int32_t block = seq.table.blocks(layer, current)[static_cast<std::size_t>(index)];
   const std::int32_t refs = pool(current).ref_count(block);
@@ -396,7 +407,13 @@ PoolView KVCacheManager::pool_view(Precision p, std::byte* arena_base) const {
 PoolStats KVCacheManager::pool_stats(Precision p) const {
   require_precision(p, "p");
   const BlockPool& bp = impl_->pool(p);
-  return PoolStats{bp.format().block_bytes(), bp.blocks_per_slab(), bp.num_slabs(), bp.used_blocks(), bp.free_blocks()};
+  return PoolStats{bp.format().block_bytes(), bp.blocks_per_slab(), bp.num_slabs(), bp.used_blocks(), bp.free_blocks(),
+                   bp.empty_slabs()};
+}
+
+std::int32_t KVCacheManager::used_in_slab(Precision p, std::int32_t slab) const {
+  require_precision(p, "p");
+  return impl_->pool(p).used_in_slab(slab);
 }
 
 std::int32_t KVCacheManager::total_slabs() const { return impl_->arena.total_slabs(); }
@@ -780,6 +797,17 @@ std::span<const std::int32_t> KVCacheManager::blocks(SequenceId id, std::int32_t
   impl_->require_layer(layer);
   require_precision(p, "p");
   return seq.table.blocks(layer, p);
+}
+
+std::int32_t KVCacheManager::window_block(SequenceId id, std::int32_t layer, std::int32_t window) const {
+  const Impl& m = *impl_;
+  const Sequence& seq = m.resident(id, "id");
+  m.require_layer(layer);
+  require_index("window", window, seq.prompt->plan.num_windows());
+  std::int64_t rank = 0;
+  const std::int32_t index = m.block_index(*seq.prompt, layer, window, rank);
+  if (index < 0) return -1;
+  return seq.table.blocks(layer, seq.prompt->plan.at(layer, window))[static_cast<std::size_t>(index)];
 }
 
 std::int32_t KVCacheManager::fp16_tail_fill(SequenceId id, std::int32_t layer) const {

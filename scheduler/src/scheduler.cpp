@@ -10,6 +10,7 @@
 #include <utility>
 
 #include <boost/intrusive/set.hpp>
+#include <boost/unordered/unordered_flat_map.hpp>
 #include <boost/unordered/unordered_flat_set.hpp>
 #include <boost/unordered_map.hpp>
 
@@ -56,9 +57,10 @@ struct Entry {
   std::int32_t bypassed = 0;  // steps in which requests behind it were admitted instead
 
   // Demotion candidates: windows 1.. in ascending similarity score, and how
-  // far demotion has gone through them.
+  // far demotion has gone through them, FP16 -> INT4 and INT4 -> INT2.
   std::vector<std::int32_t> demote_order;
   std::size_t demote_cursor = 0;
+  std::size_t int2_cursor = 0;
 };
 
 struct KeyLess {
@@ -345,49 +347,134 @@ void Scheduler::Impl::preempt(Entry& e, StepOutput& out) {
   waiting.insert(e);
 }
 
-// Demotes the lowest-similarity FP16 windows of decoding requests to INT4,
-// in one manager call, until about `deficit` FP16 blocks come free.
+// Demotes windows of decoding requests, lowest similarity first across
+// requests, in one manager call (so a step's demotions may run in any
+// order), until about `deficit` FP16 blocks come free:
+//   1. FP16 windows to INT4: each frees one FP16 block;
+//   2. once no FP16 window is left to demote, INT4 windows to INT2. These
+//      free FP16 room only through the INT4 slabs they empty, and their
+//      INT2 blocks must be had before any INT4 block is released, so the
+//      step follows slab usage: it takes windows while the INT2 blocks can
+//      be had and the room made (emptied INT4 slabs less the slabs the INT2
+//      blocks take) is short of the deficit, and keeps the prefix that made
+//      the most room, none when no prefix makes any (preemption follows).
+// Never window 0, never text (neither is in demote_order).
 void Scheduler::Impl::demote_for(std::int64_t deficit, const std::vector<Entry*>& decodes, StepOutput& out) {
-  // Lowest score first across requests: a heap of each request's next candidate.
   using Candidate = std::pair<float, Entry*>;
   auto later = [](const Candidate& a, const Candidate& b) {
     return std::tie(a.first, a.second->order) > std::tie(b.first, b.second->order);
   };
-  std::priority_queue<Candidate, std::vector<Candidate>, decltype(later)> heap(later);
-  for (Entry* e : decodes) {
-    if (e->demote_cursor < e->demote_order.size()) {
-      heap.push({e->plan.score(e->demote_order[e->demote_cursor]), e});
-    }
-  }
+  using Heap = std::priority_queue<Candidate, std::vector<Candidate>, decltype(later)>;
   std::vector<Demotion> demotions;
   const auto limit = static_cast<std::size_t>(config.max_demotions_per_step);
-  while (!heap.empty() && static_cast<std::int64_t>(demotions.size()) < deficit && demotions.size() < limit) {
-    Entry* e = heap.top().second;
-    heap.pop();
-    const std::int32_t window = e->demote_order[e->demote_cursor];
-    const PrecisionPlan& plan = cache.plan(e->id);
-    std::int32_t layer = 0;
-    for (; layer < num_layers && demotions.size() < limit; ++layer) {
-      if (plan.at(layer, window) != Precision::FP16) continue;
-      if (cache.why_not_demotable(e->id, layer, window, Precision::INT4)) continue;
-      demotions.push_back({e->id, layer, window, Precision::INT4});
+  // One record per window looked at: a window whose demotions do not all
+  // survive the cuts below is looked at again in a later step.
+  struct Looked {
+    Entry* entry;
+    std::size_t Entry::*cursor;
+    std::size_t cursor_before;
+    std::size_t end;  // demotions.size() after the window
+  };
+  std::vector<Looked> looked;
+  // Takes windows from a heap of each request's next candidate while
+  // `more()` and the per-step limit allow: every layer of the window at
+  // `from` that can go to `to`. on_demotion(d) sees each demotion,
+  // on_window() runs after each window. True when no candidate is left.
+  auto take = [&](std::size_t Entry::*cursor, Precision from, Precision to, auto&& more, auto&& on_demotion,
+                  auto&& on_window) {
+    Heap heap(later);
+    for (Entry* e : decodes) {
+      if (e->*cursor < e->demote_order.size()) heap.push({e->plan.score(e->demote_order[e->*cursor]), e});
     }
-    // A window is done when all its layers were looked at; a later step
-    // finishes one the per-step limit cut short.
-    if (layer == num_layers) ++e->demote_cursor;
-    if (e->demote_cursor < e->demote_order.size()) heap.push({e->plan.score(e->demote_order[e->demote_cursor]), e});
+    while (!heap.empty() && more() && demotions.size() < limit) {
+      Entry* e = heap.top().second;
+      heap.pop();
+      const std::size_t before = e->*cursor;
+      const std::int32_t window = e->demote_order[before];
+      const PrecisionPlan& plan = cache.plan(e->id);
+      std::int32_t layer = 0;
+      for (; layer < num_layers && demotions.size() < limit; ++layer) {
+        if (plan.at(layer, window) != from) continue;
+        if (cache.why_not_demotable(e->id, layer, window, to)) continue;
+        demotions.push_back({e->id, layer, window, to});
+        on_demotion(demotions.back());
+      }
+      // A window is done when all its layers were looked at; a later step
+      // finishes one the per-step limit cut short.
+      if (layer == num_layers) ++(e->*cursor);
+      looked.push_back({e, cursor, before, demotions.size()});
+      on_window();
+      if (e->*cursor < e->demote_order.size()) heap.push({e->plan.score(e->demote_order[e->*cursor]), e});
+    }
+    return heap.empty();
+  };
+
+  // 1. FP16 -> INT4.
+  const bool fp16_done = take(
+      &Entry::demote_cursor, Precision::FP16, Precision::INT4,
+      [&] { return static_cast<std::int64_t>(demotions.size()) < deficit; }, [](const Demotion&) {}, [] {});
+  const std::size_t to_int4 = demotions.size();
+
+  // Target blocks of the first n demotions.
+  auto counts = [&](std::size_t n) {
+    return BlockCounts{0, static_cast<std::int64_t>(std::min(n, to_int4)),
+                       static_cast<std::int64_t>(n > to_int4 ? n - to_int4 : 0)};
+  };
+
+  // 2. INT4 -> INT2, with the FP16 room each prefix makes: INT4 slabs whose
+  // last used block goes, less the slabs the INT2 blocks need beyond the
+  // free blocks of partly used INT2 slabs.
+  std::size_t keep = demotions.size();
+  const std::int64_t rest = deficit - static_cast<std::int64_t>(to_int4);
+  if (fp16_done && rest > 0 && cache.can_allocate(counts(to_int4))) {
+    const PoolStats int4 = cache.pool_stats(Precision::INT4);
+    const PoolStats int2 = cache.pool_stats(Precision::INT2);
+    const std::int64_t fp16_per_slab = cache.pool_stats(Precision::FP16).blocks_per_slab;
+    const std::int64_t int2_spare = int2.free_blocks - std::int64_t{int2.empty_slabs} * int2.blocks_per_slab;
+    boost::unordered_flat_map<std::int32_t, std::int32_t> used;  // INT4 slab -> used blocks left
+    std::int64_t emptied = 0;
+    std::int64_t room = 0;  // FP16 blocks the INT4 -> INT2 demotions so far make
+    std::int64_t best = 0;
+    bool fits = true;  // the target blocks of every demotion so far can be had
+    auto room_after = [&] {
+      const auto n = static_cast<std::int64_t>(demotions.size() - to_int4);
+      const std::int64_t int2_slabs = (std::max<std::int64_t>(n - int2_spare, 0) + int2.blocks_per_slab - 1) /
+                                      int2.blocks_per_slab;
+      return (emptied - int2_slabs) * fp16_per_slab;
+    };
+    take(
+        &Entry::int2_cursor, Precision::INT4, Precision::INT2, [&] { return fits && room < rest; },
+        [&](const Demotion& d) {
+          const std::int32_t slab = cache.window_block(d.id, d.layer, d.window) / int4.blocks_per_slab;
+          auto [it, fresh] = used.try_emplace(slab, 0);
+          if (fresh) it->second = cache.used_in_slab(Precision::INT4, slab);
+          emptied += --it->second == 0 ? 1 : 0;
+        },
+        [&] {
+          fits = cache.can_allocate(counts(demotions.size()));
+          if (!fits) return;
+          room = room_after();
+          if (room > best) {
+            best = room;
+            keep = demotions.size();
+          }
+        });
   }
-  // The INT4 blocks must be there: take as many demotions as they allow.
-  auto int4_fits = [&](std::size_t n) { return cache.can_allocate({0, static_cast<std::int64_t>(n), 0}); };
-  std::size_t n = demotions.size();
-  if (!int4_fits(n)) {
+  // The target blocks must be there: take as many demotions as they allow.
+  std::size_t n = keep;
+  if (!cache.can_allocate(counts(n))) {
     std::size_t lo = 0;
-    std::size_t hi = n;  // int4_fits(lo), !int4_fits(hi)
+    std::size_t hi = n;  // fits(lo), !fits(hi)
     while (hi - lo > 1) {
       const std::size_t mid = (lo + hi) / 2;
-      (int4_fits(mid) ? lo : hi) = mid;
+      (cache.can_allocate(counts(mid)) ? lo : hi) = mid;
     }
     n = lo;
+  }
+  // Windows with a demotion cut off are looked at again later (in reverse,
+  // so a request's cursor goes back to its first such window).
+  for (auto it = looked.rbegin(); it != looked.rend(); ++it) {
+    if (it->end > n) it->entry->*(it->cursor) = it->cursor_before;
   }
   if (n == 0) return;
   demotions.resize(n);
@@ -405,9 +492,12 @@ void Scheduler::Impl::demote_for(std::int64_t deficit, const std::vector<Entry*>
 void Scheduler::Impl::relieve(std::vector<Entry*>& decodes, std::int64_t& need, StepOutput& out) {
   if (demote_headroom > 0) {
     // Demote about as much as restores the headroom: FP16 blocks free in
-    // their slabs plus those of the free slabs.
+    // their slabs plus those of the free slabs and of the other pools'
+    // empty slabs (what can_allocate counts).
     const PoolStats fp16 = cache.pool_stats(Precision::FP16);
-    const std::int64_t available = fp16.free_blocks + std::int64_t{cache.free_slabs()} * fp16.blocks_per_slab;
+    const std::int64_t slabs = std::int64_t{cache.free_slabs()} + cache.pool_stats(Precision::INT4).empty_slabs +
+                               cache.pool_stats(Precision::INT2).empty_slabs;
+    const std::int64_t available = fp16.free_blocks + slabs * fp16.blocks_per_slab;
     demote_for(std::max<std::int64_t>(need + demote_headroom - available, 1), decodes, out);
   }
   while (!cache.can_allocate({need, 0, 0}) && !running.empty()) {

@@ -107,6 +107,41 @@ TEST(Demote, PromptOrderRefusesAWindowThatStraddlesBlocks) {
   EXPECT_NE(cache.why_not_demotable(1, 0, 1, Precision::INT4)->find("FP16 rank 19"), std::string::npos);
 }
 
+// What the scheduler's INT4 -> INT2 step reads: the block of each window
+// and how many used blocks keep its slab from being given back.
+TEST(Demote, WindowBlocksAndSlabUsage) {
+  CacheConfig c = tiny_config(1, 8);
+  c.fp16_windows_first = true;
+  KVCacheManager cache(c);
+  PrecisionPlan plan(1, 4);
+  plan.set(0, 1, Precision::INT4);
+  plan.set(0, 2, Precision::INT2);
+  plan.set(0, 3, Precision::INT4);
+  cache.add_sequence(1, TokenLayout({{TokenKind::Text, 3}, {TokenKind::Visual, 64}}), plan);
+  EXPECT_EQ(cache.window_block(1, 0, 0), cache.blocks(1, 0, Precision::FP16)[0]);  // windows first
+  EXPECT_EQ(cache.window_block(1, 0, 1), cache.blocks(1, 0, Precision::INT4)[0]);
+  EXPECT_EQ(cache.window_block(1, 0, 2), cache.blocks(1, 0, Precision::INT2)[0]);
+  EXPECT_EQ(cache.window_block(1, 0, 3), cache.blocks(1, 0, Precision::INT4)[1]);
+  const std::int32_t per_slab = cache.pool_stats(Precision::INT4).blocks_per_slab;
+  const std::int32_t slab = cache.window_block(1, 0, 3) / per_slab;
+  EXPECT_EQ(cache.used_in_slab(Precision::INT4, slab), 2);
+  EXPECT_EQ(cache.used_in_slab(Precision::INT2, slab), 0);  // another pool's slab
+  EXPECT_EQ(cache.pool_stats(Precision::INT4).empty_slabs, 0);
+  cache.demote(std::vector<Demotion>{{1, 0, 1, Precision::INT2}, {1, 0, 3, Precision::INT2}});
+  EXPECT_EQ(cache.used_in_slab(Precision::INT4, slab), 0);
+  EXPECT_EQ(cache.pool_stats(Precision::INT4).empty_slabs, 1);
+  EXPECT_EQ(cache.window_block(1, 0, 3), cache.blocks(1, 0, Precision::INT2)[2]);
+  expect_rejected<IndexOutOfRange>(cache, [&] { (void)cache.window_block(1, 0, 4); }, {"window = 4"});
+  expect_rejected<IndexOutOfRange>(cache, [&] { (void)cache.window_block(1, 1, 0); }, {"layer = 1"});
+  expect_rejected<UnknownId>(cache, [&] { (void)cache.window_block(2, 0, 0); }, {"id = 2"});
+  expect_rejected<IndexOutOfRange>(cache, [&] { (void)cache.used_in_slab(Precision::INT4, 8); }, {"slab = 8"});
+  // In prompt order an FP16 window after 3 text tokens shares blocks: -1.
+  KVCacheManager prompt_order(tiny_config(1, 8));
+  prompt_order.add_sequence(1, TokenLayout({{TokenKind::Text, 3}, {TokenKind::Visual, 32}}), PrecisionPlan(1, 2));
+  EXPECT_EQ(prompt_order.window_block(1, 0, 1), -1);
+  EXPECT_NO_THROW(cache.check_invariants());
+}
+
 TEST(Demote, CpuRequantizesExactlyAsWriteHead) {
   const BlockFormat fp16{Precision::FP16, 1, 16, 16};
   const BlockFormat int4{Precision::INT4, 1, 16, 16};

@@ -129,11 +129,13 @@ class Simulation {
     const SchedulerStats st = sched_.stats();
     std::printf(
         "seed %llu: %d requests, %lld steps, %lld finished, %lld rejected, %lld cancelled, %lld recompute "
-        "preemptions, %lld swap preemptions (%lld blocks back bit-identical), %lld demotions, %.1f s\n",
+        "preemptions, %lld swap preemptions (%lld blocks back bit-identical), %lld demotions (%lld INT4 -> INT2), "
+        "%.1f s\n",
         static_cast<unsigned long long>(w_.seed), w_.requests, static_cast<long long>(steps),
         static_cast<long long>(st.finished), static_cast<long long>(st.rejected), static_cast<long long>(st.cancelled),
         static_cast<long long>(st.preempted_recompute), static_cast<long long>(st.preempted_swap),
-        static_cast<long long>(engine_.blocks_swapped_back()), static_cast<long long>(st.demotions), seconds);
+        static_cast<long long>(engine_.blocks_swapped_back()), static_cast<long long>(st.demotions),
+        static_cast<long long>(int4_to_int2_), seconds);
     std::printf("cancelled/finished by the engine in state: waiting %d, prefilling %d, running %d, swapped %d\n",
                 cancelled_in_[0], cancelled_in_[1], cancelled_in_[2], cancelled_in_[3]);
 
@@ -151,6 +153,7 @@ class Simulation {
     EXPECT_GT(st.preempted_swap, 0);
     EXPECT_GT(engine_.blocks_swapped_back(), 0);
     EXPECT_GT(st.demotions, 0);
+    EXPECT_GT(int4_to_int2_, 0);
     EXPECT_GT(st.rejected, 0);
     for (int s = 0; s < 4; ++s) EXPECT_GT(cancelled_in_[s], 0) << "no cancel in state " << s;
   }
@@ -176,6 +179,29 @@ class Simulation {
     }
     EXPECT_LE(out.num_batched_tokens, 96);
     EXPECT_LE(out.decodes.size(), 10u);
+    // INT4 -> INT2 only once no FP16 window of the decoding requests is
+    // left to demote.
+    bool to_int2 = false;
+    for (const DemoteOp& op : out.demotions) {
+      EXPECT_NE(op.window, 0);
+      if (op.dst_precision == Precision::INT2) {
+        EXPECT_EQ(op.src_precision, Precision::INT4);
+        to_int2 = true;
+        ++int4_to_int2_;
+      }
+    }
+    for (const RequestId id : to_int2 ? out.decodes : std::vector<RequestId>{}) {
+      if (!cache_.contains(id) || cache_.is_swapped(id)) continue;  // preempted after the demotions
+      const PrecisionPlan& plan = cache_.plan(id);
+      for (std::int32_t layer = 0; layer < plan.num_layers(); ++layer) {
+        for (std::int32_t w = 1; w < plan.num_windows(); ++w) {
+          if (plan.at(layer, w) != Precision::FP16) continue;
+          EXPECT_TRUE(cache_.why_not_demotable(id, layer, w, Precision::INT4).has_value())
+              << "step " << out.step << ": INT4 -> INT2 while request " << id << " layer " << layer << " window " << w
+              << " could still go FP16 -> INT4";
+        }
+      }
+    }
   }
 
   // Per pool: blocks held by the scheduler's requests == used blocks, and
@@ -205,6 +231,7 @@ class Simulation {
   std::set<RequestId> live_;
   std::set<RequestId> reported_;
   int cancelled_in_[5] = {};
+  std::int64_t int4_to_int2_ = 0;
 };
 
 TEST(SchedulerRandomized, TenThousandRequestsUnderPressure) {

@@ -282,6 +282,102 @@ TEST(Scheduler, DemotionTakesTheLeastSimilarWindowsFirstAndNeverWindowZero) {
   EXPECT_EQ(sched.stats().preempted_recompute, 0);
 }
 
+// Runs `requests` to the end on `cache`; returns every demotion in order.
+std::vector<DemoteOp> demotions_of(KVCacheManager& cache, const std::vector<Request>& requests,
+                                   SchedulerStats& stats) {
+  Scheduler sched(cache, base_config());
+  test::EngineSim engine(sched);
+  for (const Request& r : requests) sched.add_request(r);
+  std::vector<DemoteOp> ops;
+  for (int i = 0; i < 1000 && sched.has_unfinished(); ++i) {
+    const StepOutput out = sched.step();
+    EXPECT_TRUE(out.rejected.empty()) << out.rejected.front().reason;
+    ops.insert(ops.end(), out.demotions.begin(), out.demotions.end());
+    engine.apply(out, true);
+    EXPECT_NO_THROW(sched.check_invariants());
+  }
+  EXPECT_FALSE(sched.has_unfinished());
+  stats = sched.stats();
+  return ops;
+}
+
+// Windows 1..15 (scores 0.9 .. -0.5, so window 15 is the least similar),
+// `int2_from` and later INT2, the others below `int4_from` FP16, the rest
+// INT4; 16 text tokens.
+Request windowed(RequestId id, std::int32_t int4_from, std::int32_t int2_from, std::int32_t max_new) {
+  Request r = request(id, {{TokenKind::Visual, 256}, {TokenKind::Text, 16}}, max_new, Precision::INT4);
+  for (std::int32_t w = 1; w < 16; ++w) {
+    const Precision p = w < int4_from ? Precision::FP16 : (w >= int2_from ? Precision::INT2 : Precision::INT4);
+    for (std::int32_t layer = 0; layer < 2; ++layer) r.plan->set(layer, w, p);
+  }
+  return r;
+}
+
+// With no FP16 window left to demote, INT4 windows go to INT2, lowest score
+// first, as far as they give the FP16 growth room: INT4 blocks are 10 a
+// slab, INT2 blocks 16, and INT4 -> INT2 frees FP16 room only by emptying
+// INT4 slabs, its INT2 blocks taken first.
+TEST(Scheduler, DemotionGoesFromInt4ToInt2WhenThatMakesRoom) {
+  {
+    // Windows 1..11 INT4 (slabs: layer 0's 1..10 | layer 0's 11, layer 1's
+    // 1..9 | layer 1's 10, 11), 12..15 INT2 (8 of 16 blocks of a slab).
+    // The headroom runs short once; windows 11 and 10 empty the third INT4
+    // slab into the INT2 slab's free blocks.
+    KVCacheManager cache(tiny(10));
+    SchedulerStats stats;
+    const std::vector<DemoteOp> ops = demotions_of(cache, {windowed(1, 1, 12, 150)}, stats);
+    std::vector<std::pair<std::int32_t, std::int32_t>> demoted;  // (window, layer)
+    for (const DemoteOp& op : ops) {
+      EXPECT_EQ(op.src_precision, Precision::INT4);
+      EXPECT_EQ(op.dst_precision, Precision::INT2);
+      demoted.emplace_back(op.window, op.layer);
+    }
+    EXPECT_EQ(demoted, (std::vector<std::pair<std::int32_t, std::int32_t>>{{11, 0}, {11, 1}, {10, 0}, {10, 1}}));
+    EXPECT_EQ(stats.finished, 1);
+    EXPECT_EQ(stats.preempted_recompute + stats.preempted_swap, 0);
+  }
+  {
+    // Windows 1..15 INT4, three full INT4 slabs, no INT2 slab: with one
+    // obtainable slab, no prefix of INT4 -> INT2 demotions empties more
+    // INT4 slabs than its INT2 blocks take, so none is made.
+    KVCacheManager cache(tiny(9));
+    SchedulerStats stats;
+    EXPECT_TRUE(demotions_of(cache, {windowed(1, 1, 16, 150)}, stats).empty());
+    EXPECT_EQ(stats.finished, 1);
+    EXPECT_EQ(stats.preempted_recompute + stats.preempted_swap, 0);
+  }
+}
+
+// Every FP16 window (but window 0) goes to INT4 before any window goes to
+// INT2; INT4 -> INT2 follows ascending scores. Windows 1..3 FP16, 4..9
+// INT4, 10..15 INT2; request 2 (text only, nothing to demote) competes for
+// the FP16 room.
+TEST(Scheduler, DemotionDemotesEveryFp16WindowBeforeAnyInt4Window) {
+  KVCacheManager cache(tiny(11));
+  SchedulerStats stats;
+  const std::vector<DemoteOp> ops =
+      demotions_of(cache, {windowed(1, 4, 10, 160), request(2, {{TokenKind::Text, 64}}, 120)}, stats);
+  std::int64_t to_int4 = 0;
+  std::vector<std::int32_t> int2_order;
+  for (const DemoteOp& op : ops) {
+    EXPECT_EQ(op.id, 1);
+    EXPECT_NE(op.window, 0);
+    if (op.dst_precision == Precision::INT4) {
+      EXPECT_EQ(op.src_precision, Precision::FP16);
+      EXPECT_TRUE(int2_order.empty()) << "window " << op.window << " went to INT4 after INT4 -> INT2 began";
+      ++to_int4;
+      continue;
+    }
+    EXPECT_EQ(op.src_precision, Precision::INT4);
+    if (int2_order.empty() || int2_order.back() != op.window) int2_order.push_back(op.window);
+  }
+  EXPECT_EQ(to_int4, 6);  // windows 1..3, both layers
+  ASSERT_FALSE(int2_order.empty()) << "no INT4 -> INT2 demotion";
+  // Windows 9..4 planned INT4 and 3..1 demoted to INT4, in ascending score.
+  EXPECT_EQ(int2_order, (std::vector<std::int32_t>{9, 8, 7, 6, 5, 4, 3, 2, 1}));
+  EXPECT_EQ(stats.finished, 2);
+}
+
 TEST(Scheduler, PriorityPolicyAdmitsTheMostUrgentFirst) {
   KVCacheManager cache(tiny(40));
   SchedulerConfig config = base_config();

@@ -48,6 +48,9 @@ class BlockPool {
   std::int32_t spare_slabs_after(std::int64_t blocks) const;
 
   bool owns_slab(std::int32_t slab) const;
+  // Used blocks in `slab` (0 when the pool does not own it): how many
+  // releases empty it. IndexOutOfRange names "slab".
+  std::int32_t used_in_slab(std::int32_t slab) const;
   // The arena handed `slab` to this pool: all its blocks become free.
   // IndexOutOfRange names "slab"; InvalidArgument if the pool owns it already.
   void add_slab(std::int32_t slab);

@@ -46,6 +46,7 @@ struct PoolStats {
   std::int32_t slabs = 0;          // slabs this pool holds now
   std::int64_t used_blocks = 0;    // blocks owned by at least one page table
   std::int64_t free_blocks = 0;    // free blocks inside this pool's slabs
+  std::int32_t empty_slabs = 0;    // slabs with no used block (other pools may reclaim them)
 };
 
 // One quantized window to store: the block it owns and the row of its first
@@ -183,6 +184,9 @@ class KVCacheManager {
   PoolStats pool_stats(Precision p) const;
   std::int32_t total_slabs() const;
   std::int32_t free_slabs() const;
+  // Used blocks of pool p in arena slab `slab` (0 when p does not own it):
+  // how many releases would give the slab back. IndexOutOfRange names "slab".
+  std::int32_t used_in_slab(Precision p, std::int32_t slab) const;
 
   // Blocks a prompt needs per pool, over all layers.
   BlockCounts demand(const TokenLayout& layout, const PrecisionPlan& plan) const;
@@ -220,6 +224,11 @@ class KVCacheManager {
 
   // Block ids of (sequence, layer, pool) in order, and the FP16 tail's fill.
   std::span<const std::int32_t> blocks(SequenceId id, std::int32_t layer, Precision p) const;
+  // The block that holds visual window `window` of `layer`, in the pool of
+  // the window's precision (plan(id).at(layer, window)); -1 for an FP16
+  // window whose tokens share blocks with other tokens (see
+  // why_not_demotable). IndexOutOfRange names "layer" or "window".
+  std::int32_t window_block(SequenceId id, std::int32_t layer, std::int32_t window) const;
   std::int32_t fp16_tail_fill(SequenceId id, std::int32_t layer) const;
   std::int32_t ref_count(Precision p, std::int32_t block_id) const;
 
