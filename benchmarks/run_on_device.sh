@@ -81,7 +81,7 @@ if [ "$NCU" = 1 ]; then
     timeout 150 ncu --clock-control none -k regex:paged_decode -c 1 --section SpeedOfLight --section WarpStateStats \
       --section SchedulerStats --section Occupancy --section LaunchStats --section ComputeWorkloadAnalysis \
       "$BENCHBIN" --batches 64 --contexts 19600 --plans int2 --reps 1 --out /tmp/ncu1.json
-    timeout 100 ncu --clock-control none -k regex:"paged_decode|merge_partials" -c 2 --section SpeedOfLight \
+    timeout 100 ncu --clock-control none -k regex:paged_decode -c 1 --section SpeedOfLight \
       --section LaunchStats "$BENCHBIN" --batches 1 --contexts 19600 --plans mixed --reps 1 --out /tmp/ncu2.json
     timeout 100 ncu --clock-control none -k regex:store_prefill -c 1 --section SpeedOfLight --section WarpStateStats \
       --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis_Tables \

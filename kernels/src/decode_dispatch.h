@@ -12,8 +12,8 @@ namespace mixkv::gpu::detail {
 inline constexpr int kMaxGroupHost = 8;
 // Most decode CTAs one SM can hold (sizes the default item capacity).
 inline constexpr int kMaxCtasPerSm = 4;
-// Split-KV chunks of one (sequence, KV head) at most (the merge keeps their
-// weights in shared memory).
+// Split-KV chunks of one (sequence, KV head) at most (the in-kernel merge
+// then runs two levels of <= 32 rows, decode_merge.cuh).
 inline constexpr int kMaxMergePieces = 1024;
 
 // Throws for a shape with no built instance; launches nothing.

@@ -20,6 +20,9 @@
 // (16-byte copies, several blocks in flight; FP16 blocks go in 16-token
 // units), so no CTA barrier sits in the main loop.
 //
+// Split items write a partial state and merge it in this kernel
+// (decode_merge.cuh): no second launch.
+//
 // Permutations (free, since sums over tokens and channels do not care):
 // in a quantized block the MMA row rho of m-tile mt is token
 // (S/8)(rho % 8) + 2 mt + rho / 8, so each thread's tokens are S/8
@@ -31,6 +34,7 @@
 
 #include <cstdint>
 
+#include "decode_merge.cuh"
 #include "decode_params.cuh"
 #include "device_math.cuh"
 #include "mixkv/cache/block_format.h"
@@ -65,6 +69,11 @@ struct DecodeTile {
   }
   static constexpr int kMergeBytes = kDecodeWarps * kMaxGroup * (D + 2) * 4;
   static constexpr int kSmemBytes = cmax(kDecodeWarps * kRingBytes, kMergeBytes);
+  // CTAs per SM the registers are allocated for (__launch_bounds__): as
+  // many as shared memory admits on sm_90 (228 KiB, 1 KiB reserved per
+  // CTA), so ptxas neither spills for more nor shrinks occupancy below it;
+  // 64-token blocks keep the 2 their quantized loop's ~200 registers allow.
+  static constexpr int kMinCtasPerSm = cmin(S == 64 ? 2 : 3, cmax(1, 233472 / (kSmemBytes + 1024)));
 };
 
 template <int D>
@@ -561,12 +570,10 @@ __device__ __forceinline__ void run_segment(const DecodeParams& p, const std::in
 // ---------------------------------------------------------------- kernel --
 
 template <int D, int S>
-__global__ void __launch_bounds__(kDecodeThreads) paged_decode_kernel(const __grid_constant__ DecodeParams p) {
+__global__ void __launch_bounds__(kDecodeThreads, DecodeTile<D, S>::kMinCtasPerSm)
+    paged_decode_kernel(const __grid_constant__ DecodeParams p) {
   using Tile = DecodeTile<D, S>;
   extern __shared__ __align__(128) char smem[];
-  // Let the merge kernel (a programmatic dependent) be scheduled now; it
-  // waits for this grid's completion before reading anything.
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
   if (static_cast<int>(blockIdx.x) >= *p.num_items) return;
   const DecodeWorkItem item = p.items[*p.item_offset + blockIdx.x];
   const int warp = threadIdx.x >> 5;
@@ -680,6 +687,7 @@ __global__ void __launch_bounds__(kDecodeThreads) paged_decode_kernel(const __gr
       if (ch == 0) p.partial_lse[row] = lse;
     }
   }
+  if (item.partial >= 0) merge_split_item<D, kDecodeThreads, kMaxGroup>(p, item, so);
 }
 
 }  // namespace mixkv::gpu::detail

@@ -1,5 +1,5 @@
 #pragma once
-// Parameters of the paged decode kernel and its merge (one layer).
+// Parameters of the paged decode kernel (one layer).
 #include <cuda_fp16.h>
 
 #include <cstdint>
@@ -23,15 +23,13 @@ struct DecodeWorkItem {
   std::int32_t slot = 0;     // page-table slot of the sequence
   std::int32_t counts[3] = {0, 0, 0};  // FP16, INT4, INT2 list lengths
   std::int32_t fill = 0;     // valid tokens in the last FP16 block
-};
-
-// One (sequence, KV head) whose items were split: partial states
-// first .. first + count - 1 are merged into its output.
-struct MergeItem {
-  std::int32_t seq = 0;
-  std::int32_t kv_head = 0;
+  // Split items only: the (sequence, KV head)'s partial rows are
+  // first .. first + pieces - 1, merged in groups of fan_in consecutive rows
+  // (the last CTA of a group merges it; the last group's merger merges the
+  // groups: merge_split_item in decode_merge.cuh).
   std::int32_t first = 0;
-  std::int32_t count = 0;
+  std::int32_t pieces = 0;
+  std::int32_t fan_in = 0;
 };
 
 struct DecodeParams {
@@ -52,6 +50,10 @@ struct DecodeParams {
   const std::int32_t* item_offset = nullptr;
   float* partial_out = nullptr;  // [partials][group][head_dim]
   float* partial_lse = nullptr;  // [partials][group]
+  // Arrival counters, zero between runs (each is reset by its last
+  // arrival, so runs need no memset and stay graph-capturable):
+  std::int32_t* group_counters = nullptr;  // [partials], at a group's first row
+  std::int32_t* pair_counters = nullptr;   // [partials], at a pair's first row
 
   PoolView pools[kNumPrecisions];
   std::int32_t num_q_heads = 0;

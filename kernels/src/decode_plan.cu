@@ -35,98 +35,18 @@ int launch_decode(const DecodeParams& params, int head_dim, int block_size, int 
   }
 }
 
-namespace {
-
-constexpr int kMergeThreads = 1024;  // (chunk subsets) x channels: ~12 loads a thread at batch 1
-
-struct MergeParams {
-  const MergeItem* merges = nullptr;
-  const std::int32_t* num_merges = nullptr;
-  const std::int32_t* merge_offset = nullptr;
-  const float* partial_out = nullptr;
-  const float* partial_lse = nullptr;
-  __half* out = nullptr;
-  float* lse = nullptr;
-  std::int32_t num_q_heads = 0;
-  std::int32_t group = 0;
-  std::int32_t head_dim = 0;
-};
-
-__device__ float block_reduce(float x, bool is_max, float* scratch) {
-  for (int offset = 16; offset > 0; offset >>= 1) {
-    const float y = __shfl_xor_sync(0xffffffffu, x, offset);
-    x = is_max ? fmaxf(x, y) : x + y;
-  }
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  __syncthreads();  // scratch may still be read from a previous call
-  if (lane == 0) scratch[warp] = x;
-  __syncthreads();
-  x = is_max ? -INFINITY : 0.0f;
-  for (int w = 0; w < static_cast<int>(blockDim.x / 32); ++w) x = is_max ? fmaxf(x, scratch[w]) : x + scratch[w];
-  return x;
-}
-
-// Merges the split chunks of one (sequence, KV head, query head): one CTA
-// per (merge item, head) so a batch-1 step spreads over group x KV heads
-// CTAs. Weights exp(lse_i - max) are computed once into shared memory;
-// empty chunks (lse = -inf) weigh 0 and an all-empty set gives (0, -inf).
-// Launched as a programmatic dependent of the decode kernel: it starts
-// while the decode grid drains and waits for its results here.
-__global__ void __launch_bounds__(kMergeThreads) merge_partials_kernel(const __grid_constant__ MergeParams p) {
-  __shared__ float weight[kMaxMergePieces];
-  __shared__ float scratch[kMergeThreads / 32];
-  __shared__ float partial_sums[kMergeThreads];
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-  if (static_cast<int>(blockIdx.x) >= *p.num_merges || static_cast<int>(blockIdx.y) >= p.group) return;
-  const MergeItem m = p.merges[*p.merge_offset + blockIdx.x];
-  const int head = blockIdx.y;
-  const int d = p.head_dim;
-  float mx = -INFINITY;
-  for (int i = threadIdx.x; i < m.count; i += blockDim.x) mx = fmaxf(mx, p.partial_lse[(m.first + i) * p.group + head]);
-  mx = block_reduce(mx, true, scratch);
-  float sum = 0.0f;
-  for (int i = threadIdx.x; i < m.count; i += blockDim.x) {
-    const float w = mx == -INFINITY ? 0.0f : __expf(p.partial_lse[(m.first + i) * p.group + head] - mx);
-    weight[i] = w;
-    sum += w;
-  }
-  sum = block_reduce(sum, false, scratch);  // its barriers also publish `weight`
-  // Threads split as (subset of the chunks) x (channel): many loads in flight.
-  const int subsets = kMergeThreads / d;
-  const int sub = threadIdx.x / d;
-  const int ch = threadIdx.x % d;
-  float o = 0.0f;
-  if (sub < subsets) {
-    const std::size_t stride = static_cast<std::size_t>(p.group) * d;
-    const float* po = p.partial_out + (static_cast<std::size_t>(m.first) * p.group + head) * d + ch;
-#pragma unroll 8
-    for (int i = sub; i < m.count; i += subsets) o += weight[i] * po[i * stride];
-  }
-  partial_sums[threadIdx.x] = o;
-  __syncthreads();
-  const std::size_t row = static_cast<std::size_t>(m.seq) * p.num_q_heads + m.kv_head * p.group + head;
-  if (threadIdx.x < d) {
-    float total = 0.0f;
-    for (int k = 0; k < subsets; ++k) total += partial_sums[k * d + threadIdx.x];
-    p.out[row * d + threadIdx.x] = __float2half_rn(sum > 0.0f ? total / sum : 0.0f);
-  }
-  if (p.lse != nullptr && threadIdx.x == 0) p.lse[row] = sum > 0.0f ? mx + logf(sum) : -INFINITY;
-}
-
-}  // namespace
 }  // namespace detail
 
 namespace {
 
 using detail::DecodeWorkItem;
-using detail::MergeItem;
 using detail::require;
 
 // Device-side header of a plan: read by the kernels at run time.
 struct PlanHeader {
   std::int32_t batch;
   std::int32_t pad;
-  // followed by num_items[L], item_offset[L], num_merges[L], merge_offset[L]
+  // followed by num_items[L], item_offset[L]
 };
 
 std::string field(const char* name, std::int64_t value, const char* expected) {
@@ -140,7 +60,6 @@ struct DecodePlan::Impl {
   const DevicePageTables* tables = nullptr;
   std::int32_t group = 0;
   std::int32_t max_items = 0;     // per layer
-  std::int32_t max_merges = 0;    // per layer
   std::int32_t max_partials = 0;  // per layer (the workspace is shared by the layers run one after another)
   std::int32_t ctas_per_sm = 3;   // of the decode instance
   std::int64_t fp16_block_bytes = 0, int4_block_bytes = 0, int2_block_bytes = 0;  // per head
@@ -149,28 +68,22 @@ struct DecodePlan::Impl {
   std::int32_t batch = 0;
   std::vector<std::int32_t> slots;
   std::vector<std::vector<DecodeWorkItem>> items;  // [layer]
-  std::vector<std::vector<MergeItem>> merges;      // [layer]
   std::vector<std::int32_t> partials;              // [layer]
   std::vector<std::int64_t> bytes;                 // [layer]
 
-  // Device blob: header ints | slots | items (compact) ; merges (compact)
+  // Device blob: header ints | slots | items (compact)
   std::size_t header_ints = 0;
   detail::DeviceBuffer<std::int32_t> d_header;  // header + slots
   detail::DeviceBuffer<DecodeWorkItem> d_items;
-  detail::DeviceBuffer<MergeItem> d_merges;
   detail::DeviceBuffer<float> d_partial_out;
   detail::DeviceBuffer<float> d_partial_lse;
+  detail::DeviceBuffer<std::int32_t> d_counters;  // group then pair arrival counters, zeroed once
   detail::PinnedBuffer<std::int32_t> h_header;
   detail::PinnedBuffer<DecodeWorkItem> h_items;
-  detail::PinnedBuffer<MergeItem> h_merges;
   detail::Event staging_free;
 
   std::int32_t* num_items_at(std::int32_t* base, int layer) const { return base + 2 + layer; }
   std::int32_t* item_offset_at(std::int32_t* base, int layer) const { return base + 2 + config.num_layers + layer; }
-  std::int32_t* num_merges_at(std::int32_t* base, int layer) const { return base + 2 + 2 * config.num_layers + layer; }
-  std::int32_t* merge_offset_at(std::int32_t* base, int layer) const {
-    return base + 2 + 3 * config.num_layers + layer;
-  }
   std::int32_t* slots_at(std::int32_t* base) const { return base + header_ints; }
 
   void plan_layer(int layer, int chunks_auto_target);
@@ -209,30 +122,28 @@ DecodePlan::DecodePlan(const DecodePlanConfig& config, const DevicePageTables& t
                     ? config.max_items_per_layer
                     : pairs + 3 * detail::kMaxCtasPerSm * s.config.num_sms +
                           (config.chunks_per_sequence > 0 ? pairs * config.chunks_per_sequence : 0);
-  s.max_merges = pairs;
   s.max_partials = s.max_items;
   s.fp16_block_bytes = static_cast<std::int64_t>(BlockFormat{Precision::FP16, 1, config.head_dim, config.block_size}.head_bytes());
   s.int4_block_bytes = static_cast<std::int64_t>(BlockFormat{Precision::INT4, 1, config.head_dim, config.block_size}.head_bytes());
   s.int2_block_bytes = static_cast<std::int64_t>(BlockFormat{Precision::INT2, 1, config.head_dim, config.block_size}.head_bytes());
 
-  s.header_ints = 2 + 4 * static_cast<std::size_t>(config.num_layers);
+  s.header_ints = 2 + 2 * static_cast<std::size_t>(config.num_layers);
   const std::size_t header_total = s.header_ints + config.max_batch;
   s.d_header.allocate(header_total);
   MIXKV_CUDA_CHECK(cudaMemset(s.d_header.get(), 0, header_total * sizeof(std::int32_t)));
   s.h_header.reserve(header_total);
   std::memset(s.h_header.get(), 0, header_total * sizeof(std::int32_t));
   s.d_items.allocate(static_cast<std::size_t>(s.max_items) * config.num_layers);
-  s.d_merges.allocate(static_cast<std::size_t>(s.max_merges) * config.num_layers);
   s.h_items.reserve(static_cast<std::size_t>(s.max_items) * config.num_layers);
-  s.h_merges.reserve(static_cast<std::size_t>(s.max_merges) * config.num_layers);
   s.d_partial_out.allocate(static_cast<std::size_t>(s.max_partials) * s.group * config.head_dim);
   s.d_partial_lse.allocate(static_cast<std::size_t>(s.max_partials) * s.group);
+  s.d_counters.allocate(2 * static_cast<std::size_t>(s.max_partials));
+  MIXKV_CUDA_CHECK(cudaMemset(s.d_counters.get(), 0, 2 * static_cast<std::size_t>(s.max_partials) * sizeof(std::int32_t)));
   // Set the kernel's shared-memory limit now (run() may be under graph
   // capture) and learn how many of its CTAs share an SM.
   s.ctas_per_sm = std::max(1, detail::launch_decode(detail::DecodeParams{}, config.head_dim, config.block_size, 0,
                                                     nullptr));
   s.items.resize(config.num_layers);
-  s.merges.resize(config.num_layers);
   s.partials.assign(config.num_layers, 0);
   s.bytes.assign(config.num_layers, 0);
 }
@@ -244,13 +155,27 @@ void DecodePlan::Impl::plan_layer(int layer, int target_items) {
   const int kvh = c.num_kv_heads;
   const int S = c.block_size;
   auto& out = items[layer];
-  auto& merge_list = merges[layer];
   out.clear();
-  merge_list.clear();
   std::int32_t next_partial = 0;
   std::int64_t total_bytes = static_cast<std::int64_t>(batch) * c.num_q_heads * c.head_dim * 2;  // q
 
-  // Cost (bytes per KV head) of each sequence.
+  // Work of one block (per KV head) of each pool, in bytes: what it reads
+  // plus its instructions at kBytesPerInstruction. A warp runs its blocks
+  // one after another and the quantized ones are issue- and latency-bound,
+  // so chunks of equal *bytes* gave batch 1's INT2 items 11-12 blocks (3 in
+  // a row per warp) against 4 FP16 units (1 per warp). Static SASS of the
+  // D = 128, S = 32 loops (v6): 650 instructions per INT4 or INT2 block,
+  // 550 per 16-token FP16 unit; scaled by D and S for other shapes. At 16
+  // bytes per instruction every pool's chunk of batch 1 x 19,600 (mixed
+  // plan, 93 chunks) holds <= 8 blocks or FP16 units: 2 per warp.
+  constexpr std::int64_t kBytesPerInstruction = 16;
+  const std::int64_t quant_instructions = 650LL * c.head_dim / 128 * S / 32;
+  const std::int64_t fp16_instructions = 550LL * c.head_dim / 128 * S / 16;
+  const std::int64_t work[3] = {fp16_block_bytes + kBytesPerInstruction * fp16_instructions,
+                                int4_block_bytes + kBytesPerInstruction * quant_instructions,
+                                int2_block_bytes + kBytesPerInstruction * quant_instructions};
+
+  // Work per KV head of each sequence.
   std::vector<std::int64_t> cost(batch);
   std::vector<std::array<std::int32_t, 3>> counts(batch);
   std::vector<std::int32_t> fills(batch);
@@ -260,10 +185,11 @@ void DecodePlan::Impl::plan_layer(int layer, int target_items) {
     fills[b] = tables->fp16_fill(slots[b], layer);
     const std::int64_t fp16_rows =
         counts[b][0] == 0 ? 0 : static_cast<std::int64_t>(counts[b][0] - 1) * S + (fills[b] + 15) / 16 * 16;
-    cost[b] = fp16_rows * c.head_dim * 4 + counts[b][1] * int4_block_bytes + counts[b][2] * int2_block_bytes;
+    const std::int64_t data = fp16_rows * c.head_dim * 4 + counts[b][1] * int4_block_bytes + counts[b][2] * int2_block_bytes;
+    cost[b] = counts[b][0] * work[0] + counts[b][1] * work[1] + counts[b][2] * work[2];
     total_cost += cost[b] * kvh;
     const std::int64_t blocks = counts[b][0] + counts[b][1] + counts[b][2];
-    total_bytes += (cost[b] + blocks * 4) * kvh + 4 * kNumPrecisions + 4;  // data + page-table entries + counts
+    total_bytes += (data + blocks * 4) * kvh + 4 * kNumPrecisions + 4;  // data + page-table entries + counts
   }
   bytes[layer] = total_bytes;
 
@@ -276,18 +202,16 @@ void DecodePlan::Impl::plan_layer(int layer, int target_items) {
       chunks = static_cast<int>(std::llround(static_cast<double>(cost[b]) * kvh / total_cost * target_items / kvh));
     }
     chunks = std::clamp(chunks, 1, std::min(detail::kMaxMergePieces, std::max(1, n_total)));
-    // Chunk boundaries at equal cost along FP16 | INT4 | INT2 (per-block cost
-    // of each pool), so split items carry about the same bytes.
-    const std::int64_t unit[3] = {fp16_block_bytes, int4_block_bytes, int2_block_bytes};
+    // Chunk boundaries at equal work along FP16 | INT4 | INT2.
     std::vector<std::int32_t> cuts{0};
     for (int k = 1; k < chunks; ++k) {
       std::int64_t target = cost[b] * k / chunks;
       std::int32_t first = 0;
       std::int32_t cut = n_total;
       for (int p = 0; p < kNumPrecisions; ++p) {
-        const std::int64_t pool_cost = counts[b][p] * unit[p];
+        const std::int64_t pool_cost = counts[b][p] * work[p];
         if (target < pool_cost) {
-          cut = first + static_cast<std::int32_t>((target + unit[p] - 1) / unit[p]);
+          cut = first + static_cast<std::int32_t>((target + work[p] - 1) / work[p]);
           break;
         }
         target -= pool_cost;
@@ -298,6 +222,13 @@ void DecodePlan::Impl::plan_layer(int layer, int target_items) {
     }
     cuts.push_back(n_total);
     const int pieces = static_cast<int>(cuts.size()) - 1;
+    // The in-kernel merge: one level up to 16 pieces, else two levels of
+    // ceil(sqrt(pieces)) rows (<= 32 each at kMaxMergePieces = 1024).
+    int fan_in = pieces;
+    if (pieces > 16) {
+      fan_in = 1;
+      while (fan_in * fan_in < pieces) ++fan_in;
+    }
     DecodeWorkItem item;
     item.seq = b;
     item.slot = slots[b];
@@ -312,7 +243,9 @@ void DecodePlan::Impl::plan_layer(int layer, int target_items) {
         out.push_back(item);
         continue;
       }
-      merge_list.push_back({b, h, next_partial, pieces});
+      item.first = next_partial;
+      item.pieces = pieces;
+      item.fan_in = fan_in;
       for (int k = 0; k < pieces; ++k) {
         item.begin = cuts[k];
         item.end = cuts[k + 1];
@@ -366,41 +299,31 @@ void DecodePlan::plan(std::span<const std::int32_t> slots, cudaStream_t stream) 
   }
   target = std::min(target, s.max_items);
   auto items_backup = s.items;
-  auto merges_backup = s.merges;
   try {
     for (int layer = 0; layer < c.num_layers; ++layer) s.plan_layer(layer, target);
   } catch (...) {
     s.batch = old_batch;
     s.slots = std::move(old_slots);
     s.items = std::move(items_backup);
-    s.merges = std::move(merges_backup);
     throw;
   }
 
-  // Stage and upload: header + slots, then the compact items and merges.
+  // Stage and upload: header + slots, then the compact items.
   s.staging_free.synchronize();
   std::int32_t* header = s.h_header.get();
   header[0] = s.batch;
-  std::size_t item_total = 0, merge_total = 0;
+  std::size_t item_total = 0;
   for (int layer = 0; layer < c.num_layers; ++layer) {
     *s.num_items_at(header, layer) = static_cast<std::int32_t>(s.items[layer].size());
     *s.item_offset_at(header, layer) = static_cast<std::int32_t>(item_total);
-    *s.num_merges_at(header, layer) = static_cast<std::int32_t>(s.merges[layer].size());
-    *s.merge_offset_at(header, layer) = static_cast<std::int32_t>(merge_total);
     std::copy(s.items[layer].begin(), s.items[layer].end(), s.h_items.get() + item_total);
-    std::copy(s.merges[layer].begin(), s.merges[layer].end(), s.h_merges.get() + merge_total);
     item_total += s.items[layer].size();
-    merge_total += s.merges[layer].size();
   }
   std::copy(s.slots.begin(), s.slots.end(), s.slots_at(header));
   MIXKV_CUDA_CHECK(cudaMemcpyAsync(s.d_header.get(), header, (s.header_ints + s.batch) * sizeof(std::int32_t),
                                    cudaMemcpyHostToDevice, stream));
   if (item_total > 0) {
     MIXKV_CUDA_CHECK(cudaMemcpyAsync(s.d_items.get(), s.h_items.get(), item_total * sizeof(DecodeWorkItem),
-                                     cudaMemcpyHostToDevice, stream));
-  }
-  if (merge_total > 0) {
-    MIXKV_CUDA_CHECK(cudaMemcpyAsync(s.d_merges.get(), s.h_merges.get(), merge_total * sizeof(MergeItem),
                                      cudaMemcpyHostToDevice, stream));
   }
   s.staging_free.record(stream);
@@ -444,6 +367,8 @@ void DecodePlan::run(const DecodeRunArgs& args) const {
   p.item_offset = s.item_offset_at(header, args.layer);
   p.partial_out = s.d_partial_out.get();
   p.partial_lse = s.d_partial_lse.get();
+  p.group_counters = s.d_counters.get();
+  p.pair_counters = s.d_counters.get() + s.max_partials;
   for (int i = 0; i < kNumPrecisions; ++i) p.pools[i] = args.pools[i];
   p.num_q_heads = c.num_q_heads;
   p.num_kv_heads = c.num_kv_heads;
@@ -452,32 +377,6 @@ void DecodePlan::run(const DecodeRunArgs& args) const {
 
   const int grid = args.fixed_grid ? s.max_items : static_cast<int>(s.items[args.layer].size());
   if (grid > 0) detail::launch_decode(p, c.head_dim, c.block_size, grid, args.stream);
-
-  const int merge_grid = args.fixed_grid ? s.max_merges : static_cast<int>(s.merges[args.layer].size());
-  if (merge_grid > 0) {
-    detail::MergeParams m;
-    m.merges = s.d_merges.get();
-    m.num_merges = s.num_merges_at(header, args.layer);
-    m.merge_offset = s.merge_offset_at(header, args.layer);
-    m.partial_out = s.d_partial_out.get();
-    m.partial_lse = s.d_partial_lse.get();
-    m.out = p.out;
-    m.lse = args.lse;
-    m.num_q_heads = c.num_q_heads;
-    m.group = s.group;
-    m.head_dim = c.head_dim;
-    cudaLaunchConfig_t launch = {};
-    launch.gridDim = dim3(merge_grid, args.fixed_grid ? detail::kMaxGroupHost : s.group);
-    launch.blockDim = dim3(detail::kMergeThreads);
-    launch.stream = args.stream;
-    cudaLaunchAttribute attribute = {};
-    attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attribute.val.programmaticStreamSerializationAllowed = 1;
-    launch.attrs = &attribute;
-    launch.numAttrs = 1;
-    MIXKV_CUDA_CHECK(cudaLaunchKernelEx(&launch, detail::merge_partials_kernel, m));
-    MIXKV_CUDA_CHECK_LAUNCH("merge_partials_kernel");
-  }
 }
 
 const DecodePlanConfig& DecodePlan::config() const { return impl_->config; }

@@ -305,6 +305,14 @@ TEST(DecodeCudaGraph, CapturedRunSurvivesReplanning) {
   cuda_ok(cudaStreamSynchronize(stream), "sync");
   GpuResult got{halves_to_floats(dout.to_host()), dlse.to_host()};
   expect_close(got, ref, dim, "graph replay");
+  // Again over poisoned outputs: the split merge's arrival counters must
+  // have been reset by the first replay, or no CTA would write the output.
+  dout.fill_bytes(0x7e);
+  dlse.fill_bytes(0x7f);
+  cuda_ok(cudaGraphLaunch(exec, stream), "second replay");
+  cuda_ok(cudaStreamSynchronize(stream), "sync");
+  GpuResult again{halves_to_floats(dout.to_host()), dlse.to_host()};
+  expect_close(again, ref, dim, "second graph replay");
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
   cudaStreamDestroy(stream);

@@ -48,7 +48,8 @@ struct DecodeRunArgs {
 // the GPU) and uploads them with one asynchronous copy into fixed-capacity
 // device buffers. run() launches, per layer, ONE kernel over all work items
 // (every pool, every chunk; dequantization fused, tensor cores with the
-// query-head group as the N dimension) and one merge of the split chunks.
+// query-head group as the N dimension); split chunks are merged by the last
+// CTAs to finish them, inside the same kernel.
 // run() never synchronizes and is CUDA-graph capturable (fixed_grid).
 // GQA: num_q_heads / num_kv_heads <= 8.
 class DecodePlan {
