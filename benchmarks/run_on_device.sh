@@ -6,6 +6,9 @@
 #          [--skip-sanitizer] [--skip-sdpa] [--quick] [--filter GTEST_FILTER]
 #          [--mine]  (build only mixkv_cuda_tests + mixkv_decode_bench, no ctest)
 #          [--contexts LIST] (decode bench contexts only, e.g. 19600)
+#          [--validate] (GPU checks of every area, no decode bench: mixkv_cuda_tests and
+#                     planner_cuda_test, the GPU planner bench, the Python suite with CUDA
+#                     tensors, memcheck and racecheck on a reduced filter)
 #          [--ncu]   (Nsight Compute sections of the decode kernel: batch 64 x 19,600 INT2
 #                     and batch 1 x 19,600 mixed, into ncu.log)
 # Boost (headers) and GoogleTest are taken from the system when present,
@@ -14,7 +17,7 @@
 set -uo pipefail
 OUT=${OUT:-$PWD/device-out}
 mkdir -p "$OUT"
-TESTS=1 SANITIZER=1 BENCH=1 SDPA=1 QUICK="" FILTER="*" MINE=0 NCU=0 CONTEXTS=()
+TESTS=1 SANITIZER=1 BENCH=1 SDPA=1 QUICK="" FILTER="*" MINE=0 NCU=0 VALIDATE=0 CONTEXTS=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --bench-only) TESTS=0; SANITIZER=0 ;;
@@ -24,6 +27,7 @@ while [ $# -gt 0 ]; do
     --quick) QUICK=--quick ;;
     --mine) MINE=1 ;;
     --ncu) NCU=1 ;;
+    --validate) VALIDATE=1; BENCH=0; SDPA=0; TESTS=0; SANITIZER=0 ;;
     --filter) FILTER="$2"; shift ;;
     --contexts) CONTEXTS=(--contexts "$2"); shift ;;
     *) echo "unknown flag $1"; exit 2 ;;
@@ -67,7 +71,14 @@ fi
 t0=$(date +%s)
 cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DMIXKV_CUDA=ON -DMIXKV_TESTS=ON \
   -DMIXKV_BENCHMARKS=ON "${CMAKE_ARGS[@]}" >"$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
-if [ "$MINE" = 1 ]; then
+if [ "$VALIDATE" = 1 ]; then
+  if ! python3 -c "import pybind11, pytest" 2>/dev/null; then
+    python3 -m pip install --quiet --no-index --find-links "$ROOT/build-wheels" pybind11 pytest >>"$OUT/build.log" 2>&1
+  fi
+  cmake "$BUILD" -DMIXKV_PYTHON=ON -Dpybind11_DIR="$(python3 -m pybind11 --cmakedir)" >>"$OUT/build.log" 2>&1
+  cmake --build "$BUILD" -j"$JOBS" --target mixkv_cuda_tests planner_cuda_test gpu_planner_bench mixkv_python \
+    -- -k 0 >>"$OUT/build.log" 2>&1
+elif [ "$MINE" = 1 ]; then
   cmake --build "$BUILD" -j"$JOBS" --target mixkv_cuda_tests mixkv_decode_bench -- -k 0 >>"$OUT/build.log" 2>&1
 else
   cmake --build "$BUILD" -j"$JOBS" -- -k 0 >>"$OUT/build.log" 2>&1
@@ -111,6 +122,26 @@ if [ "$SANITIZER" = 1 ]; then
   timeout 200 compute-sanitizer --tool memcheck --error-exitcode 1 "$BUILD/tests/mixkv_cuda_tests" \
     --gtest_filter='-*19600*:*LargeBatch*:*rows19600*' >"$OUT/memcheck.log" 2>&1
   echo "memcheck: rc=$? in $(( $(date +%s) - t0 )) s"; grep -E "ERROR SUMMARY|PASSED|FAILED" "$OUT/memcheck.log" | tail -5
+fi
+if [ "$VALIDATE" = 1 ]; then
+  for t in mixkv_cuda_tests planner_cuda_test; do
+    timeout 120 "$BUILD/tests/$t" >"$OUT/$t.log" 2>&1
+    echo "$t: rc=$?"; grep -E "^\[  (PASSED|FAILED|SKIPPED) |Failure|Expected|Which is|Actual" "$OUT/$t.log" | head -20
+  done
+  timeout 60 "$BUILD/benchmarks/gpu_planner_bench" "$OUT/gpu_planner_bench.json" 2>&1 | tail -12
+  STAGE="$BUILD/python-stage"
+  rm -rf "$STAGE" && mkdir -p "$STAGE" && cp -r bindings/python/mixkv "$STAGE/" && cp "$BUILD"/bindings/_core*.so "$STAGE/mixkv/"
+  PYTHONPATH="$PWD/$STAGE" timeout 120 python3 -m pytest -q -rs -p no:cacheprovider tests/python/test_cuda.py \
+    >"$OUT/pytest_cuda.log" 2>&1
+  echo "pytest test_cuda.py: rc=$?"; tail -15 "$OUT/pytest_cuda.log"
+  # The sanitizers slow kernels 10-100x: the long-context and dense cases stay out.
+  declare -A filters=([memcheck]='*-*19600*:*LargeBatch*:*rows19600*'
+                      [racecheck]='*DecodeCuda*:*MergeStates*:*StorePrefill*-*19600*:*LargeBatch*:*rows19600*')
+  for tool in memcheck racecheck; do
+    timeout 75 compute-sanitizer --tool $tool --error-exitcode 1 "$BUILD/tests/mixkv_cuda_tests" \
+      --gtest_filter="${filters[$tool]}" >"$OUT/$tool.log" 2>&1
+    echo "$tool mixkv_cuda_tests: rc=$?"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|tests ran|PASSED|FAILED" "$OUT/$tool.log" | tail -4
+  done
 fi
 if [ -f "$OUT/decode_bench.json" ]; then
   python3 benchmarks/summarize.py "$OUT/decode_bench.json" "$OUT/sdpa_bench.json" || true
