@@ -238,7 +238,8 @@ TEST_F(CudaPlannerTest, RejectsBadUse) {
   short_rows[0].num_tokens -= 1;
   expect_error<InvalidArgument>([&] { planner.plan(batch.layouts, short_rows, stream_); }, "embeddings[0].num_tokens");
   const std::vector<TokenLayout> no_text = {TokenLayout({{TokenKind::Visual, 32}})};
-  const std::vector<EmbeddingsView> one = {batch.device_views[0]};
+  std::vector<EmbeddingsView> one = {batch.device_views[0]};
+  one[0].num_tokens = 32;  // the shape matches, so only the missing text is wrong
   expect_error<InvalidArgument>([&] { planner.plan(no_text, one, stream_); }, "layouts[0] has no text tokens");
   std::vector<EmbeddingsView> wide = batch.device_views;
   for (EmbeddingsView& v : wide) v.hidden = 50000;
