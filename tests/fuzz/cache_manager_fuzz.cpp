@@ -5,7 +5,8 @@
 // host swap pool of 0-12 slots per pool, either FP16 packing; sometimes a
 // malformed one), the rest up to 200 calls, valid and invalid, with ids from
 // a small range so that they collide: add_sequence, append_tokens (by id and
-// by handle), fork, free_sequence, swap_out, swap_in, demote,
+// by handle, per-layer and compact slots), fork, free_sequence, swap_out,
+// swap_in, demote,
 // decode_metadata, prefill_mapping and the inspection calls.
 //
 // Checked after every call: check_invariants(); the call returned or threw a
@@ -14,6 +15,7 @@
 // exactly; every resident sequence's blocks hold exactly its tokens, and
 // every prefill mapping points at them (Shadow, fuzz_support.h). At the end,
 // freeing every sequence gives back every block and host slot.
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <map>
@@ -174,50 +176,96 @@ class Harness {
     }
   }
 
+  // The tail block of every layer (-1 without FP16 blocks).
+  std::vector<std::int32_t> tails(SequenceId id) const {
+    std::vector<std::int32_t> t;
+    for (std::int32_t layer = 0; layer < layers_; ++layer) {
+      const auto fp16 = cache_.blocks(id, layer, Precision::FP16);
+      t.push_back(fp16.empty() ? -1 : fp16.back());
+    }
+    return t;
+  }
+
   bool append(bool by_handle) {
     std::vector<SequenceId> ids(in_.ConsumeIntegralInRange<std::size_t>(0, 4));
     for (SequenceId& id : ids) id = some_id();
+    const AppendSlots form = in_.ConsumeBool() ? AppendSlots::Compact : AppendSlots::PerLayer;
     AppendResult result;
     Outcome outcome;
+    std::vector<std::vector<std::int32_t>> tails_before;
     if (by_handle) {
       std::vector<SequenceHandle> handles;
-      for (const SequenceId id : ids) {
+      for (SequenceId& id : ids) {
         const auto it = live_.find(id);
         if (it != live_.end() && in_.ConsumeIntegralInRange<int>(0, 7) != 0) {
           handles.push_back(it->second.handle);
-        } else if (!stale_.empty() && in_.ConsumeBool()) {
+          continue;
+        }
+        if (!stale_.empty() && in_.ConsumeBool()) {
           handles.push_back(stale_[in_.ConsumeIntegralInRange<std::size_t>(0, stale_.size() - 1)]);
         } else {
           handles.push_back({in_.ConsumeIntegralInRange<std::int32_t>(-1, 9),
                              in_.ConsumeIntegralInRange<std::uint32_t>(0, 3)});
         }
-      }
-      outcome = attempt("append_tokens(handles)", [&] { result = cache_.append_tokens(handles); });
-      if (outcome == Outcome::Ok) {
-        // Each handle names the live sequence it was taken from.
-        ids.clear();
-        for (const SequenceHandle& h : handles) {
-          SequenceId found = -2;
-          for (const auto& [id, seq] : live_) {
-            if (seq.handle == h) found = id;
-          }
-          if (found == -2) finding("append_tokens accepted a handle of no live sequence");
-          ids.push_back(found);
+        // A made-up handle may be a live one by chance; a stale one never is.
+        id = -2;
+        for (const auto& [live_id, seq] : live_) {
+          if (seq.handle == handles.back()) id = live_id;
         }
       }
+      for (const SequenceId id : ids) tails_before.push_back(resident(id) ? tails(id) : std::vector<std::int32_t>{});
+      outcome = attempt("append_tokens(handles)", [&] { result = cache_.append_tokens(handles, form); });
+      // A handle names the live sequence it was taken from, or none.
+      if (outcome == Outcome::Ok && std::find(ids.begin(), ids.end(), SequenceId{-2}) != ids.end()) {
+        finding("append_tokens accepted a stale or made-up handle");
+      }
     } else {
-      outcome = attempt("append_tokens(ids)", [&] { result = cache_.append_tokens(ids); });
+      for (const SequenceId id : ids) tails_before.push_back(resident(id) ? tails(id) : std::vector<std::int32_t>{});
+      outcome = attempt("append_tokens(ids)", [&] { result = cache_.append_tokens(ids, form); });
     }
     if (outcome != Outcome::Ok) return false;
-    if (result.slots.size() != static_cast<std::size_t>(layers_)) finding("append_tokens: slots per layer");
+    // The compact form (always there) agrees with the per-layer slots (when
+    // asked for) and with the page tables; tails_changed lists exactly the
+    // sequences whose tail moved.
+    if (result.offsets.size() != ids.size()) finding("append_tokens: one offset per sequence");
+    if (form == AppendSlots::PerLayer ? result.slots.size() != static_cast<std::size_t>(layers_) : !result.slots.empty()) {
+      finding("append_tokens: slots per layer only in the PerLayer form");
+    }
+    std::vector<std::int32_t> changed;
+    std::vector<std::vector<std::int32_t>> slots(ids.size());
+    for (std::size_t i = 0; i < ids.size(); ++i) {
+      const std::vector<std::int32_t> after = tails(ids[i]);
+      if (after != tails_before[i]) changed.push_back(static_cast<std::int32_t>(i));
+      for (std::int32_t layer = 0; layer < layers_; ++layer) {
+        const std::int32_t slot = after[static_cast<std::size_t>(layer)] * bs_ + result.offsets[i];
+        slots[i].push_back(slot);
+        if (form == AppendSlots::PerLayer) {
+          const auto& per_layer = result.slots[static_cast<std::size_t>(layer)];
+          if (per_layer.size() != ids.size() || per_layer[i] != slot) {
+            finding("append_tokens: slots[layer][i] != tail * block_size + offsets[i]");
+          }
+        }
+      }
+    }
+    if (result.tails_changed != changed ||
+        result.tail_blocks.size() != changed.size() * static_cast<std::size_t>(layers_)) {
+      finding("append_tokens: tails_changed does not list exactly the sequences whose tail block changed");
+    }
+    for (std::size_t k = 0; k < changed.size(); ++k) {
+      const std::vector<std::int32_t> after = tails(ids[static_cast<std::size_t>(changed[k])]);
+      for (std::int32_t layer = 0; layer < layers_; ++layer) {
+        if (result.tail_blocks[k * static_cast<std::size_t>(layers_) + static_cast<std::size_t>(layer)] !=
+            after[static_cast<std::size_t>(layer)]) {
+          finding("append_tokens: tail_blocks disagrees with the page table");
+        }
+      }
+    }
     for (const BlockCopy& c : result.copies) shadow_.copy_fp16_block(c.src, c.dst);
     for (std::size_t i = 0; i < ids.size(); ++i) {
       Live& seq = live_.at(ids[i]);
       seq.tokens.push_back(fresh_tag());
       for (std::int32_t layer = 0; layer < layers_; ++layer) {
-        const auto& slots = result.slots[static_cast<std::size_t>(layer)];
-        if (slots.size() != ids.size()) finding("append_tokens: one slot per sequence");
-        shadow_.fp16_slot(slots[i]) = layer_tag(seq.tokens.back(), layer);
+        shadow_.fp16_slot(slots[i][static_cast<std::size_t>(layer)]) = layer_tag(seq.tokens.back(), layer);
       }
     }
     return true;
