@@ -15,18 +15,21 @@ under each request's plan (store_prefill). Every decode step appends its
 token (append) and runs its attention through mixkv (paged_decode_attention).
 All variants are sequences of that one cache, each with its own plan:
 
-  FP16         every window FP16
-  WindowQuant  the planner's plan
-  INT4 / INT2  every window INT4 / INT2 (text and the tail stay FP16)
+  FP16                     every window FP16
+  WindowQuant              the planner's plan (eqs. 8-11, alpha 2)
+  WindowQuant, INT4 floor  the same planner with min_precision INT4 on every layer
+  INT4 / INT2              every window INT4 / INT2 (text and the tail stay FP16)
 
 Measured per variant: the KV bytes of the prompt (plan_stats, = what the
 manager allocates), the perplexity of a held-out continuation (a reference
 answer, teacher-forced), top-1 agreement with FP16 along that continuation,
 and agreement with FP16's free-running greedy answer. A plain dense cache
 (NumPy float16 arrays) decodes greedily beside them: the FP16 variant must
-produce the same tokens.
+produce the same tokens. The decode steps run on mixkv's CPU backend, or on
+its CUDA backend when mixkv is built with CUDA and a GPU is visible; the
+model itself always runs in NumPy. docs/real-model.md has the results.
 
-  python3 examples/smollm2/real_model.py [--json out.json] [--plot docs/real-model.png]
+  python3 examples/smollm2/real_model.py [--diagnose] [--json out.json] [--plot docs/real-model.png]
 """
 
 from __future__ import annotations
@@ -52,19 +55,21 @@ from model import SmolLM2, log_softmax  # noqa: E402
 try:
     from tqdm import tqdm
 except ImportError:  # a plain stand-in: the program does not need tqdm to run
-    def tqdm(iterable=None, total=None, desc="", **_):
-        return iterable if iterable is not None else _Bar(total, desc)
+    def tqdm(iterable=None, total=None, desc="", disable=False, **_):
+        return iterable if iterable is not None else _Bar(total, desc, disable)
 
     class _Bar:
-        def __init__(self, total, desc):
-            self.total, self.n, self.desc = total, 0, desc
+        def __init__(self, total, desc, disable):
+            self.total, self.n, self.desc, self.disable = total, 0, desc, disable
 
         def update(self, k=1):
             self.n += k
-            print(f"\r{self.desc} {self.n}/{self.total}", end="", file=sys.stderr, flush=True)
+            if not self.disable:
+                print(f"\r{self.desc} {self.n}/{self.total}", end="", file=sys.stderr, flush=True)
 
         def close(self):
-            print(file=sys.stderr)
+            if not self.disable:
+                print(file=sys.stderr)
 
 
 TEXTS = os.path.join(HERE, "texts")
@@ -214,16 +219,16 @@ class CudaBackend:
 
     name = "CUDA (mixkv.cuda.DeviceKVCache)"
 
-    def __init__(self, config, model_config, max_sequences):
+    def __init__(self, config, model_config, max_sequences: int, max_tokens: int):
         import torch
         import mixkv.cuda as mc
 
-        self.torch, self.mc = torch, mc
+        self.torch = torch
         self.cache = mc.DeviceKVCache(config)
         shape = config.shape
-        max_blocks = config.arena_bytes // mixkv.BlockFormat(Precision.INT2, shape.num_kv_heads, shape.head_dim,
-                                                              shape.block_size).block_bytes
-        self.tables = mc.DevicePageTables(mc.PageTableConfig(shape.num_layers, max_sequences, int(max_blocks)))
+        # The longest page list of one (sequence, layer, pool).
+        max_blocks = math.ceil(max_tokens / shape.block_size) + 2
+        self.tables = mc.DevicePageTables(mc.PageTableConfig(shape.num_layers, max_sequences, max_blocks))
         self.plan = mc.DecodePlan(mc.DecodePlanConfig(shape.num_layers, model_config.num_heads, shape.num_kv_heads,
                                                       shape.head_dim, shape.block_size, max_sequences), self.tables)
         self.mapping = mc.DeviceStoreMapping()
@@ -285,12 +290,6 @@ def pick_backend(name: str):
     if name == "cuda":
         raise SystemExit("--backend cuda: needs mixkv built with CUDA, torch and a visible GPU")
     return "cpu"
-
-
-def store_prompt(cache, seq_id: int, prompt: Prompt, plan, ks, vs):
-    cache.add_sequence(seq_id, prompt.layout, plan)
-    for layer, (k, v) in enumerate(zip(ks, vs)):
-        ops.store_prefill(cache, k, v, cache.prefill_mapping(seq_id, layer))
 
 
 def read_back(cache, seq_id: int, layer: int):
@@ -535,7 +534,8 @@ def main(argv=None):
     variants = list(plans)
     config = cache_config(model, prompt, list(plans.values()), len(prompt.answer) + args.max_new, 2)
     backend_name = pick_backend(args.backend)
-    backend = (CudaBackend(config, c, 2 * len(variants)) if backend_name == "cuda" else HostBackend(config))
+    backend = (CudaBackend(config, c, 2 * len(variants), len(prompt.ids) + len(prompt.answer) + args.max_new)
+               if backend_name == "cuda" else HostBackend(config))
     print(f"mixkv backend: {backend.name}", flush=True)
     for i, v in enumerate(variants):
         backend.add(2 * i, prompt.layout, plans[v], ks, vs)
@@ -630,12 +630,12 @@ def sweep(model, prompt, ks, vs, sens, embeddings, args, config, progress, passa
                 plan.set(layer, 0, Precision.FP16)
                 plan.set(layer, passage_window, Precision.FP16)
             configs.append((f"diagnose: windows 0 and {passage_window} (the passage) FP16, rest {rest.name}", plan))
-    cache = mixkv.KVCache(config)
+    backend = HostBackend(config, threads=1)
     out = []
     for name, plan in tqdm(configs, desc="sweep (read back)", disable=not progress):
-        store_prompt(cache, 0, prompt, plan, ks, vs)
-        past = [read_back(cache, 0, layer) for layer in range(c.num_layers)]
-        cache.free_sequence(0)
+        backend.add(0, prompt.layout, plan, ks, vs)
+        past = [read_back(backend.cache, 0, layer) for layer in range(c.num_layers)]
+        backend.free(0)
         lp = log_softmax(score_with_past(model, past, prompt.answer[:-1], len(prompt.ids)))
         nll = -lp[np.arange(len(prompt.answer) - 1), prompt.answer[1:]]
         stats = mixkv.plan_stats(prompt.layout, plan, config.shape)
