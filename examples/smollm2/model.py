@@ -97,9 +97,6 @@ class Tokenizer:
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
-    def token_id(self, text: str) -> int:
-        return self.tokens.index(text)
-
 
 def _field(reader, name):
     return reader.fields[name].contents()
@@ -159,7 +156,6 @@ class SmolLM2:
         special = [i for i, t in enumerate(types) if t == 3]  # CONTROL tokens: <|im_start|>, <|endoftext|>, ...
         self.tokenizer = Tokenizer(tokens, merges, special)
         self.eos_id = int(_field(reader, "tokenizer.ggml.eos_token_id"))
-        self.quant_types = sorted({t.tensor_type.name for t in reader.tensors})
         # RoPE frequencies of the adjacent pairs (2i, 2i+1).
         self.inv_freq = c.rope_theta ** (-np.arange(0, c.head_dim, 2, dtype=np.float64) / c.head_dim)
 
