@@ -12,6 +12,7 @@
 
 #include <cuda_runtime_api.h>
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>  // std::optional and std::vector casts
 
 #include "host_arrays.h"
 #include "mixkv/cache/half.h"
