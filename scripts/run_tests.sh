@@ -8,6 +8,8 @@ source "$(dirname "$0")/common.sh"
 "$MIXKV_ROOT/scripts/setup.sh"
 configure_and_build "$MIXKV_ROOT/build-test" -DMIXKV_TESTS=ON -DMIXKV_BENCHMARKS=ON
 ctest --test-dir "$MIXKV_ROOT/build-test" --output-on-failure -j "$MIXKV_JOBS"
+# The C++ suite under ASan + UBSan, and each fuzzer for 30 s (docs/reliability.md).
+"$MIXKV_ROOT/scripts/run_reliability.sh"
 
 # The Python package, built and installed as a user would (pip install .),
 # CPU backend only: the C++ suite above already built the CUDA code, and the

@@ -4,7 +4,8 @@
 set -euo pipefail
 
 packages=(cmake ninja-build g++ libboost1.81-dev libgtest-dev libgmock-dev libbenchmark-dev
-          python3-dev python3-pip)
+          python3-dev python3-pip
+          clang-14 libclang-rt-14-dev)  # libFuzzer and the sanitizer runtimes (run_reliability.sh)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
