@@ -151,8 +151,9 @@ RunResult run(const CacheConfig& cc, const SchedulerConfig& sc, std::optional<Ca
 // the request's last generated token is prefilled again, and its attention
 // output comes out of that prefill, not out of a decode step (one position
 // per recompute, in every layer). `recomputes` bounds how many may be missing.
-void expect_same_outputs(const Outputs& baseline, const Outputs& got, std::optional<RequestId> except,
-                         std::int64_t recomputes) {
+// Returns how many outputs were compared.
+std::size_t expect_same_outputs(const Outputs& baseline, const Outputs& got, std::optional<RequestId> except,
+                                std::int64_t recomputes) {
   std::size_t compared = 0;
   std::int64_t missing = 0;
   for (const auto& [key, values] : baseline) {
@@ -162,8 +163,11 @@ void expect_same_outputs(const Outputs& baseline, const Outputs& got, std::optio
       ++missing;
       continue;
     }
-    ASSERT_EQ(it->second, values) << "request " << std::get<0>(key) << " position " << std::get<1>(key) << " layer "
-                                  << std::get<2>(key) << ": the fault changed another request's data";
+    if (it->second != values) {
+      ADD_FAILURE() << "request " << std::get<0>(key) << " position " << std::get<1>(key) << " layer "
+                    << std::get<2>(key) << ": the fault changed another request's data";
+      return compared;
+    }
     ++compared;
   }
   for (const auto& [key, values] : got) {
@@ -171,6 +175,7 @@ void expect_same_outputs(const Outputs& baseline, const Outputs& got, std::optio
   }
   EXPECT_LE(missing, recomputes * 2) << "outputs missing beyond one position per recompute and layer";
   EXPECT_GT(compared, 500u);
+  return compared;
 }
 
 // A cache small enough for preemption (swap, with a host pool of room).
@@ -186,11 +191,11 @@ TEST_P(CancelInState, FreesEverythingAndChangesNoOtherRequest) {
   ASSERT_TRUE(cancelled.cancelled.has_value()) << "no request was ever " << to_string(GetParam());
   EXPECT_EQ(cancelled.reasons.at(*cancelled.cancelled), FinishReason::Cancelled);
   EXPECT_EQ(cancelled.stats.cancelled, 1);
-  expect_same_outputs(baseline.outputs, cancelled.outputs, cancelled.cancelled,
-                      baseline.stats.preempted_recompute + cancelled.stats.preempted_recompute);
-  std::printf("cancelled request %lld while %s; %zu outputs of the other requests unchanged\n",
-              static_cast<long long>(*cancelled.cancelled), std::string(to_string(GetParam())).c_str(),
-              cancelled.outputs.size());
+  const std::size_t compared =
+      expect_same_outputs(baseline.outputs, cancelled.outputs, cancelled.cancelled,
+                          baseline.stats.preempted_recompute + cancelled.stats.preempted_recompute);
+  std::printf("cancelled request %lld while %s; %zu outputs of the other requests compared with the baseline\n",
+              static_cast<long long>(*cancelled.cancelled), std::string(to_string(GetParam())).c_str(), compared);
 }
 
 INSTANTIATE_TEST_SUITE_P(States, CancelInState,
@@ -206,10 +211,11 @@ TEST(SwapPoolFull, FallsBackToRecomputeAndChangesNoOutput) {
   EXPECT_EQ(roomy.stats.preempted_recompute + roomy.stats.preempted_swap, 0);
   const RunResult tight = run(cache_config(10, {3, 1, 1}), scheduler_config(PreemptionMode::Swap), std::nullopt);
   EXPECT_GT(tight.stats.preempted_recompute, 0) << "the host pool never ran full";
-  expect_same_outputs(roomy.outputs, tight.outputs, std::nullopt, tight.stats.preempted_recompute);
-  std::printf("host pool of 3/1/1 slots: %lld swap preemptions, %lld recompute fallbacks, outputs unchanged\n",
+  const std::size_t compared =
+      expect_same_outputs(roomy.outputs, tight.outputs, std::nullopt, tight.stats.preempted_recompute);
+  std::printf("host pool of 3/1/1 slots: %lld swap preemptions, %lld recompute fallbacks, %zu outputs compared\n",
               static_cast<long long>(tight.stats.preempted_swap),
-              static_cast<long long>(tight.stats.preempted_recompute));
+              static_cast<long long>(tight.stats.preempted_recompute), compared);
 }
 
 }  // namespace
