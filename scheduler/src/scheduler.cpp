@@ -119,6 +119,8 @@ struct Scheduler::Impl {
   void drop_slot(Entry& e);
   void release(Entry& e);                    // frees memory, unlinks, erases
   void retire(Entry& e, FinishReason reason);
+  // finish() and cancel(): false for a request already retired.
+  bool end_by_caller(RequestId id, FinishReason reason);
   void reject(Entry& e, std::string reason);
   void preempt(Entry& e, StepOutput& out);
   void relieve(std::vector<Entry*>& decodes, std::int64_t& need, StepOutput& out);
@@ -771,31 +773,21 @@ StepOutput Scheduler::step() {
   return out;
 }
 
-bool Scheduler::finish(RequestId id) {
-  Impl& s = *impl_;
-  const auto it = s.entries.find(id);
-  if (it == s.entries.end()) {
-    if (s.retired.contains(id)) return false;
+bool Scheduler::Impl::end_by_caller(RequestId id, FinishReason reason) {
+  const auto it = entries.find(id);
+  if (it == entries.end()) {
+    if (retired.contains(id)) return false;
     throw UnknownId("id = " + std::to_string(id) + " was never added to this scheduler");
   }
   Entry& e = it->second;
-  if (e.done) std::replace(s.done.begin(), s.done.end(), &e, static_cast<Entry*>(nullptr));
-  s.retire(e, FinishReason::Stopped);
+  if (e.done) std::replace(done.begin(), done.end(), &e, static_cast<Entry*>(nullptr));
+  retire(e, reason);
   return true;
 }
 
-bool Scheduler::cancel(RequestId id) {
-  Impl& s = *impl_;
-  const auto it = s.entries.find(id);
-  if (it == s.entries.end()) {
-    if (s.retired.contains(id)) return false;
-    throw UnknownId("id = " + std::to_string(id) + " was never added to this scheduler");
-  }
-  Entry& e = it->second;
-  if (e.done) std::replace(s.done.begin(), s.done.end(), &e, static_cast<Entry*>(nullptr));
-  s.retire(e, FinishReason::Cancelled);
-  return true;
-}
+bool Scheduler::finish(RequestId id) { return impl_->end_by_caller(id, FinishReason::Stopped); }
+
+bool Scheduler::cancel(RequestId id) { return impl_->end_by_caller(id, FinishReason::Cancelled); }
 
 bool Scheduler::contains(RequestId id) const { return impl_->entries.contains(id); }
 
