@@ -27,9 +27,11 @@ cmake -S "$MIXKV_ROOT" -B "$fuzz" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CX
 cmake --build "$fuzz" -j "$MIXKV_JOBS" --target cache_manager_fuzz scheduler_fuzz
 for target in cache_manager_fuzz scheduler_fuzz; do
   # New inputs go to a scratch directory; the committed corpus is only read.
+  # A fixed seed makes every run try the same inputs in the same order (a
+  # faster machine just gets further), so a failure here is reproducible.
   scratch="$fuzz/corpus-$target"
-  mkdir -p "$scratch"
+  rm -rf "$scratch" && mkdir -p "$scratch"
   "$fuzz/tests/fuzz/$target" "$scratch" "$MIXKV_ROOT/tests/fuzz/corpus/$target" \
-    -max_total_time="$fuzz_seconds" -timeout=60 -rss_limit_mb=4096 -print_final_stats=1 \
+    -seed=1 -max_total_time="$fuzz_seconds" -timeout=60 -rss_limit_mb=4096 -print_final_stats=1 \
     -artifact_prefix="$fuzz/$target-"
 done

@@ -44,6 +44,10 @@ inline void print_counters() {
   }
 }
 
+// MIXKV_FUZZ_TRACE=1 in the environment: every call and its outcome on
+// stderr, to turn a saved input into a hand-written reproducer.
+inline const bool tracing = std::getenv("MIXKV_FUZZ_TRACE") != nullptr;
+
 [[noreturn]] inline void finding(const std::string& what) {
   std::fprintf(stderr, "mixkv fuzz finding: %s\n", what.c_str());
   std::abort();
@@ -67,6 +71,7 @@ Outcome attempt(const char* what, F&& call) {
   try {
     call();
     ++tally.second;
+    if (tracing) std::fprintf(stderr, "  %s -> ok\n", what);
     return Outcome::Ok;
   } catch (const InvalidArgument& e) {
     outcome = Outcome::InvalidArgument;
@@ -89,6 +94,7 @@ Outcome attempt(const char* what, F&& call) {
   } catch (...) {
     kind = "a non-exception";
   }
+  if (tracing) std::fprintf(stderr, "  %s -> %s\n", what, message.c_str());
   if (kind != nullptr) finding(std::string(what) + " threw " + kind + ": " + message);
   if (message.empty()) finding(std::string(what) + " threw a typed error without a message");
   ++counters.typed_errors;

@@ -172,6 +172,21 @@ class Harness {
       if (nan && !embeddings.empty()) embeddings[in_.ConsumeIntegralInRange<std::size_t>(0, embeddings.size() - 1)] = NAN;
       r.embeddings = EmbeddingsView{embeddings.data(), ElementType::F32, r.layout.num_tokens(), kHidden};
     }
+    if (tracing) {
+      std::string text = "add_request id " + std::to_string(r.id) + " max_new_tokens " +
+                         std::to_string(r.max_new_tokens) + " priority " + std::to_string(r.priority) + " layout";
+      for (const Segment& seg : r.layout.segments()) {
+        text += (seg.kind == TokenKind::Text ? " T" : " V") + std::to_string(seg.length);
+      }
+      if (r.plan) {
+        text += " plan";
+        for (std::int32_t l = 0; l < r.plan->num_layers(); ++l) {
+          text += ' ';
+          for (std::int32_t w = 0; w < r.plan->num_windows(); ++w) text += "F42"[pool_index(r.plan->at(l, w))];
+        }
+      }
+      std::fprintf(stderr, "%s%s\n", text.c_str(), r.embeddings ? " (embeddings)" : "");
+    }
     if (attempt("add_request", [&] { sched_.add_request(r); }) != Outcome::Ok) return false;
     ++generation_[r.id];
     ++adds_[r.id];
@@ -286,7 +301,10 @@ class Harness {
   // and host slot is free again.
   void drain() {
     for (int s = 0; sched_.has_unfinished(); ++s) {
-      if (s == kDrainSteps) finding("the scheduler does not drain in " + std::to_string(kDrainSteps) + " steps");
+      if (s == kDrainSteps) {
+        finding("the scheduler does not drain in " + std::to_string(kDrainSteps) + " steps; its state:\n" +
+                sched_.describe_state());
+      }
       const std::string before = sched_.describe_state();
       step();
       check(before, false);
@@ -325,6 +343,20 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   FuzzedDataProvider in(data, size);
   const CacheConfig cache_config = decode_cache(in);
   const SchedulerConfig sched_config = decode_scheduler(in, cache_config.shape.num_layers);
+  if (tracing) {
+    std::fprintf(stderr,
+                 "cache: %d layers, %zu slabs of %zu bytes, swap %lld/%lld/%lld, fp16_windows_first %d\n"
+                 "scheduler: max_num_seqs %d, max_num_batched_tokens %d, chunked %d, policy %d, watermark %g, "
+                 "demote %d (max %d), preemption %d, lookahead %d, max_head_bypass %d, planner %d\n",
+                 cache_config.shape.num_layers, cache_config.arena_bytes / cache_config.slab_bytes,
+                 cache_config.slab_bytes, static_cast<long long>(cache_config.swap_blocks[0]),
+                 static_cast<long long>(cache_config.swap_blocks[1]), static_cast<long long>(cache_config.swap_blocks[2]),
+                 cache_config.fp16_windows_first, sched_config.max_num_seqs, sched_config.max_num_batched_tokens,
+                 sched_config.chunked_prefill, static_cast<int>(sched_config.policy), sched_config.watermark,
+                 sched_config.demote_under_pressure, sched_config.max_demotions_per_step,
+                 static_cast<int>(sched_config.preemption), sched_config.lookahead, sched_config.max_head_bypass,
+                 sched_config.planner.has_value());
+  }
   KVCacheManager cache(cache_config);
   std::optional<Scheduler> sched;
   if (attempt("Scheduler(config)", [&] { sched.emplace(cache, sched_config); }) != Outcome::Ok) return 0;

@@ -218,5 +218,93 @@ TEST(SwapPoolFull, FallsBackToRecomputeAndChangesNoOutput) {
               static_cast<long long>(tight.stats.preempted_recompute), compared);
 }
 
+
+// --- Liveness under memory pressure (a scheduler_fuzz finding, reduced by
+// hand; docs/reliability.md, "Findings"). One request alone in a 4-slab
+// cache: its plan (layer 0: FP16, INT2; layer 1: INT2, FP16) and its 39
+// decode tokens fit exactly as planned, 3 FP16 slabs and 1 INT2 slab.
+
+CacheConfig four_slabs() { return cache_config(4, {13, 16, 15}); }
+
+Request lone_request() {
+  Request r;
+  r.id = 3;
+  r.layout = TokenLayout({{TokenKind::Visual, 46}, {TokenKind::Text, 12}});
+  PrecisionPlan plan(2, 2);
+  plan.set(0, 1, Precision::INT2);
+  plan.set(1, 0, Precision::INT2);
+  r.plan = plan;
+  r.max_new_tokens = 39;
+  return r;
+}
+
+// Steps until nothing is left (at most `limit` steps); the steps taken.
+std::int64_t drain(Scheduler& sched, std::int64_t limit, std::vector<FinishedRequest>& finished,
+                   std::vector<RejectedRequest>& rejected) {
+  std::int64_t steps = 0;
+  for (; sched.has_unfinished() && steps < limit; ++steps) {
+    const StepOutput out = sched.step();
+    finished.insert(finished.end(), out.finished.begin(), out.finished.end());
+    rejected.insert(rejected.end(), out.rejected.begin(), out.rejected.end());
+  }
+  return steps;
+}
+
+SchedulerConfig lone_config(bool demote, PreemptionMode mode) {
+  SchedulerConfig c = scheduler_config(mode);
+  c.max_num_seqs = 3;
+  c.max_num_batched_tokens = 77;
+  c.chunked_prefill = false;
+  c.demote_under_pressure = demote;
+  c.max_demotions_per_step = 5;
+  return c;
+}
+
+TEST(SchedulerLiveness, LoneRequestFinishesWithoutDemotion) {
+  KVCacheManager cache(four_slabs());
+  Scheduler sched(cache, lone_config(false, PreemptionMode::Swap));
+  sched.add_request(lone_request());
+  std::vector<FinishedRequest> finished;
+  std::vector<RejectedRequest> rejected;
+  drain(sched, 1000, finished, rejected);
+  ASSERT_EQ(finished.size(), 1u);
+  EXPECT_EQ(finished[0].generated, 39);
+}
+
+// KNOWN FINDING, open: with demotion on, at 80 tokens the scheduler demotes
+// layer 1's FP16 window 1 to INT4, which takes the last free slab for the
+// INT4 pool and frees one FP16 block in a slab that stays in use: the FP16
+// pool can no longer grow. The request then swaps itself out and back in
+// every second step, forever (no progress, nothing else can run). Expected:
+// demotion that costs a slab for less than a slab is not made, and a request
+// that cannot grow even alone ends (rejected, or finished with a reason),
+// as it does under PreemptionMode::Recompute (next test). Disabled so that the
+// test command stays green until the scheduler is fixed; run it with
+// --gtest_also_run_disabled_tests.
+TEST(SchedulerLiveness, DISABLED_LoneRequestThatCannotGrowDoesNotThrash) {
+  KVCacheManager cache(four_slabs());
+  Scheduler sched(cache, lone_config(true, PreemptionMode::Swap));
+  sched.add_request(lone_request());
+  std::vector<FinishedRequest> finished;
+  std::vector<RejectedRequest> rejected;
+  const std::int64_t steps = drain(sched, 1000, finished, rejected);
+  EXPECT_FALSE(sched.has_unfinished()) << "still unfinished after " << steps << " steps, "
+                                       << sched.stats().preempted_swap << " swap preemptions";
+  EXPECT_EQ(finished.size() + rejected.size(), 1u);
+}
+
+// Under recompute the same request ends (today it is rejected once its
+// prompt with the generated tokens exceeds the token budget).
+TEST(SchedulerLiveness, LoneRequestEndsUnderRecompute) {
+  KVCacheManager cache(four_slabs());
+  Scheduler sched(cache, lone_config(true, PreemptionMode::Recompute));
+  sched.add_request(lone_request());
+  std::vector<FinishedRequest> finished;
+  std::vector<RejectedRequest> rejected;
+  drain(sched, 1000, finished, rejected);
+  EXPECT_FALSE(sched.has_unfinished());
+  EXPECT_EQ(finished.size() + rejected.size(), 1u);
+}
+
 }  // namespace
 }  // namespace mixkv
