@@ -455,14 +455,7 @@ class Harness {
 
   // --- checks
   void check_all(const std::string& before, bool unchanged) {
-    try {
-      cache_.check_invariants();
-    } catch (const std::exception& e) {
-      finding(std::string("check_invariants: ") + e.what());
-    }
-    if (unchanged && cache_.describe_state() != before) {
-      finding("a failed or const call changed the state:\nbefore:\n" + before + "after:\n" + cache_.describe_state());
-    }
+    check_consistency(cache_, before, unchanged);
     for (const auto& [id, seq] : live_) {
       if (!cache_.contains(id)) finding("sequence " + std::to_string(id) + " vanished");
       if (!cache_.is_swapped(id)) shadow_.verify(id, seq.tokens);

@@ -56,6 +56,20 @@ inline const bool tracing = std::getenv("MIXKV_FUZZ_TRACE") != nullptr;
 // How a public call ended: returned, or threw one of the typed errors.
 enum class Outcome : std::uint8_t { Ok, InvalidArgument, OutOfMemory, UnknownId, IndexOutOfRange };
 
+// After every call: the invariants hold, and a call that failed (or only
+// reads) left the canonical state text exactly as it was.
+template <class Checked>
+void check_consistency(const Checked& checked, const std::string& before, bool unchanged) {
+  try {
+    checked.check_invariants();
+  } catch (const std::exception& e) {
+    finding(std::string("check_invariants: ") + e.what());
+  }
+  if (unchanged && checked.describe_state() != before) {
+    finding("a failed or const call changed the state:\nbefore:\n" + before + "after:\n" + checked.describe_state());
+  }
+}
+
 // Runs one public call. A typed error of errors.h is an allowed outcome;
 // InvariantViolation (the code caught itself in an inconsistent state), any
 // other exception or a non-exception throw is a finding, and so is a typed

@@ -279,14 +279,7 @@ class Harness {
   }
 
   void check(const std::string& before, bool unchanged) {
-    try {
-      sched_.check_invariants();
-    } catch (const std::exception& e) {
-      finding(std::string("check_invariants: ") + e.what());
-    }
-    if (unchanged && sched_.describe_state() != before) {
-      finding("a failed or const call changed the state:\nbefore:\n" + before + "after:\n" + sched_.describe_state());
-    }
+    check_consistency(sched_, before, unchanged);
     // Running requests hold all their tokens (prompt computed, decode tokens written).
     for (const SequenceId id : cache_.sequence_ids()) {
       if (!sched_.contains(id)) finding("the cache holds sequence " + std::to_string(id) + " of no live request");
