@@ -23,6 +23,7 @@
 #include "mixkv/cache/pool_view.h"
 #include "mixkv/cache/precision.h"
 #include "mixkv/cache/quant_math.h"
+#include "mixkv/cpu/decode_attention.h"
 #include "mixkv/cpu/quantize.h"
 #include "mixkv/cpu/store.h"
 
@@ -320,5 +321,31 @@ inline QualityData quality_data() {
           << "message does not name '" << (name) << "': " << error.what();                      \
     }                                                                                           \
   } while (0)
+
+// Decode attention outputs of a batch: out [batch][q_heads][head_dim], lse [batch][q_heads].
+struct DecodeResult {
+  std::vector<float> out;
+  std::vector<float> lse;
+};
+
+// The CPU reference over one placed batch; outputs start as NaN so an
+// element the reference failed to write cannot pass.
+inline DecodeResult cpu_decode(const TestArena& arena, const PlacedBatch& placed, const std::vector<Half>& q,
+                               std::int32_t num_q_heads, float sm_scale) {
+  const std::size_t batch = placed.tables[0].indptr.size() - 1;
+  const std::int32_t dim = arena.format(Precision::FP16).head_dim;
+  constexpr float nan = std::numeric_limits<float>::quiet_NaN();
+  DecodeResult r{std::vector<float>(batch * num_q_heads * dim, nan), std::vector<float>(batch * num_q_heads, nan)};
+  cpu::DecodeAttentionArgs args;
+  args.q = q;
+  args.num_q_heads = num_q_heads;
+  args.sm_scale = sm_scale;
+  args.tables = &placed.tables;
+  args.pools = arena.views();
+  args.out = r.out;
+  args.lse = r.lse;
+  cpu::decode_attention(args);
+  return r;
+}
 
 }  // namespace mixkv::test

@@ -14,26 +14,6 @@ namespace {
 
 constexpr float kNan = std::numeric_limits<float>::quiet_NaN();
 
-struct Result {
-  std::vector<float> out, lse;
-};
-
-Result run(const TestArena& arena, const PlacedBatch& placed, const std::vector<Half>& q, std::int32_t num_q_heads,
-           float sm_scale) {
-  const std::size_t batch = placed.tables[0].indptr.size() - 1;
-  const std::int32_t dim = arena.format(Precision::FP16).head_dim;
-  Result r{std::vector<float>(batch * num_q_heads * dim, kNan), std::vector<float>(batch * num_q_heads, kNan)};
-  cpu::DecodeAttentionArgs args;
-  args.q = q;
-  args.num_q_heads = num_q_heads;
-  args.sm_scale = sm_scale;
-  args.tables = &placed.tables;
-  args.pools = arena.views();
-  args.out = r.out;
-  args.lse = r.lse;
-  cpu::decode_attention(args);
-  return r;
-}
 
 // Dense float64 attention of every (sequence, query head) over `expected`.
 std::vector<DenseState> reference(const PlacedBatch& placed, const std::vector<Half>& q, std::int32_t num_q_heads,
@@ -58,7 +38,7 @@ struct ErrorStats {
 
 // Relative output error and absolute LSE error per (sequence, query head);
 // empty sequences must give out 0 and lse -inf exactly.
-ErrorStats compare(const Result& got, const std::vector<DenseState>& want, std::int32_t dim) {
+ErrorStats compare(const DecodeResult& got, const std::vector<DenseState>& want, std::int32_t dim) {
   ErrorStats stats;
   std::size_t counted = 0;
   for (std::size_t i = 0; i < want.size(); ++i) {
@@ -121,7 +101,7 @@ struct Problem {
     Rng rng(q_seed);
     const std::vector<Half> q = random_halves(rng, seqs.size() * q_heads * dim);
     const float sm_scale = 1.0f / std::sqrt(static_cast<float>(dim));
-    const Result got = run(arena, placed, q, q_heads, sm_scale);
+    const DecodeResult got = cpu_decode(arena, placed, q, q_heads, sm_scale);
     const ErrorStats stats = compare(got, reference(placed, q, q_heads, kv_heads, dim, sm_scale), dim);
     EXPECT_LE(stats.max, tolerance);
     EXPECT_LE(stats.lse_max, tolerance);
@@ -234,7 +214,7 @@ TEST(DecodeAttention, PoolAndOrderInvariance) {
 
   // Placement 0: everything FP16. Then each window in its exact pool or in
   // FP16 at random, with other block ids and page-list orders each time.
-  std::vector<Result> results;
+  std::vector<DecodeResult> results;
   std::vector<DenseState> dense;
   for (std::uint64_t placement = 0; placement < 4; ++placement) {
     std::vector<SequenceData> seqs = base;
@@ -246,7 +226,7 @@ TEST(DecodeAttention, PoolAndOrderInvariance) {
     }
     TestArena arena(kKv, kDim, kBlock, blocks_needed(seqs, kBlock), 100 + placement);
     const PlacedBatch placed = place_batch(arena, seqs);
-    results.push_back(run(arena, placed, q, kQ, sm_scale));
+    results.push_back(cpu_decode(arena, placed, q, kQ, sm_scale));
     if (placement == 0) dense = reference(placed, q, kQ, kKv, kDim, sm_scale);
   }
   for (std::size_t i = 0; i < results.size(); ++i) {
@@ -275,7 +255,7 @@ TEST(DecodeAttention, EmptyPoolsAndEmptySequences) {
   EXPECT_EQ(placed.tables[0].indptr, (std::vector<std::int32_t>{0, 0, 0, 2, 2, 2, 2}));
   const std::vector<Half> q = random_halves(rng, seqs.size() * kQ * kDim);
   const float sm_scale = 0.125f;
-  const Result got = run(arena, placed, q, kQ, sm_scale);  // out and lse start as NaN
+  const DecodeResult got = cpu_decode(arena, placed, q, kQ, sm_scale);  // out and lse start as NaN
   for (float x : got.out) ASSERT_FALSE(std::isnan(x));
   for (float x : got.lse) ASSERT_FALSE(std::isnan(x));
   const ErrorStats stats = compare(got, reference(placed, q, kQ, kKv, kDim, sm_scale), kDim);
@@ -303,12 +283,12 @@ class AttentionQuality : public ::testing::Test {
   static constexpr std::int32_t kWindows = QualityData::kTokens / kS;
 
   // Output of every query head (one KV head) with the windows in `pools`.
-  static Result attend(const QualityData& data, const std::vector<Precision>& pools, const std::vector<Half>& q,
+  static DecodeResult attend(const QualityData& data, const std::vector<Precision>& pools, const std::vector<Half>& q,
                        std::int32_t q_heads) {
     std::vector<SequenceData> seqs{{QualityData::kTokens, data.k, data.v, pools}};
     TestArena arena(1, kD, kS, blocks_needed(seqs, kS), 3);
     const PlacedBatch placed = place_batch(arena, seqs);
-    return run(arena, placed, q, q_heads, 1.0f / std::sqrt(static_cast<float>(kD)));
+    return cpu_decode(arena, placed, q, q_heads, 1.0f / std::sqrt(static_cast<float>(kD)));
   }
 
   // FP16 reference: dense float64 attention on the original values.

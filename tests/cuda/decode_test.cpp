@@ -75,13 +75,8 @@ std::int32_t longest_list(const PlacedBatch& placed) {
   return longest;
 }
 
-struct GpuResult {
-  std::vector<float> out;
-  std::vector<float> lse;
-};
-
 // Runs the CUDA decode for one layer of `placed` (stored in `arena`).
-GpuResult run_gpu(TestArena& arena, const PlacedBatch& placed, const std::vector<Half>& q, int q_heads, float sm_scale,
+DecodeResult run_gpu(TestArena& arena, const PlacedBatch& placed, const std::vector<Half>& q, int q_heads, float sm_scale,
                   int chunks = 0, int layers = 1, int layer = 0) {
   const BlockFormat f = arena.format(Precision::FP16);
   const auto batch = static_cast<std::int32_t>(placed.tables[0].indptr.size() - 1);
@@ -114,32 +109,13 @@ GpuResult run_gpu(TestArena& arena, const PlacedBatch& placed, const std::vector
   run.sm_scale = sm_scale;
   run.pools = device.pools;
   plan.run(run);
-  GpuResult r;
+  DecodeResult r;
   r.out = halves_to_floats(dout.to_host());
   r.lse = dlse.to_host();
   return r;
 }
 
-GpuResult run_cpu(TestArena& arena, const PlacedBatch& placed, const std::vector<Half>& q, int q_heads,
-                  float sm_scale) {
-  const auto batch = placed.tables[0].indptr.size() - 1;
-  const int dim = arena.format(Precision::FP16).head_dim;
-  GpuResult r;
-  r.out.assign(batch * q_heads * dim, 0.0f);
-  r.lse.assign(batch * q_heads, 0.0f);
-  cpu::DecodeAttentionArgs args;
-  args.q = q;
-  args.num_q_heads = q_heads;
-  args.sm_scale = sm_scale;
-  args.tables = &placed.tables;
-  args.pools = arena.views();
-  args.out = r.out;
-  args.lse = r.lse;
-  cpu::decode_attention(args);
-  return r;
-}
-
-void expect_close(const GpuResult& got, const GpuResult& ref, int dim, const std::string& what) {
+void expect_close(const DecodeResult& got, const DecodeResult& ref, int dim, const std::string& what) {
   const ErrorStats e = row_errors(got.out, ref.out, dim);
   EXPECT_TRUE(e.finite) << what << ": non-finite output";
   EXPECT_LE(e.mean, 1e-3) << what;
@@ -171,7 +147,7 @@ TEST_P(DecodeCuda, MatchesCpuReference) {
   const PlacedBatch placed = place_batch(arena, seqs);
   const auto q = random_halves(rng, c.contexts.size() * c.q_heads * c.dim);
   const float scale = 1.0f / std::sqrt(static_cast<float>(c.dim));
-  const GpuResult ref = run_cpu(arena, placed, q, c.q_heads, scale);
+  const DecodeResult ref = cpu_decode(arena, placed, q, c.q_heads, scale);
   expect_close(run_gpu(arena, placed, q, c.q_heads, scale), ref, c.dim, "auto split");
   expect_close(run_gpu(arena, placed, q, c.q_heads, scale, /*chunks=*/3), ref, c.dim, "3 chunks");
 }
@@ -215,9 +191,9 @@ TEST(DecodeCudaEmpty, EmptySequencesAndPoolsMakeNoNaN) {
   const PlacedBatch placed = place_batch(arena, seqs);
   const auto q = random_halves(rng, seqs.size() * qh * dim);
   const float scale = 1.0f / std::sqrt(128.0f);
-  const GpuResult ref = run_cpu(arena, placed, q, qh, scale);
+  const DecodeResult ref = cpu_decode(arena, placed, q, qh, scale);
   for (int chunks : {0, 2}) {
-    const GpuResult got = run_gpu(arena, placed, q, qh, scale, chunks);
+    const DecodeResult got = run_gpu(arena, placed, q, qh, scale, chunks);
     expect_close(got, ref, dim, "chunks " + std::to_string(chunks));
     for (int h = 0; h < qh; ++h) {
       EXPECT_TRUE(std::isinf(got.lse[qh + h]) && got.lse[qh + h] < 0);
@@ -240,14 +216,14 @@ TEST(DecodeCudaInvariance, SplitAndLayerDoNotChangeTheResult) {
   // Chunks differ only in rounding: P is rounded to FP16 relative to each
   // chunk's own running max, and the output to FP16 (2.4e-4 of the row's
   // largest value per rounding), hence mean <= 1e-3 and max <= 2.5e-3.
-  const GpuResult one = run_gpu(arena, placed, q, qh, scale, 1);
+  const DecodeResult one = run_gpu(arena, placed, q, qh, scale, 1);
   for (int chunks : {2, 7, 40}) {
-    const GpuResult other = run_gpu(arena, placed, q, qh, scale, chunks);
+    const DecodeResult other = run_gpu(arena, placed, q, qh, scale, chunks);
     const ErrorStats e = row_errors(other.out, one.out, dim);
     EXPECT_LE(e.mean, 1e-3) << chunks << " chunks";
     EXPECT_LE(e.max, 2.5e-3) << chunks << " chunks";
   }
-  const GpuResult layer2 = run_gpu(arena, placed, q, qh, scale, 0, /*layers=*/3, /*layer=*/2);
+  const DecodeResult layer2 = run_gpu(arena, placed, q, qh, scale, 0, /*layers=*/3, /*layer=*/2);
   EXPECT_LE(row_errors(layer2.out, one.out, dim).mean, 1e-3);
   EXPECT_LE(row_errors(layer2.out, one.out, dim).max, 2.5e-3);
 }
@@ -263,7 +239,7 @@ TEST(DecodeCudaGraph, CapturedRunSurvivesReplanning) {
   const PlacedBatch placed = place_batch(arena, make_sequences(contexts, kvh, dim, block, kMixed, rng));
   const auto q = random_halves(rng, contexts.size() * qh * dim);
   const float scale = 1.0f / std::sqrt(128.0f);
-  const GpuResult ref = run_cpu(arena, placed, q, qh, scale);
+  const DecodeResult ref = cpu_decode(arena, placed, q, qh, scale);
 
   DeviceArenaCopy device(arena);
   gpu::DevicePageTables tables({1, 2, longest_list(placed)});
@@ -303,7 +279,7 @@ TEST(DecodeCudaGraph, CapturedRunSurvivesReplanning) {
   plan.plan(slots, stream);
   cuda_ok(cudaGraphLaunch(exec, stream), "replay");
   cuda_ok(cudaStreamSynchronize(stream), "sync");
-  GpuResult got{halves_to_floats(dout.to_host()), dlse.to_host()};
+  DecodeResult got{halves_to_floats(dout.to_host()), dlse.to_host()};
   expect_close(got, ref, dim, "graph replay");
   // Again over poisoned outputs: the split merge's arrival counters must
   // have been reset by the first replay, or no CTA would write the output.
@@ -311,7 +287,7 @@ TEST(DecodeCudaGraph, CapturedRunSurvivesReplanning) {
   dlse.fill_bytes(0x7f);
   cuda_ok(cudaGraphLaunch(exec, stream), "second replay");
   cuda_ok(cudaStreamSynchronize(stream), "sync");
-  GpuResult again{halves_to_floats(dout.to_host()), dlse.to_host()};
+  DecodeResult again{halves_to_floats(dout.to_host()), dlse.to_host()};
   expect_close(again, ref, dim, "second graph replay");
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
@@ -330,7 +306,7 @@ TEST(DecodeCudaDense, LargeBatchMatchesCublasReference) {
   const PlacedBatch placed = place_batch(arena, make_sequences(contexts, kvh, dim, block, kMixed, rng));
   const auto q = random_halves(rng, static_cast<std::size_t>(batch) * qh * dim);
   const float scale = 1.0f / std::sqrt(128.0f);
-  const GpuResult got = run_gpu(arena, placed, q, qh, scale);
+  const DecodeResult got = run_gpu(arena, placed, q, qh, scale);
 
   std::vector<float> k(static_cast<std::size_t>(batch) * kvh * tokens * dim), v(k.size());
   for (int b = 0; b < batch; ++b) {
