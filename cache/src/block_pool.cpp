@@ -69,15 +69,35 @@ std::int32_t BlockPool::used_in_slab(std::int32_t slab) const {
   return record == nullptr ? 0 : record->used;
 }
 
+std::unique_ptr<BlockPool::Slab> BlockPool::make_slab_record() const {
+  auto record = std::make_unique<Slab>();
+  record->blocks = std::make_unique<Block[]>(static_cast<std::size_t>(blocks_per_slab_));
+  return record;
+}
+
+void BlockPool::reserve_slabs(std::int32_t count) {
+  if (count < 0) throw InvalidArgument("count = " + std::to_string(count) + ", expected >= 0");
+  const auto wanted = static_cast<std::size_t>(count);
+  if (reserved_records_.size() >= wanted) return;
+  reserved_records_.reserve(wanted);
+  while (reserved_records_.size() < wanted) reserved_records_.push_back(make_slab_record());
+}
+
 void BlockPool::add_slab(std::int32_t slab) {
   detail::require_index("slab", slab, total_slabs_);
   if (owns_slab(slab)) {
     throw InvalidArgument("slab = " + std::to_string(slab) + " already belongs to the " +
                           std::string(to_string(format_.precision)) + " pool, expected a free slab");
   }
-  auto record = std::make_unique<Slab>();
+  std::unique_ptr<Slab> record;
+  if (reserved_records_.empty()) {
+    record = make_slab_record();
+  } else {
+    // A reserved record is as fresh as a new record: every block free, unlinked.
+    record = std::move(reserved_records_.back());
+    reserved_records_.pop_back();
+  }
   record->index = slab;
-  record->blocks = std::make_unique<Block[]>(static_cast<std::size_t>(blocks_per_slab_));
   // In index order, so a fresh slab hands out its blocks in address order.
   for (std::int32_t i = 0; i < blocks_per_slab_; ++i) record->free_list.push_back(record->blocks[i]);
   // At the front: the slab was taken because blocks are needed now.
@@ -236,6 +256,17 @@ void BlockPool::check_invariants() const {
       fail(name + "with " + std::to_string(slab->used) + " used blocks is on the wrong slab list");
     }
     free_total += free_here;
+  }
+  // A reserved record must be as fresh as a new one: add_slab() links all its
+  // blocks and trusts their ref counts.
+  for (const auto& record : reserved_records_) {
+    if (record == nullptr || record->hook.is_linked() || !record->free_list.empty() || record->used != 0) {
+      fail("a reserved slab record is in use");
+    }
+    for (std::int32_t k = 0; k < blocks_per_slab_; ++k) {
+      const Block& b = record->blocks[static_cast<std::size_t>(k)];
+      if (b.ref_count != 0 || b.hook.is_linked()) fail("a reserved slab record holds a used or linked block");
+    }
   }
   if (owned != num_slabs_) {
     fail("owns " + std::to_string(owned) + " slabs, its count says " + std::to_string(num_slabs_));

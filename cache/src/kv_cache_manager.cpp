@@ -61,7 +61,8 @@ struct Sequence {
   bool forked = false;
   SequenceHandle handle;
   // Batch validation (require_ids) marks each sequence it has seen with the
-  // batch's epoch, instead of hashing the ids a second time.
+  // batch's epoch, instead of hashing the ids a second time; demote() marks
+  // the first listing of each sequence the same way.
   mutable std::uint64_t seen_epoch = 0;
   mutable std::size_t seen_index = 0;
 };
@@ -72,6 +73,16 @@ struct SwapPool {
   std::vector<std::int32_t> free;
   std::vector<std::uint8_t> used;
 };
+
+// Block ids per pool, indexed by pool_index().
+using BlockIds = std::array<std::vector<std::int32_t>, kNumPrecisions>;
+
+// Capacity for `size` elements, doubling: for vectors that grow by one
+// element per call, reserved ahead of the change that adds it.
+template <typename T>
+void reserve_geometric(std::vector<T>& v, std::size_t size) {
+  if (v.capacity() < size) v.reserve(std::max(size, 2 * v.capacity()));
+}
 
 }  // namespace
 
@@ -85,16 +96,31 @@ struct KVCacheManager::Impl {
   std::array<SwapPool, kNumPrecisions> swap;
   mutable std::uint64_t epoch = 0;
   // Handle registry: index -> sequence (null when free), with generations.
+  // free_handles has room for every handle (reserve_handle), so that
+  // free_sequence allocates nothing.
   std::vector<Sequence*> handles;
   std::vector<std::uint32_t> generations;
   std::vector<std::int32_t> free_handles;
 
+  // append_tokens' scratch, kept between calls so that a decode step at a
+  // block boundary allocates nothing for it: the fresh block ids, one
+  // sequence's new tails ([layer], sized in the constructor), the sequences
+  // of the general path whose tail changed, and the rows of PerLayer slots
+  // ([layer], sized in the constructor).
+  BlockIds fresh_ids;
+  std::vector<std::int32_t> layer_ids;
+  std::vector<std::uint8_t> tail_changed;
+  std::vector<std::int32_t*> slot_rows;
+
+  void reserve_handle();
   void register_handle(Sequence& seq);
   void release_handle(const Sequence& seq);
   AppendResult append(const std::vector<Sequence*>& all, AppendSlots form);
   BlockCounts count_fresh(const std::vector<Sequence*>& seqs) const;
+  void prepare_general(const std::vector<Sequence*>& all, const std::vector<std::size_t>& general, bool any_forked,
+                       std::int64_t fresh_blocks, AppendResult& result);
   void fill_general(const std::vector<Sequence*>& all, const std::vector<std::size_t>& general, bool any_forked,
-                    const std::vector<std::int32_t>& fresh_ids, AppendResult& result);
+                    const std::vector<std::int32_t>& fresh, AppendResult& result);
 
   explicit Impl(const CacheConfig& c);
 
@@ -120,7 +146,8 @@ struct KVCacheManager::Impl {
   BlockCounts prompt_demand(const TokenLayout& layout, const PrecisionPlan& plan) const;
 
   std::optional<std::string> shortfall(const BlockCounts& need) const;
-  std::array<std::vector<std::int32_t>, kNumPrecisions> allocate(const BlockCounts& need, const std::string& what);
+  void prepare_blocks(const BlockCounts& need, const std::string& what, BlockIds& ids);
+  void take_blocks(const BlockCounts& need, BlockIds& ids);
   void grow(Precision p);
 };
 
@@ -166,6 +193,8 @@ KVCacheManager::Impl::Impl(const CacheConfig& c) : config(checked(c)), arena(c.a
     sp.free.reserve(static_cast<std::size_t>(slots));
     for (std::int32_t s = slots; s-- > 0;) sp.free.push_back(s);
   }
+  layer_ids.resize(static_cast<std::size_t>(num_layers()));
+  slot_rows.resize(static_cast<std::size_t>(num_layers()));
 }
 
 const Sequence& KVCacheManager::Impl::find(SequenceId id, const char* name) const {
@@ -176,14 +205,26 @@ const Sequence& KVCacheManager::Impl::find(SequenceId id, const char* name) cons
   return it->second;
 }
 
+// Room for register_handle() and for every later release_handle(): both
+// then allocate nothing.
+void KVCacheManager::Impl::reserve_handle() {
+  if (!free_handles.empty()) return;  // register_handle reuses a freed index
+  const std::size_t size = handles.size() + 1;
+  reserve_geometric(handles, size);
+  reserve_geometric(generations, size);
+  reserve_geometric(free_handles, size);
+}
+
 void KVCacheManager::Impl::register_handle(Sequence& seq) {
+  std::int32_t index = 0;
   if (free_handles.empty()) {
-    free_handles.push_back(static_cast<std::int32_t>(handles.size()));
+    index = static_cast<std::int32_t>(handles.size());
     handles.push_back(nullptr);
     generations.push_back(0);
+  } else {
+    index = free_handles.back();
+    free_handles.pop_back();
   }
-  const std::int32_t index = free_handles.back();
-  free_handles.pop_back();
   handles[static_cast<std::size_t>(index)] = &seq;
   seq.handle = SequenceHandle{index, generations[static_cast<std::size_t>(index)]};
 }
@@ -366,11 +407,31 @@ void KVCacheManager::Impl::grow(Precision p) {
   pool(p).add_slab(arena.take(p));
 }
 
-std::array<std::vector<std::int32_t>, kNumPrecisions> KVCacheManager::Impl::allocate(const BlockCounts& need,
-                                                                                     const std::string& what) {
+// Taking blocks is split in two so that a mutating call keeps the strong
+// guarantee under std::bad_alloc too: prepare_blocks() does everything that
+// can fail (OutOfMemory when `need` does not fit, the host memory of `ids`
+// and of the slab records grow() will add) and changes nothing the state
+// shows; the call then makes its other host allocations, and only then
+// take_blocks() moves blocks and slabs, allocating nothing.
+void KVCacheManager::Impl::prepare_blocks(const BlockCounts& need, const std::string& what, BlockIds& ids) {
   if (auto reason = shortfall(need)) throw OutOfMemory(what + ": out of memory: " + *reason);
-  std::array<std::vector<std::int32_t>, kNumPrecisions> ids;
-  for (const Precision p : kAllPrecisions) ids[at(p)].reserve(static_cast<std::size_t>(need[at(p)]));
+  for (const Precision p : kAllPrecisions) {
+    ids[at(p)].clear();
+    ids[at(p)].reserve(static_cast<std::size_t>(need[at(p)]));
+    // take_blocks() grows a pool once per slab it lacks after its own free
+    // blocks; other pools only give it empty slabs they do not need.
+    const BlockPool& bp = pool(p);
+    const std::int64_t missing = need[at(p)] - bp.free_blocks();
+    if (missing > 0) {
+      pools[at(p)]->reserve_slabs(static_cast<std::int32_t>((missing + bp.blocks_per_slab() - 1) / bp.blocks_per_slab()));
+    }
+  }
+}
+
+// Takes the blocks prepare_blocks(need, .., ids) made room for, into ids.
+// Cannot fail: shortfall() found them, ids has their capacity and every
+// slab grow() adds has its record (arena give_back/take allocate nothing).
+void KVCacheManager::Impl::take_blocks(const BlockCounts& need, BlockIds& ids) {
   // Every pool takes its own free blocks before any pool grows, so a slab is
   // never reclaimed from a pool that still needs it (the order shortfall()
   // counted in).
@@ -384,7 +445,6 @@ std::array<std::vector<std::int32_t>, kNumPrecisions> KVCacheManager::Impl::allo
       ids[at(p)].push_back(pool(p).allocate());
     }
   }
-  return ids;
 }
 
 KVCacheManager::KVCacheManager(CacheConfig config) : impl_(std::make_unique<Impl>(config)) {}
@@ -441,29 +501,44 @@ void KVCacheManager::add_sequence(SequenceId id, const TokenLayout& layout, cons
   }
   m.require_prompt(layout, plan);
   const BlockCounts need = m.prompt_demand(layout, plan);
+  const std::int32_t bs = m.block_size();
+
+  // Prepare: every host allocation (the prompt, the page lists at their
+  // final size, the block ids, slab records, the handle, the map node)
+  // before any block moves, so that std::bad_alloc leaves nothing taken.
   Sequence seq{std::make_shared<Prompt>(Prompt{layout, plan}), layout.num_tokens(),
                PageTable(m.num_layers(), m.block_size())};
-  m.sequences.reserve(m.sequences.size() + 1);
-  auto ids = m.allocate(need, "add_sequence(id = " + std::to_string(id) + ")");
+  for (std::int32_t layer = 0; layer < m.num_layers(); ++layer) {
+    const auto windows = plan.window_counts(layer);
+    const std::int64_t fp16_tokens = layout.num_tokens() - (std::int64_t{windows[1]} + windows[2]) * bs;
+    seq.table.reserve(layer, Precision::FP16, static_cast<std::size_t>((fp16_tokens + bs - 1) / bs));
+    for (const Precision p : {Precision::INT4, Precision::INT2}) {
+      seq.table.reserve(layer, p, static_cast<std::size_t>(windows[at(p)]));
+    }
+  }
+  BlockIds ids;
+  m.prepare_blocks(need, "add_sequence(id = " + std::to_string(id) + ")", ids);
+  m.reserve_handle();
+  // Last: emplace either inserts or changes nothing (Boost's strong guarantee).
+  Sequence& added = m.sequences.emplace(id, std::move(seq)).first->second;
 
-  // Hand the blocks out layer by layer, in allocation order.
-  const std::int32_t bs = m.block_size();
+  // Commit: nothing below allocates or throws. The blocks go out layer by
+  // layer, in allocation order.
+  m.take_blocks(need, ids);
   std::array<std::size_t, kNumPrecisions> next{};
   for (std::int32_t layer = 0; layer < m.num_layers(); ++layer) {
     const auto windows = plan.window_counts(layer);
     std::int64_t fp16_tokens = layout.num_tokens() - (std::int64_t{windows[1]} + windows[2]) * bs;
     while (fp16_tokens > 0) {
       const auto fill = static_cast<std::int32_t>(std::min<std::int64_t>(fp16_tokens, bs));
-      seq.table.push_block(layer, Precision::FP16, ids[0][next[0]++], fill);
+      added.table.push_block(layer, Precision::FP16, ids[0][next[0]++], fill);
       fp16_tokens -= fill;
     }
     for (const Precision p : {Precision::INT4, Precision::INT2}) {
-      for (std::int32_t w = 0; w < windows[at(p)]; ++w) seq.table.push_block(layer, p, ids[at(p)][next[at(p)]++], bs);
+      for (std::int32_t w = 0; w < windows[at(p)]; ++w) added.table.push_block(layer, p, ids[at(p)][next[at(p)]++], bs);
     }
   }
-  m.handles.reserve(m.handles.size() + 1);
-  m.generations.reserve(m.generations.size() + 1);
-  m.register_handle(m.sequences.emplace(id, std::move(seq)).first->second);
+  m.register_handle(added);
 }
 
 bool KVCacheManager::contains(SequenceId id) const { return impl_->sequences.contains(id); }
@@ -608,20 +683,28 @@ AppendResult KVCacheManager::Impl::append(const std::vector<Sequence*>& all, App
     general.push_back(i);
     if (seq.forked) forked.push_back(all[i]);
   }
-  // The new FP16 blocks, counted exactly and taken before anything changes
-  // (all or nothing): a sequence outside forks opens a block in every layer.
+  // The new FP16 blocks, counted exactly (all or nothing): a sequence
+  // outside forks opens a block in every layer.
   BlockCounts need = count_fresh(forked);
   need[0] += static_cast<std::int64_t>(general.size() - forked.size()) * num_layers();
-  const std::vector<std::int32_t> fresh_ids = std::move(allocate(need, "append_tokens")[0]);
-  fill_general(all, general, !forked.empty(), fresh_ids, result);
+  // Every host allocation of the call comes before any block or table
+  // changes (the result above, the block ids, slab records, the general
+  // path's room), so that std::bad_alloc leaves every sequence as it was.
+  const bool any_forked = !forked.empty();
+  prepare_blocks(need, "append_tokens", fresh_ids);
+  if (!general.empty()) prepare_general(all, general, any_forked, need[0], result);
+
+  // Commit: nothing below allocates or throws.
+  take_blocks(need, fresh_ids);
+  fill_general(all, general, any_forked, fresh_ids[0], result);
 
   std::size_t next_general = 0;
   if (per_layer) {
     // Memory-latency bound (a sequence's record, then its tails): both are
     // fetched a few sequences ahead of the one being written.
     constexpr std::size_t kAhead = 8;
-    std::vector<std::int32_t*> out(layers);
-    for (std::size_t l = 0; l < layers; ++l) out[l] = result.slots[l].data();
+    std::int32_t* const* out = slot_rows.data();
+    for (std::size_t l = 0; l < layers; ++l) slot_rows[l] = result.slots[l].data();
     for (std::size_t i = 0; i < std::min(n, 2 * kAhead); ++i) __builtin_prefetch(&all[i]->table);
     for (std::size_t i = 0; i < std::min(n, kAhead); ++i) __builtin_prefetch(all[i]->table.fp16_tails().data());
     for (std::size_t i = 0; i < n; ++i) {
@@ -679,25 +762,39 @@ BlockCounts KVCacheManager::Impl::count_fresh(const std::vector<Sequence*>& seqs
   return need;
 }
 
-// The general path for the batch indices `general`. Fresh ids are handed
-// out in layer order, then batch order (the order of earlier versions, so
-// the ids a call gives are unchanged).
+// The host memory fill_general() needs, so that it allocates nothing: the
+// result's changed tails and copy-on-write copies (at most one per fresh
+// block), the per-sequence flags, room for one more FP16 block in every
+// layer of each sequence on the general path.
+void KVCacheManager::Impl::prepare_general(const std::vector<Sequence*>& all, const std::vector<std::size_t>& general,
+                                           bool any_forked, std::int64_t fresh_blocks, AppendResult& result) {
+  result.tails_changed.reserve(general.size());
+  result.tail_blocks.reserve(general.size() * static_cast<std::size_t>(num_layers()));
+  if (any_forked) {
+    result.copies.reserve(static_cast<std::size_t>(fresh_blocks));
+    tail_changed.assign(general.size(), 0);
+  }
+  for (const std::size_t i : general) all[i]->table.reserve_fp16_tails();
+}
+
+// The general path for the batch indices `general` (prepared by
+// prepare_general). Fresh ids are handed out in layer order, then batch
+// order (the order of earlier versions, so the ids a call gives are
+// unchanged).
 void KVCacheManager::Impl::fill_general(const std::vector<Sequence*>& all, const std::vector<std::size_t>& general,
-                                        bool any_forked, const std::vector<std::int32_t>& fresh_ids,
+                                        bool any_forked, const std::vector<std::int32_t>& fresh,
                                         AppendResult& result) {
   BlockPool& fp16 = pool(Precision::FP16);
   const std::int32_t bs = block_size();
   const auto layers = static_cast<std::size_t>(num_layers());
   const bool per_layer = !result.slots.empty();
-  result.tails_changed.reserve(general.size());
-  result.tail_blocks.reserve(general.size() * layers);
   if (!any_forked) {
     // Every tail is full (or the layer has none): a new block in every
     // layer, the id of (layer l, k-th sequence) at l * general.size() + k.
-    std::vector<std::int32_t> ids(layers);
+    std::vector<std::int32_t>& ids = layer_ids;
     for (std::size_t k = 0; k < general.size(); ++k) {
       const std::size_t i = general[k];
-      for (std::size_t l = 0; l < layers; ++l) ids[l] = fresh_ids[l * general.size() + k];
+      for (std::size_t l = 0; l < layers; ++l) ids[l] = fresh[l * general.size() + k];
       all[i]->table.open_fp16_tails(ids);
       if (per_layer) {
         for (std::size_t l = 0; l < layers; ++l) result.slots[l][i] = ids[l] * bs;
@@ -707,7 +804,7 @@ void KVCacheManager::Impl::fill_general(const std::vector<Sequence*>& all, const
     }
     return;
   }
-  std::vector<std::uint8_t> changed(general.size(), 0);
+  std::vector<std::uint8_t>& changed = tail_changed;
   std::size_t next = 0;
   for (std::int32_t layer = 0; layer < num_layers(); ++layer) {
     for (std::size_t k = 0; k < general.size(); ++k) {
@@ -716,7 +813,7 @@ void KVCacheManager::Impl::fill_general(const std::vector<Sequence*>& all, const
       const auto tail = table.blocks(layer, Precision::FP16);
       std::int32_t slot = 0;
       if (tail.empty() || table.fp16_tail_fill(layer) == bs) {
-        const std::int32_t block = fresh_ids[next++];
+        const std::int32_t block = fresh[next++];
         table.push_block(layer, Precision::FP16, block, 1);
         slot = block * bs;
         changed[k] = 1;
@@ -724,7 +821,7 @@ void KVCacheManager::Impl::fill_general(const std::vector<Sequence*>& all, const
         // Copy-on-write: this holder moves to a private copy of the tail;
         // the others keep the original.
         const std::int32_t src = tail.back();
-        const std::int32_t dst = fresh_ids[next++];
+        const std::int32_t dst = fresh[next++];
         result.copies.push_back({src, dst});
         fp16.release(src);
         table.replace_fp16_tail(layer, dst);
@@ -751,18 +848,18 @@ void KVCacheManager::fork(SequenceId parent, SequenceId child) {
     throw InvalidArgument("child = " + std::to_string(child) +
                           " is already a sequence of this cache, expected a new id");
   }
+  // Prepare (host memory: the copy, the handle, the map node), then commit.
   Sequence copy = source;
   copy.forked = true;
-  m.sequences.reserve(m.sequences.size() + 1);
-  m.handles.reserve(m.handles.size() + 1);
-  m.generations.reserve(m.generations.size() + 1);
+  m.reserve_handle();
+  Sequence& added = m.sequences.emplace(child, std::move(copy)).first->second;  // inserts or changes nothing
   for (std::int32_t layer = 0; layer < m.num_layers(); ++layer) {
     for (const Precision p : kAllPrecisions) {
-      for (const std::int32_t block : copy.table.blocks(layer, p)) m.pool(p).retain(block);
+      for (const std::int32_t block : added.table.blocks(layer, p)) m.pool(p).retain(block);
     }
   }
   const_cast<Sequence&>(source).forked = true;
-  m.register_handle(m.sequences.emplace(child, std::move(copy)).first->second);
+  m.register_handle(added);
 }
 
 void KVCacheManager::free_sequence(SequenceId id) {
@@ -901,9 +998,14 @@ std::vector<SwapCopy> KVCacheManager::swap_out(SequenceId id) {
                         std::to_string(held[at(p)]) + " " + std::string(to_string(p)) + " blocks");
     }
   }
+  // Prepare the host memory (the copies, the host-slot table at its final
+  // size), then commit: nothing below allocates or throws.
   std::vector<SwapCopy> copies;
   copies.reserve(static_cast<std::size_t>(held[0] + held[1] + held[2]));
   PageTable host(m.num_layers(), m.block_size());
+  for (std::int32_t layer = 0; layer < m.num_layers(); ++layer) {
+    for (const Precision p : kAllPrecisions) host.reserve(layer, p, seq.table.blocks(layer, p).size());
+  }
   const std::int32_t bs = m.block_size();
   for (std::int32_t layer = 0; layer < m.num_layers(); ++layer) {
     for (const Precision p : kAllPrecisions) {
@@ -933,10 +1035,18 @@ std::vector<SwapCopy> KVCacheManager::swap_in(SequenceId id) {
     throw InvalidArgument("id = " + std::to_string(id) + " is not swapped out, expected a swapped-out sequence");
   }
   const BlockCounts held = blocks_held(id);
-  auto ids = m.allocate(held, "swap_in(id = " + std::to_string(id) + ")");
+  // Prepare the host memory (the copies, the device table at its final
+  // size, the block ids, slab records), then commit: nothing below
+  // take_blocks() allocates or throws.
   std::vector<SwapCopy> copies;
   copies.reserve(static_cast<std::size_t>(held[0] + held[1] + held[2]));
   PageTable device(m.num_layers(), m.block_size());
+  for (std::int32_t layer = 0; layer < m.num_layers(); ++layer) {
+    for (const Precision p : kAllPrecisions) device.reserve(layer, p, seq.table.blocks(layer, p).size());
+  }
+  BlockIds ids;
+  m.prepare_blocks(held, "swap_in(id = " + std::to_string(id) + ")", ids);
+  m.take_blocks(held, ids);
   const std::int32_t bs = m.block_size();
   std::array<std::size_t, kNumPrecisions> next{};
   for (std::int32_t layer = 0; layer < m.num_layers(); ++layer) {
@@ -1016,17 +1126,39 @@ std::vector<DemoteOp> KVCacheManager::demote(std::span<const Demotion> demotions
                             "], expected each (id, layer, window) once");
     }
   }
-  // Every destination is taken before any source is released, so no op's
-  // destination overlaps another op's source.
-  auto fresh = m.allocate(need, "demote");
-  std::array<std::size_t, kNumPrecisions> next{};
+  // Prepare every host allocation before any block moves: the ops, a
+  // private copy of each listed sequence's prompt that forks share (they
+  // keep theirs; the first listing of a sequence holds its copy), room in
+  // each target list (a quantized list never holds more than one block per
+  // window), the block ids and slab records.
   std::vector<DemoteOp> ops;
   ops.reserve(demotions.size());
+  std::vector<std::shared_ptr<Prompt>> private_prompts(demotions.size());
+  const std::uint64_t batch = ++m.epoch;
+  for (std::size_t i = 0; i < demotions.size(); ++i) {
+    const Demotion& d = demotions[i];
+    Sequence& seq = *seqs[i];
+    const auto size = seq.table.blocks(d.layer, d.target).size();
+    seq.table.reserve(d.layer, d.target,
+                      std::min(size + demotions.size(), static_cast<std::size_t>(seq.prompt->plan.num_windows())));
+    if (seq.seen_epoch == batch) continue;
+    seq.seen_epoch = batch;
+    seq.seen_index = i;
+    if (seq.prompt.use_count() > 1) private_prompts[i] = std::make_shared<Prompt>(*seq.prompt);
+  }
+  BlockIds fresh;
+  m.prepare_blocks(need, "demote", fresh);
+
+  // Commit: nothing below allocates or throws. Every destination is taken
+  // before any source is released, so no op's destination overlaps another
+  // op's source.
+  m.take_blocks(need, fresh);
+  std::array<std::size_t, kNumPrecisions> next{};
   const std::int32_t bs = m.block_size();
   for (std::size_t i = 0; i < demotions.size(); ++i) {
     const Demotion& d = demotions[i];
     Sequence& seq = *seqs[i];
-    if (seq.prompt.use_count() > 1) seq.prompt = std::make_shared<Prompt>(*seq.prompt);  // forks keep theirs
+    if (auto& copy = private_prompts[seq.seen_index]) seq.prompt = std::move(copy);  // moved-from: taken once
     Prompt& prompt = *seq.prompt;
     const Precision current = prompt.plan.at(d.layer, d.window);
     std::int32_t src_index = 0;

@@ -154,6 +154,17 @@ std::int32_t PageTable::remove_block(std::int32_t layer, Precision p, std::int32
   return block;
 }
 
+void PageTable::reserve(std::int32_t layer, Precision p, std::size_t count) {
+  layer_at(layer).blocks[index_of(p)].reserve(count);
+}
+
+void PageTable::reserve_fp16_tails() {
+  for (Layer& l : layers_) {
+    std::vector<std::int32_t>& list = l.blocks[0];
+    if (list.size() == list.capacity()) list.reserve(std::max<std::size_t>(4, 2 * list.capacity()));
+  }
+}
+
 void PageTable::fill_all_fp16_tails() {
   if (room_ == kStale) room_ = compute_room();
   if (room_ == 0) {

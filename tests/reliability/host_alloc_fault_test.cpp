@@ -100,6 +100,8 @@ CacheConfig config() {
 struct Case {
   const char* name;
   std::function<void(KVCacheManager&)> call;
+  // Run before the faults, to reach a path populate() does not.
+  std::function<void(KVCacheManager&)> setup = nullptr;
 };
 
 class HostAllocFailure : public ::testing::TestWithParam<Case> {};
@@ -108,6 +110,7 @@ TEST_P(HostAllocFailure, ChangesNothing) {
   KVCacheManager cache(config());
   populate(cache);
   const Case& c = GetParam();
+  if (c.setup) c.setup(cache);
   const long injected_before = g_injected;
   const long points = fail_each_allocation(cache, c.name, [&] { c.call(cache); });
   std::printf("%s: %ld allocation points, %ld injected failures\n", c.name, points, g_injected - injected_before);
@@ -120,24 +123,12 @@ const std::vector<SequenceId> kBatch = {0, 1, 2};
 
 std::string case_name(const ::testing::TestParamInfo<Case>& info) { return info.param.name; }
 
-// Calls that hold the guarantee.
+// Every mutating call of the manager, and the const calls that allocate.
+// Each prepares all its host memory (page lists, result vectors, slab
+// records, the sequence's map node) before it takes a block, slab or host
+// slot, so a std::bad_alloc at any allocation point changes nothing.
 INSTANTIATE_TEST_SUITE_P(
     Calls, HostAllocFailure,
-    ::testing::Values(Case{"fork", [](KVCacheManager& m) { m.fork(0, 11); }},
-                      Case{"free_sequence", [](KVCacheManager& m) { m.free_sequence(0); }},
-                      Case{"decode_metadata", [](KVCacheManager& m) { (void)m.decode_metadata(kBatch); }},
-                      Case{"prefill_mapping", [](KVCacheManager& m) { (void)m.prefill_mapping(0, 1); }}),
-    case_name);
-
-// Known violations (docs/reliability.md, "Host allocation failure"): these
-// calls take blocks, slabs or host slots and then allocate host memory
-// (page-table vectors, slab records, the sequence's map node, result
-// vectors), so a std::bad_alloc there leaves blocks taken by no page table:
-// a leak that check_invariants() reports. Disabled so that the test command
-// stays green until the manager allocates before it takes; run them with
-// --gtest_also_run_disabled_tests.
-INSTANTIATE_TEST_SUITE_P(
-    DISABLED_KnownViolations, HostAllocFailure,
     ::testing::Values(Case{"add_sequence",
                            [](KVCacheManager& m) {
                              const TokenLayout layout({{TokenKind::Text, 3}, {TokenKind::Visual, 2 * kTinyBlock}});
@@ -154,7 +145,40 @@ INSTANTIATE_TEST_SUITE_P(
                              const std::vector<Demotion> list = {{0, 0, 2, Precision::INT4},
                                                                  {0, 1, 1, Precision::INT2}};
                              m.demote(list);
-                           }}),
+                           }},
+                      // Every tail full: a new FP16 block in every layer
+                      // (open_fp16_tails), by handle, compact slots.
+                      Case{"append_tokens_new_blocks",
+                           [](KVCacheManager& m) {
+                             const std::vector<SequenceHandle> batch = {m.handle(4), m.handle(0)};
+                             m.append_tokens(batch, AppendSlots::Compact);
+                           },
+                           [](KVCacheManager& m) { m.add_sequence(4, test::text(2 * kTinyBlock), PrecisionPlan(2, 0)); }},
+                      // No free slab left: grow() reclaims the empty INT4
+                      // and INT2 slabs that sequence 0 left behind.
+                      Case{"swap_in_reclaiming_slabs", [](KVCacheManager& m) { m.swap_in(3); },
+                           [](KVCacheManager& m) {
+                             m.free_sequence(0);
+                             m.add_sequence(5, test::text(18 * kTinyBlock), PrecisionPlan(2, 0));
+                             ASSERT_EQ(m.free_slabs(), 0);
+                             ASSERT_EQ(m.pool_stats(Precision::INT4).empty_slabs, 1);
+                           }},
+                      // Sequence 0's prompt is shared with its fork (swapped
+                      // out, so the blocks are 0's alone): demote copies it.
+                      Case{"demote_shared_prompt",
+                           [](KVCacheManager& m) {
+                             const std::vector<Demotion> list = {{0, 0, 2, Precision::INT2},
+                                                                 {0, 1, 1, Precision::INT4}};
+                             m.demote(list);
+                           },
+                           [](KVCacheManager& m) {
+                             m.fork(0, 12);
+                             m.swap_out(12);
+                           }},
+                      Case{"fork", [](KVCacheManager& m) { m.fork(0, 11); }},
+                      Case{"free_sequence", [](KVCacheManager& m) { m.free_sequence(0); }},
+                      Case{"decode_metadata", [](KVCacheManager& m) { (void)m.decode_metadata(kBatch); }},
+                      Case{"prefill_mapping", [](KVCacheManager& m) { (void)m.prefill_mapping(0, 1); }}),
     case_name);
 
 }  // namespace

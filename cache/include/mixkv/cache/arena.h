@@ -34,7 +34,9 @@ class Arena {
   // slab reclaimed from one pool goes straight to the pool that asked).
   // OutOfMemory when no slab is free.
   std::int32_t take(Precision p);
-  // Pool p returns `slab`. InvalidArgument unless p owns it.
+  // Pool p returns `slab`. InvalidArgument unless p owns it. Allocates
+  // nothing (the free list has room for every slab), like take(): the
+  // manager moves slabs in phases that must not fail.
   void give_back(std::int32_t slab, Precision p);
 
   // Free slabs in the order take() hands them out.

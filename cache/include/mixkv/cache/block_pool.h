@@ -53,7 +53,15 @@ class BlockPool {
   std::int32_t used_in_slab(std::int32_t slab) const;
   // The arena handed `slab` to this pool: all its blocks become free.
   // IndexOutOfRange names "slab"; InvalidArgument if the pool owns it already.
+  // Uses a record made by reserve_slabs() when there is one, and then cannot
+  // fail for lack of host memory.
   void add_slab(std::int32_t slab);
+  // Makes the host records of `count` slabs ahead (std::bad_alloc here, while
+  // nothing has moved), so that the next `count` add_slab() calls allocate
+  // nothing: a caller that takes a slab from the arena and then adds it must
+  // not fail in between. Reserved records are bookkeeping only: describe() and
+  // the counts do not show them. InvalidArgument names count (< 0).
+  void reserve_slabs(std::int32_t count);
   // Gives back an entirely free slab (the one emptied longest ago) and
   // returns its index. InvalidArgument when the pool has none.
   std::int32_t release_empty_slab();
@@ -93,6 +101,7 @@ class BlockPool {
   };
   using SlabList = boost::intrusive::list<Slab, boost::intrusive::member_hook<Slab, Hook, &Slab::hook>>;
 
+  std::unique_ptr<Slab> make_slab_record() const;
   Slab& slab_of(std::int32_t block_id, const char* name) const;
   std::int32_t id_of(const Slab& slab, const Block& block) const;
   std::string block_name(std::int32_t block_id) const;
@@ -105,6 +114,7 @@ class BlockPool {
   std::vector<std::unique_ptr<Slab>> slabs_;  // [arena slab index], null when not ours
   SlabList partial_;                          // some blocks used, some free; allocation takes the front
   SlabList empty_;                            // all blocks free; newly emptied at the front, given back from the back
+  std::vector<std::unique_ptr<Slab>> reserved_records_;  // fresh, for add_slab (reserve_slabs)
 };
 
 }  // namespace mixkv

@@ -1,5 +1,6 @@
 #pragma once
 #include <array>
+#include <cstddef>
 #include <cstdint>
 #include <span>
 #include <vector>
@@ -73,6 +74,19 @@ class PageTable {
   // for layer l. All or nothing: InvalidArgument unless block_ids.size() ==
   // num_layers(), every id is >= 0 and every layer's tail is full or absent.
   void open_fp16_tails(std::span<const std::int32_t> block_ids);
+
+  // Capacity only, for callers that must change the table without failing
+  // after they have taken blocks (the manager's calls give the strong
+  // guarantee under std::bad_alloc too): these may throw std::bad_alloc and
+  // change nothing else; the changes they prepare then allocate nothing.
+  //
+  // Room for `count` blocks in all in pool p's list of `layer` (push_block,
+  // insert_block). IndexOutOfRange names "layer"; InvalidArgument names "p".
+  void reserve(std::int32_t layer, Precision p, std::size_t count);
+  // Room for one more FP16 block in every layer (push_block or
+  // open_fp16_tails at a block boundary), growing geometrically so that a
+  // decode loop reallocates a list once per doubling, not once per block.
+  void reserve_fp16_tails();
 
   // Equal page lists and fills (however the fills are stored).
   friend bool operator==(const PageTable& a, const PageTable& b);
