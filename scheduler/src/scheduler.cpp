@@ -55,6 +55,10 @@ struct Entry {
   std::int32_t computed = 0;  // prompt rows computed
   std::int32_t preemptions = 0;
   std::int32_t bypassed = 0;  // steps in which requests behind it were admitted instead
+  // `generated` when it was last swapped out as the only request holding
+  // device memory, -1 if never: a second such swap-out with no token
+  // generated in between is a livelock (Impl::preempt).
+  std::int32_t lone_swap_at = -1;
 
   // Demotion candidates: windows 1.. in ascending similarity score, and how
   // far demotion has gone through them, FP16 -> INT4 and INT4 -> INT2.
@@ -89,6 +93,7 @@ struct Scheduler::Impl {
   // obtainable: a demotion needs INT4 room, which FP16 growth would
   // otherwise have taken to the last slab.
   std::int64_t demote_headroom = 0;
+  std::int64_t fp16_limit = 0;  // FP16 blocks of the whole arena (fp16_room's bound)
 
   boost::unordered_map<RequestId, Entry> entries;  // node-based: hooks need stable addresses
   boost::unordered_flat_set<RequestId> retired;    // finished, cancelled or rejected
@@ -125,7 +130,8 @@ struct Scheduler::Impl {
   void preempt(Entry& e, StepOutput& out);
   void relieve(std::vector<Entry*>& decodes, std::int64_t& need, StepOutput& out);
 
-  void demote_for(std::int64_t deficit, const std::vector<Entry*>& decodes, StepOutput& out);
+  std::int64_t fp16_room(const BlockCounts& taken, std::int64_t freed) const;
+  void demote_for(std::int64_t need, std::int64_t target, const std::vector<Entry*>& decodes, StepOutput& out);
   void schedule_chunk(Entry& e, std::int32_t end, StepOutput& out);
   void build_metadata(const std::vector<Entry*>& decodes, StepOutput& out) const;
 };
@@ -171,6 +177,7 @@ Scheduler::Impl::Impl(KVCacheManager& c, SchedulerConfig cfg) : cache(c), config
   }
   const auto slabs = static_cast<std::int64_t>(std::ceil(config.watermark * cache.total_slabs()));
   reserve_fp16 = slabs * cache.pool_stats(Precision::FP16).blocks_per_slab;
+  fp16_limit = std::int64_t{cache.total_slabs()} * cache.pool_stats(Precision::FP16).blocks_per_slab;
   if (config.demote_under_pressure && config.max_demotions_per_step > 0) {
     demote_headroom = cache.pool_stats(Precision::FP16).blocks_per_slab;
   }
@@ -307,12 +314,34 @@ void Scheduler::Impl::reject(Entry& e, std::string reason) {
 
 void Scheduler::Impl::preempt(Entry& e, StepOutput& out) {
   ++e.preemptions;
+  const bool alone = running.size() == 1;  // the only request in device memory
   running.erase(running.iterator_to(e));
   const BlockCounts held = cache.blocks_held(e.id);
   const BlockCounts host = cache.free_swap_slots();
   const bool swap = config.preemption == PreemptionMode::Swap && held[0] <= host[0] && held[1] <= host[1] &&
                     held[2] <= host[2];
   if (swap) {
+    // Demotions may have changed its footprint since admission: a request
+    // that can no longer complete in this cache ends here (as after a
+    // recompute below) instead of holding host slots until it comes back
+    // and fails again.
+    e.plan = cache.plan(e.id);
+    e.demand = cache.demand(e.prompt, e.plan);
+    if (auto reason = never_fits(e)) {
+      reject(e, *std::move(reason));
+      return;
+    }
+    // Swapped out alone, it comes back into a cache that nothing else
+    // changed. That is progress once (swap-in packs its blocks into as few
+    // slabs as possible); a second time without a token generated in
+    // between it is a livelock: the request cannot grow even alone.
+    if (alone && e.lone_swap_at == e.generated) {
+      reject(e, "it cannot store its next token even alone in the cache (" + std::to_string(e.num_tokens) +
+                    " tokens held: " + counts_text(held) + " blocks; the whole cache holds " +
+                    std::to_string(cache.total_slabs()) + " slabs), and swapping it out and in again changes nothing");
+      return;
+    }
+    if (alone) e.lone_swap_at = e.generated;
     const std::vector<SwapCopy> copies = cache.swap_out(e.id);
     out.swap_out.insert(out.swap_out.end(), copies.begin(), copies.end());
     out.swapped_out.push_back(e.id);
@@ -349,28 +378,56 @@ void Scheduler::Impl::preempt(Entry& e, StepOutput& out) {
   waiting.insert(e);
 }
 
+// FP16 blocks the decode batch could have once the demotions' target blocks
+// `taken` are had and `freed` FP16 blocks are released: the largest r with
+// can_allocate(taken + {r, 0, 0}), plus `freed` (the freed blocks sit in
+// FP16 slabs, so after the demotions r + freed FP16 blocks can be had).
+// -1 when `taken` itself cannot be had. Exact: the manager's own query,
+// which counts slabs, not blocks.
+std::int64_t Scheduler::Impl::fp16_room(const BlockCounts& taken, std::int64_t freed) const {
+  if (!cache.can_allocate(taken)) return -1;
+  std::int64_t lo = 0;                 // can be had
+  std::int64_t hi = fp16_limit + 1;    // cannot
+  BlockCounts probe = taken;
+  while (hi - lo > 1) {
+    const std::int64_t mid = lo + (hi - lo) / 2;
+    probe[0] = taken[0] + mid;
+    (cache.can_allocate(probe) ? lo : hi) = mid;
+  }
+  return lo + freed;
+}
+
 // Demotes windows of decoding requests, lowest similarity first across
 // requests, in one manager call (so a step's demotions may run in any
-// order), until about `deficit` FP16 blocks come free:
-//   1. FP16 windows to INT4: each frees one FP16 block;
+// order), so that the decode batch's `need` FP16 blocks can be had, and if
+// possible `target` (need plus the headroom):
+//   1. FP16 windows to INT4: each frees one FP16 block, but its INT4 block
+//      may take a slab (4 FP16 blocks' worth in a small cache);
 //   2. once no FP16 window is left to demote, INT4 windows to INT2. These
 //      free FP16 room only through the INT4 slabs they empty, and their
-//      INT2 blocks must be had before any INT4 block is released, so the
-//      step follows slab usage: it takes windows while the INT2 blocks can
-//      be had and the room made (emptied INT4 slabs less the slabs the INT2
-//      blocks take) is short of the deficit, and keeps the prefix that made
-//      the most room, none when no prefix makes any (preemption follows).
-// Never window 0, never text (neither is in demote_order).
-void Scheduler::Impl::demote_for(std::int64_t deficit, const std::vector<Entry*>& decodes, StepOutput& out) {
+//      INT2 blocks must be had before any INT4 block is released.
+// After each demotion the FP16 room it leaves is computed exactly in slabs
+// (fp16_room; for step 2 plus the INT4 slabs emptied, following slab usage
+// through KVCacheManager::used_in_slab and window_block). The kept prefix is
+// the shortest that reaches `target`, else the one with the most room; a
+// prefix is kept only when it leaves at least `need` and more room than
+// there was: a demotion that costs a slab for less than a slab of relief is
+// never made (it could leave a lone request unable to grow at all). With
+// none kept, preemption follows. Never window 0, never text (neither is in
+// demote_order).
+void Scheduler::Impl::demote_for(std::int64_t need, std::int64_t target, const std::vector<Entry*>& decodes,
+                                 StepOutput& out) {
   using Candidate = std::pair<float, Entry*>;
   auto later = [](const Candidate& a, const Candidate& b) {
     return std::tie(a.first, a.second->order) > std::tie(b.first, b.second->order);
   };
   using Heap = std::priority_queue<Candidate, std::vector<Candidate>, decltype(later)>;
+  const std::int64_t room_before = fp16_room({0, 0, 0}, 0);
   std::vector<Demotion> demotions;
+  std::vector<std::int64_t> rooms;  // rooms[i]: FP16 room after demotions [0, i] (-1: targets not had)
   const auto limit = static_cast<std::size_t>(config.max_demotions_per_step);
   // One record per window looked at: a window whose demotions do not all
-  // survive the cuts below is looked at again in a later step.
+  // survive the cut below is looked at again in a later step.
   struct Looked {
     Entry* entry;
     std::size_t Entry::*cursor;
@@ -378,17 +435,20 @@ void Scheduler::Impl::demote_for(std::int64_t deficit, const std::vector<Entry*>
     std::size_t end;  // demotions.size() after the window
   };
   std::vector<Looked> looked;
-  // Takes windows from a heap of each request's next candidate while
-  // `more()` and the per-step limit allow: every layer of the window at
-  // `from` that can go to `to`. on_demotion(d) sees each demotion,
-  // on_window() runs after each window. True when no candidate is left.
-  auto take = [&](std::size_t Entry::*cursor, Precision from, Precision to, auto&& more, auto&& on_demotion,
-                  auto&& on_window) {
+  // Room left by the demotions so far, -1 once their targets cannot be had.
+  auto room = [&] { return rooms.empty() ? room_before : rooms.back(); };
+  // Takes windows from a heap of each request's next candidate while the
+  // room is short of `target`, the targets can be had and the per-step limit
+  // allows: every layer of the window at `from` that can go to `to`.
+  // room_after() gives the room once demotions.back() is made. True when no
+  // candidate is left.
+  auto take = [&](std::size_t Entry::*cursor, Precision from, Precision to, auto&& room_after) {
     Heap heap(later);
     for (Entry* e : decodes) {
       if (e->*cursor < e->demote_order.size()) heap.push({e->plan.score(e->demote_order[e->*cursor]), e});
     }
-    while (!heap.empty() && more() && demotions.size() < limit) {
+    auto more = [&] { return room() >= 0 && room() < target && demotions.size() < limit; };
+    while (!heap.empty() && more()) {
       Entry* e = heap.top().second;
       heap.pop();
       const std::size_t before = e->*cursor;
@@ -399,79 +459,58 @@ void Scheduler::Impl::demote_for(std::int64_t deficit, const std::vector<Entry*>
         if (plan.at(layer, window) != from) continue;
         if (cache.why_not_demotable(e->id, layer, window, to)) continue;
         demotions.push_back({e->id, layer, window, to});
-        on_demotion(demotions.back());
+        rooms.push_back(room_after());
       }
       // A window is done when all its layers were looked at; a later step
       // finishes one the per-step limit cut short.
       if (layer == num_layers) ++(e->*cursor);
       looked.push_back({e, cursor, before, demotions.size()});
-      on_window();
       if (e->*cursor < e->demote_order.size()) heap.push({e->plan.score(e->demote_order[e->*cursor]), e});
     }
     return heap.empty();
   };
 
   // 1. FP16 -> INT4.
-  const bool fp16_done = take(
-      &Entry::demote_cursor, Precision::FP16, Precision::INT4,
-      [&] { return static_cast<std::int64_t>(demotions.size()) < deficit; }, [](const Demotion&) {}, [] {});
-  const std::size_t to_int4 = demotions.size();
+  const bool fp16_done = take(&Entry::demote_cursor, Precision::FP16, Precision::INT4, [&] {
+    const auto n = static_cast<std::int64_t>(demotions.size());
+    return fp16_room({0, n, 0}, n);
+  });
+  const auto to_int4 = static_cast<std::int64_t>(demotions.size());
 
-  // Target blocks of the first n demotions.
-  auto counts = [&](std::size_t n) {
-    return BlockCounts{0, static_cast<std::int64_t>(std::min(n, to_int4)),
-                       static_cast<std::int64_t>(n > to_int4 ? n - to_int4 : 0)};
-  };
-
-  // 2. INT4 -> INT2, with the FP16 room each prefix makes: INT4 slabs whose
-  // last used block goes, less the slabs the INT2 blocks need beyond the
-  // free blocks of partly used INT2 slabs.
-  std::size_t keep = demotions.size();
-  const std::int64_t rest = deficit - static_cast<std::int64_t>(to_int4);
-  if (fp16_done && rest > 0 && cache.can_allocate(counts(to_int4))) {
+  // 2. INT4 -> INT2: the room of the INT2 targets (exact) plus the INT4
+  // slabs whose last used block goes. Step 1's INT4 targets fill partly used
+  // INT4 slabs first, so up to to_int4 of the slabs counted as emptied that
+  // had free blocks may receive one and stay in use: those are not counted.
+  if (fp16_done && room() >= 0 && room() < target) {
     const PoolStats int4 = cache.pool_stats(Precision::INT4);
-    const PoolStats int2 = cache.pool_stats(Precision::INT2);
     const std::int64_t fp16_per_slab = cache.pool_stats(Precision::FP16).blocks_per_slab;
-    const std::int64_t int2_spare = int2.free_blocks - std::int64_t{int2.empty_slabs} * int2.blocks_per_slab;
     boost::unordered_flat_map<std::int32_t, std::int32_t> used;  // INT4 slab -> used blocks left
-    std::int64_t emptied = 0;
-    std::int64_t room = 0;  // FP16 blocks the INT4 -> INT2 demotions so far make
-    std::int64_t best = 0;
-    bool fits = true;  // the target blocks of every demotion so far can be had
-    auto room_after = [&] {
-      const auto n = static_cast<std::int64_t>(demotions.size() - to_int4);
-      const std::int64_t int2_slabs = (std::max<std::int64_t>(n - int2_spare, 0) + int2.blocks_per_slab - 1) /
-                                      int2.blocks_per_slab;
-      return (emptied - int2_slabs) * fp16_per_slab;
-    };
-    take(
-        &Entry::int2_cursor, Precision::INT4, Precision::INT2, [&] { return fits && room < rest; },
-        [&](const Demotion& d) {
-          const std::int32_t slab = cache.window_block(d.id, d.layer, d.window) / int4.blocks_per_slab;
-          auto [it, fresh] = used.try_emplace(slab, 0);
-          if (fresh) it->second = cache.used_in_slab(Precision::INT4, slab);
-          emptied += --it->second == 0 ? 1 : 0;
-        },
-        [&] {
-          fits = cache.can_allocate(counts(demotions.size()));
-          if (!fits) return;
-          room = room_after();
-          if (room > best) {
-            best = room;
-            keep = demotions.size();
-          }
-        });
+    std::int64_t emptied_full = 0;     // emptied INT4 slabs that had no free block
+    std::int64_t emptied_partial = 0;  // emptied INT4 slabs that had free blocks
+    take(&Entry::int2_cursor, Precision::INT4, Precision::INT2, [&] {
+      const Demotion& d = demotions.back();
+      const std::int32_t slab = cache.window_block(d.id, d.layer, d.window) / int4.blocks_per_slab;
+      auto [it, fresh] = used.try_emplace(slab, 0);
+      if (fresh) it->second = cache.used_in_slab(Precision::INT4, slab);
+      if (--it->second == 0) {
+        (cache.used_in_slab(Precision::INT4, slab) == int4.blocks_per_slab ? emptied_full : emptied_partial) += 1;
+      }
+      const std::int64_t n = static_cast<std::int64_t>(demotions.size()) - to_int4;
+      const std::int64_t r = fp16_room({0, to_int4, n}, to_int4);
+      const std::int64_t emptied = emptied_full + std::max<std::int64_t>(emptied_partial - to_int4, 0);
+      return r < 0 ? r : r + emptied * fp16_per_slab;
+    });
   }
-  // The target blocks must be there: take as many demotions as they allow.
-  std::size_t n = keep;
-  if (!cache.can_allocate(counts(n))) {
-    std::size_t lo = 0;
-    std::size_t hi = n;  // fits(lo), !fits(hi)
-    while (hi - lo > 1) {
-      const std::size_t mid = (lo + hi) / 2;
-      (cache.can_allocate(counts(mid)) ? lo : hi) = mid;
-    }
-    n = lo;
+
+  // The prefix to make: the shortest that reaches `target`, else the one
+  // with the most room; only one that leaves `need` and gains room.
+  std::size_t n = 0;
+  std::int64_t best = room_before;
+  for (std::size_t i = 0; i < rooms.size(); ++i) {
+    if (rooms[i] < need || rooms[i] <= best) continue;
+    n = i + 1;
+    best = rooms[i];
+    if (best >= target) break;
   }
   // Windows with a demotion cut off are looked at again later (in reverse,
   // so a request's cursor goes back to its first such window).
@@ -492,16 +531,7 @@ void Scheduler::Impl::demote_for(std::int64_t deficit, const std::vector<Entry*>
 // Makes room for `need` new FP16 blocks of the decode batch: demotion first
 // (if enabled), then preemption of the lowest-ranked running requests.
 void Scheduler::Impl::relieve(std::vector<Entry*>& decodes, std::int64_t& need, StepOutput& out) {
-  if (demote_headroom > 0) {
-    // Demote about as much as restores the headroom: FP16 blocks free in
-    // their slabs plus those of the free slabs and of the other pools'
-    // empty slabs (what can_allocate counts).
-    const PoolStats fp16 = cache.pool_stats(Precision::FP16);
-    const std::int64_t slabs = std::int64_t{cache.free_slabs()} + cache.pool_stats(Precision::INT4).empty_slabs +
-                               cache.pool_stats(Precision::INT2).empty_slabs;
-    const std::int64_t available = fp16.free_blocks + slabs * fp16.blocks_per_slab;
-    demote_for(std::max<std::int64_t>(need + demote_headroom - available, 1), decodes, out);
-  }
+  if (demote_headroom > 0) demote_for(need, need + demote_headroom, decodes, out);
   while (!cache.can_allocate({need, 0, 0}) && !running.empty()) {
     Entry& victim = *std::prev(running.end());
     if (victim.state == RequestState::Running) {

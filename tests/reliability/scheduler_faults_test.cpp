@@ -271,17 +271,14 @@ TEST(SchedulerLiveness, LoneRequestFinishesWithoutDemotion) {
   EXPECT_EQ(finished[0].generated, 39);
 }
 
-// KNOWN FINDING, open: with demotion on, at 80 tokens the scheduler demotes
-// layer 1's FP16 window 1 to INT4, which takes the last free slab for the
-// INT4 pool and frees one FP16 block in a slab that stays in use: the FP16
-// pool can no longer grow. The request then swaps itself out and back in
-// every second step, forever (no progress, nothing else can run). Expected:
-// demotion that costs a slab for less than a slab is not made, and a request
-// that cannot grow even alone ends (rejected, or finished with a reason),
-// as it does under PreemptionMode::Recompute (next test). Disabled so that the
-// test command stays green until the scheduler is fixed; run it with
-// --gtest_also_run_disabled_tests.
-TEST(SchedulerLiveness, DISABLED_LoneRequestThatCannotGrowDoesNotThrash) {
+// The scheduler_fuzz finding (fixed): with demotion on, at 80 tokens the
+// scheduler used to demote layer 1's FP16 window 1 to INT4, which took the
+// last free slab for the INT4 pool and freed one FP16 block in a slab that
+// stayed in use: the FP16 pool could no longer grow, and the request swapped
+// itself out and back in every second step, forever. Demotion now counts
+// slabs (a demotion that leaves less FP16 room than there was is not made),
+// so the request grows into the last slab and finishes as planned.
+TEST(SchedulerLiveness, LoneRequestThatCannotGrowDoesNotThrash) {
   KVCacheManager cache(four_slabs());
   Scheduler sched(cache, lone_config(true, PreemptionMode::Swap));
   sched.add_request(lone_request());
@@ -290,11 +287,17 @@ TEST(SchedulerLiveness, DISABLED_LoneRequestThatCannotGrowDoesNotThrash) {
   const std::int64_t steps = drain(sched, 1000, finished, rejected);
   EXPECT_FALSE(sched.has_unfinished()) << "still unfinished after " << steps << " steps, "
                                        << sched.stats().preempted_swap << " swap preemptions";
-  EXPECT_EQ(finished.size() + rejected.size(), 1u);
+  ASSERT_EQ(finished.size(), 1u);
+  EXPECT_TRUE(rejected.empty());
+  EXPECT_EQ(finished[0].reason, FinishReason::Length);
+  EXPECT_EQ(finished[0].generated, 39);
+  EXPECT_EQ(sched.stats().demotions, 0) << "a demotion that costs the FP16 pool its last slab was made";
+  EXPECT_EQ(sched.stats().preempted_swap, 0);
 }
 
-// Under recompute the same request ends (today it is rejected once its
-// prompt with the generated tokens exceeds the token budget).
+// Under recompute the same request finishes too (before the fix it was
+// preempted and then rejected once its prompt with the generated tokens
+// exceeded the token budget).
 TEST(SchedulerLiveness, LoneRequestEndsUnderRecompute) {
   KVCacheManager cache(four_slabs());
   Scheduler sched(cache, lone_config(true, PreemptionMode::Recompute));
@@ -303,8 +306,80 @@ TEST(SchedulerLiveness, LoneRequestEndsUnderRecompute) {
   std::vector<RejectedRequest> rejected;
   drain(sched, 1000, finished, rejected);
   EXPECT_FALSE(sched.has_unfinished());
-  EXPECT_EQ(finished.size() + rejected.size(), 1u);
+  ASSERT_EQ(finished.size(), 1u);
+  EXPECT_TRUE(rejected.empty());
+  EXPECT_EQ(finished[0].generated, 39);
+  EXPECT_EQ(sched.stats().preempted_recompute, 0);
 }
+
+// Neighbours: the lone request plus a second one that takes the cache's
+// last slab (its 4 INT4 windows) and the FP16 room of the first one's
+// tails, in both preemption modes, with demotion on and off. Both end
+// (finished, or rejected with a reason), within a bounded number of steps
+// and preemptions: no request is preempted and resumed without progress.
+Request int4_request(RequestId id, std::int32_t max_new_tokens) {
+  Request r;
+  r.id = id;
+  r.layout = TokenLayout({{TokenKind::Visual, 32}, {TokenKind::Text, 1}});
+  PrecisionPlan plan(2, 2);
+  for (std::int32_t l = 0; l < 2; ++l) {
+    for (std::int32_t w = 0; w < 2; ++w) plan.set(l, w, Precision::INT4);
+  }
+  r.plan = plan;
+  r.max_new_tokens = max_new_tokens;
+  r.arrival_time = 1.0;
+  return r;
+}
+
+struct Pair {
+  bool demote;
+  PreemptionMode mode;
+  std::int32_t second_tokens;  // max_new_tokens of the second request
+};
+
+class TwoRequestsUnderPressure : public ::testing::TestWithParam<Pair> {};
+
+TEST_P(TwoRequestsUnderPressure, BothEndWithoutThrash) {
+  const Pair p = GetParam();
+  KVCacheManager cache(four_slabs());
+  Scheduler sched(cache, lone_config(p.demote, p.mode));
+  sched.add_request(lone_request());
+  sched.add_request(int4_request(4, p.second_tokens));
+  std::vector<FinishedRequest> finished;
+  std::vector<RejectedRequest> rejected;
+  std::int64_t steps = 0;
+  for (; sched.has_unfinished() && steps < 1000; ++steps) {
+    const StepOutput out = sched.step();
+    finished.insert(finished.end(), out.finished.begin(), out.finished.end());
+    rejected.insert(rejected.end(), out.rejected.begin(), out.rejected.end());
+    ASSERT_NO_THROW(sched.check_invariants()) << "after step " << steps;
+  }
+  const SchedulerStats st = sched.stats();
+  EXPECT_FALSE(sched.has_unfinished()) << "still unfinished after " << steps << " steps, " << st.preempted_swap
+                                       << " swap and " << st.preempted_recompute << " recompute preemptions";
+  EXPECT_EQ(finished.size() + rejected.size(), 2u);
+  for (const RejectedRequest& r : rejected) EXPECT_NE(r.reason.find("can never run"), std::string::npos) << r.reason;
+  // Each request at most a few preemptions: every one of them is followed
+  // by progress (the other request grows or ends).
+  EXPECT_LE(st.preempted_swap + st.preempted_recompute, 4);
+  for (const Precision q : kAllPrecisions) EXPECT_EQ(cache.pool_stats(q).used_blocks, 0) << to_string(q);
+  std::printf("demotion %d, %s, second request %d tokens: %lld steps, %zu finished, %zu rejected, %lld demotions, "
+              "%lld swaps, %lld recomputes\n",
+              p.demote ? 1 : 0, p.mode == PreemptionMode::Swap ? "swap" : "recompute", p.second_tokens,
+              static_cast<long long>(steps), finished.size(), rejected.size(), static_cast<long long>(st.demotions),
+              static_cast<long long>(st.preempted_swap), static_cast<long long>(st.preempted_recompute));
+}
+
+INSTANTIATE_TEST_SUITE_P(Modes, TwoRequestsUnderPressure,
+                         ::testing::Values(Pair{true, PreemptionMode::Swap, 40}, Pair{true, PreemptionMode::Recompute, 40},
+                                           Pair{false, PreemptionMode::Swap, 40},
+                                           Pair{false, PreemptionMode::Recompute, 40},
+                                           Pair{true, PreemptionMode::Swap, 5}, Pair{true, PreemptionMode::Recompute, 5}),
+                         [](const auto& info) {
+                           return std::string(info.param.demote ? "Demote" : "NoDemote") +
+                                  (info.param.mode == PreemptionMode::Swap ? "Swap" : "Recompute") +
+                                  std::to_string(info.param.second_tokens);
+                         });
 
 }  // namespace
 }  // namespace mixkv

@@ -259,7 +259,9 @@ TEST(Scheduler, ChunksEndOnWindowBoundariesAndThePromptIsAllocatedAtAdmission) {
 TEST(Scheduler, DemotionTakesTheLeastSimilarWindowsFirstAndNeverWindowZero) {
   KVCacheManager cache(tiny(9));
   SchedulerConfig config = base_config();
-  config.max_demotions_per_step = 2;  // one window (both layers) a step
+  // Windows 3, 2 and 1 (both layers) in one step: fewer would take an INT4
+  // slab for less than a slab of FP16 room, which the scheduler never does.
+  config.max_demotions_per_step = 6;
   Scheduler sched(cache, config);
   test::EngineSim engine(sched);
   // 4 FP16 windows, scores 1.0, 0.9, 0.8, 0.7: window 3 is the least similar.
