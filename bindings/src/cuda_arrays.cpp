@@ -74,8 +74,11 @@ py::dict interface_of(py::handle obj, std::string_view where, const char* dtype)
 }
 
 std::vector<py::ssize_t> cuda_array_shape(py::handle obj, std::string_view where, const char* dtype) {
+  // The dict must outlive the loop: an accessor into a temporary dict only
+  // borrows it, and __cuda_array_interface__ builds a new dict on each read.
+  const py::dict cai = interface_of(obj, where, dtype);
   std::vector<py::ssize_t> shape;
-  for (const py::handle d : interface_of(obj, where, dtype)["shape"]) shape.push_back(d.cast<py::ssize_t>());
+  for (const py::handle d : cai["shape"]) shape.push_back(d.cast<py::ssize_t>());
   return shape;
 }
 
