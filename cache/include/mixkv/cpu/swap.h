@@ -11,8 +11,9 @@ enum class SwapDirection : std::uint8_t { DeviceToHost = 0, HostToDevice = 1 };
 // Copies whole blocks between the pools of the arena (`device`, pool_view)
 // and the host swap buffer (`host`, KVCacheManager::swap_view), as
 // swap_out (DeviceToHost) or swap_in (HostToDevice) listed them. On the CPU
-// backend both live in host memory; with the GPU backend the same copies are
-// cudaMemcpyAsync between the device arena and pinned host memory.
+// backend both live in host memory; the GPU backend makes the same copies
+// with gpu::swap_blocks (kernels/include/mixkv/kernels/swap.h): one kernel
+// launch per list, between the device arena and a PinnedSwapBuffer.
 // Throws InvalidArgument naming copies[i] for a pool other than FP16, INT4,
 // INT2, and the pools as store_prefill does; nothing is copied then.
 void swap_blocks(std::span<const SwapCopy> copies, SwapDirection direction, const PoolViews& device,
