@@ -115,6 +115,8 @@ struct Scheduler::Impl {
 
   Entry& live(RequestId id, const char* name);
   void plan_prefix(Entry& e) const;
+  BlockCounts footprint(const Entry& e, const PrecisionPlan& plan) const;
+  std::int64_t slabs_for(const BlockCounts& blocks) const;
   std::optional<std::string> never_fits(const Entry& e) const;
   std::int32_t chunk_end(const Entry& e, std::int32_t budget) const;
   bool fits(const BlockCounts& blocks, bool with_reserve) const;
@@ -201,6 +203,32 @@ bool Scheduler::Impl::fits(const BlockCounts& blocks, bool with_reserve) const {
   return cache.can_allocate(need);
 }
 
+// The most `e` will ever hold under `plan`: its prompt plus max_new_tokens - 1
+// decode tokens (the last sampled token is never stored), all FP16.
+BlockCounts Scheduler::Impl::footprint(const Entry& e, const PrecisionPlan& plan) const {
+  BlockCounts most{};
+  const std::int64_t more = e.max_new_tokens - 1 - (e.prompt.num_tokens() - e.original.num_tokens());
+  for (std::int32_t layer = 0; layer < num_layers; ++layer) {
+    const auto windows = plan.window_counts(layer);
+    const std::int64_t fp16 =
+        e.prompt.num_tokens() - (std::int64_t{windows[1]} + windows[2]) * block_size + std::max<std::int64_t>(more, 0);
+    most[0] += (fp16 + block_size - 1) / block_size;
+    most[1] += windows[1];
+    most[2] += windows[2];
+  }
+  return most;
+}
+
+// Slabs that `blocks` take at the least (each pool's blocks packed).
+std::int64_t Scheduler::Impl::slabs_for(const BlockCounts& blocks) const {
+  std::int64_t slabs = 0;
+  for (const Precision p : kAllPrecisions) {
+    const std::int64_t per = cache.pool_stats(p).blocks_per_slab;
+    slabs += (blocks[at(p)] + per - 1) / per;
+  }
+  return slabs;
+}
+
 // Why `e` can never run to completion in this cache, or nullopt.
 std::optional<std::string> Scheduler::Impl::never_fits(const Entry& e) const {
   if (!config.chunked_prefill && e.prompt.num_tokens() > config.max_num_batched_tokens) {
@@ -208,25 +236,7 @@ std::optional<std::string> Scheduler::Impl::never_fits(const Entry& e) const {
            " tokens exceeds max_num_batched_tokens = " + std::to_string(config.max_num_batched_tokens) +
            " and chunked_prefill is off";
   }
-  // The most it will ever hold: the prompt plus max_new_tokens - 1 decode
-  // tokens (the last sampled token is never stored), all FP16.
-  BlockCounts most = e.demand;
-  const std::int64_t more = e.max_new_tokens - 1 - (e.prompt.num_tokens() - e.original.num_tokens());
-  most[0] = 0;
-  for (std::int32_t layer = 0; layer < num_layers; ++layer) {
-    const auto windows = e.plan.window_counts(layer);
-    const std::int64_t fp16 =
-        e.prompt.num_tokens() - (std::int64_t{windows[1]} + windows[2]) * block_size + std::max<std::int64_t>(more, 0);
-    most[0] += (fp16 + block_size - 1) / block_size;
-  }
-  auto slabs_for = [&](const BlockCounts& c) {
-    std::int64_t slabs = 0;
-    for (const Precision p : kAllPrecisions) {
-      const std::int64_t per = cache.pool_stats(p).blocks_per_slab;
-      slabs += (c[at(p)] + per - 1) / per;
-    }
-    return slabs;
-  };
+  const BlockCounts most = footprint(e, e.plan);
   const std::int64_t total = cache.total_slabs();
   if (slabs_for(most) > total) {
     return "with its " + std::to_string(e.max_new_tokens) + " new tokens it needs " + counts_text(most) +
@@ -435,6 +445,17 @@ void Scheduler::Impl::demote_for(std::int64_t need, std::int64_t target, const s
     std::size_t end;  // demotions.size() after the window
   };
   std::vector<Looked> looked;
+  // Each demoted request's footprint (footprint()) with its demotions so
+  // far: a prefix that leaves one above the whole cache is not made, or the
+  // request could no longer complete alone (a FP16 -> INT4 demotion that
+  // lands in another request's INT4 slab gains room now and may cost this
+  // request a slab of its own later). A single demotion may cross a slab
+  // boundary that the rest of its window's demotions cross back, so this
+  // is checked per prefix, not per demotion.
+  boost::unordered_flat_map<const Entry*, BlockCounts> footprints;
+  const std::int64_t total_slabs = cache.total_slabs();
+  std::int64_t over = 0;              // requests whose footprint exceeds the cache now
+  std::vector<std::uint8_t> in_cache;  // in_cache[i]: no footprint above the cache after demotions [0, i]
   // Room left by the demotions so far, -1 once their targets cannot be had.
   auto room = [&] { return rooms.empty() ? room_before : rooms.back(); };
   // Takes windows from a heap of each request's next candidate while the
@@ -454,10 +475,20 @@ void Scheduler::Impl::demote_for(std::int64_t need, std::int64_t target, const s
       const std::size_t before = e->*cursor;
       const std::int32_t window = e->demote_order[before];
       const PrecisionPlan& plan = cache.plan(e->id);
+      auto [fp, fresh] = footprints.try_emplace(e);
+      if (fresh) {
+        fp->second = footprint(*e, plan);
+        over += slabs_for(fp->second) > total_slabs ? 1 : 0;
+      }
       std::int32_t layer = 0;
       for (; layer < num_layers && demotions.size() < limit; ++layer) {
         if (plan.at(layer, window) != from) continue;
         if (cache.why_not_demotable(e->id, layer, window, to)) continue;
+        const bool was_over = slabs_for(fp->second) > total_slabs;
+        --fp->second[at(from)];
+        ++fp->second[at(to)];
+        over += (slabs_for(fp->second) > total_slabs ? 1 : 0) - (was_over ? 1 : 0);
+        in_cache.push_back(over == 0 ? 1 : 0);
         demotions.push_back({e->id, layer, window, to});
         rooms.push_back(room_after());
       }
@@ -503,11 +534,12 @@ void Scheduler::Impl::demote_for(std::int64_t need, std::int64_t target, const s
   }
 
   // The prefix to make: the shortest that reaches `target`, else the one
-  // with the most room; only one that leaves `need` and gains room.
+  // with the most room; only one that leaves `need`, gains room and leaves
+  // every request able to complete.
   std::size_t n = 0;
   std::int64_t best = room_before;
   for (std::size_t i = 0; i < rooms.size(); ++i) {
-    if (rooms[i] < need || rooms[i] <= best) continue;
+    if (in_cache[i] == 0 || rooms[i] < need || rooms[i] <= best) continue;
     n = i + 1;
     best = rooms[i];
     if (best >= target) break;
