@@ -396,8 +396,8 @@ void Scheduler::Impl::preempt(Entry& e, StepOutput& out) {
 // which counts slabs, not blocks.
 std::int64_t Scheduler::Impl::fp16_room(const BlockCounts& taken, std::int64_t freed) const {
   if (!cache.can_allocate(taken)) return -1;
-  std::int64_t lo = 0;                 // can be had
-  std::int64_t hi = fp16_limit + 1;    // cannot
+  std::int64_t lo = 0;               // can be had
+  std::int64_t hi = fp16_limit + 1;  // cannot
   BlockCounts probe = taken;
   while (hi - lo > 1) {
     const std::int64_t mid = lo + (hi - lo) / 2;
@@ -454,7 +454,7 @@ void Scheduler::Impl::demote_for(std::int64_t need, std::int64_t target, const s
   // is checked per prefix, not per demotion.
   boost::unordered_flat_map<const Entry*, BlockCounts> footprints;
   const std::int64_t total_slabs = cache.total_slabs();
-  std::int64_t over = 0;              // requests whose footprint exceeds the cache now
+  std::int64_t over = 0;               // requests whose footprint exceeds the cache now
   std::vector<std::uint8_t> in_cache;  // in_cache[i]: no footprint above the cache after demotions [0, i]
   // Room left by the demotions so far, -1 once their targets cannot be had.
   auto room = [&] { return rooms.empty() ? room_before : rooms.back(); };
