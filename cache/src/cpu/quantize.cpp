@@ -81,10 +81,10 @@ void quantize_head(const BlockFormat& format, const T* k, const T* v, std::size_
     for (int t = 0; t < tokens; ++t) group[t] = widen(k[t * row_stride + c]);
     const auto [lo, hi] = std::minmax_element(group.begin(), group.begin() + tokens);
     const GroupParams params = group_params(*lo, *hi, max_code);
-    const float scale = half_to_float(params.scale);
+    const float inverse_step = quant_inverse_step(half_to_float(params.scale));
     const float min = half_to_float(params.min);
     for (int t = 0; t < tokens; ++t) {
-      put_code(head_region, format.k_code_location(t, c), quant_code(group[t], scale, min, max_code), bits);
+      put_code(head_region, format.k_code_location(t, c), quant_code(group[t], inverse_step, min, max_code), bits);
     }
     store_params(head_region + format.k_params_offset() + static_cast<std::size_t>(c) * 2 * sizeof(Half), params);
   }
@@ -93,10 +93,10 @@ void quantize_head(const BlockFormat& format, const T* k, const T* v, std::size_
     for (int c = 0; c < dim; ++c) group[c] = widen(v[t * row_stride + c]);
     const auto [lo, hi] = std::minmax_element(group.begin(), group.begin() + dim);
     const GroupParams params = group_params(*lo, *hi, max_code);
-    const float scale = half_to_float(params.scale);
+    const float inverse_step = quant_inverse_step(half_to_float(params.scale));
     const float min = half_to_float(params.min);
     for (int c = 0; c < dim; ++c) {
-      put_code(head_region, format.v_code_location(t, c), quant_code(group[c], scale, min, max_code), bits);
+      put_code(head_region, format.v_code_location(t, c), quant_code(group[c], inverse_step, min, max_code), bits);
     }
     store_params(head_region + format.v_params_offset() + static_cast<std::size_t>(t) * 2 * sizeof(Half), params);
   }
