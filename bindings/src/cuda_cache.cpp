@@ -18,7 +18,9 @@
 namespace mixkv::python {
 
 DeviceKVCache::DeviceKVCache(CacheConfig config)
-    : KVCacheManager(config), device_(current_device()), arena_(config.arena_bytes) {}
+    : KVCacheManager(config), device_(current_device()), arena_(config.arena_bytes) {
+  if (swap_bytes() > 0) swap_.emplace(*this);
+}
 
 void bind_cuda_cache(py::module_& cuda) {
   bind_device_memory(cuda);
@@ -37,7 +39,18 @@ void bind_cuda_cache(py::module_& cuda) {
             const auto& cache = self.cast<const DeviceKVCache&>();
             return device_bytes(cache.arena().base(), cache.arena().bytes(), self);
           },
-          "The whole arena as device memory (DeviceBytes: __cuda_array_interface__, uint8).");
+          "The whole arena as device memory (DeviceBytes: __cuda_array_interface__, uint8).")
+      .def_property_readonly(
+          "swap",
+          [](py::object self) -> py::object {
+            const gpu::PinnedSwapBuffer* swap = self.cast<const DeviceKVCache&>().swap();
+            if (swap == nullptr) return py::none();
+            return py::array_t<std::uint8_t>({static_cast<py::ssize_t>(swap->bytes())}, {py::ssize_t{1}},
+                                             reinterpret_cast<std::uint8_t*>(swap->host()), self);
+          },
+          "The host swap pool (swap_bytes() of pinned host memory) as a NumPy uint8 array without a copy, or None "
+          "when config.swap_blocks is all 0. Bytes copied by ops.swap_blocks are there once its stream has passed "
+          "the copy.");
 
   py::class_<gpu::PageTableConfig>(cuda, "PageTableConfig", "Capacity of DevicePageTables.")
       .def(py::init([](std::int32_t num_layers, std::int32_t max_sequences, std::int32_t max_blocks_per_sequence) {

@@ -16,6 +16,7 @@
 #include "mixkv/kernels/demote.h"
 #include "mixkv/kernels/merge_states.h"
 #include "mixkv/kernels/store.h"
+#include "mixkv/kernels/swap.h"
 
 namespace mixkv::python {
 namespace {
@@ -118,6 +119,22 @@ py::tuple paged_decode_attention(const DeviceKVCache& cache, const gpu::DecodePl
   return py::make_tuple(out, lse);
 }
 
+void swap_blocks(DeviceKVCache& cache, const std::vector<SwapCopy>& copies, gpu::SwapDirection direction,
+                 py::handle stream) {
+  if (cache.swap() == nullptr) {
+    throw InvalidArgument("swap_blocks: cache: expected a DeviceKVCache with a host swap pool (config.swap_blocks)");
+  }
+  const CudaContext ctx = context(cache, stream);
+  gpu::DeviceSwapList& list = cache.swap_list();
+  list.upload(copies, direction, cache, ctx.stream);
+  gpu::SwapBlocksArgs args;
+  list.fill(args);
+  args.device = cache.pools();
+  args.host = cache.swap()->device_views(cache);
+  args.stream = ctx.stream;
+  gpu::swap_blocks(args);
+}
+
 // CUDA arrays have no allocator here: out and lse are the caller's (out_a and
 // lse_a for an in-place merge).
 py::tuple merge_states(py::object out_a, py::object lse_a, py::object out_b, py::object lse_b, py::object out,
@@ -182,6 +199,12 @@ void bind_cuda_ops(py::module_& ops) {
           "CUDA: requantizes blocks into a lower precision, (src, dst) one of (FP16, INT4), (FP16, INT2), (INT4, "
           "INT2); moves is a CUDA int32 array [count, 2] of (src block id, dst block id). Meant for a stream of its "
           "own so that decode is not stalled.");
+  ops.def("swap_blocks", &swap_blocks, py::arg("cache"), py::arg("copies"), py::arg("direction"), py::kw_only(),
+          py::arg("stream") = py::none(),
+          "CUDA: copies whole blocks between the device arena and the cache's pinned host swap pool "
+          "(DeviceKVCache.swap) as swap_out (DeviceToHost) or swap_in (HostToDevice) listed them, in one launch on "
+          "the caller's stream. The list is checked first (pools, block ids, host slots, one writer per "
+          "destination); nothing is copied when it is rejected.");
   ops.def("paged_decode_attention", &paged_decode_attention, py::arg("cache"), py::arg("plan"), py::arg("layer"),
           py::arg("q"), py::kw_only(), py::arg("out"), py::arg("lse") = py::none(), py::arg("sm_scale") = py::none(),
           py::arg("fixed_grid") = false, py::arg("stream") = py::none(),

@@ -156,6 +156,45 @@ def test_demote_matches_the_cpu_backend(rng):
     assert used_blocks_equal(host, device, [1])
 
 
+def test_swap_out_and_in_match_the_cpu_backend(rng):
+    cfg = mixkv.CacheConfig(SHAPE, 32 << 20, 2 << 20, swap_blocks=[64, 16, 16])
+    host, device = mixkv.KVCache(cfg), mc.DeviceKVCache(cfg)
+    assert device.swap is not None and device.swap.nbytes == device.swap_bytes()
+    mapping = mc.DeviceStoreMapping()
+    for i, (lay, plan) in enumerate(zip(LAYOUTS, PLANS)):
+        for cache in (host, device):
+            cache.add_sequence(i, lay, plan)
+        for layer in range(SHAPE.num_layers):
+            k, v = random_kv(rng, lay.num_tokens, SHAPE.num_kv_heads, SHAPE.head_dim)
+            ops.store_prefill(host, k, v, host.prefill_mapping(i, layer))
+            mapping.upload(device.prefill_mapping(i, layer), SHAPE.block_size)
+            ops.store_prefill(device, cuda(k), cuda(v), mapping)
+    stream = torch.cuda.Stream()
+    copies = [cache.swap_out(2) for cache in (host, device)]
+    assert [(c.pool, c.device_block, c.host_slot) for c in copies[0]] == \
+           [(c.pool, c.device_block, c.host_slot) for c in copies[1]]
+    ops.swap_blocks(host, copies[0], ops.SwapDirection.DeviceToHost)
+    ops.swap_blocks(device, copies[1], ops.SwapDirection.DeviceToHost, stream=stream)
+    stream.synchronize()
+    assert np.array_equal(device.swap, host.swap)
+    # The released blocks are taken and overwritten by a new sequence.
+    for cache in (host, device):
+        cache.add_sequence(7, LAYOUTS[2], PLANS[2])
+    for layer in range(SHAPE.num_layers):
+        k, v = random_kv(rng, LAYOUTS[2].num_tokens, SHAPE.num_kv_heads, SHAPE.head_dim)
+        mapping.upload(device.prefill_mapping(7, layer), SHAPE.block_size)
+        ops.store_prefill(device, cuda(k), cuda(v), mapping)
+        ops.store_prefill(host, k, v, host.prefill_mapping(7, layer))
+    copies = [cache.swap_in(2) for cache in (host, device)]
+    ops.swap_blocks(host, copies[0], ops.SwapDirection.HostToDevice)
+    ops.swap_blocks(device, copies[1], ops.SwapDirection.HostToDevice)
+    assert used_blocks_equal(host, device, [0, 1, 2, 7])
+    with pytest.raises(IndexError, match=r"copies\[0\].host_slot"):
+        ops.swap_blocks(device, [mixkv.SwapCopy(P.FP16, 0, 64)], ops.SwapDirection.HostToDevice)
+    with pytest.raises(ValueError, match="swap pool"):
+        ops.swap_blocks(mc.DeviceKVCache(config()), [], ops.SwapDirection.HostToDevice)
+
+
 def test_merge_states_matches_the_cpu_backend(rng):
     out_a, out_b = (rng.standard_normal((17, 128)).astype(np.float32) for _ in range(2))
     lse_a, lse_b = (rng.standard_normal(17).astype(np.float32) for _ in range(2))

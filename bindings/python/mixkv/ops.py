@@ -3,8 +3,9 @@
 Each takes the cache first and dispatches on it: a ``mixkv.KVCache`` with NumPy
 arrays (CPU backend), a ``mixkv.cuda.DeviceKVCache`` with CUDA arrays from
 torch or CuPy (``__cuda_array_interface__``, no copies, on the caller's
-stream). ``swap_blocks`` is CPU only: with the CUDA backend swapping is the
-engine's cudaMemcpyAsync between the device arena and pinned host memory.
+stream). ``swap_blocks`` moves blocks between the arena and the cache's host
+swap pool: plain host memory on the CPU backend, pinned host memory
+(``DeviceKVCache.swap``) copied by one kernel launch on the CUDA backend.
 """
 
 from . import _core

@@ -94,4 +94,9 @@ class SwapDirection(enum.IntEnum):
     DeviceToHost = 0
     HostToDevice = 1
 
+@overload
 def swap_blocks(cache: KVCache, copies: Sequence[SwapCopy], direction: SwapDirection) -> None: ...
+@overload
+def swap_blocks(
+    cache: DeviceKVCache, copies: Sequence[SwapCopy], direction: SwapDirection, *, stream: Stream = None
+) -> None: ...
