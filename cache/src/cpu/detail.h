@@ -10,9 +10,10 @@
 #include <cstring>
 #include <limits>
 #include <span>
-#include <sstream>
+#include <cstdio>
 #include <string>
 #include <string_view>
+#include <type_traits>
 
 #include "mixkv/cache/block_format.h"
 #include "mixkv/cache/errors.h"
@@ -23,11 +24,33 @@
 
 namespace mixkv::cpu::detail {
 
+// A number written in hexadecimal by invalid().
+struct Hex {
+  unsigned value;
+};
+
+inline void append_part(std::string& out, std::string_view text) { out.append(text); }
+inline void append_part(std::string& out, char c) { out.push_back(c); }
+template <typename Number>
+  requires std::is_arithmetic_v<Number>
+void append_part(std::string& out, Number n) {
+  out.append(std::to_string(n));
+}
+inline void append_part(std::string& out, Hex h) {
+  char digits[2 * sizeof(unsigned) + 1];
+  std::snprintf(digits, sizeof digits, "%x", h.value);
+  out.append(digits);
+}
+
+// Messages are assembled with std::string rather than an ostringstream: on
+// the H200 machine (Python 3.12, NumPy 2.5) every message built through
+// iostreams inside the Python module crashed the process, and strings need no
+// locale at all.
 template <typename... Parts>
 [[noreturn]] void invalid(const Parts&... parts) {
-  std::ostringstream message;
-  (message << ... << parts);
-  throw InvalidArgument(message.str());
+  std::string message;
+  (append_part(message, parts), ...);
+  throw InvalidArgument(message);
 }
 
 inline bool is_finite(Half h) { return (h.bits & 0x7c00u) != 0x7c00u; }
@@ -36,7 +59,7 @@ inline bool is_finite(Half h) { return (h.bits & 0x7c00u) != 0x7c00u; }
 inline void check_finite(std::string_view function, std::string_view name, std::span<const Half> values) {
   for (std::size_t i = 0; i < values.size(); ++i) {
     if (!is_finite(values[i])) {
-      invalid(function, ": ", name, "[", i, "] is NaN or inf (bits 0x", std::hex, values[i].bits, std::dec,
+      invalid(function, ": ", name, "[", i, "] is NaN or inf (bits 0x", Hex{values[i].bits},
               "): expected finite values");
     }
   }
