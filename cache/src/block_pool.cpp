@@ -1,5 +1,7 @@
 #include "mixkv/cache/block_pool.h"
 
+#include <algorithm>
+#include <cstddef>
 #include <limits>
 
 #include "checks.h"
@@ -80,7 +82,13 @@ void BlockPool::reserve_slabs(std::int32_t count) {
   const auto wanted = static_cast<std::size_t>(count);
   if (reserved_records_.size() >= wanted) return;
   reserved_records_.reserve(wanted);
+  const auto made_before = static_cast<std::ptrdiff_t>(reserved_records_.size());
   while (reserved_records_.size() < wanted) reserved_records_.push_back(make_slab_record());
+  // add_slab() takes from the back: reversed, the new records go out in the
+  // order they were made, so consecutive slabs get their block records in
+  // address order, as when add_slab() made each. (Handed out backwards, they
+  // made BlockPool::allocate 2.5x slower in scheduler_bench.)
+  std::reverse(reserved_records_.begin() + made_before, reserved_records_.end());
 }
 
 void BlockPool::add_slab(std::int32_t slab) {

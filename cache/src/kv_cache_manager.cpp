@@ -503,9 +503,13 @@ void KVCacheManager::add_sequence(SequenceId id, const TokenLayout& layout, cons
   const BlockCounts need = m.prompt_demand(layout, plan);
   const std::int32_t bs = m.block_size();
 
-  // Prepare: every host allocation (the prompt, the page lists at their
-  // final size, the block ids, slab records, the handle, the map node)
+  // Prepare: every host allocation (the block ids, slab records, the
+  // prompt, the page lists at their final size, the handle, the map node)
   // before any block moves, so that std::bad_alloc leaves nothing taken.
+  // (Slab records first, as before this split: the heap order changed
+  // append_tokens' speed in scheduler_bench by up to 10%.)
+  BlockIds ids;
+  m.prepare_blocks(need, "add_sequence(id = " + std::to_string(id) + ")", ids);
   Sequence seq{std::make_shared<Prompt>(Prompt{layout, plan}), layout.num_tokens(),
                PageTable(m.num_layers(), m.block_size())};
   for (std::int32_t layer = 0; layer < m.num_layers(); ++layer) {
@@ -516,8 +520,6 @@ void KVCacheManager::add_sequence(SequenceId id, const TokenLayout& layout, cons
       seq.table.reserve(layer, p, static_cast<std::size_t>(windows[at(p)]));
     }
   }
-  BlockIds ids;
-  m.prepare_blocks(need, "add_sequence(id = " + std::to_string(id) + ")", ids);
   m.reserve_handle();
   // Last: emplace either inserts or changes nothing (Boost's strong guarantee).
   Sequence& added = m.sequences.emplace(id, std::move(seq)).first->second;
