@@ -59,7 +59,7 @@ struct Sequence {
   // Set on both sides of a fork: only such sequences can share blocks, so
   // the others append without looking at ref counts.
   bool forked = false;
-  SequenceHandle handle;
+  SequenceHandle handle{};
   // Batch validation (require_ids) marks each sequence it has seen with the
   // batch's epoch, instead of hashing the ids a second time; demote() marks
   // the first listing of each sequence the same way.
@@ -510,8 +510,9 @@ void KVCacheManager::add_sequence(SequenceId id, const TokenLayout& layout, cons
   // append_tokens' speed in scheduler_bench by up to 10%.)
   BlockIds ids;
   m.prepare_blocks(need, "add_sequence(id = " + std::to_string(id) + ")", ids);
-  Sequence seq{std::make_shared<Prompt>(Prompt{layout, plan}), layout.num_tokens(),
-               PageTable(m.num_layers(), m.block_size())};
+  Sequence seq{.prompt = std::make_shared<Prompt>(Prompt{layout, plan}),
+               .num_tokens = layout.num_tokens(),
+               .table = PageTable(m.num_layers(), m.block_size())};
   for (std::int32_t layer = 0; layer < m.num_layers(); ++layer) {
     const auto windows = plan.window_counts(layer);
     const std::int64_t fp16_tokens = layout.num_tokens() - (std::int64_t{windows[1]} + windows[2]) * bs;
