@@ -225,18 +225,23 @@ class SmolLM2:
         return out.reshape(n, -1)
 
     # ---- whole passes ---------------------------------------------------
-    def prefill(self, ids, capture_attention: bool = False, progress=None):
+    def prefill(self, ids, capture_attention: bool = False, progress=None, query_rows=None):
         """Dense FP16-KV prefill of a prompt. Returns (hidden states after the
         last layer [n, hidden], K [layers][n, kv_heads, d] float16, V likewise,
         and, with capture_attention, the (before, after) residual-stream pairs
         of every layer's attention block for eq. 9). progress, if given, wraps
-        the layer loop (e.g. a tqdm)."""
+        the layer loop (e.g. a tqdm). With query_rows (an index or slice of
+        the prompt's tokens), self.captured_queries holds those tokens' query
+        vectors (after RoPE) per layer: [layers][rows, heads, d] float32."""
         ids = np.asarray(ids)
         positions = np.arange(len(ids))
         h = self.embedding[ids].astype(np.float32)
         ks, vs, pairs = [], [], []
+        self.captured_queries = []
         for layer in progress(self.layers) if progress else self.layers:
             q, k, v = self.qkv(layer, h, positions)
+            if query_rows is not None:
+                self.captured_queries.append(q[query_rows].copy())
             ks.append(k)
             vs.append(v)
             attn = self.causal_attention(q, k, v) @ layer.wo.T

@@ -109,15 +109,15 @@ def measure_sensitivity(model: SmolLM2, text: str):
     stream before a layer's attention block and after it (h_l and
     h_l + attn_l(h_l)), over the flattened [tokens, hidden] matrices. Also
     returns the model's perplexity on the text (a sanity check of the forward
-    pass)."""
+    pass), its tokens and their K/V (for measured_sensitivity)."""
     ids = model.tokenizer.encode(text)
-    h, _, _, pairs = model.prefill(ids, capture_attention=True)
+    h, ks, vs, pairs = model.prefill(ids, capture_attention=True)
     before = [p[0] for p in pairs]
     after = [p[1] for p in pairs]
     s = mixkv.layer_sensitivity(before, after, mixkv.SensitivityReduction.Flattened)
     lp = log_softmax(model.logits(h[:-1]))
     ppl = float(np.exp(-lp[np.arange(len(ids) - 1), ids[1:]].mean()))
-    return np.asarray(s), ppl, len(ids)
+    return np.asarray(s), ppl, ids, ks, vs
 
 
 def minmax(scores):
@@ -143,6 +143,114 @@ def windowquant_plan(prompt: Prompt, embeddings: np.ndarray, sensitivities, alph
     return planner.plan_from_scores([float(x) for x in used]), scores, planner
 
 
+def query_aware_scores(prompt: Prompt, ks, queries, num_heads: int):
+    """Eq. 8 per layer on the model's own vectors instead of input embeddings:
+    at layer l, the question tokens' query vectors (after RoPE) against every
+    document window's key vectors, through mixkv.window_similarity on a
+    [document | question] layout (the document as the visual segment, the
+    question as the text segment, one query head against the KV head it
+    reads); the mean over the query heads. Returns [layers, windows]."""
+    doc = slice(len(prompt.head), len(prompt.head) + len(prompt.document))
+    layout = TokenLayout([Segment(TokenKind.Visual, len(prompt.document)), Segment(TokenKind.Text, len(prompt.tail))])
+    group = num_heads // ks[0].shape[1]
+    out = []
+    for k, q in zip(ks, queries):
+        rows = [np.concatenate([k[doc, h // group, :].astype(np.float32), q[:, h, :]]) for h in range(num_heads)]
+        per_head = [mixkv.window_similarity(layout, r, WINDOW) for r in rows]
+        out.append(np.mean(per_head, axis=0))
+    return np.asarray(out)
+
+
+def attention_scores(prompt: Prompt, ks, queries, num_heads: int):
+    """The question's own attention to each window, per layer: for every
+    question token and query head, softmax(q k^T / sqrt(d)) over the prompt
+    keys it sees (causal), summed over each document window; the mean over
+    question tokens and heads. Returns [layers, windows]."""
+    n0 = len(prompt.head)
+    windows = prompt.layout.num_windows(WINDOW)
+    nq = len(prompt.tail)
+    first_q = n0 + len(prompt.document)
+    group = num_heads // ks[0].shape[1]
+    d = ks[0].shape[2]
+    visible = np.arange(first_q + nq)[None, :] <= (first_q + np.arange(nq))[:, None]  # [nq, keys]
+    out = []
+    for k, q in zip(ks, queries):
+        mass = np.zeros(windows)
+        for h in range(num_heads):
+            qh = q[:, h, :].astype(np.float16).astype(np.float32)  # the query as the decode kernels take it
+            s = (qh @ k[:, h // group, :].astype(np.float32).T) / np.sqrt(d)
+            s = np.where(visible, s, -np.inf)
+            s -= s.max(axis=1, keepdims=True)
+            p = np.exp(s)
+            p /= p.sum(axis=1, keepdims=True)
+            doc = p[:, n0:n0 + windows * WINDOW].reshape(nq, windows, WINDOW).sum(axis=2)
+            mass += doc.mean(axis=0)
+        out.append(mass / num_heads)
+    return np.asarray(out)
+
+
+def measured_sensitivity(model: SmolLM2, cal_ids, ks, vs, context: int, progress: bool = False):
+    """A calibrated replacement for eq. 9: on the calibration text, the first
+    `context` tokens are a cached prompt (dense FP16 prefill, as the real
+    prompt is) and the rest is scored through that cache. For each layer l,
+    only layer l's cached K/V are stored INT2 in mixkv (window 0 FP16, as in
+    every plan) and read back; d_l is the mean KL divergence of the scored
+    tokens' next-token distributions from the all-FP16 cache's. Mapped to the
+    planner's scale as s_l = 1 - d_l / max(d): the most damaging layer gets
+    0 (every window above T_high, FP16), a harmless one 1. Never sees the
+    document, the question or the held-out answer."""
+    c = model.config
+    layout = TokenLayout([Segment(TokenKind.Visual, context)])
+    fp16 = [(k[:context].astype(np.float32), v[:context].astype(np.float32)) for k, v in zip(ks, vs)]
+    rest = cal_ids[context:]
+
+    # Layers before l see the same cache as FP16: each run starts at layer l
+    # from the FP16 run's hidden state there.
+    hidden_in = []
+    ref = log_softmax(score_with_past(model, fp16, rest, context, hidden_in=hidden_in))
+    p_ref = np.exp(ref)
+    windows = layout.num_windows(WINDOW)
+    plan = mixkv.PrecisionPlan(c.num_layers, windows, Precision.FP16)
+    bounds = [mixkv.PrecisionPlan(c.num_layers, windows, p) for p in (Precision.FP16, Precision.INT2)]
+    config = cache_config(model, layout, bounds, 0, 1)
+    backend = HostBackend(config, threads=1)
+    d = []
+    for layer in tqdm(range(c.num_layers), desc="measured sensitivity", disable=not progress):
+        for w in range(1, windows):
+            plan.set(layer, w, Precision.INT2)
+        backend.add(0, layout, plan, [k[:context] for k in ks], [v[:context] for v in vs])
+        past = list(fp16)
+        past[layer] = read_back(backend.cache, 0, layer)
+        backend.free(0)
+        lp = log_softmax(score_with_past(model, past, rest, context, first_layer=layer, h=hidden_in[layer]))
+        d.append(float(np.mean(np.sum(p_ref * (ref - lp), axis=1))))
+        for w in range(1, windows):
+            plan.set(layer, w, Precision.FP16)
+    d = np.asarray(d)
+    return 1.0 - d / d.max(), d
+
+
+def per_layer_plan(layer_scores, sensitivities, alpha: float, min_precision: Precision | None = None):
+    """The planner's rule with one score vector per layer: the per-layer
+    scores are min-max rescaled to [0, 1] within each layer (raw query/key
+    cosines are not on the thresholds' [0, 1] scale, and their spread differs
+    by layer), then layer l's row of the plan is layer l's row of
+    WindowPlanner.plan_from_scores(scores of layer l): the same eqs. 10-11,
+    rule and window-0 exception as the paper's plan, per layer."""
+    layers, windows = layer_scores.shape
+    floor = [min_precision] * layers if min_precision is not None else []
+    planner = mixkv.WindowPlanner(
+        mixkv.PlannerConfig(sensitivities=[float(s) for s in sensitivities], window_size=WINDOW, alpha=alpha,
+                            min_precision=floor)
+    )
+    plan = mixkv.PrecisionPlan(layers, windows, Precision.FP16)
+    for layer in range(layers):
+        row = planner.plan_from_scores([float(x) for x in minmax(layer_scores[layer])])
+        for w in range(windows):
+            plan.set(layer, w, row.at(layer, w))
+    return plan
+
+
 def uniform_plan(num_layers: int, prompt: Prompt, precision: Precision):
     return mixkv.PrecisionPlan(num_layers, prompt.layout.num_windows(WINDOW), precision)
 
@@ -150,15 +258,15 @@ def uniform_plan(num_layers: int, prompt: Prompt, precision: Precision):
 # ---------------------------------------------------------------------------
 # The cache: one mixkv cache holding every variant's sequences
 # ---------------------------------------------------------------------------
-def cache_config(model: SmolLM2, prompt: Prompt, plans, decode_tokens: int, sequences_per_plan: int):
-    """A cache big enough for every plan's prompt plus its decode tokens
+def cache_config(model: SmolLM2, layout: TokenLayout, plans, decode_tokens: int, sequences_per_plan: int):
+    """A cache big enough for every plan's prompt (of this layout) plus its decode tokens
     (FP16 tails, copy-on-write after forks), rounded up to slabs."""
     c = model.config
     shape = mixkv.CacheShape(c.num_layers, c.num_kv_heads, c.head_dim, WINDOW)
     slab = 2 << 20
     need = np.zeros(3)
     for plan in plans:
-        need += np.asarray(mixkv.plan_stats(prompt.layout, plan, shape).blocks)
+        need += np.asarray(mixkv.plan_stats(layout, plan, shape).blocks)
     tail_blocks = math.ceil(decode_tokens / WINDOW) + 2
     need[0] += len(plans) * sequences_per_plan * tail_blocks * c.num_layers
     slabs = 0
@@ -315,19 +423,25 @@ def read_back(cache, seq_id: int, layer: int):
 # ---------------------------------------------------------------------------
 # Continuation scoring without stepping (the plan sweep)
 # ---------------------------------------------------------------------------
-def score_with_past(model: SmolLM2, past, ids, start: int):
+def score_with_past(model: SmolLM2, past, ids, start: int, first_layer: int = 0, h=None, hidden_in=None):
     """Teacher-forced logits of `ids` after a cached prompt whose per-layer
     K/V (float32, any order: decode attention does not depend on it) are
     `past`: one causal chunk instead of len(ids) decode steps. Used for the
-    plan sweep; the headline numbers come from real decode steps."""
+    plan sweep; the headline numbers come from real decode steps.
+    With first_layer > 0, h is the chunk's hidden state entering that layer
+    (layers before it are skipped); hidden_in, a list, collects the hidden
+    state entering every layer run."""
     c = model.config
     n = len(ids)
     positions = np.arange(start, start + n)
-    h = model.embedding[np.asarray(ids)].astype(np.float32)
+    if h is None:
+        h = model.embedding[np.asarray(ids)].astype(np.float32)
     group = c.num_heads // c.num_kv_heads
     scale = np.float32(1.0 / np.sqrt(c.head_dim))
     future = np.triu(np.ones((n, n), dtype=bool), k=1)
-    for layer, (pk, pv) in zip(model.layers, past):
+    for layer, (pk, pv) in zip(model.layers[first_layer:], past[first_layer:]):
+        if hidden_in is not None:
+            hidden_in.append(h)
         q, k, v = model.qkv(layer, h, positions)
         out = np.empty((n, c.num_heads, c.head_dim), dtype=np.float32)
         for g in range(c.num_kv_heads):
@@ -470,10 +584,14 @@ def summarize(name, rec, greedy, fp16_cont_argmax, stats):
     }
 
 
-def variant_plans(model, prompt, embeddings, sens, alpha, score_norm):
+QA_MEASURED = "WindowQuant, query-aware scores, measured s_l"
+
+
+def variant_plans(model, prompt, embeddings, sens, alpha, score_norm, qa_scores, measured):
     """The decode variants: FP16, WindowQuant as the paper sets it up, the same
     planner with an INT4 floor on every layer (it then only chooses FP16 or
-    INT4), and uniform INT4 / INT2."""
+    INT4), the planner on per-layer query-aware scores with measured layer
+    sensitivities (same alpha), and uniform INT4 / INT2."""
     c = model.config
     wq, scores, planner = windowquant_plan(prompt, embeddings, sens, alpha, score_norm)
     floor, _, _ = windowquant_plan(prompt, embeddings, sens, alpha, score_norm, min_precision=Precision.INT4)
@@ -481,6 +599,7 @@ def variant_plans(model, prompt, embeddings, sens, alpha, score_norm):
         "FP16": uniform_plan(c.num_layers, prompt, Precision.FP16),
         "WindowQuant": wq,
         "WindowQuant, INT4 floor": floor,
+        QA_MEASURED: per_layer_plan(qa_scores, measured, alpha),
         "INT4": uniform_plan(c.num_layers, prompt, Precision.INT4),
         "INT2": uniform_plan(c.num_layers, prompt, Precision.INT2),
     }
@@ -517,22 +636,37 @@ def main(argv=None):
           f"{prompt.layout.num_windows(WINDOW)} windows of {WINDOW}; continuation {len(prompt.answer)} tokens",
           flush=True)
 
-    sens, cal_ppl, cal_tokens = measure_sensitivity(model, read_text("calibration_declaration.txt"))
+    sens, cal_ppl, cal_ids, cal_ks, cal_vs = measure_sensitivity(model, read_text("calibration_declaration.txt"))
+    cal_tokens = len(cal_ids)
     print(f"calibration: {cal_tokens} tokens, perplexity {cal_ppl:.2f}; eq. 9 s_l: "
           + " ".join(f"{s:.3f}" for s in sens), flush=True)
+    # Measured sensitivity: the calibration text's last >= 112 tokens scored
+    # after a cached prefix of whole windows.
+    t0 = time.time()
+    cal_context = WINDOW * ((cal_tokens - 112) // WINDOW)
+    measured, kl = measured_sensitivity(model, cal_ids, cal_ks, cal_vs, cal_context, progress)
+    del cal_ks, cal_vs
+    measured_s = time.time() - t0
+    print(f"measured s_l (INT2 in one layer, {cal_tokens - cal_context} calibration tokens scored, "
+          f"{measured_s:.0f} s): "
+          + " ".join(f"{s:.3f}" for s in measured), flush=True)
 
     # Dense prefill with FP16 K/V: the first output token and every layer's K/V.
     t0 = time.time()
     bar = (lambda layers: tqdm(layers, desc="prefill (dense)")) if progress else None
-    h, ks, vs, _ = model.prefill(prompt.ids, progress=bar)
+    question = slice(len(prompt.head) + len(prompt.document), len(prompt.ids))
+    h, ks, vs, _ = model.prefill(prompt.ids, progress=bar, query_rows=question)
+    queries = model.captured_queries
     first_logits = model.logits(h[-1:])[0]
     prefill_s = time.time() - t0
     print(f"prefill: {len(prompt.ids)} tokens in {prefill_s:.1f} s", flush=True)
 
     embeddings = model.embedding[np.asarray(prompt.ids)]
-    plans, scores, planner = variant_plans(model, prompt, embeddings, sens, args.alpha, args.score_norm)
+    qa_scores = query_aware_scores(prompt, ks, queries, c.num_heads)
+    plans, scores, planner = variant_plans(model, prompt, embeddings, sens, args.alpha, args.score_norm, qa_scores,
+                                           measured)
     variants = list(plans)
-    config = cache_config(model, prompt, list(plans.values()), len(prompt.answer) + args.max_new, 2)
+    config = cache_config(model, prompt.layout, list(plans.values()), len(prompt.answer) + args.max_new, 2)
     backend_name = pick_backend(args.backend)
     backend = (CudaBackend(config, c, 2 * len(variants), len(prompt.ids) + len(prompt.answer) + args.max_new)
                if backend_name == "cuda" else HostBackend(config))
@@ -579,6 +713,11 @@ def main(argv=None):
         "scores": [float(s) for s in scores],
         "passage_window": passage_window,
         "passage_window_rank": int(np.sum(np.asarray(scores) > scores[passage_window])) + 1,
+        "measured_sensitivities": [float(s) for s in measured],
+        "measured_kl": [float(x) for x in kl],
+        "measured_calibration": {"context_tokens": cal_context, "scored_tokens": cal_tokens - cal_context,
+                                 "seconds": measured_s},
+        "query_aware_passage_rank_per_layer": [int(np.sum(r > r[passage_window])) + 1 for r in qa_scores],
         "windows_by_precision": counts,
         "passage_window_precisions": [wq.at(l, passage_window).name for l in range(c.num_layers)],
         "greedy_fp16": tok.decode(greedy),
@@ -592,7 +731,13 @@ def main(argv=None):
         "rows": rows,
     }
     if args.sweep or args.diagnose:
-        result["sweep"] = sweep(model, prompt, ks, vs, sens, embeddings, args, config, progress, passage_window)
+        if args.diagnose:
+            attn = attention_scores(prompt, ks, queries, c.num_heads)
+            result["attention_passage_rank_per_layer"] = [int(np.sum(r > r[passage_window])) + 1 for r in attn]
+        else:
+            attn = None
+        result["sweep"] = sweep(model, prompt, ks, vs, sens, embeddings, args, config, progress, passage_window,
+                                qa_scores, measured, attn)
     result["seconds"] = time.time() - t_start
     report(result)
     if args.json:
@@ -603,7 +748,8 @@ def main(argv=None):
     return result
 
 
-def sweep(model, prompt, ks, vs, sens, embeddings, args, config, progress, passage_window):
+def sweep(model, prompt, ks, vs, sens, embeddings, args, config, progress, passage_window, qa_scores, measured,
+          attn):
     """Perplexity vs KV bytes for more plans, each scored in one causal chunk
     over the K/V read back from mixkv's CPU blocks (score_with_past), not by
     stepping. The uniform plans are scored the same way too, as a check
@@ -615,7 +761,13 @@ def sweep(model, prompt, ks, vs, sens, embeddings, args, config, progress, passa
     if args.sweep:
         configs.append(("WindowQuant alpha=2, min-max scores",
                         windowquant_plan(prompt, embeddings, sens, 2.0, "minmax")[0]))
+        for a in (2.0, 32.0):
+            configs.append((f"query-aware x eq. 9 s_l, alpha={a:g}", per_layer_plan(qa_scores, sens, a)))
+        for a in (8.0, 32.0):
+            configs.append((f"query-aware x measured s_l, alpha={a:g}", per_layer_plan(qa_scores, measured, a)))
     if args.diagnose:
+        for a in (2.0, 8.0, 32.0):
+            configs.append((f"diagnose: attention mass x measured s_l, alpha={a:g}", per_layer_plan(attn, measured, a)))
         windows = prompt.layout.num_windows(WINDOW)
         for first in range(0, c.num_layers, 5):
             plan = uniform_plan(c.num_layers, prompt, Precision.INT4)
@@ -673,7 +825,7 @@ def plot(r, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7.0, 4.6), dpi=120)
+    fig, ax = plt.subplots(figsize=(8.0, 5.4), dpi=120)
     base = r["rows"][0]["ppl"]
     sweep = r.get("sweep", [])
     pts = sorted((s["bytes_ratio"], s["ppl"]) for s in sweep
@@ -685,8 +837,16 @@ def plot(r, path):
     if diag:
         ax.plot([s["bytes_ratio"] for s in diag], [s["ppl"] for s in diag], "x", color="tab:purple", ms=6,
                 label="INT2 in 5 layers, INT4 elsewhere (chunk-scored)")
+    series = [("query-aware x eq. 9 s_l", "v--", "tab:gray", "query-aware scores x eq. 9 s_l, alpha 2 / 32"),
+              ("query-aware x measured s_l", "D-", "tab:brown", "query-aware scores x measured s_l, alpha 8 / 32"),
+              ("diagnose: attention mass x measured s_l", "^:", "tab:olive",
+               "attention mass x measured s_l, alpha 2 / 8 / 32")]
+    for prefix, style, color, label in series:
+        pts = sorted((s["bytes_ratio"], s["ppl"]) for s in sweep if s["name"].startswith(prefix))
+        if pts:
+            ax.plot(*zip(*pts), style, color=color, alpha=0.6, ms=5, label=f"{label} (chunk-scored)")
     colors = {"FP16": "black", "WindowQuant": "tab:blue", "WindowQuant, INT4 floor": "tab:green",
-              "INT4": "tab:orange", "INT2": "tab:red"}
+              QA_MEASURED: "tab:brown", "INT4": "tab:orange", "INT2": "tab:red"}
     for row in r["rows"]:
         ax.plot(row["bytes_ratio"], row["ppl"], "s", ms=8, color=colors.get(row["variant"], "gray"),
                 label=f"{row['variant']} (decoded through mixkv)")
@@ -696,7 +856,7 @@ def plot(r, path):
     ax.set_ylabel("perplexity of the held-out answer")
     ax.set_title(f"SmolLM2-135M-Instruct, {r['document_tokens']}-token document, "
                  f"mixkv {r['backend'].upper()} backend", fontsize=9)
-    ax.legend(fontsize=7, loc="center right")
+    ax.legend(fontsize=6, loc="upper right")
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path)

@@ -73,7 +73,7 @@ def test_fp16_cache_decodes_like_dense_and_int4_beats_int2(model, real_model_mod
     first_logits = model.logits(h[-1:])[0]
     c = model.config
     plans = {p.name: rm.uniform_plan(c.num_layers, prompt, p) for p in (Precision.FP16, Precision.INT4, Precision.INT2)}
-    config = rm.cache_config(model, prompt, list(plans.values()), 16, 2)
+    config = rm.cache_config(model, prompt.layout, list(plans.values()), 16, 2)
     backend = rm.HostBackend(config)
     for i, v in enumerate(plans):
         backend.add(2 * i, prompt.layout, plans[v], ks, vs)
@@ -94,3 +94,44 @@ def test_fp16_cache_decodes_like_dense_and_int4_beats_int2(model, real_model_mod
     out = backend.attend(c.num_layers - 1, q, k, v)
     err = [np.linalg.norm(out[i] - out[0]) / np.linalg.norm(out[0]) for i in (1, 2)]
     assert 0 < err[0] < err[1]
+
+
+def test_query_aware_scores_and_measured_sensitivity(model, real_model_module):
+    """The planner inputs of the additional variants: eq. 8 per layer on the
+    question's queries against the document's keys, the planner's rule per
+    layer on them, and the layer sensitivities measured by storing one
+    layer's K/V INT2 on a calibration text."""
+    rm = real_model_module
+    c = model.config
+    tok = model.tokenizer
+    text = rm.read_text("calibration_declaration.txt")[:700]
+    prompt = rm.Prompt(tok, text, "Who wrote this?", "Thomas Jefferson.")
+    question = slice(len(prompt.head) + len(prompt.document), len(prompt.ids))
+    _, ks, vs, _ = model.prefill(prompt.ids, query_rows=question)
+    windows = prompt.layout.num_windows(rm.WINDOW)
+    scores = rm.query_aware_scores(prompt, ks, model.captured_queries, c.num_heads)
+    assert scores.shape == (c.num_layers, windows)
+    assert np.all(np.abs(scores) <= 1.0)
+
+    # s = 0: both thresholds 0, every window above the layer's lowest score is
+    # FP16; s = 1: both 1, every window below the layer's highest is INT2.
+    # Window 0 is FP16 in both.
+    sens = [0.0 if layer % 2 == 0 else 1.0 for layer in range(c.num_layers)]
+    plan = rm.per_layer_plan(scores, sens, 2.0)
+    for layer in range(c.num_layers):
+        lo, hi = int(np.argmin(scores[layer])), int(np.argmax(scores[layer]))
+        for w in range(windows):
+            got = plan.at(layer, w)
+            if w == 0:
+                assert got == Precision.FP16
+            elif layer % 2 == 0:
+                assert got == (Precision.INT4 if w == lo else Precision.FP16)
+            else:
+                assert got == (Precision.INT4 if w == hi else Precision.INT2)
+
+    ids = tok.encode(text)[:96]
+    _, cal_ks, cal_vs, _ = model.prefill(ids)
+    measured, kl = rm.measured_sensitivity(model, ids, cal_ks, cal_vs, 64)
+    assert measured.shape == kl.shape == (c.num_layers,)
+    assert np.all(kl >= -1e-9) and kl.max() > 0
+    assert measured.min() == 0.0 and np.all((measured >= 0) & (measured <= 1))
