@@ -23,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda_event_timing.h"
 #include "mixkv/cache/block_format.h"
 #include "mixkv/cache/half.h"
 #include "mixkv/kernels/bandwidth.h"
@@ -36,12 +37,7 @@ using namespace mixkv;
 
 namespace {
 
-void ok(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) {
-    std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(e));
-    std::exit(1);
-  }
-}
+using bench::ok;
 
 constexpr int kQHeads = 28, kKVHeads = 4, kDim = 128, kBlock = 32;
 
@@ -60,24 +56,7 @@ T* device_alloc(std::size_t count, const char* what) {
 
 template <typename F>
 double median_us(int reps, gpu::L2Flusher& flusher, cudaStream_t stream, F&& launch) {
-  cudaEvent_t a, b;
-  ok(cudaEventCreate(&a), "event");
-  ok(cudaEventCreate(&b), "event");
-  std::vector<float> ms;
-  for (int i = -3; i < reps; ++i) {
-    flusher.flush(stream);
-    ok(cudaEventRecord(a, stream), "record");
-    launch();
-    ok(cudaEventRecord(b, stream), "record");
-    ok(cudaEventSynchronize(b), "sync");
-    float t = 0;
-    ok(cudaEventElapsedTime(&t, a, b), "elapsed");
-    if (i >= 0) ms.push_back(t);
-  }
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2] * 1000.0;
+  return bench::median_event_us(reps, stream, launch, [&] { flusher.flush(stream); });
 }
 
 std::vector<Half> random_halves(std::size_t n, std::mt19937_64& rng, float sd) {

@@ -24,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda_event_timing.h"
 #include "mixkv/cache/kv_cache_manager.h"
 #include "mixkv/kernels/device_arena.h"
 #include "mixkv/kernels/swap.h"
@@ -32,35 +33,9 @@ using namespace mixkv;
 
 namespace {
 
-void ok(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) {
-    std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(e));
-    std::exit(1);
-  }
-}
+using bench::ok;
 
 constexpr int kKVHeads = 8, kDim = 128, kBlock = 16;
-
-template <typename F>
-double median_us(int reps, cudaStream_t stream, F&& launch) {
-  cudaEvent_t a, b;
-  ok(cudaEventCreate(&a), "event");
-  ok(cudaEventCreate(&b), "event");
-  std::vector<float> ms;
-  for (int i = -3; i < reps; ++i) {
-    ok(cudaEventRecord(a, stream), "record");
-    launch();
-    ok(cudaEventRecord(b, stream), "record");
-    ok(cudaEventSynchronize(b), "sync");
-    float t = 0;
-    ok(cudaEventElapsedTime(&t, a, b), "elapsed");
-    if (i >= 0) ms.push_back(t);
-  }
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2] * 1000.0;
-}
 
 struct Case {
   std::string name;
@@ -165,14 +140,14 @@ int main(int argc, char** argv) {
       args.stream = stream;
       Result r{};
       r.upload_us = upload_us;
-      r.kernel_us = median_us(reps, stream, [&] { gpu::swap_blocks(args); });
+      r.kernel_us = bench::median_event_us(reps, stream, [&] { gpu::swap_blocks(args); });
       // The ceiling: the same bytes in one transfer by the copy engines.
-      r.memcpy_us = median_us(reps, stream, [&] {
+      r.memcpy_us = bench::median_event_us(reps, stream, [&] {
         ok(out ? cudaMemcpyAsync(host.host(), arena.base(), bytes, cudaMemcpyDeviceToHost, stream)
                : cudaMemcpyAsync(arena.base(), host.host(), bytes, cudaMemcpyHostToDevice, stream),
            "cudaMemcpyAsync");
       });
-      r.per_block_us = median_us(std::min(reps, 5), stream, [&] {
+      r.per_block_us = bench::median_event_us(std::min(reps, 5), stream, [&] {
         for (const SwapCopy& s : copies) {
           const int p = pool_index(s.pool);
           const std::size_t n = pools[p].format.block_bytes();
