@@ -105,6 +105,15 @@ void bind_window_planner(py::module_& m) {
           [](const WindowPlanner& p, const std::vector<float>& scores) { return p.plan_from_scores(scores); },
           py::arg("scores"), "The precision rule applied to given eq. 8 scores, one per window in prompt order.")
       .def(
+          "plan_from_layer_scores",
+          [](const WindowPlanner& p, const std::vector<std::vector<float>>& scores) {
+            return p.plan_from_layer_scores(scores);
+          },
+          py::arg("scores"),
+          "The same rule with one score per (layer, window): scores[l][i] (a list of lists or a 2-D array "
+          "[num_layers, num_windows]) decides window i of layer l against layer l's thresholds, e.g. similarities "
+          "a model gives per layer. The plan's per-window score (demotion order) is the mean over layers.")
+      .def(
           "plan",
           [](const WindowPlanner& p, const TokenLayout& layout, py::handle embeddings) {
             std::vector<py::object> keep;

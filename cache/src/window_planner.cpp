@@ -272,6 +272,20 @@ std::vector<float> similarity_of(const TokenLayout& layout, const EmbeddingsView
 
 std::string indexed(const char* name, std::size_t i) { return std::string(name) + "[" + std::to_string(i) + "]"; }
 
+// Section 1's rule for every (layer, window) of `plan`, from
+// score_of(layer, window): window 0 FP16, else by the layer's thresholds
+// and no lower than the layer's minimum precision.
+template <typename ScoreOf>
+void apply_rule(PrecisionPlan& plan, std::span<const LayerThresholds> thresholds,
+                const std::vector<Precision>& min_precision, ScoreOf score_of) {
+  for (std::int32_t l = 0; l < plan.num_layers(); ++l) {
+    const Precision minimum = min_precision.empty() ? Precision::INT2 : min_precision[static_cast<std::size_t>(l)];
+    for (std::int32_t i = 0; i < plan.num_windows(); ++i) {
+      plan.set(l, i, window_precision(score_of(l, i), thresholds[static_cast<std::size_t>(l)], minimum, i == 0));
+    }
+  }
+}
+
 }  // namespace
 
 std::vector<float> window_similarity(const TokenLayout& layout, const EmbeddingsView& embeddings,
@@ -420,15 +434,41 @@ PrecisionPlan WindowPlanner::plan_from_scores(std::span<const float> scores) con
                             ", expected a finite similarity");
     }
   }
-  const auto num_windows = static_cast<std::int32_t>(scores.size());
-  PrecisionPlan plan(num_layers(), num_windows);
-  for (std::int32_t i = 0; i < num_windows; ++i) plan.set_score(i, scores[i]);
-  for (std::int32_t l = 0; l < num_layers(); ++l) {
-    const Precision minimum = config_.min_precision.empty() ? Precision::INT2 : config_.min_precision[l];
-    for (std::int32_t i = 0; i < num_windows; ++i) {
-      plan.set(l, i, window_precision(scores[i], thresholds_[l], minimum, i == 0));
+  PrecisionPlan plan(num_layers(), static_cast<std::int32_t>(scores.size()));
+  for (std::int32_t i = 0; i < plan.num_windows(); ++i) plan.set_score(i, scores[i]);
+  apply_rule(plan, thresholds_, config_.min_precision, [&](std::int32_t, std::int32_t i) { return scores[i]; });
+  return plan;
+}
+
+PrecisionPlan WindowPlanner::plan_from_layer_scores(std::span<const std::vector<float>> scores) const {
+  if (scores.size() != static_cast<std::size_t>(num_layers())) {
+    throw InvalidArgument("scores.size() = " + std::to_string(scores.size()) + ", expected one row per layer (" +
+                          std::to_string(num_layers()) + ")");
+  }
+  const std::size_t windows = scores[0].size();
+  if (windows > static_cast<std::size_t>(INT32_MAX)) {
+    throw InvalidArgument("scores[0] holds too many windows, expected at most 2^31 - 1");
+  }
+  for (std::size_t l = 0; l < scores.size(); ++l) {
+    if (scores[l].size() != windows) {
+      throw InvalidArgument(indexed("scores", l) + ".size() = " + std::to_string(scores[l].size()) + ", expected " +
+                            std::to_string(windows) + " as scores[0]");
+    }
+    for (std::size_t i = 0; i < windows; ++i) {
+      if (!std::isfinite(scores[l][i])) {
+        throw InvalidArgument(indexed("scores", l) + "[" + std::to_string(i) + "] = " + std::to_string(scores[l][i]) +
+                              ", expected a finite similarity");
+      }
     }
   }
+  PrecisionPlan plan(num_layers(), static_cast<std::int32_t>(windows));
+  for (std::int32_t i = 0; i < plan.num_windows(); ++i) {
+    double sum = 0.0;
+    for (const std::vector<float>& row : scores) sum += row[static_cast<std::size_t>(i)];
+    plan.set_score(i, static_cast<float>(sum / num_layers()));
+  }
+  apply_rule(plan, thresholds_, config_.min_precision,
+             [&](std::int32_t l, std::int32_t i) { return scores[l][static_cast<std::size_t>(i)]; });
   return plan;
 }
 

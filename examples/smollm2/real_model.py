@@ -239,21 +239,16 @@ def per_layer_plan(layer_scores, sensitivities, alpha: float, min_precision: Pre
     """The planner's rule with one score vector per layer: the per-layer
     scores are min-max rescaled to [0, 1] within each layer (raw query/key
     cosines are not on the thresholds' [0, 1] scale, and their spread differs
-    by layer), then layer l's row of the plan is layer l's row of
-    WindowPlanner.plan_from_scores(scores of layer l): the same eqs. 10-11,
-    rule and window-0 exception as the paper's plan, per layer."""
-    layers, windows = layer_scores.shape
+    by layer), then WindowPlanner.plan_from_layer_scores decides layer l's
+    windows by layer l's row: the same eqs. 10-11, rule and window-0
+    exception as the paper's plan, per layer."""
+    layers = layer_scores.shape[0]
     floor = [min_precision] * layers if min_precision is not None else []
     planner = mixkv.WindowPlanner(
         mixkv.PlannerConfig(sensitivities=[float(s) for s in sensitivities], window_size=WINDOW, alpha=alpha,
                             min_precision=floor)
     )
-    plan = mixkv.PrecisionPlan(layers, windows, Precision.FP16)
-    for layer in range(layers):
-        row = planner.plan_from_scores([float(x) for x in minmax(layer_scores[layer])])
-        for w in range(windows):
-            plan.set(layer, w, row.at(layer, w))
-    return plan
+    return planner.plan_from_layer_scores([[float(x) for x in minmax(row)] for row in layer_scores])
 
 
 def uniform_plan(num_layers: int, prompt: Prompt, precision: Precision):

@@ -198,6 +198,30 @@ PrecisionPlan plan_of(std::vector<std::vector<Precision>> rows, std::vector<floa
   return plan;
 }
 
+TEST(WindowPlanner, LayerScoresDecideEachLayerByItsOwnRow) {
+  const WindowPlanner planner(hand_config());
+  // Thresholds (hand_config): layer 0 (1, 1) with INT4 as its minimum,
+  // layer 1 (0.269, 0.731), layers 2 and 3 (0, 0).
+  const std::vector<std::vector<float>> scores = {
+      {0.0f, 0.5f, 0.9f, -0.5f}, {-0.4f, 0.8f, 0.5f, 0.1f}, {0.0f, 0.5f, -0.2f, -0.1f}, {-1.0f, -0.3f, 0.3f, 0.1f}};
+  const PrecisionPlan plan = planner.plan_from_layer_scores(scores);
+  EXPECT_EQ(plan, plan_of({{F, I4, I4, I4}, {F, F, I4, I2}, {F, F, I2, I2}, {F, I2, F, F}},
+                          {-0.35f, 0.375f, 0.375f, -0.1f}));
+  // One row repeated in every layer is plan_from_scores of that row.
+  const std::vector<float> row = {0.2f, 0.9f, 0.5f, -0.7f};
+  EXPECT_EQ(planner.plan_from_layer_scores(std::vector<std::vector<float>>(4, row)), planner.plan_from_scores(row));
+
+  expect_error<InvalidArgument>([&] { planner.plan_from_layer_scores(std::vector<std::vector<float>>(3, row)); },
+                                "scores.size() = 3, expected one row per layer (4)");
+  std::vector<std::vector<float>> ragged(4, row);
+  ragged[2].pop_back();
+  expect_error<InvalidArgument>([&] { planner.plan_from_layer_scores(ragged); },
+                                "scores[2].size() = 3, expected 4 as scores[0]");
+  std::vector<std::vector<float>> infinite(4, row);
+  infinite[3][1] = std::numeric_limits<float>::infinity();
+  expect_error<InvalidArgument>([&] { planner.plan_from_layer_scores(infinite); }, "scores[3][1] = inf");
+}
+
 TEST(MajorityVote, MostFrequentChoicePerLayerAndWindowTiesGoUp) {
   std::vector<PrecisionPlan> plans = {
       plan_of({{F, I2, I4, I4}, {F, I4, I2, I2}}, {0.1f, 0.2f, 0.3f, 0.4f}),

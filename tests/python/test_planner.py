@@ -77,6 +77,20 @@ def test_min_precision_and_scores():
     assert [plan.at(1, w) for w in range(3)] == [P.FP16, P.INT2, P.INT2]
 
 
+def test_plan_from_layer_scores_decides_each_layer_by_its_row():
+    planner = mixkv.WindowPlanner(config(layers=2, min_precision=[P.INT4, P.INT2]))
+    rows = np.array([[0.9, -1.0, 2.0], [0.1, 2.0, -1.0]], np.float32)
+    plan = planner.plan_from_layer_scores(rows)
+    assert [plan.at(0, w) for w in range(3)] == [P.FP16, P.INT4, P.FP16]
+    assert [plan.at(1, w) for w in range(3)] == [P.FP16, P.FP16, P.INT2]
+    assert [plan.score(w) for w in range(3)] == pytest.approx(rows.mean(axis=0))
+    assert planner.plan_from_layer_scores([[0.5, -1.0, 2.0]] * 2) == planner.plan_from_scores([0.5, -1.0, 2.0])
+    with pytest.raises(ValueError, match=r"scores.size\(\) = 1, expected one row per layer \(2\)"):
+        planner.plan_from_layer_scores([[0.5, 0.5]])
+    with pytest.raises(ValueError, match=r"scores\[1\].size\(\) = 1, expected 2 as scores\[0\]"):
+        planner.plan_from_layer_scores([[0.5, 0.5], [0.5]])
+
+
 def test_majority_vote_in_place_and_batch_policy(rng):
     plans = [mixkv.PrecisionPlan(1, 2, P.INT2), mixkv.PrecisionPlan(1, 2, P.INT2), mixkv.PrecisionPlan(1, 3, P.FP16)]
     mixkv.majority_vote(plans)

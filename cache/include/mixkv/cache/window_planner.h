@@ -115,6 +115,13 @@ class WindowPlanner {
   // prompt order: the plan holds them as its scores. Throws InvalidArgument
   // for a NaN or infinite score.
   PrecisionPlan plan_from_scores(std::span<const float> scores) const;
+  // The same rule with a score per (layer, window): scores[l][i] decides
+  // window i of layer l against layer l's thresholds. For scores a model
+  // gives per layer (its own queries and keys at each layer) rather than
+  // eq. 8 on input embeddings. The plan's per-window score, which orders
+  // demotion, is the mean over the layers. Throws InvalidArgument unless
+  // there is one row per layer, all rows of one length, all scores finite.
+  PrecisionPlan plan_from_layer_scores(std::span<const std::vector<float>> scores) const;
 
   // Similarity, thresholds and rule for one request.
   PrecisionPlan plan(const TokenLayout& layout, const EmbeddingsView& embeddings) const;
