@@ -3,8 +3,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <exception>
 #include <string>
+#include <thread>
 #include <utility>
+#include <vector>
 
 #include "mixkv/cache/block_format.h"
 #include "mixkv/cache/errors.h"
@@ -219,6 +222,37 @@ void validate_request(const TokenLayout& layout, const EmbeddingsView& view, con
   }
 }
 
+// The window loop reads every visual row once and is bound by memory
+// bandwidth, which one core of a host does not saturate: windows are split
+// into contiguous ranges over the host's cores (ranges of at least
+// kMinWindowsPerThread, so that small requests stay on the caller's thread).
+// Each window is computed exactly as on one thread, so scores do not depend
+// on the split; when windows fail, the first in window order is reported.
+constexpr std::size_t kMinWindowsPerThread = 64;
+
+template <typename ScoreWindow>
+void for_each_window_in_parallel(std::size_t num_windows, ScoreWindow score_window) {
+  const std::size_t cores = std::max(1u, std::thread::hardware_concurrency());
+  const std::size_t workers = std::clamp<std::size_t>(num_windows / kMinWindowsPerThread, 1, cores);
+  std::vector<std::exception_ptr> errors(workers);
+  auto run = [&](std::size_t w) {
+    try {
+      for (std::size_t i = num_windows * w / workers; i < num_windows * (w + 1) / workers; ++i) score_window(i);
+    } catch (...) {
+      errors[w] = std::current_exception();
+    }
+  };
+  {
+    std::vector<std::jthread> threads;
+    threads.reserve(workers - 1);
+    for (std::size_t w = 1; w < workers; ++w) threads.emplace_back(run, w);
+    run(0);
+  }  // joins the others
+  for (const std::exception_ptr& error : errors) {
+    if (error) std::rethrow_exception(error);
+  }
+}
+
 // Eq. 8 for one validated request.
 std::vector<float> similarity_of(const TokenLayout& layout, const EmbeddingsView& view, std::int32_t window_size,
                                  const std::string& name) {
@@ -252,7 +286,7 @@ std::vector<float> similarity_of(const TokenLayout& layout, const EmbeddingsView
   // sim_i = mean_k (u . w_k) / |w_k|, with u the text mean.
   const std::vector<std::int32_t> starts = layout.window_starts(window_size);
   std::vector<float> scores(starts.size());
-  for (std::size_t i = 0; i < starts.size(); ++i) {
+  auto score_window = [&](std::size_t i) {
     double sum = 0.0;
     for (std::int64_t r = starts[i]; r < starts[i] + static_cast<std::int64_t>(window_size); ++r) {
       const void* row = row_pointer(view, r);
@@ -266,7 +300,8 @@ std::vector<float> similarity_of(const TokenLayout& layout, const EmbeddingsView
       if (sums.squares > 0.0) sum += sums.dot / std::sqrt(sums.squares);
     }
     scores[i] = static_cast<float>(sum / window_size);
-  }
+  };
+  for_each_window_in_parallel(starts.size(), score_window);
   return scores;
 }
 

@@ -72,6 +72,21 @@ TEST(Similarity, QwenHiddenSizeMatchesBruteForce) {
   expect_matches_brute_force(layout, m, 32);
 }
 
+// Enough windows (600) for the window loop to be split over the host's
+// threads (ranges of at least 64 windows): the scores must not depend on the
+// split, and of two bad windows in different ranges the first is reported.
+TEST(Similarity, ManyWindowsSplitOverThreadsMatchBruteForce) {
+  const TokenLayout layout({{TokenKind::Text, 5}, {TokenKind::Visual, 600 * 4 + 3}, {TokenKind::Text, 2}});
+  test::Matrix m = random_embeddings(ElementType::F16, layout.num_tokens(), 64, 21);
+  expect_matches_brute_force(layout, m, 4);
+  m.set(5 + 4 * 590, 7, std::numeric_limits<float>::quiet_NaN());
+  expect_error<InvalidArgument>([&] { window_similarity(layout, m.view(), 4); },
+                                "embeddings row 2365 (visual window 590) holds a NaN or infinite value");
+  m.set(5 + 4 * 10 + 2, 0, std::numeric_limits<float>::infinity());
+  expect_error<InvalidArgument>([&] { window_similarity(layout, m.view(), 4); },
+                                "embeddings row 47 (visual window 10) holds a NaN or infinite value");
+}
+
 TEST(Similarity, BatchOfDifferentRequestsEqualsOneByOne) {
   // Different numbers of frames and text tokens per request.
   const std::vector<TokenLayout> layouts = {
