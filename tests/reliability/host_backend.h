@@ -20,17 +20,9 @@
 #include "mixkv/cpu/demote.h"
 #include "mixkv/cpu/store.h"
 #include "mixkv/cpu/swap.h"
+#include "../scheduler/engine_sim.h"  // value_of, key_of: the same K/V values as the scheduler tests
 
 namespace mixkv::test {
-
-inline std::uint64_t mix64(std::uint64_t x) {
-  x ^= x >> 33;
-  x *= 0xff51afd7ed558ccdULL;
-  x ^= x >> 33;
-  x *= 0xc4ceb9fe1a85ec53ULL;
-  x ^= x >> 33;
-  return x;
-}
 
 class HostBackend {
  public:
@@ -142,12 +134,7 @@ class HostBackend {
  private:
   static Half value(SequenceId id, std::int64_t pos, std::int32_t layer, std::int32_t head, std::int32_t channel,
                     int what) {
-    std::uint64_t key = mix64(static_cast<std::uint64_t>(id) * 0x9E3779B97F4A7C15ULL + 17);
-    key = mix64(key ^ static_cast<std::uint64_t>(pos) * 0xBF58476D1CE4E5B9ULL);
-    key = mix64(key ^ (static_cast<std::uint64_t>(layer) << 40) ^ (static_cast<std::uint64_t>(head) << 32) ^
-                (static_cast<std::uint64_t>(channel) << 8) ^ static_cast<std::uint64_t>(what));
-    const double u = static_cast<double>(key >> 11) / 9007199254740992.0;
-    return float_to_half(static_cast<float>(2.0 * u - 1.0));
+    return value_of(key_of(id, pos, layer, head, channel, what));
   }
 
   KVCacheManager& cache_;
