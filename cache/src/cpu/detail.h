@@ -7,10 +7,10 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 #include <span>
-#include <cstdio>
 #include <string>
 #include <string_view>
 #include <type_traits>
@@ -43,9 +43,9 @@ inline void append_part(std::string& out, Hex h) {
 }
 
 // Messages are assembled with std::string rather than an ostringstream: on
-// the H200 machine (Python 3.12, NumPy 2.5) every message built through
-// iostreams inside the Python module crashed the process, and strings need no
-// locale at all.
+// the H200 machine (Python 3.12, NumPy 2.5) every error raised through the
+// ostringstream version inside the Python module crashed the process, while
+// errors built as strings did not; strings need no locale at all.
 template <typename... Parts>
 [[noreturn]] void invalid(const Parts&... parts) {
   std::string message;
