@@ -7,7 +7,10 @@
 //     window is FP16), block ids shuffled over the arena,
 //   - a dense FP16 cuBLAS baseline (GEMM, softmax, GEMM) on the same tokens,
 //   - store_prefill of one sequence per plan.
-// L2 is flushed before every timed launch; median of N CUDA-event timings.
+// L2 is flushed before every timed launch (by reading a buffer 4x its size,
+// as FlashInfer's benchmarks do; --flush write uses a memset, which leaves
+// dirty lines behind); median of N CUDA-event timings. The launch floor (a
+// 4-byte memset timed the same way) is printed for scale.
 // Prints a table and writes JSON (--out).
 #include <cuda_runtime_api.h>
 
@@ -83,6 +86,7 @@ int main(int argc, char** argv) {
   bool quick = false;
   std::vector<int> only_batches, only_contexts;
   std::string only_plans;
+  gpu::FlushMode flush_mode = gpu::FlushMode::read;
   auto parse_list = [](const char* text) {
     std::vector<int> v;
     std::stringstream ss(text);
@@ -97,6 +101,14 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--batches") && i + 1 < argc) only_batches = parse_list(argv[++i]);
     else if (!std::strcmp(argv[i], "--contexts") && i + 1 < argc) only_contexts = parse_list(argv[++i]);
     else if (!std::strcmp(argv[i], "--plans") && i + 1 < argc) only_plans = argv[++i];  // e.g. int2,mixed
+    else if (!std::strcmp(argv[i], "--flush") && i + 1 < argc) {
+      const std::string mode = argv[++i];
+      if (mode != "read" && mode != "write") {
+        std::fprintf(stderr, "--flush: expected read or write, got %s\n", mode.c_str());
+        return 2;
+      }
+      flush_mode = mode == "read" ? gpu::FlushMode::read : gpu::FlushMode::write;
+    }
   }
   if (!gpu::cuda_device_available()) {
     std::printf("no CUDA device: benchmark skipped\n");
@@ -155,7 +167,12 @@ int main(int argc, char** argv) {
     ok(cudaMemcpy(d_q, q.data(), q.size() * 2, cudaMemcpyHostToDevice), "H2D");
   }
 
-  gpu::L2Flusher flusher;
+  gpu::L2Flusher flusher(flush_mode);
+  const char* flush_name = flush_mode == gpu::FlushMode::read ? "read" : "write";
+  const double launch_floor_us = median_us(reps, flusher, stream, [&] {
+    ok(cudaMemsetAsync(d_out, 0, 4, stream), "floor memset");
+  });
+  std::printf("L2 flush: %s; launch floor (4-byte memset, same timing): %.1f us\n", flush_name, launch_floor_us);
   gpu::DenseAttention dense;
   Json json;
   Json store_json;
@@ -299,7 +316,8 @@ int main(int argc, char** argv) {
   f << "{\n  \"device\": \"" << prop.name << "\",\n  \"sms\": " << prop.multiProcessorCount
     << ",\n  \"read_bandwidth_gbps\": " << bw / 1e9 << ",\n  \"shape\": {\"q_heads\": " << kQHeads
     << ", \"kv_heads\": " << kKVHeads << ", \"head_dim\": " << kDim << ", \"block_size\": " << kBlock
-    << "},\n  \"reps\": " << reps << ",\n  \"decode\": [" << json.s.str() << "\n  ],\n  \"store_prefill\": ["
+    << "},\n  \"reps\": " << reps << ",\n  \"l2_flush\": \"" << flush_name
+    << "\",\n  \"launch_floor_us\": " << launch_floor_us << ",\n  \"decode\": [" << json.s.str() << "\n  ],\n  \"store_prefill\": ["
     << store_json.s.str() << "\n  ]\n}\n";
   std::printf("\nwrote %s\n", out_path.c_str());
   return 0;

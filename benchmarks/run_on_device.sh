@@ -6,9 +6,11 @@
 #          [--skip-sanitizer] [--skip-sdpa] [--quick] [--filter GTEST_FILTER]
 #          [--mine]  (build only mixkv_cuda_tests + mixkv_decode_bench, no ctest)
 #          [--contexts LIST] (decode bench contexts only, e.g. 19600)
-#          [--validate] (GPU checks of every area, no decode bench: mixkv_cuda_tests and
-#                     planner_cuda_test, the GPU planner bench, the Python suite with CUDA
-#                     tensors, memcheck and racecheck on a reduced filter)
+#          [--validate] (GPU checks of every area: mixkv_cuda_tests and planner_cuda_test,
+#                     the GPU planner bench (with --ncu: its kernels under Nsight Compute),
+#                     the whole Python suite with CUDA tensors, memcheck and racecheck on a
+#                     reduced filter; add --bench for the decode bench too)
+#          [--flush read|write] (how the decode and SDPA benches evict L2; default read)
 #          [--ncu]   (Nsight Compute sections of the decode kernel: batch 64 x 19,600 INT2
 #                     and batch 1 x 19,600 mixed, into ncu.log)
 # Boost (headers) and GoogleTest are taken from the system when present,
@@ -17,7 +19,8 @@
 set -uo pipefail
 OUT=${OUT:-$PWD/device-out}
 mkdir -p "$OUT"
-TESTS=1 SANITIZER=1 BENCH=1 SDPA=1 QUICK="" FILTER="*" MINE=0 NCU=0 VALIDATE=0 CONTEXTS=()
+TESTS=1 SANITIZER=1 BENCH=1 SDPA=1 QUICK="" FILTER="*" MINE=0 NCU=0 VALIDATE=0 CONTEXTS=() FLUSH=read
+WANT_BENCH=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --bench-only) TESTS=0; SANITIZER=0 ;;
@@ -28,12 +31,15 @@ while [ $# -gt 0 ]; do
     --mine) MINE=1 ;;
     --ncu) NCU=1 ;;
     --validate) VALIDATE=1; BENCH=0; SDPA=0; TESTS=0; SANITIZER=0 ;;
+    --bench) WANT_BENCH=1 ;;
+    --flush) FLUSH="$2"; shift ;;
     --filter) FILTER="$2"; shift ;;
     --contexts) CONTEXTS=(--contexts "$2"); shift ;;
     *) echo "unknown flag $1"; exit 2 ;;
   esac
   shift
 done
+[ "$WANT_BENCH" = 1 ] && BENCH=1 && SDPA=1
 ROOT=$PWD
 # Build from a snapshot of the last commit (.devsnap, made with `git archive
 # HEAD`) with this tree's CUDA-backend files laid over it, so that other
@@ -77,7 +83,7 @@ if [ "$VALIDATE" = 1 ]; then
   fi
   cmake "$BUILD" -DMIXKV_PYTHON=ON -Dpybind11_DIR="$(python3 -m pybind11 --cmakedir)" >>"$OUT/build.log" 2>&1
   cmake --build "$BUILD" -j"$JOBS" --target mixkv_cuda_tests planner_cuda_test gpu_planner_bench mixkv_python \
-    -- -k 0 >>"$OUT/build.log" 2>&1
+    mixkv_decode_bench -- -k 0 >>"$OUT/build.log" 2>&1
 elif [ "$MINE" = 1 ]; then
   cmake --build "$BUILD" -j"$JOBS" --target mixkv_cuda_tests mixkv_decode_bench -- -k 0 >>"$OUT/build.log" 2>&1
 else
@@ -86,7 +92,7 @@ fi
 echo "build: rc=$? in $(( $(date +%s) - t0 )) s"; grep -E "error|FAILED" "$OUT/build.log" | head -20
 
 # --- benchmarks first: their numbers must survive a later timeout
-if [ "$NCU" = 1 ]; then
+if [ "$NCU" = 1 ] && [ "$VALIDATE" = 0 ]; then
   BENCHBIN="$BUILD/benchmarks/mixkv_decode_bench"
   {
     timeout 150 ncu --clock-control none -k regex:paged_decode -c 1 --section SpeedOfLight --section WarpStateStats \
@@ -101,10 +107,10 @@ if [ "$NCU" = 1 ]; then
   echo "ncu: rc=$?"; grep -E "Duration|Warp Cycles Per Issued|Issued Warp|No Eligible|Achieved Occupancy|Registers|Stall|Memory Throughput|Compute \(SM\)" "$OUT/ncu.log" | head -40
 fi
 if [ "$BENCH" = 1 ]; then
-  timeout 150 "$BUILD/benchmarks/mixkv_decode_bench" --out "$OUT/decode_bench.json" $QUICK ${CONTEXTS[@]+"${CONTEXTS[@]}"} 2>&1 | tee "$OUT/bench.log"
+  timeout 150 "$BUILD/benchmarks/mixkv_decode_bench" --out "$OUT/decode_bench.json" --flush "$FLUSH" $QUICK ${CONTEXTS[@]+"${CONTEXTS[@]}"} 2>&1 | tee "$OUT/bench.log"
 fi
 if [ "$SDPA" = 1 ]; then
-  PYTHONUNBUFFERED=1 timeout 100 python3 benchmarks/sdpa_bench.py --out "$OUT/sdpa_bench.json" $QUICK 2>&1
+  PYTHONUNBUFFERED=1 timeout 100 python3 benchmarks/sdpa_bench.py --out "$OUT/sdpa_bench.json" --flush "$FLUSH" $QUICK 2>&1
 fi
 # --- tests
 if [ "$TESTS" = 1 ]; then
@@ -129,11 +135,17 @@ if [ "$VALIDATE" = 1 ]; then
     echo "$t: rc=$?"; grep -E "^\[  (PASSED|FAILED|SKIPPED) |Failure|Expected|Which is|Actual" "$OUT/$t.log" | head -20
   done
   timeout 60 "$BUILD/benchmarks/gpu_planner_bench" "$OUT/gpu_planner_bench.json" 2>&1 | tail -12
+  if [ "$NCU" = 1 ]; then
+    timeout 90 ncu --clock-control none -k regex:'window_plan|text_|majority' -c 8 --section SpeedOfLight \
+      --section LaunchStats --section Occupancy "$BUILD/benchmarks/gpu_planner_bench" /tmp/ncu_planner.json \
+      >"$OUT/ncu_planner.log" 2>&1
+    echo "ncu planner: rc=$?"; grep -E "window_plan|text_|majority|Duration|Memory Throughput" "$OUT/ncu_planner.log" | head -40
+  fi
   STAGE="$BUILD/python-stage"
   rm -rf "$STAGE" && mkdir -p "$STAGE" && cp -r bindings/python/mixkv "$STAGE/" && cp "$BUILD"/bindings/_core*.so "$STAGE/mixkv/"
-  PYTHONPATH="$PWD/$STAGE" timeout 120 python3 -m pytest -q -rs -p no:cacheprovider tests/python/test_cuda.py \
-    >"$OUT/pytest_cuda.log" 2>&1
-  echo "pytest test_cuda.py: rc=$?"; tail -15 "$OUT/pytest_cuda.log"
+  PYTHONPATH="$PWD/$STAGE" timeout 240 python3 -m pytest -q -rs -p no:cacheprovider tests/python \
+    >"$OUT/pytest.log" 2>&1
+  echo "pytest tests/python: rc=$?"; tail -15 "$OUT/pytest.log"
   # The sanitizers slow kernels 10-100x: the long-context and dense cases stay out.
   declare -A filters=([memcheck]='*-*19600*:*LargeBatch*:*rows19600*'
                       [racecheck]='*DecodeCuda*:*MergeStates*:*StorePrefill*-*19600*:*LargeBatch*:*rows19600*')

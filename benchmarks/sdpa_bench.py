@@ -1,6 +1,6 @@
 """Dense FP16 decode baseline through torch SDPA (enable_gqa=True), timed the
-way decode_bench times mixkv: L2 flushed before each launch, CUDA events,
-median of N. Writes JSON: [{batch, context, sdpa_us}]."""
+way decode_bench times mixkv: L2 flushed before each launch (by reading a
+256 MiB buffer, or with --flush write by zeroing it), CUDA events, median of N. Writes JSON: [{batch, context, sdpa_us}]."""
 import argparse
 import json
 
@@ -13,9 +13,11 @@ def main():
     ap.add_argument("--out", default="sdpa_bench.json")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--flush", choices=["read", "write"], default="read")
     args = ap.parse_args()
     batches, contexts = ([1, 64], [19600]) if args.quick else ([1, 8, 64], [4096, 19600, 65536])
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    flush = torch.zeros(64 << 20, dtype=torch.float32, device="cuda")
+    sink = torch.empty((), dtype=torch.float32, device="cuda")
     results = []
     for ctx in contexts:
         for b in batches:
@@ -24,7 +26,10 @@ def main():
             v = torch.randn(b, 4, ctx, 128, dtype=torch.float16, device="cuda")
             times = []
             for i in range(args.reps + 3):
-                flush.zero_()
+                if args.flush == "read":
+                    torch.sum(flush, out=sink)
+                else:
+                    flush.zero_()
                 start = torch.cuda.Event(enable_timing=True)
                 stop = torch.cuda.Event(enable_timing=True)
                 start.record()
@@ -39,7 +44,7 @@ def main():
             print(f"sdpa batch {b:3d} context {ctx:6d}: {us:9.1f} us", flush=True)
             del q, k, v
     with open(args.out, "w") as f:
-        json.dump({"torch": torch.__version__, "sdpa": results}, f, indent=1)
+        json.dump({"torch": torch.__version__, "l2_flush": args.flush, "sdpa": results}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,9 @@ namespace mixkv::gpu {
 namespace {
 
 // Four independent 16-byte loads in flight per thread per iteration.
+// Streaming loads (kCached false) measure HBM without polluting L2; cached
+// ones fill L2 with the buffer, which is how the flusher evicts.
+template <bool kCached>
 __global__ void read_reduce_kernel(const uint4* data, std::size_t chunks, unsigned* sink) {
   unsigned acc = 0;
   const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
@@ -17,12 +20,12 @@ __global__ void read_reduce_kernel(const uint4* data, std::size_t chunks, unsign
   for (; i + 3 * stride < chunks; i += 4 * stride) {
     uint4 x[4];
 #pragma unroll
-    for (int u = 0; u < 4; ++u) x[u] = __ldcs(data + i + u * stride);
+    for (int u = 0; u < 4; ++u) x[u] = kCached ? __ldcg(data + i + u * stride) : __ldcs(data + i + u * stride);
 #pragma unroll
     for (int u = 0; u < 4; ++u) acc ^= x[u].x ^ x[u].y ^ x[u].z ^ x[u].w;
   }
   for (; i < chunks; i += stride) {
-    const uint4 x = __ldcs(data + i);
+    const uint4 x = kCached ? __ldcg(data + i) : __ldcs(data + i);
     acc ^= x.x ^ x.y ^ x.z ^ x.w;
   }
   if (acc == 0x9e3779b9u) *sink = acc;  // keeps the loads alive; practically never stores
@@ -55,7 +58,7 @@ double measure_read_bandwidth(std::size_t bytes, int repetitions, cudaStream_t s
   std::vector<float> ms;
   for (int rep = -2; rep < repetitions; ++rep) {
     MIXKV_CUDA_CHECK(cudaEventRecord(start, stream));
-    read_reduce_kernel<<<sms * 8, 512, 0, stream>>>(data.get(), chunks, sink.get());
+    read_reduce_kernel<false><<<sms * 8, 512, 0, stream>>>(data.get(), chunks, sink.get());
     MIXKV_CUDA_CHECK_LAUNCH("read_reduce_kernel");
     MIXKV_CUDA_CHECK(cudaEventRecord(stop, stream));
     MIXKV_CUDA_CHECK(cudaEventSynchronize(stop));
@@ -69,18 +72,32 @@ double measure_read_bandwidth(std::size_t bytes, int repetitions, cudaStream_t s
   return static_cast<double>(chunks * 16) / (ms[ms.size() / 2] * 1e-3);
 }
 
-L2Flusher::L2Flusher() {
+L2Flusher::L2Flusher(FlushMode mode) : mode_(mode) {
   int device = 0, l2 = 0;
   MIXKV_CUDA_CHECK(cudaGetDevice(&device));
   MIXKV_CUDA_CHECK(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, device));
   bytes_ = std::max<std::size_t>(static_cast<std::size_t>(l2) * 4, 64u << 20);
   MIXKV_CUDA_CHECK(cudaMalloc(&buffer_, bytes_));
+  MIXKV_CUDA_CHECK(cudaMalloc(&sink_, sizeof(unsigned)));
+  // Touched once, so that the first read flush does not hit fresh pages.
+  MIXKV_CUDA_CHECK(cudaMemset(buffer_, 0, bytes_));
 }
 
 L2Flusher::~L2Flusher() {
   if (buffer_ != nullptr) cudaFree(buffer_);
+  if (sink_ != nullptr) cudaFree(sink_);
 }
 
-void L2Flusher::flush(cudaStream_t stream) { MIXKV_CUDA_CHECK(cudaMemsetAsync(buffer_, 0, bytes_, stream)); }
+void L2Flusher::flush(cudaStream_t stream) {
+  if (mode_ == FlushMode::write) {
+    MIXKV_CUDA_CHECK(cudaMemsetAsync(buffer_, 0, bytes_, stream));
+    return;
+  }
+  int device = 0, sms = 0;
+  MIXKV_CUDA_CHECK(cudaGetDevice(&device));
+  MIXKV_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  read_reduce_kernel<true><<<sms * 8, 512, 0, stream>>>(static_cast<const uint4*>(buffer_), bytes_ / 16, sink_);
+  MIXKV_CUDA_CHECK_LAUNCH("read_reduce_kernel (L2 flush)");
+}
 
 }  // namespace mixkv::gpu

@@ -10,11 +10,16 @@ namespace mixkv::gpu {
 // of `repetitions` CUDA-event timings after a warm-up. Bytes per second.
 double measure_read_bandwidth(std::size_t bytes, int repetitions, cudaStream_t stream);
 
-// Evicts the L2 cache by writing a buffer larger than it (benchmarks call
-// this before each timed launch so that batch-1 timings measure HBM).
+// How L2Flusher evicts: `read` leaves L2 full of clean lines (FlashInfer's
+// benchmarks and anchors.md flush this way); `write` (a memset) leaves it
+// full of dirty lines, whose write-back the next kernel pays for.
+enum class FlushMode { read, write };
+
+// Evicts the L2 cache by touching a buffer four times its size (benchmarks
+// call this before each timed launch so that batch-1 timings measure HBM).
 class L2Flusher {
  public:
-  L2Flusher();
+  explicit L2Flusher(FlushMode mode = FlushMode::read);
   ~L2Flusher();
   L2Flusher(const L2Flusher&) = delete;
   L2Flusher& operator=(const L2Flusher&) = delete;
@@ -22,7 +27,9 @@ class L2Flusher {
 
  private:
   void* buffer_ = nullptr;
+  unsigned* sink_ = nullptr;
   std::size_t bytes_ = 0;
+  FlushMode mode_;
 };
 
 }  // namespace mixkv::gpu
