@@ -10,7 +10,9 @@
 // L2 is flushed before every timed launch (by reading a buffer 4x its size,
 // as FlashInfer's benchmarks do; --flush write uses a memset, which leaves
 // dirty lines behind); median of N CUDA-event timings. The launch floor (a
-// 4-byte memset timed the same way) is printed for scale.
+// 4-byte memset timed the same way) is printed for scale. --chunk-sweep
+// also times every batch-1 plan at fixed split-KV chunk counts, with L2
+// flushed and with L2 warm (where the latency of one launch goes).
 // Prints a table and writes JSON (--out).
 #include <cuda_runtime_api.h>
 
@@ -87,6 +89,7 @@ int main(int argc, char** argv) {
   std::vector<int> only_batches, only_contexts;
   std::string only_plans;
   gpu::FlushMode flush_mode = gpu::FlushMode::read;
+  bool chunk_sweep = false;
   auto parse_list = [](const char* text) {
     std::vector<int> v;
     std::stringstream ss(text);
@@ -101,6 +104,7 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--batches") && i + 1 < argc) only_batches = parse_list(argv[++i]);
     else if (!std::strcmp(argv[i], "--contexts") && i + 1 < argc) only_contexts = parse_list(argv[++i]);
     else if (!std::strcmp(argv[i], "--plans") && i + 1 < argc) only_plans = argv[++i];  // e.g. int2,mixed
+    else if (!std::strcmp(argv[i], "--chunk-sweep")) chunk_sweep = true;
     else if (!std::strcmp(argv[i], "--flush") && i + 1 < argc) {
       const std::string mode = argv[++i];
       if (mode != "read" && mode != "write") {
@@ -285,6 +289,18 @@ int main(int argc, char** argv) {
             std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
         gpu::DecodeRunArgs run{0, d_q, d_out, nullptr, 1.0f / std::sqrt(128.0f), pools, stream, false};
         const double us = median_us(reps, flusher, stream, [&] { dplan.run(run); });
+        if (chunk_sweep && batch == 1) {
+          for (int chunks : {1, 2, 4, 8, 16, 32, 64, 93, 128}) {
+            gpu::DecodePlanConfig swept = config;
+            swept.chunks_per_sequence = chunks;
+            gpu::DecodePlan sweep_plan(swept, tables);
+            sweep_plan.plan(slots, stream);
+            const double cold = median_us(reps, flusher, stream, [&] { sweep_plan.run(run); });
+            const double warm = bench::median_event_us(reps, stream, [&] { sweep_plan.run(run); });
+            std::printf("  chunk sweep %-6s chunks %4d items %5d: L2 flushed %7.1f us, L2 warm %7.1f us\n", mix.name,
+                        chunks, sweep_plan.num_items(0), cold, warm);
+          }
+        }
         // Sanity: the output is finite.
         std::vector<Half> out(static_cast<std::size_t>(batch) * kQHeads * kDim);
         ok(cudaMemcpy(out.data(), d_out, out.size() * 2, cudaMemcpyDeviceToHost), "D2H");
