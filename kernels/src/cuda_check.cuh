@@ -4,6 +4,7 @@
 // call, never as a silently ignored status.
 #include <cuda_runtime.h>
 
+#include <concepts>
 #include <string>
 
 #include "mixkv/cache/errors.h"
@@ -19,6 +20,14 @@ inline void check_cuda(cudaError_t status, const char* what, const char* file, i
 // Throws InvalidArgument with `message` unless `condition`.
 inline void require(bool condition, const std::string& message) {
   if (!condition) throw InvalidArgument(message);
+}
+
+// The same with the message built only on failure, for calls made every
+// step (a decode run per layer), where building it each time costs
+// microseconds of host time.
+template <std::invocable MakeMessage>
+inline void require(bool condition, MakeMessage&& make_message) {
+  if (!condition) throw InvalidArgument(make_message());
 }
 
 }  // namespace mixkv::gpu::detail

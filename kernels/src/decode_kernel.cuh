@@ -574,8 +574,9 @@ __global__ void __launch_bounds__(kDecodeThreads, DecodeTile<D, S>::kMinCtasPerS
     paged_decode_kernel(const __grid_constant__ DecodeParams p) {
   using Tile = DecodeTile<D, S>;
   extern __shared__ __align__(128) char smem[];
-  if (static_cast<int>(blockIdx.x) >= *p.num_items) return;
-  const DecodeWorkItem item = p.items[*p.item_offset + blockIdx.x];
+  const int2 range = *p.item_range;
+  if (static_cast<int>(blockIdx.x) >= range.y) return;
+  const DecodeWorkItem item = p.items[range.x + blockIdx.x];
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
   const int g = lane >> 2;

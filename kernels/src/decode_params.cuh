@@ -43,11 +43,11 @@ struct DecodeParams {
   std::int32_t max_sequences = 0;
   std::int32_t max_blocks = 0;
 
-  // The plan: this layer's items are items[*item_offset .. + *num_items]
-  // (read on the device, so a captured graph survives re-planning).
+  // The plan: this layer's items are items[range.x .. range.x + range.y)
+  // (read on the device, so a captured graph survives re-planning; one
+  // 8-byte load, since it heads the dependent chain before any block).
   const DecodeWorkItem* items = nullptr;
-  const std::int32_t* num_items = nullptr;
-  const std::int32_t* item_offset = nullptr;
+  const int2* item_range = nullptr;
   float* partial_out = nullptr;  // [partials][group][head_dim]
   float* partial_lse = nullptr;  // [partials][group]
   // Arrival counters, zero between runs (each is reset by its last

@@ -42,12 +42,8 @@ namespace {
 using detail::DecodeWorkItem;
 using detail::require;
 
-// Device-side header of a plan: read by the kernels at run time.
-struct PlanHeader {
-  std::int32_t batch;
-  std::int32_t pad;
-  // followed by num_items[L], item_offset[L]
-};
+// Fewest blocks of an automatically split chunk: four per warp of the CTA.
+constexpr std::int32_t kMinBlocksPerChunk = 16;
 
 std::string field(const char* name, std::int64_t value, const char* expected) {
   return std::string("DecodePlan: config.") + name + " = " + std::to_string(value) + ": expected " + expected;
@@ -82,8 +78,8 @@ struct DecodePlan::Impl {
   detail::PinnedBuffer<DecodeWorkItem> h_items;
   detail::Event staging_free;
 
-  std::int32_t* num_items_at(std::int32_t* base, int layer) const { return base + 2 + layer; }
-  std::int32_t* item_offset_at(std::int32_t* base, int layer) const { return base + 2 + config.num_layers + layer; }
+  // Per layer {item offset, item count}, 8-byte aligned (the kernel reads the pair in one load).
+  std::int32_t* item_range_at(std::int32_t* base, int layer) const { return base + 2 + 2 * layer; }
   std::int32_t* slots_at(std::int32_t* base) const { return base + header_ints; }
 
   void plan_layer(int layer, int chunks_auto_target);
@@ -201,6 +197,11 @@ void DecodePlan::Impl::plan_layer(int layer, int target_items) {
     } else if (total_cost > 0) {
       chunks = static_cast<int>(std::llround(static_cast<double>(cost[b]) * kvh / total_cost * target_items / kvh));
     }
+    // A chunk pays a fixed latency (item, page table, first data, merge)
+    // that a warp with one or two blocks cannot hide: at batch 1 x 19,600
+    // the split into 93 chunks (1.6 blocks a warp) was slower than 32-64
+    // (decode_bench --chunk-sweep on the H200, kernel-notes-log.md v9).
+    if (c.chunks_per_sequence == 0) chunks = std::min(chunks, std::max(1, n_total / kMinBlocksPerChunk));
     chunks = std::clamp(chunks, 1, std::min(detail::kMaxMergePieces, std::max(1, n_total)));
     // Chunk boundaries at equal work along FP16 | INT4 | INT2.
     std::vector<std::int32_t> cuts{0};
@@ -314,8 +315,8 @@ void DecodePlan::plan(std::span<const std::int32_t> slots, cudaStream_t stream) 
   header[0] = s.batch;
   std::size_t item_total = 0;
   for (int layer = 0; layer < c.num_layers; ++layer) {
-    *s.num_items_at(header, layer) = static_cast<std::int32_t>(s.items[layer].size());
-    *s.item_offset_at(header, layer) = static_cast<std::int32_t>(item_total);
+    s.item_range_at(header, layer)[0] = static_cast<std::int32_t>(item_total);
+    s.item_range_at(header, layer)[1] = static_cast<std::int32_t>(s.items[layer].size());
     std::copy(s.items[layer].begin(), s.items[layer].end(), s.h_items.get() + item_total);
     item_total += s.items[layer].size();
   }
@@ -333,23 +334,28 @@ void DecodePlan::run(const DecodeRunArgs& args) const {
   const Impl& s = *impl_;
   const DecodePlanConfig& c = s.config;
   require(s.batch > 0, "DecodePlan::run: no plan: call plan() first");
-  require(args.layer >= 0 && args.layer < c.num_layers,
-          "DecodePlan::run: layer = " + std::to_string(args.layer) + ": expected [0, " +
-              std::to_string(c.num_layers) + ")");
+  require(args.layer >= 0 && args.layer < c.num_layers, [&] {
+    return "DecodePlan::run: layer = " + std::to_string(args.layer) + ": expected [0, " +
+           std::to_string(c.num_layers) + ")";
+  });
   require(args.q != nullptr, "DecodePlan::run: q is null: expected device [batch][num_q_heads][head_dim] halves");
   require(args.out != nullptr, "DecodePlan::run: out is null: expected device [batch][num_q_heads][head_dim] halves");
-  require(std::isfinite(args.sm_scale) && args.sm_scale > 0.0f,
-          "DecodePlan::run: sm_scale = " + std::to_string(args.sm_scale) + ": expected a finite value > 0");
+  require(std::isfinite(args.sm_scale) && args.sm_scale > 0.0f, [&] {
+    return "DecodePlan::run: sm_scale = " + std::to_string(args.sm_scale) + ": expected a finite value > 0";
+  });
   for (Precision p : kAllPrecisions) {
     const PoolView& pool = args.pools[pool_index(p)];
-    const std::string name = "DecodePlan::run: pools[" + std::string(to_string(p)) + "]";
-    require(pool.base != nullptr, name + ".base is null: expected the device arena");
-    require(pool.format.precision == p, name + ".format.precision: expected " + std::string(to_string(p)));
+    auto name = [&] { return "DecodePlan::run: pools[" + std::string(to_string(p)) + "]"; };
+    require(pool.base != nullptr, [&] { return name() + ".base is null: expected the device arena"; });
+    require(pool.format.precision == p,
+            [&] { return name() + ".format.precision: expected " + std::string(to_string(p)); });
     require(pool.format.head_dim == c.head_dim && pool.format.block_size == c.block_size &&
                 pool.format.num_kv_heads == c.num_kv_heads,
-            name + ".format: expected num_kv_heads " + std::to_string(c.num_kv_heads) + ", head_dim " +
-                std::to_string(c.head_dim) + ", block_size " + std::to_string(c.block_size));
-    require(pool.blocks_per_slab >= 1, name + ".blocks_per_slab: expected >= 1");
+            [&] {
+              return name() + ".format: expected num_kv_heads " + std::to_string(c.num_kv_heads) + ", head_dim " +
+                     std::to_string(c.head_dim) + ", block_size " + std::to_string(c.block_size);
+            });
+    require(pool.blocks_per_slab >= 1, [&] { return name() + ".blocks_per_slab: expected >= 1"; });
   }
 
   const DeviceTablesView view = s.tables->device_view();
@@ -363,8 +369,7 @@ void DecodePlan::run(const DecodeRunArgs& args) const {
   p.max_sequences = view.max_sequences;
   p.max_blocks = view.max_blocks;
   p.items = s.d_items.get();
-  p.num_items = s.num_items_at(header, args.layer);
-  p.item_offset = s.item_offset_at(header, args.layer);
+  p.item_range = reinterpret_cast<const int2*>(s.item_range_at(header, args.layer));
   p.partial_out = s.d_partial_out.get();
   p.partial_lse = s.d_partial_lse.get();
   p.group_counters = s.d_counters.get();
