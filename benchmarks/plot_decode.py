@@ -19,8 +19,21 @@ DOCS = os.path.join(os.path.dirname(__file__), "..", "docs", "benchmarks")
 PLANS = ["fp16", "int4", "int2", "mixed"]
 
 
+def flush_text(bench, sdpa_flush):
+    how = {"read": "by reading a buffer 4x the L2 size, as FlashInfer's benchmarks do",
+           "write": "by a memset, which leaves dirty lines for the timed kernel to write back"}
+    mixkv = how.get(bench.get("l2_flush"), "by a memset (runs before the flush option)")
+    if sdpa_flush and sdpa_flush != bench.get("l2_flush"):
+        return f"mixkv and cuBLAS {mixkv}; SDPA {how.get(sdpa_flush, sdpa_flush)}"
+    return mixkv
+
+
 def main():
     bench, sdpa = load(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else None)
+    sdpa_flush = None
+    if len(sys.argv) > 2:
+        with open(sys.argv[2]) as f:
+            sdpa_flush = json.load(f).get("l2_flush")
     table = rows(bench, sdpa)
     bw = bench["read_bandwidth_gbps"]
     os.makedirs(DOCS, exist_ok=True)
@@ -58,7 +71,9 @@ def main():
              f"Device: {bench['device']}, {bench['sms']} SMs. Read bandwidth of our own read-and-reduce kernel "
              f"over 4 GiB: **{bw:.0f} GB/s** (the ceiling used for %BW).",
              "Shape: 28 query heads, 4 KV heads, head_dim 128, block 32; one layer. L2 flushed before every "
-             f"timed launch; median of {bench['reps']} CUDA-event timings. Bytes = what the kernels must read "
+             f"timed launch ({flush_text(bench, sdpa_flush)}); median of {bench['reps']} CUDA-event timings; "
+             f"launch floor (a 4-byte memset timed the same way) {bench.get('launch_floor_us', float('nan')):.1f} us. "
+             "Bytes = what the kernels must read "
              "(codes, parameters, FP16 rows, page-table entries, queries). `dense` = cuBLAS FP16 GEMM + softmax "
              "+ GEMM on contiguous K/V of the same tokens; SDPA = torch "
              "`scaled_dot_product_attention(enable_gqa=True)` timed the same way (benchmarks/sdpa_bench.py).",
