@@ -574,7 +574,7 @@ __global__ void __launch_bounds__(kDecodeThreads, DecodeTile<D, S>::kMinCtasPerS
     paged_decode_kernel(const __grid_constant__ DecodeParams p) {
   using Tile = DecodeTile<D, S>;
   extern __shared__ __align__(128) char smem[];
-  const int2 range = *p.item_range;
+  const int2 range = p.item_range != nullptr ? *p.item_range : p.launch_range;
   if (static_cast<int>(blockIdx.x) >= range.y) return;
   const DecodeWorkItem item = p.items[range.x + blockIdx.x];
   const int warp = threadIdx.x >> 5;

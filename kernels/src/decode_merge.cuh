@@ -73,30 +73,31 @@ __device__ __forceinline__ void merge_rows(const DecodeParams& p, const DecodeWo
   __syncthreads();  // weights published; every lse of the rows has been read
   const std::size_t row_stride = static_cast<std::size_t>(group) * D;
   const std::size_t out_row = static_cast<std::size_t>(item.seq) * p.num_q_heads + item.kv_head * group;
-  for (int c = threadIdx.x; c < D; c += Threads) {
-    // All heads of channel c at once: count x group independent loads.
-    float o[MaxGroup];
-#pragma unroll
-    for (int h = 0; h < MaxGroup; ++h) o[h] = 0.0f;
-#pragma unroll 4
+  // 16-byte loads, every row's in flight at once: a merge costs about one
+  // L2 round trip per 8 rows rather than one per 4 rows of 4-byte loads.
+  constexpr int kVecsPerHead = D / 4;
+  for (int i = threadIdx.x; i < group * kVecsPerHead; i += Threads) {
+    const int h = i / kVecsPerHead;
+    float4 o = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll 8
     for (int k = 0; k < count; ++k) {
-      const float* src = p.partial_out + static_cast<std::size_t>(first + k * stride) * row_stride + c;
-#pragma unroll
-      for (int h = 0; h < MaxGroup; ++h) {
-        if (h < group) o[h] += weight[k * MaxGroup + h] * __ldcg(src + h * D);
-      }
+      const float4 x =
+          __ldcg(reinterpret_cast<const float4*>(p.partial_out + static_cast<std::size_t>(first + k * stride) * row_stride) + i);
+      const float w = weight[k * MaxGroup + h];
+      o.x += w * x.x;
+      o.y += w * x.y;
+      o.z += w * x.z;
+      o.w += w * x.w;
     }
-#pragma unroll
-    for (int h = 0; h < MaxGroup; ++h) {
-      if (h < group) {
-        const float sum = head_sum[h];
-        const float value = sum > 0.0f ? o[h] / sum : 0.0f;
-        if (dst_row >= 0) {
-          p.partial_out[static_cast<std::size_t>(dst_row) * row_stride + h * D + c] = value;
-        } else {
-          p.out[(out_row + h) * D + c] = __float2half_rn(value);
-        }
-      }
+    const float sum = head_sum[h];
+    const float4 value = sum > 0.0f ? make_float4(o.x / sum, o.y / sum, o.z / sum, o.w / sum)
+                                    : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    if (dst_row >= 0) {
+      reinterpret_cast<float4*>(p.partial_out + static_cast<std::size_t>(dst_row) * row_stride)[i] = value;
+    } else {
+      __half2* dst = reinterpret_cast<__half2*>(p.out + (out_row + h) * D + (i % kVecsPerHead) * 4);
+      dst[0] = __floats2half2_rn(value.x, value.y);
+      dst[1] = __floats2half2_rn(value.z, value.w);
     }
   }
   if (static_cast<int>(threadIdx.x) < group) {

@@ -43,11 +43,14 @@ struct DecodeParams {
   std::int32_t max_sequences = 0;
   std::int32_t max_blocks = 0;
 
-  // The plan: this layer's items are items[range.x .. range.x + range.y)
-  // (read on the device, so a captured graph survives re-planning; one
-  // 8-byte load, since it heads the dependent chain before any block).
+  // The plan: this layer's items are items[range.x .. range.x + range.y).
+  // A graph-capturable launch reads the range on the device (item_range),
+  // so a replay sees the latest plan; a direct launch passes it by value
+  // (item_range null), which takes one dependent global load (~1 us with
+  // L2 cold) off the front of every CTA.
   const DecodeWorkItem* items = nullptr;
   const int2* item_range = nullptr;
+  int2 launch_range{0, 0};
   float* partial_out = nullptr;  // [partials][group][head_dim]
   float* partial_lse = nullptr;  // [partials][group]
   // Arrival counters, zero between runs (each is reset by its last

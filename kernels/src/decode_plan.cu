@@ -369,7 +369,12 @@ void DecodePlan::run(const DecodeRunArgs& args) const {
   p.max_sequences = view.max_sequences;
   p.max_blocks = view.max_blocks;
   p.items = s.d_items.get();
-  p.item_range = reinterpret_cast<const int2*>(s.item_range_at(header, args.layer));
+  if (args.fixed_grid) {
+    p.item_range = reinterpret_cast<const int2*>(s.item_range_at(header, args.layer));
+  } else {
+    const std::int32_t* range = s.item_range_at(s.h_header.get(), args.layer);
+    p.launch_range = make_int2(range[0], range[1]);
+  }
   p.partial_out = s.d_partial_out.get();
   p.partial_lse = s.d_partial_lse.get();
   p.group_counters = s.d_counters.get();
