@@ -73,24 +73,38 @@ __device__ __forceinline__ void merge_rows(const DecodeParams& p, const DecodeWo
   __syncthreads();  // weights published; every lse of the rows has been read
   const std::size_t row_stride = static_cast<std::size_t>(group) * D;
   const std::size_t out_row = static_cast<std::size_t>(item.seq) * p.num_q_heads + item.kv_head * group;
-  // 16-byte loads, every row's in flight at once: a merge costs about one
-  // L2 round trip per 8 rows rather than one per 4 rows of 4-byte loads.
+  // Each thread owns up to kVecs 16-byte vectors of a row (vector i of
+  // head i / kVecsPerHead) and loads them from 8 rows at a time: a merge of
+  // up to 8 rows is one L2 round trip.
   constexpr int kVecsPerHead = D / 4;
-  for (int i = threadIdx.x; i < group * kVecsPerHead; i += Threads) {
-    const int h = i / kVecsPerHead;
-    float4 o = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  constexpr int kVecs = (MaxGroup * kVecsPerHead + Threads - 1) / Threads;
+  const int vecs = group * kVecsPerHead;
+  float4 o[kVecs];
+#pragma unroll
+  for (int j = 0; j < kVecs; ++j) o[j] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll 8
-    for (int k = 0; k < count; ++k) {
-      const float4 x =
-          __ldcg(reinterpret_cast<const float4*>(p.partial_out + static_cast<std::size_t>(first + k * stride) * row_stride) + i);
-      const float w = weight[k * MaxGroup + h];
-      o.x += w * x.x;
-      o.y += w * x.y;
-      o.z += w * x.z;
-      o.w += w * x.w;
+  for (int k = 0; k < count; ++k) {
+    const float4* row = reinterpret_cast<const float4*>(p.partial_out + static_cast<std::size_t>(first + k * stride) * row_stride);
+#pragma unroll
+    for (int j = 0; j < kVecs; ++j) {
+      const int i = threadIdx.x + j * Threads;
+      if (i < vecs) {
+        const float4 x = __ldcg(row + i);
+        const float w = weight[k * MaxGroup + i / kVecsPerHead];
+        o[j].x += w * x.x;
+        o[j].y += w * x.y;
+        o[j].z += w * x.z;
+        o[j].w += w * x.w;
+      }
     }
+  }
+#pragma unroll
+  for (int j = 0; j < kVecs; ++j) {
+    const int i = threadIdx.x + j * Threads;
+    if (i >= vecs) continue;
+    const int h = i / kVecsPerHead;
     const float sum = head_sum[h];
-    const float4 value = sum > 0.0f ? make_float4(o.x / sum, o.y / sum, o.z / sum, o.w / sum)
+    const float4 value = sum > 0.0f ? make_float4(o[j].x / sum, o[j].y / sum, o[j].z / sum, o[j].w / sum)
                                     : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     if (dst_row >= 0) {
       reinterpret_cast<float4*>(p.partial_out + static_cast<std::size_t>(dst_row) * row_stride)[i] = value;
