@@ -11,8 +11,8 @@
 // as FlashInfer's benchmarks do; --flush write uses a memset, which leaves
 // dirty lines behind); median of N CUDA-event timings. The launch floor (a
 // 4-byte memset timed the same way) is printed for scale. --chunk-sweep
-// also times every batch-1 plan at fixed split-KV chunk counts, with L2
-// flushed and with L2 warm (where the latency of one launch goes).
+// also times every plan of batch <= 8 at fixed split-KV chunk counts and
+// at the plan's own choice, with L2 flushed and with L2 warm.
 // Prints a table and writes JSON (--out).
 #include <cuda_runtime_api.h>
 
@@ -289,16 +289,17 @@ int main(int argc, char** argv) {
             std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
         gpu::DecodeRunArgs run{0, d_q, d_out, nullptr, 1.0f / std::sqrt(128.0f), pools, stream, false};
         const double us = median_us(reps, flusher, stream, [&] { dplan.run(run); });
-        if (chunk_sweep && batch == 1) {
-          for (int chunks : {1, 2, 4, 8, 16, 32, 64, 93, 128}) {
+        if (chunk_sweep && batch <= 8) {
+          for (int chunks : {0, 1, 2, 4, 8, 12, 16, 32, 64, 93, 128}) {  // 0: the plan's own choice
             gpu::DecodePlanConfig swept = config;
             swept.chunks_per_sequence = chunks;
             gpu::DecodePlan sweep_plan(swept, tables);
             sweep_plan.plan(slots, stream);
             const double cold = median_us(reps, flusher, stream, [&] { sweep_plan.run(run); });
             const double warm = bench::median_event_us(reps, stream, [&] { sweep_plan.run(run); });
-            std::printf("  chunk sweep %-6s chunks %4d items %5d: L2 flushed %7.1f us, L2 warm %7.1f us\n", mix.name,
-                        chunks, sweep_plan.num_items(0), cold, warm);
+            std::printf("  chunk sweep b%d %-6s chunks %4s items %5d: L2 flushed %7.1f us, L2 warm %7.1f us\n", batch,
+                        mix.name, chunks == 0 ? "auto" : std::to_string(chunks).c_str(), sweep_plan.num_items(0), cold,
+                        warm);
           }
         }
         // Sanity: the output is finite.

@@ -42,8 +42,10 @@ namespace {
 using detail::DecodeWorkItem;
 using detail::require;
 
-// Fewest blocks of an automatically split chunk: four per warp of the CTA.
-constexpr std::int32_t kMinBlocksPerChunk = 16;
+// Fewest blocks of an automatically split chunk: two per warp of the CTA.
+constexpr std::int32_t kMinBlocksPerChunk = 8;
+// Resident decode CTAs per SM a small batch's split aims for.
+constexpr int kSmallBatchCtasPerSm = 2;
 
 std::string field(const char* name, std::int64_t value, const char* expected) {
   return std::string("DecodePlan: config.") + name + " = " + std::to_string(value) + ": expected " + expected;
@@ -198,8 +200,8 @@ void DecodePlan::Impl::plan_layer(int layer, int target_items) {
       chunks = static_cast<int>(std::llround(static_cast<double>(cost[b]) * kvh / total_cost * target_items / kvh));
     }
     // A chunk pays a fixed latency (item, page table, first data, merge)
-    // that a warp with one or two blocks cannot hide: at batch 1 x 19,600
-    // the split into 93 chunks (1.6 blocks a warp) was slower than 32-64
+    // that a warp with one block cannot hide: at batch 1 x 4,096 the split
+    // into 16 chunks (8 blocks) beat 93 (1.4 blocks) by 5 us
     // (decode_bench --chunk-sweep on the H200, kernel-notes-log.md v9).
     if (c.chunks_per_sequence == 0) chunks = std::min(chunks, std::max(1, n_total / kMinBlocksPerChunk));
     chunks = std::clamp(chunks, 1, std::min(detail::kMaxMergePieces, std::max(1, n_total)));
@@ -281,9 +283,13 @@ void DecodePlan::plan(std::span<const std::int32_t> slots, cudaStream_t stream) 
   const int pairs = s.batch * c.num_kv_heads;
   // Items to aim for: whole waves of resident CTAs. With equal sequences,
   // c chunks per pair give pairs * c items in ceil(pairs * c / wave) waves;
-  // take the smallest c that fills those waves to >= 93% (batch 1, 4 KV
-  // heads: 99 chunks; batch 64: 3 chunks, 768 items in 2 waves of 396).
-  const int wave = s.ctas_per_sm * c.num_sms;
+  // take the smallest c that fills those waves to >= 93% (batch 64: 3
+  // chunks, 768 items in 2 waves of 396). When fewer pairs than SMs must
+  // be split many ways, a wave counts 2 CTAs per SM: every extra piece adds
+  // merge work and fixed latency, and at batch 1 x 19,600 and x 65,536 the
+  // split into 64 chunks (256 items) beat 93 (372) by 1-2 us
+  // (kernel-notes-log.md v9).
+  const int wave = (pairs < c.num_sms ? std::min(s.ctas_per_sm, kSmallBatchCtasPerSm) : s.ctas_per_sm) * c.num_sms;
   int target = pairs;
   if (pairs < 4 * wave) {
     double best = 0.0;
