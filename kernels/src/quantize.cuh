@@ -6,6 +6,7 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "mixkv/cache/block_format.h"
 
@@ -28,11 +29,31 @@ __device__ __forceinline__ GroupParamsDevice group_params(float lo, float hi, in
   return g;
 }
 
-// quant_code() of quant_math.h without branches: the float-to-unsigned
-// conversion rounds down and saturates negatives to 0, so only the upper
-// clamp is left. A constant group (inverse_step 0) gives floor(0.5) = 0.
-__device__ __forceinline__ uint32_t quant_code_device(float x, float inverse_step, float min, uint32_t max_code) {
-  return ::min(__float2uint_rd(__fadd_rn(__fmul_rn(__fsub_rn(x, min), inverse_step), 0.5f)), max_code);
+// quant_code() of quant_math.h as the bits of a float, without a
+// float-to-integer conversion (the CUDA guide's throughput table for sm_90:
+// 16 conversions per clock per SM against 128 FADDs). Clamping y to
+// [0, max_code] first (floor commutes with clamping to integers), adding 2^23
+// rounded down leaves floor(y) in the low mantissa bits: the result is
+// kCodeBias + code. A constant group (inverse_step 0) gives floor(0.5) = 0.
+// kClampLow: y is negative when the stored FP16 minimum rounded above the
+// group's lowest value; for FP16 input the stored minimum IS the lowest
+// value (exact), so x - min >= 0, y >= 0.5 and that clamp is skipped.
+inline constexpr uint32_t kCodeBias = 0x4B000000u;  // the bits of 2^23
+template <uint32_t kMaxCode, bool kClampLow>
+__device__ __forceinline__ uint32_t biased_code(float x, float inverse_step, float min) {
+  float y = fminf(__fadd_rn(__fmul_rn(__fsub_rn(x, min), inverse_step), 0.5f), static_cast<float>(kMaxCode));
+  if constexpr (kClampLow) y = fmaxf(y, 0.0f);
+  return __float_as_uint(__fadd_rd(y, 8388608.0f));
+}
+
+// What a word of 32 / kBits biased codes, each shifted to its place and
+// summed, holds beyond the codes themselves (mod 2^32): subtracting it once
+// per word leaves exactly the packed codes.
+template <int kBits>
+constexpr uint32_t word_bias() {
+  uint32_t bias = 0;
+  for (int i = 0; i < 32 / kBits; ++i) bias += kCodeBias << (i * kBits);
+  return bias;
 }
 
 __device__ __forceinline__ float dequant_device(uint32_t code, float scale, float min) {
@@ -43,12 +64,10 @@ __device__ __forceinline__ float dequant_device(uint32_t code, float scale, floa
 // FP16: a half widens to float exactly and monotonically, so its minimum and
 // maximum are those of the widened floats, and __hmin2/__hmax2 do two
 // values per instruction without the widening.
-struct __align__(8) Half4 {
+struct Half4 {
   __half2 lo, hi;
 };
-struct __align__(16) Half8 {
-  Half4 lo, hi;
-};
+__device__ __forceinline__ __half2 as_half2(uint32_t bits) { return *reinterpret_cast<const __half2*>(&bits); }
 
 // The tile types' four-value vectors (Half4 for FP16 tiles, float4 for
 // demote's float tiles) with the same operations, so one quantizer serves
@@ -58,11 +77,17 @@ struct Vec4;
 template <>
 struct Vec4<__half> {
   using type = Half4;
-  __device__ static Half4 load(const __half* at) { return *reinterpret_cast<const Half4*>(at); }
+  // Loaded as plain words: a load of the __half2 struct itself compiles to
+  // separate 4-byte loads.
+  __device__ static Half4 load(const __half* at) {
+    const uint2 x = *reinterpret_cast<const uint2*>(at);
+    return {as_half2(x.x), as_half2(x.y)};
+  }
   // Eight values from 16-byte aligned `at`: one 16-byte shared load.
   __device__ static void load8(const __half* at, Half4& a, Half4& b) {
-    const Half8 x = *reinterpret_cast<const Half8*>(at);
-    a = x.lo, b = x.hi;
+    const uint4 x = *reinterpret_cast<const uint4*>(at);
+    a = {as_half2(x.x), as_half2(x.y)};
+    b = {as_half2(x.z), as_half2(x.w)};
   }
   __device__ static Half4 fill(float x) {
     const __half2 h = __float2half2_rn(x);
@@ -129,14 +154,18 @@ struct QuantTile {
 
 // quantize_tile with the code width fixed at compile time, so that every
 // shift and loop bound of the code passes is a constant and the loops unroll
-// (in v8 they were runtime values, recomputed per code). Codes are summed into their words: they occupy
-// disjoint bits, so + equals | and lets the compiler fold shift and add.
+// (in v8 they were runtime values, recomputed per code). Codes are summed
+// into their words: they occupy disjoint bits, so + equals | and the shift
+// can fold into the add (IMAD/LEA); the biases of biased_code sum the same
+// way and leave with one subtraction per word.
 template <typename T, int kBits>
 __device__ void quantize_tile_bits(const BlockFormat& format, const T* tile, float* scratch, char* out) {
   using V = Vec4<T>;
   using V4 = typename V::type;
   constexpr uint32_t kMaxCode = (1u << kBits) - 1u;
   constexpr int kPerWord = 32 / kBits;
+  constexpr bool kClampLow = !std::is_same_v<T, __half>;  // see biased_code
+  constexpr uint32_t kWordBias = word_bias<kBits>();
   const int S = format.block_size;
   const int D = format.head_dim;
   const int P = QuantTile<T>::pitch(D);
@@ -230,16 +259,16 @@ __device__ void quantize_tile_bits(const BlockFormat& format, const T* tile, flo
 #pragma unroll
     for (int r = 0; r < kPerWord; ++r) {
       const float4 x = widen(V::load(at + r * P));
-      w0 += quant_code_device(x.x, inverse.x, min.x, kMaxCode) << (r * kBits);
-      w1 += quant_code_device(x.y, inverse.y, min.y, kMaxCode) << (r * kBits);
-      w2 += quant_code_device(x.z, inverse.z, min.z, kMaxCode) << (r * kBits);
-      w3 += quant_code_device(x.w, inverse.w, min.w, kMaxCode) << (r * kBits);
+      w0 += biased_code<kMaxCode, kClampLow>(x.x, inverse.x, min.x) << (r * kBits);
+      w1 += biased_code<kMaxCode, kClampLow>(x.y, inverse.y, min.y) << (r * kBits);
+      w2 += biased_code<kMaxCode, kClampLow>(x.z, inverse.z, min.z) << (r * kBits);
+      w3 += biased_code<kMaxCode, kClampLow>(x.w, inverse.w, min.w) << (r * kBits);
     }
     uint32_t* to = k_codes + 4 * q * k_words + j;
-    to[0] = w0;
-    to[k_words] = w1;
-    to[2 * k_words] = w2;
-    to[3 * k_words] = w3;
+    to[0] = w0 - kWordBias;
+    to[k_words] = w1 - kWordBias;
+    to[2 * k_words] = w2 - kWordBias;
+    to[3 * k_words] = w3 - kWordBias;
   }
   // V codes, token-major packed along channels: a thread packs 16 channels
   // of token t (two INT4 words, one 8-byte store; or one INT2 word); adjacent
@@ -261,14 +290,15 @@ __device__ void quantize_tile_bits(const BlockFormat& format, const T* tile, flo
       tile_eight(at + e, x);
 #pragma unroll
       for (int u = 0; u < 8; ++u) {
-        words[(e + u) / kPerWord] += quant_code_device(x[u], inverse, min, kMaxCode) << ((e + u) % kPerWord * kBits);
+        words[(e + u) / kPerWord] += biased_code<kMaxCode, kClampLow>(x[u], inverse, min)
+                                     << ((e + u) % kPerWord * kBits);
       }
     }
     char* to = v_codes + t * v_token_bytes + piece * 2 * kBits;  // 16 codes of kBits: 2 * kBits bytes
     if constexpr (kBits == 4) {
-      *reinterpret_cast<uint2*>(to) = make_uint2(words[0], words[1]);
+      *reinterpret_cast<uint2*>(to) = make_uint2(words[0] - kWordBias, words[1] - kWordBias);
     } else {
-      *reinterpret_cast<uint32_t*>(to) = words[0];
+      *reinterpret_cast<uint32_t*>(to) = words[0] - kWordBias;
     }
   }
 }
