@@ -52,11 +52,10 @@ __device__ __forceinline__ void load_window(const uint4* k, const uint4* v, std:
   const int pitch = detail::QuantTile<__half>::pitch(D);
   const auto k_tile = static_cast<std::uint32_t>(__cvta_generic_to_shared(tile));
   const auto v_tile = k_tile + static_cast<std::uint32_t>(S * pitch * sizeof(__half));
-  for (int i = threadIdx.x; i < S * chunks_per_row; i += blockDim.x) {
-    const int row = i / chunks_per_row;
-    const int chunk = i % chunks_per_row;
-    const std::size_t src = (static_cast<std::size_t>(first_row + row) * heads + head) * chunks_per_row + chunk;
-    const auto at = static_cast<std::uint32_t>((row * pitch + 8 * chunk) * sizeof(__half));
+  for (detail::StridedIndex i(chunks_per_row); i.row < S; i.next()) {
+    const std::size_t src =
+        (static_cast<std::size_t>(first_row + i.row) * heads + head) * chunks_per_row + i.col;
+    const auto at = static_cast<std::uint32_t>((i.row * pitch + 8 * i.col) * sizeof(__half));
     // .cg: the input is read once, so it bypasses L1.
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n"
                  ::"r"(k_tile + at), "l"(__cvta_generic_to_global(k + src)));
