@@ -263,14 +263,25 @@ __device__ void quantize_tile_bits(const BlockFormat& format, const T* tile, flo
     }
   }
   __syncthreads();
-  // K codes, channel-major packed along tokens (block_format.h): a thread
-  // packs word j of the four channels of quad q from kPerWord rows; adjacent
-  // lanes read adjacent quads of a row (conflict-free 8-byte loads).
+  // K codes, channel-major packed along tokens (block_format.h): a lane packs
+  // word j of the four channels of quad q from kPerWord rows. A warp takes
+  // two consecutive words (one if the words per channel are odd) of 16 (32)
+  // adjacent quads: each of the four stores then writes 8-byte runs of
+  // adjacent words instead of 32 scattered words, and no lane idles for any
+  // S. Each half-warp holds one word: 16 adjacent quads of a row, 32 banks,
+  // conflict-free. (Four words a warp would halve the store transactions
+  // again, but put rows a multiple of 8 apart, same banks, into one
+  // half-warp; rotating their rows took 64 registers: 8 CTAs per SM, not 9.)
   const int k_words = S / kPerWord;  // per channel
+  const int lanes_per_quad = k_words % 2 == 0 ? 2 : 1;
+  const int quads_per_unit = 32 / lanes_per_quad;
+  const int quad_units = (quads + quads_per_unit - 1) / quads_per_unit;
+  const int units = quad_units * (k_words / lanes_per_quad);
   uint32_t* k_codes = reinterpret_cast<uint32_t*>(out + format.k_offset());
-  for (StridedIndex at(quads); at.row < k_words; at.next()) {
-    const int q = at.col;
-    const int j = at.row;
+  for (int unit = warp; unit < units; unit += warps) {
+    const int q = unit % quad_units * quads_per_unit + lane % quads_per_unit;
+    const int j = unit / quad_units * lanes_per_quad + lane / quads_per_unit;
+    if (q >= quads) continue;  // no shuffles below: such lanes may leave
     const float4 inverse = *reinterpret_cast<const float4*>(k_inverse + 4 * q);
     const float4 min = *reinterpret_cast<const float4*>(k_min + 4 * q);
     const T* column = k + j * kPerWord * P + 4 * q;
@@ -289,24 +300,28 @@ __device__ void quantize_tile_bits(const BlockFormat& format, const T* tile, flo
     to[2 * k_words] = w2 - kWordBias;
     to[3 * k_words] = w3 - kWordBias;
   }
-  // V codes, token-major packed along channels: a thread packs 16 channels
-  // of token t (two INT4 words, one 8-byte store; or one INT2 word); adjacent
-  // lanes take adjacent tokens (rows 4 banks apart: conflict-free 16-byte
-  // loads).
+  // V codes, token-major packed along channels: a lane packs a piece of 16
+  // channels of token t (two INT4 words, one 8-byte store; or one INT2
+  // word). Adjacent lanes take adjacent pieces of a row, so a warp's stores
+  // are contiguous. Pieces sit 32 bytes (8 banks) apart: pieces p and p + 4
+  // of a quarter-warp's 16-byte loads would share banks, so pieces with bit
+  // 2 set load their upper 8 channels first (4 banks further) and swap the
+  // halves back in the packed result.
   const int pieces16 = D / 16;
   char* v_codes = out + format.v_offset();
   const int v_token_bytes = D * kBits / 8;
-  for (StridedIndex at(S); at.row < pieces16; at.next()) {
-    const int t = at.col;
-    const int piece = at.row;
+  for (StridedIndex at(pieces16); at.row < S; at.next()) {
+    const int t = at.row;
+    const int piece = at.col;
+    const int first = piece & 4 ? 8 : 0;  // channel offset of the half loaded first
     const float inverse = v_inverse[t];
     const float min = v_min[t];
     const T* row = v + t * P + 16 * piece;
-    uint32_t words[2] = {0, 0};
+    uint32_t words[2] = {0, 0};  // in load order
 #pragma unroll
     for (int e = 0; e < 16; e += 8) {
       float x[8];
-      tile_eight(row + e, x);
+      tile_eight(row + (e ^ first), x);
 #pragma unroll
       for (int u = 0; u < 8; ++u) {
         words[(e + u) / kPerWord] += biased_code<kMaxCode, kClampLow>(x[u], inverse, min)
@@ -315,9 +330,11 @@ __device__ void quantize_tile_bits(const BlockFormat& format, const T* tile, flo
     }
     char* to = v_codes + t * v_token_bytes + piece * 2 * kBits;  // 16 codes of kBits: 2 * kBits bytes
     if constexpr (kBits == 4) {
-      *reinterpret_cast<uint2*>(to) = make_uint2(words[0] - kWordBias, words[1] - kWordBias);
+      const uint32_t a = words[0] - kWordBias, b = words[1] - kWordBias;  // one word per half
+      *reinterpret_cast<uint2*>(to) = first ? make_uint2(b, a) : make_uint2(a, b);
     } else {
-      *reinterpret_cast<uint32_t*>(to) = words[0] - kWordBias;
+      const uint32_t w = words[0] - kWordBias;  // the halves' codes in its low and high 16 bits
+      *reinterpret_cast<uint32_t*>(to) = first ? __funnelshift_l(w, w, 16) : w;
     }
   }
 }
