@@ -6,6 +6,7 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "mixkv/cache/block_format.h"
 
@@ -28,45 +29,138 @@ __device__ __forceinline__ GroupParamsDevice group_params(float lo, float hi, in
   return g;
 }
 
-// quant_code() of quant_math.h without branches: the float-to-unsigned
-// conversion rounds down and saturates negatives to 0, so only the upper
-// clamp is left. A constant group (inverse_step 0) gives floor(0.5) = 0.
-__device__ __forceinline__ uint32_t quant_code_device(float x, float inverse_step, float min, uint32_t max_code) {
-  return ::min(__float2uint_rd(__fadd_rn(__fmul_rn(__fsub_rn(x, min), inverse_step), 0.5f)), max_code);
+// quant_code() of quant_math.h as the bits of a float, without a
+// float-to-integer conversion (the CUDA guide's throughput table for sm_90:
+// 16 conversions per clock per SM against 128 FADDs). Clamping y to
+// [0, max_code] first (floor commutes with clamping to integers), adding 2^23
+// rounded down leaves floor(y) in the low mantissa bits: the result is
+// kCodeBias + code. A constant group (inverse_step 0) gives floor(0.5) = 0.
+// kClampLow: y is negative when the stored FP16 minimum rounded above the
+// group's lowest value; for FP16 input the stored minimum IS the lowest
+// value (exact), so x - min >= 0, y >= 0.5 and that clamp is skipped.
+inline constexpr uint32_t kCodeBias = 0x4B000000u;  // the bits of 2^23
+template <uint32_t kMaxCode, bool kClampLow>
+__device__ __forceinline__ uint32_t biased_code(float x, float inverse_step, float min) {
+  float y = fminf(__fadd_rn(__fmul_rn(__fsub_rn(x, min), inverse_step), 0.5f), static_cast<float>(kMaxCode));
+  if constexpr (kClampLow) y = fmaxf(y, 0.0f);
+  return __float_as_uint(__fadd_rd(y, 8388608.0f));
+}
+
+// What a word of 32 / kBits biased codes, each shifted to its place and
+// summed, holds beyond the codes themselves (mod 2^32): subtracting it once
+// per word leaves exactly the packed codes.
+template <int kBits>
+constexpr uint32_t word_bias() {
+  uint32_t bias = 0;
+  for (int i = 0; i < 32 / kBits; ++i) bias += kCodeBias << (i * kBits);
+  return bias;
 }
 
 __device__ __forceinline__ float dequant_device(uint32_t code, float scale, float min) {
   return __fadd_rn(min, __fmul_rn(scale, static_cast<float>(code)));
 }
 
-// Two adjacent tile values as floats (a half widens exactly).
-__device__ __forceinline__ float2 tile_pair(const __half* at) {
-  return __half22float2(*reinterpret_cast<const __half2*>(at));
+// Four adjacent FP16 tile values as two __half2. The min/max passes stay in
+// FP16: a half widens to float exactly and monotonically, so its minimum and
+// maximum are those of the widened floats, and __hmin2/__hmax2 do two
+// values per instruction without the widening.
+struct Half4 {
+  __half2 lo, hi;
+};
+__device__ __forceinline__ __half2 as_half2(uint32_t bits) { return *reinterpret_cast<const __half2*>(&bits); }
+
+// The tile types' four-value vectors (Half4 for FP16 tiles, float4 for
+// demote's float tiles) with the same operations, so one quantizer serves
+// both.
+template <typename T>
+struct Vec4;
+template <>
+struct Vec4<__half> {
+  using type = Half4;
+  // Loaded as plain words: a load of the __half2 struct itself compiles to
+  // separate 4-byte loads.
+  __device__ static Half4 load(const __half* at) {
+    const uint2 x = *reinterpret_cast<const uint2*>(at);
+    return {as_half2(x.x), as_half2(x.y)};
+  }
+  // Eight values from 16-byte aligned `at`: one 16-byte shared load.
+  __device__ static void load8(const __half* at, Half4& a, Half4& b) {
+    const uint4 x = *reinterpret_cast<const uint4*>(at);
+    a = {as_half2(x.x), as_half2(x.y)};
+    b = {as_half2(x.z), as_half2(x.w)};
+  }
+  __device__ static Half4 fill(float x) {
+    const __half2 h = __float2half2_rn(x);
+    return {h, h};
+  }
+};
+template <>
+struct Vec4<float> {
+  using type = float4;
+  __device__ static float4 load(const float* at) { return *reinterpret_cast<const float4*>(at); }
+  __device__ static void load8(const float* at, float4& a, float4& b) {
+    a = reinterpret_cast<const float4*>(at)[0];
+    b = reinterpret_cast<const float4*>(at)[1];
+  }
+  __device__ static float4 fill(float x) { return make_float4(x, x, x, x); }
+};
+
+__device__ __forceinline__ Half4 vmin(Half4 a, Half4 b) { return {__hmin2(a.lo, b.lo), __hmin2(a.hi, b.hi)}; }
+__device__ __forceinline__ Half4 vmax(Half4 a, Half4 b) { return {__hmax2(a.lo, b.lo), __hmax2(a.hi, b.hi)}; }
+__device__ __forceinline__ float4 vmin(float4 a, float4 b) {
+  return make_float4(fminf(a.x, b.x), fminf(a.y, b.y), fminf(a.z, b.z), fminf(a.w, b.w));
 }
-__device__ __forceinline__ float2 tile_pair(const float* at) { return *reinterpret_cast<const float2*>(at); }
+__device__ __forceinline__ float4 vmax(float4 a, float4 b) {
+  return make_float4(fmaxf(a.x, b.x), fmaxf(a.y, b.y), fmaxf(a.z, b.z), fmaxf(a.w, b.w));
+}
+__device__ __forceinline__ Half4 shfl_xor(Half4 a, int offset) {
+  return {__shfl_xor_sync(0xffffffffu, a.lo, offset), __shfl_xor_sync(0xffffffffu, a.hi, offset)};
+}
+__device__ __forceinline__ float4 shfl_xor(float4 a, int offset) {
+  return make_float4(__shfl_xor_sync(0xffffffffu, a.x, offset), __shfl_xor_sync(0xffffffffu, a.y, offset),
+                     __shfl_xor_sync(0xffffffffu, a.z, offset), __shfl_xor_sync(0xffffffffu, a.w, offset));
+}
+__device__ __forceinline__ float4 widen(Half4 a) {
+  const float2 lo = __half22float2(a.lo), hi = __half22float2(a.hi);
+  return make_float4(lo.x, lo.y, hi.x, hi.y);
+}
+__device__ __forceinline__ float4 widen(float4 a) { return a; }
+__device__ __forceinline__ float component(float4 a, int i) { return i == 0 ? a.x : i == 1 ? a.y : i == 2 ? a.z : a.w; }
 
 // Eight adjacent tile values as floats, from 16-byte aligned `at`.
-__device__ __forceinline__ void tile_eight(const __half* at, float (&x)[8]) {
-  const uint4 raw = *reinterpret_cast<const uint4*>(at);
-  const __half2* h = reinterpret_cast<const __half2*>(&raw);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 f = __half22float2(h[i]);
-    x[2 * i] = f.x;
-    x[2 * i + 1] = f.y;
+template <typename T>
+__device__ __forceinline__ void tile_eight(const T* at, float (&x)[8]) {
+  typename Vec4<T>::type a, b;
+  Vec4<T>::load8(at, a, b);
+  const float4 lo = widen(a), hi = widen(b);
+  x[0] = lo.x, x[1] = lo.y, x[2] = lo.z, x[3] = lo.w, x[4] = hi.x, x[5] = hi.y, x[6] = hi.z, x[7] = hi.w;
+}
+
+// The thread's share of a [rows][cols] index space walked with stride
+// blockDim.x (i = threadIdx.x, threadIdx.x + blockDim.x, ...) as (row, col):
+// one division up front instead of a runtime division and modulo per step
+// (each ~20 instructions for a runtime divisor).
+struct StridedIndex {
+  int cols, row_step, col_step, row, col;
+  __device__ explicit StridedIndex(int columns)
+      : cols(columns),
+        row_step(static_cast<int>(blockDim.x) / columns),
+        col_step(static_cast<int>(blockDim.x) % columns),
+        row(static_cast<int>(threadIdx.x) / columns),
+        col(static_cast<int>(threadIdx.x) % columns) {}
+  __device__ void next() {
+    row += row_step;
+    col += col_step;
+    if (col >= cols) col -= cols, ++row;
   }
-}
-__device__ __forceinline__ void tile_eight(const float* at, float (&x)[8]) {
-  const float4 a = reinterpret_cast<const float4*>(at)[0];
-  const float4 b = reinterpret_cast<const float4*>(at)[1];
-  x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w, x[4] = b.x, x[5] = b.y, x[6] = b.z, x[7] = b.w;
-}
+};
 
 // A K/V tile in shared memory: K [S][pitch] then V [S][pitch] elements of T
 // (__half for store_prefill: exact and half the bytes; float for demote's
-// dequantized INT4 values). The pitch pads each row by 16 bytes so that
-// column walks and 16-byte row accesses avoid bank conflicts and every row
-// starts 16-byte aligned.
+// dequantized INT4 values), then the scratch of quantize_tile. The pitch pads
+// each row by 16 bytes: every row starts 16-byte aligned, and at FP16 rows r
+// and r + 1 start 4 banks apart, r and r + 4 16 banks apart (the lane
+// layouts below are chosen for that).
 template <typename T>
 struct QuantTile {
   static constexpr int pad() { return 16 / static_cast<int>(sizeof(T)); }
@@ -77,21 +171,23 @@ struct QuantTile {
   }
 };
 
-// Threads that share one V group (a token's channels) in the statistics
-// pass: a quarter of the channels each, combined by two shuffles.
-inline constexpr int kThreadsPerVGroup = 4;
-
-// Quantizes the K/V tile (all threads of the CTA take part; blockDim.x a
-// multiple of 64) into the head region `out` of `format` (INT4 or INT2).
-// Ends with no barrier pending; the caller's next use of the tile needs
-// __syncthreads().
-template <typename T>
-__device__ inline void quantize_tile(const BlockFormat& format, const T* tile, float* scratch, char* out) {
+// quantize_tile with the code width fixed at compile time, so that every
+// shift and loop bound of the code passes is a constant and the loops unroll
+// (in v8 they were runtime values, recomputed per code). Codes are summed
+// into their words: they occupy disjoint bits, so + equals | and the shift
+// can fold into the add (IMAD/LEA); the biases of biased_code sum the same
+// way and leave with one subtraction per word.
+template <typename T, int kBits>
+__device__ void quantize_tile_bits(const BlockFormat& format, const T* tile, float* scratch, char* out) {
+  using V = Vec4<T>;
+  using V4 = typename V::type;
+  constexpr uint32_t kMaxCode = (1u << kBits) - 1u;
+  constexpr int kPerWord = 32 / kBits;
+  constexpr bool kClampLow = !std::is_same_v<T, __half>;  // see biased_code
+  constexpr uint32_t kWordBias = word_bias<kBits>();
   const int S = format.block_size;
   const int D = format.head_dim;
   const int P = QuantTile<T>::pitch(D);
-  const int bits = format.bits();
-  const uint32_t max_code = (1u << bits) - 1u;
   const T* k = tile;
   const T* v = tile + S * P;
   float* k_inverse = scratch;
@@ -101,85 +197,158 @@ __device__ inline void quantize_tile(const BlockFormat& format, const T* tile, f
   uint32_t* k_params = reinterpret_cast<uint32_t*>(out + format.k_params_offset());
   uint32_t* v_params = reinterpret_cast<uint32_t*>(out + format.v_params_offset());
 
-  // K: one group per channel over the tokens, two adjacent channels a thread.
-  for (int pair = threadIdx.x; pair < D / 2; pair += blockDim.x) {
-    float2 lo = tile_pair(k + 2 * pair), hi = lo;
-#pragma unroll 4
-    for (int t = 1; t < S; ++t) {
-      const float2 x = tile_pair(k + t * P + 2 * pair);
-      lo.x = fminf(lo.x, x.x), lo.y = fminf(lo.y, x.y);
-      hi.x = fmaxf(hi.x, x.x), hi.y = fmaxf(hi.y, x.y);
-    }
-    const GroupParamsDevice a = group_params(lo.x, hi.x, max_code);
-    const GroupParamsDevice b = group_params(lo.y, hi.y, max_code);
-    k_inverse[2 * pair] = a.inverse_step, k_inverse[2 * pair + 1] = b.inverse_step;
-    k_min[2 * pair] = a.min, k_min[2 * pair + 1] = b.min;
-    reinterpret_cast<uint2*>(k_params)[pair] = make_uint2(a.packed, b.packed);
-  }
-  // V: one group per token over the channels. S * 4 is a multiple of 64, so
-  // every warp that enters an iteration enters it whole (the shuffles).
-  const int quarter = D / kThreadsPerVGroup;
-  for (int i = threadIdx.x; i < S * kThreadsPerVGroup; i += blockDim.x) {
-    const int t = i / kThreadsPerVGroup;
-    const T* row = v + t * P + (i % kThreadsPerVGroup) * quarter;
-    float lo = INFINITY, hi = -INFINITY;
-#pragma unroll 4
-    for (int c = 0; c < quarter; c += 2) {
-      const float2 x = tile_pair(row + c);
-      lo = fminf(lo, fminf(x.x, x.y));
-      hi = fmaxf(hi, fmaxf(x.x, x.y));
+  // Statistics: a warp takes a group of 8 K channel quads or 8 V tokens; the
+  // lane's slot picks the item and its part (lane / 8) a quarter of the
+  // item's values; parts combine by two shuffles. At FP16 the 8 slots of one
+  // part read 8 adjacent quads of a row (16 banks) or 8 rows (4 banks apart),
+  // and parts 0 and 1 read rows 4 apart (16 banks): no bank conflicts.
+  const int lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
+  const int warps = blockDim.x / 32;
+  const int slot = lane % 8;
+  const int part = lane / 8;
+
+  // K: one group per channel over the tokens; part p takes tokens 16i + 4p + r.
+  const int quads = D / 4;
+  for (int g = warp; g * 8 < quads; g += warps) {
+    const int q = g * 8 + slot;
+    const T* column = k + 4 * ::min(q, quads - 1);  // lanes past the last quad reduce a copy, for the shuffles
+    V4 lo = V::fill(INFINITY), hi = V::fill(-INFINITY);
+    for (int i = 0; i < S; i += 16) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const V4 x = V::load(column + (i + 4 * part + r) * P);
+        lo = vmin(lo, x);
+        hi = vmax(hi, x);
+      }
     }
 #pragma unroll
-    for (int offset = 1; offset < kThreadsPerVGroup; offset <<= 1) {
-      lo = fminf(lo, __shfl_xor_sync(0xffffffffu, lo, offset));
-      hi = fmaxf(hi, __shfl_xor_sync(0xffffffffu, hi, offset));
+    for (int offset = 8; offset < 32; offset <<= 1) {
+      lo = vmin(lo, shfl_xor(lo, offset));
+      hi = vmax(hi, shfl_xor(hi, offset));
     }
-    if (i % kThreadsPerVGroup == 0) {
-      const GroupParamsDevice g = group_params(lo, hi, max_code);
-      v_inverse[t] = g.inverse_step;
-      v_min[t] = g.min;
-      v_params[t] = g.packed;
+    if (q < quads) {  // every part now holds the quad's range; part p sets channel 4q + p
+      const int c = 4 * q + part;
+      const GroupParamsDevice gp = group_params(component(widen(lo), part), component(widen(hi), part), kMaxCode);
+      k_inverse[c] = gp.inverse_step;
+      k_min[c] = gp.min;
+      k_params[c] = gp.packed;
+    }
+  }
+  // V: one group per token over the channels; part p takes the 8-channel
+  // pieces p, p + 4, ... (S is a multiple of 16: no partial group).
+  const int pieces8 = D / 8;
+  for (int g = warp; g * 8 < S; g += warps) {
+    const int t = g * 8 + slot;
+    const T* row = v + t * P;
+    V4 lo = V::fill(INFINITY), hi = V::fill(-INFINITY);
+    for (int c = part; c < pieces8; c += 4) {
+      V4 a, b;
+      V::load8(row + 8 * c, a, b);
+      lo = vmin(lo, vmin(a, b));
+      hi = vmax(hi, vmax(a, b));
+    }
+#pragma unroll
+    for (int offset = 8; offset < 32; offset <<= 1) {
+      lo = vmin(lo, shfl_xor(lo, offset));
+      hi = vmax(hi, shfl_xor(hi, offset));
+    }
+    if (part == 0) {
+      const float4 l = widen(lo), h = widen(hi);
+      const GroupParamsDevice gp =
+          group_params(fminf(fminf(l.x, l.y), fminf(l.z, l.w)), fmaxf(fmaxf(h.x, h.y), fmaxf(h.z, h.w)), kMaxCode);
+      v_inverse[t] = gp.inverse_step;
+      v_min[t] = gp.min;
+      v_params[t] = gp.packed;
     }
   }
   __syncthreads();
-  // K codes, channel-major packed along tokens (block_format.h): a thread
-  // packs one word of each of two adjacent channels; consecutive lanes read
-  // consecutive channel pairs of a row (conflict-free).
-  const int per_word = 32 / bits;
-  const int k_words_per_channel = S * bits / 32;
+  // K codes, channel-major packed along tokens (block_format.h): a lane packs
+  // word j of the four channels of quad q from kPerWord rows. A warp takes
+  // two consecutive words (one if the words per channel are odd) of 16 (32)
+  // adjacent quads: each of the four stores then writes 8-byte runs of
+  // adjacent words instead of 32 scattered words, and no lane idles for any
+  // S. Each half-warp holds one word: 16 adjacent quads of a row, 32 banks,
+  // conflict-free. (Four words a warp would halve the store transactions
+  // again, but put rows a multiple of 8 apart, same banks, into one
+  // half-warp; rotating their rows took 64 registers: 8 CTAs per SM, not 9.)
+  const int k_words = S / kPerWord;  // per channel
+  const int lanes_per_quad = k_words % 2 == 0 ? 2 : 1;
+  const int quads_per_unit = 32 / lanes_per_quad;
+  const int quad_units = (quads + quads_per_unit - 1) / quads_per_unit;
+  const int units = quad_units * (k_words / lanes_per_quad);
   uint32_t* k_codes = reinterpret_cast<uint32_t*>(out + format.k_offset());
-  for (int w = threadIdx.x; w < (D / 2) * k_words_per_channel; w += blockDim.x) {
-    const int pair = w % (D / 2);
-    const int j = w / (D / 2);
-    const float2 inverse = *reinterpret_cast<const float2*>(k_inverse + 2 * pair);
-    const float2 min = *reinterpret_cast<const float2*>(k_min + 2 * pair);
-    const T* column = k + j * per_word * P + 2 * pair;
-    uint32_t a = 0, b = 0;
-    for (int i = 0; i < per_word; ++i) {
-      const float2 x = tile_pair(column + i * P);
-      a |= quant_code_device(x.x, inverse.x, min.x, max_code) << (i * bits);
-      b |= quant_code_device(x.y, inverse.y, min.y, max_code) << (i * bits);
+  for (int unit = warp; unit < units; unit += warps) {
+    const int q = unit % quad_units * quads_per_unit + lane % quads_per_unit;
+    const int j = unit / quad_units * lanes_per_quad + lane / quads_per_unit;
+    if (q >= quads) continue;  // no shuffles below: such lanes may leave
+    const float4 inverse = *reinterpret_cast<const float4*>(k_inverse + 4 * q);
+    const float4 min = *reinterpret_cast<const float4*>(k_min + 4 * q);
+    const T* column = k + j * kPerWord * P + 4 * q;
+    uint32_t w0 = 0, w1 = 0, w2 = 0, w3 = 0;
+#pragma unroll
+    for (int r = 0; r < kPerWord; ++r) {
+      const float4 x = widen(V::load(column + r * P));
+      w0 += biased_code<kMaxCode, kClampLow>(x.x, inverse.x, min.x) << (r * kBits);
+      w1 += biased_code<kMaxCode, kClampLow>(x.y, inverse.y, min.y) << (r * kBits);
+      w2 += biased_code<kMaxCode, kClampLow>(x.z, inverse.z, min.z) << (r * kBits);
+      w3 += biased_code<kMaxCode, kClampLow>(x.w, inverse.w, min.w) << (r * kBits);
     }
-    k_codes[2 * pair * k_words_per_channel + j] = a;
-    k_codes[(2 * pair + 1) * k_words_per_channel + j] = b;
+    uint32_t* to = k_codes + 4 * q * k_words + j;
+    to[0] = w0 - kWordBias;
+    to[k_words] = w1 - kWordBias;
+    to[2 * k_words] = w2 - kWordBias;
+    to[3 * k_words] = w3 - kWordBias;
   }
-  // V codes, token-major packed along channels: a word is 8 (INT4) or 16
-  // (INT2) consecutive channels, read 8 at a time with 16-byte loads.
-  const int v_words_per_token = D * bits / 32;
-  uint32_t* v_codes = reinterpret_cast<uint32_t*>(out + format.v_offset());
-  for (int w = threadIdx.x; w < S * v_words_per_token; w += blockDim.x) {
-    const int t = w / v_words_per_token;
-    const T* at = v + t * P + (w % v_words_per_token) * per_word;
+  // V codes, token-major packed along channels: a lane packs a piece of 16
+  // channels of token t (two INT4 words, one 8-byte store; or one INT2
+  // word). Adjacent lanes take adjacent pieces of a row, so a warp's stores
+  // are contiguous. Pieces sit 32 bytes (8 banks) apart: pieces p and p + 4
+  // of a quarter-warp's 16-byte loads would share banks, so pieces with bit
+  // 2 set load their upper 8 channels first (4 banks further) and swap the
+  // halves back in the packed result.
+  const int pieces16 = D / 16;
+  char* v_codes = out + format.v_offset();
+  const int v_token_bytes = D * kBits / 8;
+  for (StridedIndex at(pieces16); at.row < S; at.next()) {
+    const int t = at.row;
+    const int piece = at.col;
+    const int first = piece & 4 ? 8 : 0;  // channel offset of the half loaded first
     const float inverse = v_inverse[t];
     const float min = v_min[t];
-    uint32_t word = 0;
-    for (int e = 0; e < per_word; e += 8) {
-      float x[8];
-      tile_eight(at + e, x);
+    const T* row = v + t * P + 16 * piece;
+    uint32_t words[2] = {0, 0};  // in load order
 #pragma unroll
-      for (int i = 0; i < 8; ++i) word |= quant_code_device(x[i], inverse, min, max_code) << ((e + i) * bits);
+    for (int e = 0; e < 16; e += 8) {
+      float x[8];
+      tile_eight(row + (e ^ first), x);
+#pragma unroll
+      for (int u = 0; u < 8; ++u) {
+        words[(e + u) / kPerWord] += biased_code<kMaxCode, kClampLow>(x[u], inverse, min)
+                                     << ((e + u) % kPerWord * kBits);
+      }
     }
-    v_codes[w] = word;
+    char* to = v_codes + t * v_token_bytes + piece * 2 * kBits;  // 16 codes of kBits: 2 * kBits bytes
+    if constexpr (kBits == 4) {
+      const uint32_t a = words[0] - kWordBias, b = words[1] - kWordBias;  // one word per half
+      *reinterpret_cast<uint2*>(to) = first ? make_uint2(b, a) : make_uint2(a, b);
+    } else {
+      const uint32_t w = words[0] - kWordBias;  // the halves' codes in its low and high 16 bits
+      *reinterpret_cast<uint32_t*>(to) = first ? __funnelshift_l(w, w, 16) : w;
+    }
+  }
+}
+
+// Quantizes the K/V tile (all threads of the CTA take part; blockDim.x a
+// multiple of 32) into the head region `out` of `format` (INT4 or INT2; head
+// region 8-byte aligned). Ends with no barrier pending; the caller's next use
+// of the tile needs __syncthreads().
+template <typename T>
+__device__ inline void quantize_tile(const BlockFormat& format, const T* tile, float* scratch, char* out) {
+  if (format.bits() == 4) {
+    quantize_tile_bits<T, 4>(format, tile, scratch, out);
+  } else {
+    quantize_tile_bits<T, 2>(format, tile, scratch, out);
   }
 }
 

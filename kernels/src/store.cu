@@ -40,37 +40,29 @@ __device__ __forceinline__ void copy_row(const PoolView& pool, std::int32_t slot
 }
 
 // Loads window rows [first_row, first_row + S) of KV head `head` into the
-// FP16 tile as they are (16-byte row chunks into padded rows). Each thread
-// issues kBatch loads of K and of V before storing any.
+// FP16 tile as they are (16-byte row chunks into padded rows) with cp.async:
+// the copies go global -> shared without passing through registers, so all
+// of a thread's chunks are in flight at once with one instruction each
+// (instead of a load, a shared store and the registers held in between).
+// Ends with the thread's copies complete; the caller's __syncthreads()
+// publishes them.
 __device__ __forceinline__ void load_window(const uint4* k, const uint4* v, std::int32_t first_row, int head,
                                             int heads, int D, int S, __half* tile) {
-  constexpr int kBatch = 4;
   const int chunks_per_row = D / 8;
-  const int total = S * chunks_per_row;
   const int pitch = detail::QuantTile<__half>::pitch(D);
-  for (int base = threadIdx.x; base < total; base += kBatch * blockDim.x) {
-    uint4 kx[kBatch], vx[kBatch];
-#pragma unroll
-    for (int u = 0; u < kBatch; ++u) {
-      const int i = base + u * blockDim.x;
-      if (i < total) {
-        const std::size_t src =
-            (static_cast<std::size_t>(first_row + i / chunks_per_row) * heads + head) * chunks_per_row +
-            i % chunks_per_row;
-        kx[u] = __ldg(k + src);
-        vx[u] = __ldg(v + src);
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kBatch; ++u) {
-      const int i = base + u * blockDim.x;
-      if (i < total) {
-        const int at = (i / chunks_per_row) * pitch + 8 * (i % chunks_per_row);
-        *reinterpret_cast<uint4*>(tile + at) = kx[u];
-        *reinterpret_cast<uint4*>(tile + S * pitch + at) = vx[u];
-      }
-    }
+  const auto k_tile = static_cast<std::uint32_t>(__cvta_generic_to_shared(tile));
+  const auto v_tile = k_tile + static_cast<std::uint32_t>(S * pitch * sizeof(__half));
+  for (detail::StridedIndex i(chunks_per_row); i.row < S; i.next()) {
+    const std::size_t src =
+        (static_cast<std::size_t>(first_row + i.row) * heads + head) * chunks_per_row + i.col;
+    const auto at = static_cast<std::uint32_t>((i.row * pitch + 8 * i.col) * sizeof(__half));
+    // .cg: the input is read once, so it bypasses L1.
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n"
+                 ::"r"(k_tile + at), "l"(__cvta_generic_to_global(k + src)));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n"
+                 ::"r"(v_tile + at), "l"(__cvta_generic_to_global(v + src)));
   }
+  asm volatile("cp.async.wait_all;\n" ::: "memory");
 }
 
 __global__ void __launch_bounds__(kThreads) store_prefill_kernel(const __grid_constant__ StoreParams p) {

@@ -4,6 +4,7 @@
 // both sides apply quant_math.h with IEEE division and no FMA contraction).
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <tuple>
 
 #include "cuda_test_util.h"
@@ -46,17 +47,19 @@ StoreMapping random_mapping(TestArena& arena, int rows, int block, Rng& rng) {
   return m;
 }
 
-TEST_P(StorePrefillCuda, MatchesCpuByteForByte) {
-  MIXKV_REQUIRE_CUDA();
-  const StoreCase c = GetParam();
+// Stores c.rows random rows (which `edit` may then overwrite) through a
+// random mapping on both backends; the arenas must agree byte for byte.
+template <typename Edit>
+void expect_store_matches_cpu(const StoreCase& c, Edit edit) {
   const int windows = (c.rows + c.block - 1) / c.block;
   TestArena arena(c.heads, c.dim, c.block, {windows + 1, windows + 1, windows + 1}, 7);
   DeviceArenaCopy device(arena);  // same poisoned bytes before the store
   Rng rng(11);
   const StoreMapping mapping = random_mapping(arena, c.rows, c.block, rng);
   const std::size_t values = static_cast<std::size_t>(c.rows) * c.heads * c.dim;
-  const std::vector<Half> k = random_halves(rng, values, 2.0);
-  const std::vector<Half> v = random_halves(rng, values, 0.5);
+  std::vector<Half> k = random_halves(rng, values, 2.0);
+  std::vector<Half> v = random_halves(rng, values, 0.5);
+  edit(k, v);
 
   cpu::store_prefill(k, v, mapping, arena.views());
 
@@ -82,6 +85,34 @@ TEST_P(StorePrefillCuda, MatchesCpuByteForByte) {
   }
   EXPECT_EQ(diffs, 0u) << "first differing byte at " << first_diff << " (int4 windows "
                        << mapping.int4_windows.size() << ", int2 windows " << mapping.int2_windows.size() << ")";
+}
+
+TEST_P(StorePrefillCuda, MatchesCpuByteForByte) {
+  MIXKV_REQUIRE_CUDA();
+  expect_store_matches_cpu(GetParam(), [](std::vector<Half>&, std::vector<Half>&) {});
+}
+
+// Groups random rows do not produce, for the device's clamping: constant K
+// channels and V tokens (scale 0, every code 0), and ranges of a few dozen
+// FP16 subnormal steps whose scale rounds down enough (e.g. 31 steps / 15 =
+// 2.07 -> 2) that the top codes must clamp to the maximum.
+TEST(StorePrefillCudaEdges, ConstantAndSubnormalGroupsMatchCpu) {
+  MIXKV_REQUIRE_CUDA();
+  const StoreCase c{2, 128, 32, 256};
+  expect_store_matches_cpu(c, [&c](std::vector<Half>& k, std::vector<Half>& v) {
+    for (int r = 0; r < c.rows; ++r) {
+      const int t = r % c.block;  // token within its window
+      for (int h = 0; h < c.heads; ++h) {
+        const std::size_t row = (static_cast<std::size_t>(r) * c.heads + h) * c.dim;
+        k[row + 5] = float_to_half(1.5f);
+        k[row + 9] = float_to_half(std::ldexp(static_cast<float>(t), -24));
+        for (int ch = 0; ch < c.dim; ++ch) {
+          if (t == 3) v[row + ch] = float_to_half(-0.25f);
+          if (t == 4) v[row + ch] = float_to_half(std::ldexp(static_cast<float>(ch), -24));
+        }
+      }
+    }
+  });
 }
 
 INSTANTIATE_TEST_SUITE_P(
