@@ -143,8 +143,8 @@ constexpr int kRowThreads = 256;
 constexpr int kRowWarps = kRowThreads / kWarp;
 constexpr int kRowMinBlocksPerSm = 4;
 // 16-byte loads a lane issues before it uses any: 4 KiB a warp, 128 KiB an SM
-// at 32 warps, 17 MB on 132 SMs, which covers 3.6 us of memory latency at
-// 4.6 TB/s (several times the loaded latency). A 3,584-channel FP16 row is 2
+// at 32 warps, 17 MB on 132 SMs, enough to keep 4.6 TB/s busy for up to
+// 3.6 us of memory latency (Little's law). A 3,584-channel FP16 row is 2
 // such rounds (the last 2 loads predicated off).
 constexpr int kRowLoads = 8;
 // Below this a float sum of squares may have lost digits to underflow (the
@@ -223,9 +223,10 @@ __device__ __forceinline__ double warp_sum(double v) {
 // Per-lane float sums of one row over the lane's columns: |v|^2 and, with
 // kDot, u . v for u in shared memory (laid out by u_slot). kVec: 16-byte
 // streaming loads (embeddings are read once; the host checked alignment and
-// hidden % kVecElems == 0), kRowLoads of them issued before the arithmetic:
-// a loop with a runtime trip count would leave its remainder to one load per
-// memory latency.
+// hidden % kVecElems == 0), in rounds of kRowLoads issued before any is used
+// and predicated past the row's end: each round's loads are in flight
+// together by construction, whatever the compiler makes of a runtime trip
+// count.
 template <typename T, bool kVec, bool kDot>
 __device__ __forceinline__ void row_partials(const T* row, const float* u, int hidden, int lane, float& dot,
                                              float& squares) {
@@ -886,8 +887,13 @@ void CudaWindowPlanner::launch(cudaStream_t stream) {
                                                        : "launch() called twice, expected finish() first");
   }
   const bool vote = m.host.config().batch_policy == BatchPolicy::MajorityVote;
+  // Dependent launches only on streams the caller created; the special
+  // handles (legacy and per-thread default stream) launch normally, a case
+  // nobody has tried with programmatic dependent launch here.
+  const bool dependent =
+      m.dependent_launch && stream != nullptr && stream != cudaStreamLegacy && stream != cudaStreamPerThread;
   with_types(m.type, m.vectorized, [&]<typename T, bool kVec>() {
-    launch_planner_kernels<T, kVec>(m.args, m.rows, m.dependent_launch, vote, stream);
+    launch_planner_kernels<T, kVec>(m.args, m.rows, dependent, vote, stream);
   });
   MIXKV_PLANNER_CUDA(cudaMemcpyAsync(m.results.get(), m.work.get(), m.result_bytes, cudaMemcpyDeviceToHost, stream));
   m.state = Impl::State::Launched;
