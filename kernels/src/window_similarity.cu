@@ -134,9 +134,13 @@ constexpr int kBlockThreads = 256;
 constexpr int kWarpsPerBlock = kBlockThreads / kWarp;
 // text_norm_kernel: a warp a text row, 2 warps a block, so that a prompt's 64
 // text rows spread over 32 SMs (8 blocks of 8 warps left the kernel latency
-// bound on 8 SMs).
+// bound on 8 SMs); 16 loads a lane in flight, one round for a 3,584-channel
+// FP16 row (registers are plentiful at 2 warps a block).
 constexpr int kTextNormThreads = 64;
 constexpr int kTextNormWarps = kTextNormThreads / kWarp;
+constexpr int kTextNormLoads = 16;
+// text_mean_kernel: text rows a thread reads before it adds any.
+constexpr int kTextMeanLoads = 8;
 // window_rows_kernel: a warp a row, at most 64 registers so that 4 blocks (32
 // warps) share an SM.
 constexpr int kRowThreads = 256;
@@ -223,26 +227,26 @@ __device__ __forceinline__ double warp_sum(double v) {
 // Per-lane float sums of one row over the lane's columns: |v|^2 and, with
 // kDot, u . v for u in shared memory (laid out by u_slot). kVec: 16-byte
 // streaming loads (embeddings are read once; the host checked alignment and
-// hidden % kVecElems == 0), in rounds of kRowLoads issued before any is used
+// hidden % kVecElems == 0), in rounds of kLoads issued before any is used
 // and predicated past the row's end: each round's loads are in flight
 // together by construction, whatever the compiler makes of a runtime trip
 // count.
-template <typename T, bool kVec, bool kDot>
+template <typename T, bool kVec, bool kDot, int kLoads>
 __device__ __forceinline__ void row_partials(const T* row, const float* u, int hidden, int lane, float& dot,
                                              float& squares) {
   if constexpr (kVec) {
     constexpr int V = kVecElems<T>;
     constexpr int kStep = kWarp * V;  // channels of one warp-wide load
     const auto* u4 = reinterpret_cast<const float4*>(u);
-    for (int start = 0; start < hidden; start += kRowLoads * kStep) {
-      uint4 raw[kRowLoads];
+    for (int start = 0; start < hidden; start += kLoads * kStep) {
+      uint4 raw[kLoads];
 #pragma unroll
-      for (int i = 0; i < kRowLoads; ++i) {
+      for (int i = 0; i < kLoads; ++i) {
         const int c = start + i * kStep + lane * V;
         raw[i] = c < hidden ? __ldcs(reinterpret_cast<const uint4*>(row + c)) : make_uint4(0u, 0u, 0u, 0u);
       }
 #pragma unroll
-      for (int i = 0; i < kRowLoads; ++i) {
+      for (int i = 0; i < kLoads; ++i) {
         const int c = start + i * kStep + lane * V;
         if (c >= hidden) break;
         float x[V];
@@ -296,11 +300,11 @@ __device__ __forceinline__ bool trusted(float dot, float squares) {
 
 // |v|^2 and (kDot) u . v of one row over a warp, every lane with the same
 // values: float sums, or double ones where those cannot be trusted.
-template <typename T, bool kVec, bool kDot>
+template <typename T, bool kVec, bool kDot, int kLoads>
 __device__ __forceinline__ void row_sums(const T* row, const float* u, int hidden, int lane, double& dot,
                                          double& squares) {
   float dot_f = 0.0f, squares_f = 0.0f;
-  row_partials<T, kVec, kDot>(row, u, hidden, lane, dot_f, squares_f);
+  row_partials<T, kVec, kDot, kLoads>(row, u, hidden, lane, dot_f, squares_f);
   dot_f = warp_sum(dot_f);
   squares_f = warp_sum(squares_f);
   dot = dot_f;
@@ -399,18 +403,39 @@ __global__ void __launch_bounds__(kTextNormThreads) text_norm_kernel(BatchArgs a
   if (j >= a.num_text) return;  // whole warps leave together
   const T* row = row_at<T>(a, a.text_request[j], a.text_row[j]);
   double unused, squares;
-  row_sums<T, kVec, false>(row, nullptr, a.hidden, lane, unused, squares);
+  row_sums<T, kVec, false, kTextNormLoads>(row, nullptr, a.hidden, lane, unused, squares);
   if (lane == 0) {
     a.text_inv_norm[j] = !isfinite(squares) ? CUDART_NAN : (squares > 0.0 ? 1.0 / sqrt(squares) : 0.0);
+  }
+}
+
+// Channel c of text rows first, first + 8, ... (kTextMeanLoads of them, 0
+// past `end`): every row index first, then every value, so that the loads
+// take two round trips, not one per row (a value's address needs its index).
+template <typename T>
+__device__ __forceinline__ void load_text_values(const BatchArgs& a, const T* base, int c, int first, int end,
+                                                 float (&x)[kTextMeanLoads]) {
+  int rows[kTextMeanLoads];
+#pragma unroll
+  for (int i = 0; i < kTextMeanLoads; ++i) {
+    const int j = first + i * kWarpsPerBlock;
+    rows[i] = j < end ? a.text_row[j] : -1;
+  }
+#pragma unroll
+  for (int i = 0; i < kTextMeanLoads; ++i) {
+    x[i] = c < a.hidden && rows[i] >= 0 ? to_float(base[static_cast<long long>(rows[i]) * a.hidden + c]) : 0.0f;
   }
 }
 
 // u_r = mean_j t_j / |t_j|. A block covers 32 channels of one request; its
 // 8 warps take every 8th text row, so each thread's loads are independent and
 // in flight together (a thread walking all N rows alone would pay N memory
-// latencies). Per-warp sums meet in shared memory in a fixed order: the same
-// input gives the same bits. Rows with a NaN or an infinity stay out of u (so
-// that no window is blamed for them) and block 0 of the request reports them.
+// latencies). The first kTextMeanLoads rows a thread adds are read before
+// waiting for text_norm_kernel (their values do not depend on it): after the
+// wait only the norms remain to be read. Per-warp sums meet in shared memory
+// in a fixed order: the same input gives the same bits. Rows with a NaN or an
+// infinity stay out of u (so that no window is blamed for them) and block 0 of
+// the request reports them.
 template <typename T>
 __global__ void __launch_bounds__(kBlockThreads) text_mean_kernel(BatchArgs a) {
   __shared__ double partial[kWarpsPerBlock][kWarp];
@@ -421,15 +446,24 @@ __global__ void __launch_bounds__(kBlockThreads) text_mean_kernel(BatchArgs a) {
   const int c = blockIdx.x * kWarp + lane;
   const int begin = a.text_begin[request];
   const int end = a.text_begin[request + 1];
+  const auto* base = reinterpret_cast<const T*>(a.request_base[request]);
+  float x[kTextMeanLoads];
+  int first = begin + warp;
+  load_text_values<T>(a, base, c, first, end, x);
   grid_dependency_wait();
   double sum = 0.0;
-  if (c < a.hidden) {
-#pragma unroll 4
-    for (int j = begin + warp; j < end; j += kWarpsPerBlock) {
-      const double inverse = a.text_inv_norm[j];
-      const double x = to_float(row_at<T>(a, request, a.text_row[j])[c]);
-      sum += inverse > 0.0 ? x * inverse : 0.0;
+  while (true) {
+#pragma unroll
+    for (int i = 0; i < kTextMeanLoads; ++i) {
+      const int j = first + i * kWarpsPerBlock;
+      if (j < end) {
+        const double inverse = a.text_inv_norm[j];
+        sum += inverse > 0.0 ? x[i] * inverse : 0.0;
+      }
     }
+    first += kTextMeanLoads * kWarpsPerBlock;
+    if (first >= end) break;
+    load_text_values<T>(a, base, c, first, end, x);
   }
   if (blockIdx.x == 0) {
     for (int j = begin + static_cast<int>(threadIdx.x); j < end; j += kBlockThreads) {
@@ -511,7 +545,7 @@ __global__ void __launch_bounds__(kRowThreads, kRowMinBlocksPerSm) window_rows_k
       const int prompt_row = a.window_row[w] + static_cast<int>(g - w * a.window_size);
       const T* row = row_at<T>(a, request, prompt_row);
       double dot, squares;
-      row_sums<T, kVec, true>(row, u, a.hidden, lane, dot, squares);
+      row_sums<T, kVec, true, kRowLoads>(row, u, a.hidden, lane, dot, squares);
       if (!isfinite(dot) || !isfinite(squares)) {
         if (lane == 0) report_non_finite(a.status, request, prompt_row, a.window_local[w]);
         squares = 0.0;
