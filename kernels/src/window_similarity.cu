@@ -1,6 +1,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
+#include <math_constants.h>
 
 #include <algorithm>
 #include <cstring>
@@ -131,13 +132,25 @@ void require_one_type(std::span<const EmbeddingsView> views, const char* name) {
 constexpr int kWarp = 32;
 constexpr int kBlockThreads = 256;
 constexpr int kWarpsPerBlock = kBlockThreads / kWarp;
-// window_plan_kernel: 4 warps a window, and at least 8 blocks an SM (<= 64
-// registers), so that the paper's 612 windows run as one wave on 132 SMs
-// whatever the element type (a second, mostly empty wave would double the
-// time).
-constexpr int kWindowThreads = 128;
-constexpr int kWindowWarps = kWindowThreads / kWarp;
-constexpr int kWindowMinBlocksPerSm = 8;
+// text_norm_kernel: a warp a text row, 2 warps a block, so that a prompt's 64
+// text rows spread over 32 SMs (8 blocks of 8 warps left the kernel latency
+// bound on 8 SMs); 16 loads a lane in flight, one round for a 3,584-channel
+// FP16 row (registers are plentiful at 2 warps a block).
+constexpr int kTextNormThreads = 64;
+constexpr int kTextNormWarps = kTextNormThreads / kWarp;
+constexpr int kTextNormLoads = 16;
+// text_mean_kernel: text rows a thread reads before it adds any.
+constexpr int kTextMeanLoads = 8;
+// window_rows_kernel: a warp a row, at most 64 registers so that 4 blocks (32
+// warps) share an SM.
+constexpr int kRowThreads = 256;
+constexpr int kRowWarps = kRowThreads / kWarp;
+constexpr int kRowMinBlocksPerSm = 4;
+// 16-byte loads a lane issues before it uses any: 4 KiB a warp, 128 KiB an SM
+// at 32 warps, 17 MB on 132 SMs, enough to keep 4.6 TB/s busy for up to
+// 3.6 us of memory latency (Little's law). A 3,584-channel FP16 row is 2
+// such rounds (the last 2 loads predicated off).
+constexpr int kRowLoads = 8;
 // Below this a float sum of squares may have lost digits to underflow (the
 // CPU planner uses the same bound).
 constexpr float kSmallestTrustedSquares = 1e-30f;
@@ -160,10 +173,9 @@ __device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 x) {
 template <typename T>
 constexpr int kVecElems = 16 / static_cast<int>(sizeof(T));
 
-// One 16-byte streaming load (embeddings are read once), widened to float.
+// The elements of one 16-byte load, widened to float.
 template <typename T>
-__device__ __forceinline__ void load16(const T* p, float (&out)[kVecElems<T>]) {
-  const uint4 raw = __ldcs(reinterpret_cast<const uint4*>(p));
+__device__ __forceinline__ void widen(const uint4& raw, float (&out)[kVecElems<T>]) {
   if constexpr (sizeof(T) == 4) {
     out[0] = __uint_as_float(raw.x);
     out[1] = __uint_as_float(raw.y);
@@ -184,6 +196,20 @@ __device__ __forceinline__ void load16(const T* p, float (&out)[kVecElems<T>]) {
   }
 }
 
+// Shared-memory slot of channel c of the text mean u. On the 16-bit vector
+// path a lane multiplies 8 channels at once; read as two float4 at 32-byte
+// steps, u would put lanes l and l + 4 of a quarter warp on the same banks.
+// So channels 8m..8m+3 live in a first plane and 8m+4..8m+7 in a second, and
+// lane l reads float4 l of each: conflict-free.
+template <typename T, bool kVec>
+__device__ __forceinline__ int u_slot(int c, int hidden) {
+  if constexpr (kVec && sizeof(T) == 2) {
+    return (((c >> 2) & 1) * (hidden >> 3) + (c >> 3)) * 4 + (c & 3);
+  } else {
+    return c;
+  }
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
   // Butterfly: every lane ends with the bit-identical total, so branches on
   // it are warp-uniform.
@@ -199,28 +225,49 @@ __device__ __forceinline__ double warp_sum(double v) {
 }
 
 // Per-lane float sums of one row over the lane's columns: |v|^2 and, with
-// kDot, u . v for u in shared memory. kVec: 16-byte loads (host checked
-// alignment and hidden % kVecElems == 0).
-template <typename T, bool kVec, bool kDot>
+// kDot, u . v for u in shared memory (laid out by u_slot). kVec: 16-byte
+// streaming loads (embeddings are read once; the host checked alignment and
+// hidden % kVecElems == 0), in rounds of kLoads issued before any is used
+// and predicated past the row's end: each round's loads are in flight
+// together by construction, whatever the compiler makes of a runtime trip
+// count.
+template <typename T, bool kVec, bool kDot, int kLoads>
 __device__ __forceinline__ void row_partials(const T* row, const float* u, int hidden, int lane, float& dot,
                                              float& squares) {
   if constexpr (kVec) {
     constexpr int V = kVecElems<T>;
-    // 8 loads in flight a lane: 2 round trips for a 3,584-channel FP16 row.
-#pragma unroll 8
-    for (int c = lane * V; c < hidden; c += kWarp * V) {
-      float x[V];
-      load16(row + c, x);
+    constexpr int kStep = kWarp * V;  // channels of one warp-wide load
+    const auto* u4 = reinterpret_cast<const float4*>(u);
+    for (int start = 0; start < hidden; start += kLoads * kStep) {
+      uint4 raw[kLoads];
 #pragma unroll
-      for (int i = 0; i < V; ++i) squares = fmaf(x[i], x[i], squares);
-      if constexpr (kDot) {
+      for (int i = 0; i < kLoads; ++i) {
+        const int c = start + i * kStep + lane * V;
+        raw[i] = c < hidden ? __ldcs(reinterpret_cast<const uint4*>(row + c)) : make_uint4(0u, 0u, 0u, 0u);
+      }
 #pragma unroll
-        for (int i = 0; i < V; i += 4) {
-          const float4 w = *reinterpret_cast<const float4*>(u + c + i);
-          dot = fmaf(w.x, x[i], dot);
-          dot = fmaf(w.y, x[i + 1], dot);
-          dot = fmaf(w.z, x[i + 2], dot);
-          dot = fmaf(w.w, x[i + 3], dot);
+      for (int i = 0; i < kLoads; ++i) {
+        const int c = start + i * kStep + lane * V;
+        if (c >= hidden) break;
+        float x[V];
+        widen<T>(raw[i], x);
+#pragma unroll
+        for (int e = 0; e < V; ++e) squares = fmaf(x[e], x[e], squares);
+        if constexpr (kDot) {
+          // u_slot's planes: channels c..c+3 at float4 c / 8 of the first,
+          // c+4..c+7 at the same index of the second (16-bit); F32: natural.
+          const float4 w0 = V == 8 ? u4[c >> 3] : u4[c >> 2];
+          dot = fmaf(w0.x, x[0], dot);
+          dot = fmaf(w0.y, x[1], dot);
+          dot = fmaf(w0.z, x[2], dot);
+          dot = fmaf(w0.w, x[3], dot);
+          if constexpr (V == 8) {
+            const float4 w1 = u4[(hidden >> 3) + (c >> 3)];
+            dot = fmaf(w1.x, x[4], dot);
+            dot = fmaf(w1.y, x[5], dot);
+            dot = fmaf(w1.z, x[6], dot);
+            dot = fmaf(w1.w, x[7], dot);
+          }
         }
       }
     }
@@ -235,13 +282,13 @@ __device__ __forceinline__ void row_partials(const T* row, const float* u, int h
 
 // The same in double, summed over the warp: for rows whose float sums
 // overflowed, underflowed or met a NaN / inf.
-template <typename T, bool kDot>
+template <typename T, bool kVec, bool kDot>
 __device__ void row_exact(const T* row, const float* u, int hidden, int lane, double& dot, double& squares) {
   double d = 0.0, s = 0.0;
   for (int c = lane; c < hidden; c += kWarp) {
     const double x = to_float(row[c]);
     s += x * x;
-    if constexpr (kDot) d += static_cast<double>(u[c]) * x;
+    if constexpr (kDot) d += static_cast<double>(u[u_slot<T, kVec>(c, hidden)]) * x;
   }
   dot = warp_sum(d);
   squares = warp_sum(s);
@@ -249,6 +296,20 @@ __device__ void row_exact(const T* row, const float* u, int hidden, int lane, do
 
 __device__ __forceinline__ bool trusted(float dot, float squares) {
   return isfinite(dot) && isfinite(squares) && squares >= kSmallestTrustedSquares;
+}
+
+// |v|^2 and (kDot) u . v of one row over a warp, every lane with the same
+// values: float sums, or double ones where those cannot be trusted.
+template <typename T, bool kVec, bool kDot, int kLoads>
+__device__ __forceinline__ void row_sums(const T* row, const float* u, int hidden, int lane, double& dot,
+                                         double& squares) {
+  float dot_f = 0.0f, squares_f = 0.0f;
+  row_partials<T, kVec, kDot, kLoads>(row, u, hidden, lane, dot_f, squares_f);
+  dot_f = warp_sum(dot_f);
+  squares_f = warp_sum(squares_f);
+  dot = dot_f;
+  squares = squares_f;
+  if (!trusted(dot_f, squares_f)) row_exact<T, kVec, kDot>(row, u, hidden, lane, dot, squares);
 }
 
 // status: [flag, request, prompt row, window (-1 for text)]; the first report wins.
@@ -260,6 +321,36 @@ __device__ void report_non_finite(int* status, int request, int row, int window)
   }
 }
 
+// Programmatic dependent launch (sm_90). The planner's kernels after the first
+// are launched with launch_after(), so their blocks may start while the kernel
+// before them runs; grid_dependency_wait() returns once that kernel has
+// completed and its writes are visible. Every kernel waits before it reads
+// what an earlier one wrote, and every grid has threads that wait, so a
+// completed kernel implies that all earlier ones completed. Each kernel lets
+// its successor start at once: the successor's blocks then do their
+// text-independent part (index loads, L2 prefetch) meanwhile. Without sm_90
+// code both are no-ops and the host launches normally (pdl_usable()).
+__device__ __forceinline__ void grid_dependency_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void allow_dependent_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// Asks L2 for the first `bytes` of a row, a 128-byte line a lane at a time
+// (a hint: it changes no result).
+__device__ __forceinline__ void prefetch_l2(const void* row, int bytes, int lane) {
+  const auto global = static_cast<std::size_t>(__cvta_generic_to_global(row));
+  for (int offset = lane * 128; offset < bytes; offset += kWarp * 128) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(global + offset));
+  }
+}
+
 // ---------------------------------------------------------------------------
 // Kernels of the planner
 // ---------------------------------------------------------------------------
@@ -268,20 +359,21 @@ struct BatchArgs {
   const unsigned long long* request_base;  // [requests] address of row 0
   const long long* plan_offset;            // [requests] first precision of the request
   const int* text_begin;                   // [requests + 1] CSR over text rows
+  const int* window_begin;                 // [requests + 1] CSR over windows
   const int* request_windows;              // [requests]
   const int* text_row;                     // [text rows] prompt position
   const int* text_request;                 // [text rows]
   const int* window_row;                   // [windows] prompt position of the first token
   const int* window_request;               // [windows]
   const int* window_local;                 // [windows] index inside its request
-  const double* sensitivities;             // [layers]
+  const LayerThresholds* thresholds;       // [layers] the host planner's
   const unsigned char* min_precision;      // [layers]
-  double* text_inv_norm;                   // [text rows] scratch
+  double* text_inv_norm;                   // [text rows] scratch; NaN: the row is not finite
   float* text_mean;                        // [requests][hidden] scratch
+  double* row_value;                       // [windows][window_size] scratch: (u . w) / |w|
   float* scores;                           // [windows]
   unsigned char* precisions;               // per request [layers][windows]
   int* status;                             // [4]
-  double alpha;
   int num_text;
   int num_windows;
   int hidden;
@@ -289,6 +381,7 @@ struct BatchArgs {
   int num_layers;
   int max_windows;
   int num_requests;
+  int prefetch_bytes;  // of each warp's first window row, before the text mean is known
 };
 
 template <typename T>
@@ -297,48 +390,84 @@ __device__ __forceinline__ const T* row_at(const BatchArgs& a, int request, int 
   return base + static_cast<long long>(row) * a.hidden;
 }
 
-// 1 / |t_j| for every text row; a warp a row.
+// 1 / |t_j| for every text row (a warp a row), NaN for a row holding a NaN or
+// an infinity (text_mean_kernel reports it). Launched normally, so it also
+// clears the error word: every report comes from a later kernel, after its
+// grid_dependency_wait().
 template <typename T, bool kVec>
-__global__ void __launch_bounds__(kBlockThreads) text_norm_kernel(BatchArgs a) {
-  const int j = blockIdx.x * kWarpsPerBlock + threadIdx.x / kWarp;
+__global__ void __launch_bounds__(kTextNormThreads) text_norm_kernel(BatchArgs a) {
+  allow_dependent_launch();
+  if (blockIdx.x == 0 && threadIdx.x < 4) a.status[threadIdx.x] = 0;
+  const int j = blockIdx.x * kTextNormWarps + threadIdx.x / kWarp;
   const int lane = threadIdx.x % kWarp;
   if (j >= a.num_text) return;  // whole warps leave together
-  const int request = a.text_request[j];
-  const T* row = row_at<T>(a, request, a.text_row[j]);
-  float unused = 0.0f, squares_f = 0.0f;
-  row_partials<T, kVec, false>(row, nullptr, a.hidden, lane, unused, squares_f);
-  squares_f = warp_sum(squares_f);
-  double squares = squares_f;
-  if (!trusted(0.0f, squares_f)) {
-    double ignored;
-    row_exact<T, false>(row, nullptr, a.hidden, lane, ignored, squares);
-    if (!isfinite(squares)) {
-      if (lane == 0) report_non_finite(a.status, request, a.text_row[j], -1);
-      squares = 0.0;
-    }
+  const T* row = row_at<T>(a, a.text_request[j], a.text_row[j]);
+  double unused, squares;
+  row_sums<T, kVec, false, kTextNormLoads>(row, nullptr, a.hidden, lane, unused, squares);
+  if (lane == 0) {
+    a.text_inv_norm[j] = !isfinite(squares) ? CUDART_NAN : (squares > 0.0 ? 1.0 / sqrt(squares) : 0.0);
   }
-  if (lane == 0) a.text_inv_norm[j] = squares > 0.0 ? 1.0 / sqrt(squares) : 0.0;
+}
+
+// Channel c of text rows first, first + 8, ... (kTextMeanLoads of them, 0
+// past `end`): every row index first, then every value, so that the loads
+// take two round trips, not one per row (a value's address needs its index).
+template <typename T>
+__device__ __forceinline__ void load_text_values(const BatchArgs& a, const T* base, int c, int first, int end,
+                                                 float (&x)[kTextMeanLoads]) {
+  int rows[kTextMeanLoads];
+#pragma unroll
+  for (int i = 0; i < kTextMeanLoads; ++i) {
+    const int j = first + i * kWarpsPerBlock;
+    rows[i] = j < end ? a.text_row[j] : -1;
+  }
+#pragma unroll
+  for (int i = 0; i < kTextMeanLoads; ++i) {
+    x[i] = c < a.hidden && rows[i] >= 0 ? to_float(base[static_cast<long long>(rows[i]) * a.hidden + c]) : 0.0f;
+  }
 }
 
 // u_r = mean_j t_j / |t_j|. A block covers 32 channels of one request; its
 // 8 warps take every 8th text row, so each thread's loads are independent and
 // in flight together (a thread walking all N rows alone would pay N memory
-// latencies). Per-warp sums meet in shared memory in a fixed order: the same
-// input gives the same bits.
+// latencies). The first kTextMeanLoads rows a thread adds are read before
+// waiting for text_norm_kernel (their values do not depend on it): after the
+// wait only the norms remain to be read. Per-warp sums meet in shared memory
+// in a fixed order: the same input gives the same bits. Rows with a NaN or an
+// infinity stay out of u (so that no window is blamed for them) and block 0 of
+// the request reports them.
 template <typename T>
 __global__ void __launch_bounds__(kBlockThreads) text_mean_kernel(BatchArgs a) {
   __shared__ double partial[kWarpsPerBlock][kWarp];
+  allow_dependent_launch();
   const int request = blockIdx.y;
   const int lane = threadIdx.x % kWarp;
   const int warp = threadIdx.x / kWarp;
   const int c = blockIdx.x * kWarp + lane;
   const int begin = a.text_begin[request];
   const int end = a.text_begin[request + 1];
+  const auto* base = reinterpret_cast<const T*>(a.request_base[request]);
+  float x[kTextMeanLoads];
+  int first = begin + warp;
+  load_text_values<T>(a, base, c, first, end, x);
+  grid_dependency_wait();
   double sum = 0.0;
-  if (c < a.hidden) {
-#pragma unroll 4
-    for (int j = begin + warp; j < end; j += kWarpsPerBlock) {
-      sum += static_cast<double>(to_float(row_at<T>(a, request, a.text_row[j])[c])) * a.text_inv_norm[j];
+  while (true) {
+#pragma unroll
+    for (int i = 0; i < kTextMeanLoads; ++i) {
+      const int j = first + i * kWarpsPerBlock;
+      if (j < end) {
+        const double inverse = a.text_inv_norm[j];
+        sum += inverse > 0.0 ? x[i] * inverse : 0.0;
+      }
+    }
+    first += kTextMeanLoads * kWarpsPerBlock;
+    if (first >= end) break;
+    load_text_values<T>(a, base, c, first, end, x);
+  }
+  if (blockIdx.x == 0) {
+    for (int j = begin + static_cast<int>(threadIdx.x); j < end; j += kBlockThreads) {
+      if (isnan(a.text_inv_norm[j])) report_non_finite(a.status, request, a.text_row[j], -1);
     }
   }
   partial[warp][lane] = sum;
@@ -350,69 +479,111 @@ __global__ void __launch_bounds__(kBlockThreads) text_mean_kernel(BatchArgs a) {
   }
 }
 
-// One block a window: eq. 8 as mean_k (u . w_k) / |w_k| (4 warps share the
-// window's rows), then eqs. 10-11 and the rule for every layer.
+// u of `request` into shared memory at u_slot(). Vector path (hidden % 4 == 0
+// there, so float4 loads are aligned): kRowLoads float4 loads a thread issued
+// before any store, one L2 round trip for a 3,584-channel mean.
 template <typename T, bool kVec>
-__global__ void __launch_bounds__(kWindowThreads, kWindowMinBlocksPerSm) window_plan_kernel(BatchArgs a) {
-  extern __shared__ float4 shared4[];
-  float* u = reinterpret_cast<float*>(shared4);
-  // After the text mean, rounded up to 16 bytes as on the host.
-  auto* thresholds = reinterpret_cast<LayerThresholds*>(u + ((a.hidden + 3) & ~3));
-  __shared__ double warp_sums[kWindowWarps];
-  __shared__ float window_score;
-
-  const int w = blockIdx.x;
-  const int request = a.window_request[w];
+__device__ __forceinline__ void load_text_mean(const BatchArgs& a, int request, float* u) {
   const float* mean = a.text_mean + static_cast<long long>(request) * a.hidden;
-  for (int c = threadIdx.x; c < a.hidden; c += blockDim.x) u[c] = mean[c];
-  for (int l = threadIdx.x; l < a.num_layers; l += blockDim.x) {
-    thresholds[l] = layer_thresholds(a.sensitivities[l], a.alpha);
-  }
-  __syncthreads();
-
-  const int warp = threadIdx.x / kWarp;
-  const int lane = threadIdx.x % kWarp;
-  const int first_row = a.window_row[w];
-  double sum = 0.0;
-  for (int k = warp; k < a.window_size; k += kWindowWarps) {
-    const T* row = row_at<T>(a, request, first_row + k);
-    float dot_f = 0.0f, squares_f = 0.0f;
-    row_partials<T, kVec, true>(row, u, a.hidden, lane, dot_f, squares_f);
-    dot_f = warp_sum(dot_f);
-    squares_f = warp_sum(squares_f);
-    double dot = dot_f, squares = squares_f;
-    if (!trusted(dot_f, squares_f)) {
-      row_exact<T, true>(row, u, a.hidden, lane, dot, squares);
-      if (!isfinite(dot) || !isfinite(squares)) {
-        if (lane == 0) report_non_finite(a.status, request, first_row + k, a.window_local[w]);
-        squares = 0.0;
+  if constexpr (kVec) {
+    const auto* mean4 = reinterpret_cast<const float4*>(mean);
+    auto* u4 = reinterpret_cast<float4*>(u);
+    const int count = a.hidden / 4;
+    for (int start = 0; start < count; start += kRowLoads * kRowThreads) {
+      float4 v[kRowLoads];
+#pragma unroll
+      for (int i = 0; i < kRowLoads; ++i) {
+        const int q = start + i * kRowThreads + static_cast<int>(threadIdx.x);
+        v[i] = q < count ? mean4[q] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      }
+#pragma unroll
+      for (int i = 0; i < kRowLoads; ++i) {
+        const int q = start + i * kRowThreads + static_cast<int>(threadIdx.x);
+        // Channels 4q..4q+3 share one plane and sit side by side in it.
+        if (q < count) u4[u_slot<T, kVec>(4 * q, a.hidden) / 4] = v[i];
       }
     }
-    if (squares > 0.0) sum += dot / sqrt(squares);
+  } else {
+    for (int c = threadIdx.x; c < a.hidden; c += kRowThreads) u[c] = mean[c];
   }
-  if (lane == 0) warp_sums[warp] = sum;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    double total = 0.0;
-    for (int i = 0; i < kWindowWarps; ++i) total += warp_sums[i];
-    window_score = static_cast<float>(total / a.window_size);
-    a.scores[w] = window_score;
-  }
-  __syncthreads();
+}
 
-  const float score = window_score;
+// Eq. 8's per-row term (u . w_k) / |w_k| of every window row of the batch,
+// row g = window * S + k, into row_value[g]. The rows are split evenly over
+// the blocks (shares differ by one row at most: no window-sized imbalance
+// between SMs), a warp a row; a row's value does not depend on the split.
+// Before waiting for the text mean, each warp asks L2 for the start of its
+// first row: DRAM is idle while the text kernels run, and those lines are the
+// first the warp reads after the wait.
+template <typename T, bool kVec>
+__global__ void __launch_bounds__(kRowThreads, kRowMinBlocksPerSm) window_rows_kernel(BatchArgs a) {
+  extern __shared__ float4 shared4[];
+  float* u = reinterpret_cast<float*>(shared4);
+  allow_dependent_launch();
+  const int warp = threadIdx.x / kWarp;
+  const int lane = threadIdx.x % kWarp;
+  const long long rows = static_cast<long long>(a.num_windows) * a.window_size;
+  const long long share = rows / gridDim.x;
+  const long long extra = rows % gridDim.x;
+  const long long begin = blockIdx.x * share + min(static_cast<long long>(blockIdx.x), extra);
+  const long long end = begin + share + (blockIdx.x < extra ? 1 : 0);
+  if (begin + warp < end) {
+    const long long w = (begin + warp) / a.window_size;
+    const int k = static_cast<int>(begin + warp - w * a.window_size);
+    prefetch_l2(row_at<T>(a, a.window_request[w], a.window_row[w] + k), a.prefetch_bytes, lane);
+  }
+  grid_dependency_wait();
+  // A share may span requests (batches): one u at a time.
+  for (long long first = begin; first < end;) {
+    const int request = a.window_request[first / a.window_size];
+    const long long last = min(end, static_cast<long long>(a.window_begin[request + 1]) * a.window_size);
+    __syncthreads();  // the previous request's u is no longer read
+    load_text_mean<T, kVec>(a, request, u);
+    __syncthreads();
+    for (long long g = first + warp; g < last; g += kRowWarps) {
+      const long long w = g / a.window_size;
+      const int prompt_row = a.window_row[w] + static_cast<int>(g - w * a.window_size);
+      const T* row = row_at<T>(a, request, prompt_row);
+      double dot, squares;
+      row_sums<T, kVec, true, kRowLoads>(row, u, a.hidden, lane, dot, squares);
+      if (!isfinite(dot) || !isfinite(squares)) {
+        if (lane == 0) report_non_finite(a.status, request, prompt_row, a.window_local[w]);
+        squares = 0.0;
+      }
+      if (lane == 0) a.row_value[g] = squares > 0.0 ? dot / sqrt(squares) : 0.0;
+    }
+    first = last;
+  }
+}
+
+// Eq. 8 as the mean of each window's row terms (a warp a window, a fixed
+// order: the same bits on every run), then the rule of eqs. 10-11 in every
+// layer with the host planner's own thresholds, so that a score gets the CPU
+// planner's decision exactly.
+__global__ void __launch_bounds__(kBlockThreads) window_plan_kernel(BatchArgs a) {
+  allow_dependent_launch();
+  const int w = blockIdx.x * kWarpsPerBlock + threadIdx.x / kWarp;
+  const int lane = threadIdx.x % kWarp;
+  if (w >= a.num_windows) return;  // whole warps; warp 0 of every block stays
+  const int request = a.window_request[w];
   const int local = a.window_local[w];
   const int windows = a.request_windows[request];
   unsigned char* plan = a.precisions + a.plan_offset[request];
-  for (int l = threadIdx.x; l < a.num_layers; l += blockDim.x) {
+  grid_dependency_wait();
+  double sum = 0.0;
+  for (int k = lane; k < a.window_size; k += kWarp) sum += a.row_value[static_cast<long long>(w) * a.window_size + k];
+  const float score = static_cast<float>(warp_sum(sum) / a.window_size);
+  if (lane == 0) a.scores[w] = score;
+  for (int l = lane; l < a.num_layers; l += kWarp) {
     const auto minimum = static_cast<Precision>(a.min_precision[l]);
     plan[static_cast<long long>(l) * windows + local] =
-        static_cast<unsigned char>(window_precision(score, thresholds[l], minimum, local == 0));
+        static_cast<unsigned char>(window_precision(score, a.thresholds[l], minimum, local == 0));
   }
 }
 
 // The paper's per-batch option: a thread per (layer, window position).
 __global__ void majority_vote_kernel(BatchArgs a) {
+  grid_dependency_wait();
   const long long index = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (index >= static_cast<long long>(a.num_layers) * a.max_windows) return;
   const int layer = static_cast<int>(index / a.max_windows);
@@ -436,51 +607,82 @@ __global__ void majority_vote_kernel(BatchArgs a) {
   }
 }
 
+// Launch geometry of window_rows_kernel, fixed in prepare() so that launch()
+// only enqueues.
+struct RowLaunch {
+  int grid = 0;
+  std::size_t shared = 0;
+};
+
+// Stream-ordered after the previous kernel, with programmatic dependent launch
+// where `dependent` (see grid_dependency_wait()).
+template <typename Kernel>
+void launch_after(bool dependent, Kernel kernel, dim3 grid, dim3 block, std::size_t shared, cudaStream_t stream,
+                  const BatchArgs& args, const char* name) {
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = shared;
+  config.stream = stream;
+  config.attrs = dependent ? &attribute : nullptr;
+  config.numAttrs = dependent ? 1 : 0;
+  check_cuda(cudaLaunchKernelEx(&config, kernel, args), name);
+}
+
 template <typename T, bool kVec>
-void launch_planner_kernels(const BatchArgs& args, bool vote, cudaStream_t stream) {
-  text_norm_kernel<T, kVec><<<(args.num_text + kWarpsPerBlock - 1) / kWarpsPerBlock, kBlockThreads, 0, stream>>>(args);
+void launch_planner_kernels(const BatchArgs& args, const RowLaunch& rows, bool dependent, bool vote,
+                            cudaStream_t stream) {
+  // A normal launch: it waits for the work list's upload and for whatever
+  // the caller queued before.
+  text_norm_kernel<T, kVec>
+      <<<(args.num_text + kTextNormWarps - 1) / kTextNormWarps, kTextNormThreads, 0, stream>>>(args);
   MIXKV_PLANNER_LAUNCHED("text_norm_kernel");
   const dim3 mean_grid((args.hidden + kWarp - 1) / kWarp, args.num_requests);
-  text_mean_kernel<T><<<mean_grid, kBlockThreads, 0, stream>>>(args);
-  MIXKV_PLANNER_LAUNCHED("text_mean_kernel");
+  launch_after(dependent, text_mean_kernel<T>, mean_grid, kBlockThreads, 0, stream, args, "launch of text_mean_kernel");
   if (args.num_windows == 0) return;
-  const std::size_t shared = align16(static_cast<std::size_t>(args.hidden) * 4) +
-                             static_cast<std::size_t>(args.num_layers) * sizeof(LayerThresholds);
-  if (shared > 48 * 1024) {
-    MIXKV_PLANNER_CUDA(cudaFuncSetAttribute(window_plan_kernel<T, kVec>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            static_cast<int>(shared)));
-  }
-  window_plan_kernel<T, kVec><<<args.num_windows, kWindowThreads, shared, stream>>>(args);
-  MIXKV_PLANNER_LAUNCHED("window_plan_kernel");
+  launch_after(dependent, window_rows_kernel<T, kVec>, rows.grid, kRowThreads, rows.shared, stream, args,
+               "launch of window_rows_kernel");
+  launch_after(dependent, window_plan_kernel, (args.num_windows + kWarpsPerBlock - 1) / kWarpsPerBlock, kBlockThreads,
+               0, stream, args, "launch of window_plan_kernel");
   if (vote && args.num_requests > 1) {
     const long long threads = static_cast<long long>(args.num_layers) * args.max_windows;
-    majority_vote_kernel<<<static_cast<unsigned>((threads + kBlockThreads - 1) / kBlockThreads), kBlockThreads, 0,
-                           stream>>>(args);
-    MIXKV_PLANNER_LAUNCHED("majority_vote_kernel");
+    launch_after(dependent, majority_vote_kernel, static_cast<unsigned>((threads + kBlockThreads - 1) / kBlockThreads),
+                 kBlockThreads, 0, stream, args, "launch of majority_vote_kernel");
   }
 }
 
-template <bool kVec>
-void dispatch_planner(ElementType type, const BatchArgs& args, bool vote, cudaStream_t stream) {
+// Calls f.template operator()<T, kVec>() for an element type and load path.
+template <typename F>
+decltype(auto) with_types(ElementType type, bool vectorized, F&& f) {
   switch (type) {
     case ElementType::F32:
-      launch_planner_kernels<float, kVec>(args, vote, stream);
-      return;
+      return vectorized ? f.template operator()<float, true>() : f.template operator()<float, false>();
     case ElementType::F16:
-      launch_planner_kernels<__half, kVec>(args, vote, stream);
-      return;
+      return vectorized ? f.template operator()<__half, true>() : f.template operator()<__half, false>();
     case ElementType::BF16:
-      launch_planner_kernels<__nv_bfloat16, kVec>(args, vote, stream);
-      return;
+      return vectorized ? f.template operator()<__nv_bfloat16, true>() : f.template operator()<__nv_bfloat16, false>();
   }
   throw InvalidArgument("embeddings type = " + std::to_string(static_cast<int>(type)) +
                         ", expected F32 (0), F16 (1) or BF16 (2)");
 }
 
-// The CUDA planner keeps the text mean and per-layer thresholds in shared
-// memory: 192 KiB + 8 KiB at the limits, inside an sm_90 block's 227 KiB.
+// Programmatic dependent launch needs an sm_90 device running sm_90 code (the
+// kernels' griddepcontrol instructions); otherwise kernels launch normally.
+bool pdl_usable() {
+  int device = 0, major = 0;
+  MIXKV_PLANNER_CUDA(cudaGetDevice(&device));
+  MIXKV_PLANNER_CUDA(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  cudaFuncAttributes attributes{};
+  MIXKV_PLANNER_CUDA(cudaFuncGetAttributes(&attributes, window_plan_kernel));
+  return major >= 9 && attributes.binaryVersion >= 90;
+}
+
+// The CUDA planner keeps the text mean in shared memory: 192 KiB at the
+// limit, inside an sm_90 block's 227 KiB.
 constexpr std::int32_t kMaxHidden = 49152;
-constexpr std::int32_t kMaxLayers = 1024;
 // text_mean_kernel puts requests on gridDim.y.
 constexpr std::size_t kMaxRequests = 65535;
 
@@ -494,7 +696,7 @@ struct CudaWindowPlanner::Impl {
   enum class State { Idle, Prepared, Launched };
 
   WindowPlanner host;      // validation, configuration and thresholds
-  DeviceBuffer constants;  // sensitivities, min precisions
+  DeviceBuffer constants;  // thresholds, min precisions
   DeviceBuffer upload;     // the batch's work list
   DeviceBuffer work;       // [scores | status | precisions] then scratch
   PinnedBuffer staging;    // host side of `upload`
@@ -504,6 +706,10 @@ struct CudaWindowPlanner::Impl {
   BatchArgs args{};
   ElementType type = ElementType::F32;
   bool vectorized = false;
+  bool dependent_launch = false;  // pdl_usable() on the constructor's device
+  int sms = 0;
+  int l2_bytes = 0;
+  RowLaunch rows;
   std::size_t upload_bytes = 0;
   std::size_t result_bytes = 0;
   std::size_t status_offset = 0;
@@ -516,25 +722,28 @@ struct CudaWindowPlanner::Impl {
 };
 
 CudaWindowPlanner::CudaWindowPlanner(PlannerConfig config) : impl_(std::make_unique<Impl>(std::move(config))) {
-  const PlannerConfig& c = impl_->host.config();
-  const std::int32_t layers = impl_->host.num_layers();
-  if (layers > kMaxLayers) {
-    throw InvalidArgument("sensitivities holds " + std::to_string(layers) + " layers, expected at most " +
-                          std::to_string(kMaxLayers) + " on the GPU");
-  }
-  std::vector<std::byte> host(align16(layers * sizeof(double)) + static_cast<std::size_t>(layers));
-  std::memcpy(host.data(), c.sensitivities.data(), layers * sizeof(double));
+  Impl& m = *impl_;
+  const std::int32_t layers = m.host.num_layers();
+  const std::span<const LayerThresholds> thresholds = m.host.thresholds();
+  const std::vector<Precision>& min_precision = m.host.config().min_precision;
+  const std::size_t o_min = align16(layers * sizeof(LayerThresholds));
+  std::vector<std::byte> host(o_min + static_cast<std::size_t>(layers));
+  std::memcpy(host.data(), thresholds.data(), layers * sizeof(LayerThresholds));
   for (std::int32_t l = 0; l < layers; ++l) {
-    host[align16(layers * sizeof(double)) + l] =
-        static_cast<std::byte>(c.min_precision.empty() ? pool_index(Precision::INT2) : pool_index(c.min_precision[l]));
+    host[o_min + l] =
+        static_cast<std::byte>(min_precision.empty() ? pool_index(Precision::INT2) : pool_index(min_precision[l]));
   }
-  impl_->constants.reserve(host.size(), nullptr);
-  MIXKV_PLANNER_CUDA(cudaMemcpy(impl_->constants.get(), host.data(), host.size(), cudaMemcpyHostToDevice));
-  impl_->args.sensitivities = at_offset<const double>(impl_->constants.get(), 0);
-  impl_->args.min_precision = at_offset<const unsigned char>(impl_->constants.get(), align16(layers * sizeof(double)));
-  impl_->args.alpha = c.alpha;
-  impl_->args.window_size = c.window_size;
-  impl_->args.num_layers = layers;
+  m.constants.reserve(host.size(), nullptr);
+  MIXKV_PLANNER_CUDA(cudaMemcpy(m.constants.get(), host.data(), host.size(), cudaMemcpyHostToDevice));
+  m.args.thresholds = at_offset<const LayerThresholds>(m.constants.get(), 0);
+  m.args.min_precision = at_offset<const unsigned char>(m.constants.get(), o_min);
+  m.args.window_size = m.host.config().window_size;
+  m.args.num_layers = layers;
+  int device = 0;
+  MIXKV_PLANNER_CUDA(cudaGetDevice(&device));
+  MIXKV_PLANNER_CUDA(cudaDeviceGetAttribute(&m.sms, cudaDevAttrMultiProcessorCount, device));
+  MIXKV_PLANNER_CUDA(cudaDeviceGetAttribute(&m.l2_bytes, cudaDevAttrL2CacheSize, device));
+  m.dependent_launch = pdl_usable();
 }
 
 CudaWindowPlanner::~CudaWindowPlanner() = default;
@@ -564,7 +773,8 @@ void CudaWindowPlanner::prepare(std::span<const TokenLayout> layouts, std::span<
   // The work list, on the host.
   const std::size_t requests = layouts.size();
   const std::int64_t layers = m.host.num_layers();
-  std::vector<std::int32_t> text_begin{0}, text_row, text_request, window_row, window_request, window_local;
+  std::vector<std::int32_t> text_begin{0}, window_begin{0}, text_row, text_request, window_row, window_request,
+      window_local;
   std::vector<std::int32_t> windows_of(requests);
   std::vector<std::int64_t> first_precision_of(requests), first_window_of(requests);
   std::int64_t precisions = 0;
@@ -588,6 +798,7 @@ void CudaWindowPlanner::prepare(std::span<const TokenLayout> layouts, std::span<
       window_local.push_back(static_cast<std::int32_t>(i));
     }
     windows_of[r] = static_cast<std::int32_t>(starts.size());
+    window_begin.push_back(static_cast<std::int32_t>(window_row.size()));
     first_precision_of[r] = precisions;
     precisions += layers * windows_of[r];
   }
@@ -600,6 +811,7 @@ void CudaWindowPlanner::prepare(std::span<const TokenLayout> layouts, std::span<
   const std::size_t o_base = in.add(requests * 8);
   const std::size_t o_plan = in.add(requests * 8);
   const std::size_t o_text_begin = in.add((requests + 1) * 4);
+  const std::size_t o_window_begin = in.add((requests + 1) * 4);
   const std::size_t o_windows = in.add(requests * 4);
   const std::size_t o_text_row = in.add(text_row.size() * 4);
   const std::size_t o_text_request = in.add(text_row.size() * 4);
@@ -615,6 +827,8 @@ void CudaWindowPlanner::prepare(std::span<const TokenLayout> layouts, std::span<
   const std::size_t result_bytes = out.total;
   const std::size_t o_inv_norm = out.add(text_row.size() * 8);
   const std::size_t o_mean = out.add(requests * static_cast<std::size_t>(hidden) * 4);
+  const std::size_t window_rows = window_row.size() * static_cast<std::size_t>(window_size);
+  const std::size_t o_row_value = out.add(window_rows * 8);
 
   m.staging.reserve(in.total);
   m.results.reserve(result_bytes);
@@ -630,6 +844,7 @@ void CudaWindowPlanner::prepare(std::span<const TokenLayout> layouts, std::span<
     if (!v.empty()) std::memcpy(h + offset, v.data(), v.size() * 4);
   };
   put(o_text_begin, text_begin);
+  put(o_window_begin, window_begin);
   put(o_windows, windows_of);
   put(o_text_row, text_row);
   put(o_text_request, text_request);
@@ -644,6 +859,7 @@ void CudaWindowPlanner::prepare(std::span<const TokenLayout> layouts, std::span<
   a.request_base = at_offset<const unsigned long long>(d, o_base);
   a.plan_offset = at_offset<const long long>(d, o_plan);
   a.text_begin = at_offset<const int>(d, o_text_begin);
+  a.window_begin = at_offset<const int>(d, o_window_begin);
   a.request_windows = at_offset<const int>(d, o_windows);
   a.text_row = at_offset<const int>(d, o_text_row);
   a.text_request = at_offset<const int>(d, o_text_request);
@@ -655,6 +871,7 @@ void CudaWindowPlanner::prepare(std::span<const TokenLayout> layouts, std::span<
   a.precisions = at_offset<unsigned char>(wk, o_precisions);
   a.text_inv_norm = at_offset<double>(wk, o_inv_norm);
   a.text_mean = at_offset<float>(wk, o_mean);
+  a.row_value = at_offset<double>(wk, o_row_value);
   a.num_text = static_cast<int>(text_row.size());
   a.num_windows = static_cast<int>(window_row.size());
   a.hidden = hidden;
@@ -663,6 +880,30 @@ void CudaWindowPlanner::prepare(std::span<const TokenLayout> layouts, std::span<
 
   m.type = embeddings[0].type;
   m.vectorized = rows_aligned(embeddings);
+  if (window_rows > 0) {
+    // Every block resident at once, none without a row.
+    const std::size_t shared = align16(static_cast<std::size_t>(hidden) * 4);
+    const int per_sm = with_types(m.type, m.vectorized, [&]<typename T, bool kVec>() {
+      if (shared > 48 * 1024) {
+        MIXKV_PLANNER_CUDA(cudaFuncSetAttribute(window_rows_kernel<T, kVec>,
+                                                cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared)));
+      }
+      int blocks = 0;
+      MIXKV_PLANNER_CUDA(
+          cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, window_rows_kernel<T, kVec>, kRowThreads, shared));
+      return blocks;
+    });
+    if (per_sm < 1) {
+      throw DeviceError("window_rows_kernel fits no SM with " + std::to_string(shared) + " bytes of shared memory");
+    }
+    m.rows.grid = static_cast<int>(std::min<std::size_t>(static_cast<std::size_t>(per_sm) * m.sms, window_rows));
+    m.rows.shared = shared;
+    // Prefetched rows must still be in L2 when read: a third of it, shared
+    // by all warps, the rest left to the lines streamed meanwhile.
+    const std::size_t row_bytes = static_cast<std::size_t>(hidden) * element_bytes(m.type);
+    const std::size_t warps = static_cast<std::size_t>(m.rows.grid) * kRowWarps;
+    a.prefetch_bytes = static_cast<int>(std::min(row_bytes, static_cast<std::size_t>(m.l2_bytes) / 3 / warps));
+  }
   m.upload_bytes = in.total;
   m.result_bytes = result_bytes;
   m.status_offset = o_status;
@@ -679,13 +920,15 @@ void CudaWindowPlanner::launch(cudaStream_t stream) {
     throw InvalidArgument(m.state == Impl::State::Idle ? "launch() without a prepared batch, expected prepare() first"
                                                        : "launch() called twice, expected finish() first");
   }
-  MIXKV_PLANNER_CUDA(cudaMemsetAsync(m.args.status, 0, 16, stream));
   const bool vote = m.host.config().batch_policy == BatchPolicy::MajorityVote;
-  if (m.vectorized) {
-    dispatch_planner<true>(m.type, m.args, vote, stream);
-  } else {
-    dispatch_planner<false>(m.type, m.args, vote, stream);
-  }
+  // Dependent launches only on streams the caller created; the special
+  // handles (legacy and per-thread default stream) launch normally, a case
+  // nobody has tried with programmatic dependent launch here.
+  const bool dependent =
+      m.dependent_launch && stream != nullptr && stream != cudaStreamLegacy && stream != cudaStreamPerThread;
+  with_types(m.type, m.vectorized, [&]<typename T, bool kVec>() {
+    launch_planner_kernels<T, kVec>(m.args, m.rows, dependent, vote, stream);
+  });
   MIXKV_PLANNER_CUDA(cudaMemcpyAsync(m.results.get(), m.work.get(), m.result_bytes, cudaMemcpyDeviceToHost, stream));
   m.state = Impl::State::Launched;
 }
@@ -757,7 +1000,7 @@ __global__ void __launch_bounds__(kBlockThreads)
   if (i >= count) return;
   const auto* row = reinterpret_cast<const T*>(rows[i]);
   double ignored, squares;
-  row_exact<T, false>(row, nullptr, hidden, lane, ignored, squares);
+  row_exact<T, false, false>(row, nullptr, hidden, lane, ignored, squares);
   const double inverse = squares > 0.0 ? 1.0 / sqrt(squares) : 0.0;
   for (int c = lane; c < hidden; c += kWarp) {
     dst[static_cast<long long>(i) * hidden + c] = static_cast<float>(to_float(row[c]) * inverse);

@@ -164,6 +164,44 @@ INSTANTIATE_TEST_SUITE_P(Shapes, CudaPlannerShapes,
                                            Shape{ElementType::F32, 520, 48, 4}),
                          shape_name);
 
+// The shapes above give every block of the row kernel a single row. Here
+// (7,360 window rows) each block takes several, a warp more than one, and
+// block shares cross request boundaries, on both load paths.
+TEST_F(CudaPlannerTest, ManyRowsAcrossRequestsMatchTheCpuPlanner) {
+  std::vector<TokenLayout> layouts;
+  for (std::int32_t r = 0; r < 5; ++r) {
+    layouts.push_back(
+        TokenLayout({{TokenKind::Text, 3 + 7 * r}, {TokenKind::Visual, (40 + 3 * r) * 32 + r}, {TokenKind::Text, 2}}));
+  }
+  const PlannerConfig config = config_for(32, 3);
+  const WindowPlanner cpu_planner(config);
+  gpu::CudaWindowPlanner gpu_planner(config);
+  for (const Shape s : {Shape{ElementType::F16, 256, 32, 0}, Shape{ElementType::BF16, 72, 32, 2}}) {
+    std::vector<test::Matrix> host;
+    std::vector<DeviceMatrix> device;
+    std::vector<EmbeddingsView> views;
+    device.reserve(layouts.size());
+    for (std::size_t r = 0; r < layouts.size(); ++r) {
+      host.push_back(test::random_embeddings(s.type, layouts[r].num_tokens(), s.hidden, 700 + static_cast<int>(r)));
+      device.emplace_back(host.back(), s.offset_bytes);
+      views.push_back(device.back().view());
+    }
+    const std::vector<PrecisionPlan> plans = gpu_planner.plan(layouts, views, stream_);
+    ASSERT_EQ(plans.size(), layouts.size());
+    for (std::size_t r = 0; r < plans.size(); ++r) {
+      const std::vector<float> cpu = window_similarity(layouts[r], host[r].view(), 32);
+      ASSERT_EQ(plans[r].num_windows(), static_cast<std::int32_t>(cpu.size())) << "request " << r;
+      std::vector<float> scores;
+      for (std::int32_t i = 0; i < plans[r].num_windows(); ++i) {
+        EXPECT_NEAR(plans[r].score(i), cpu[i], 1e-6)
+            << "type " << static_cast<int>(s.type) << " request " << r << " window " << i;
+        scores.push_back(plans[r].score(i));
+      }
+      EXPECT_EQ(plans[r], cpu_planner.plan_from_scores(scores)) << "request " << r;
+    }
+  }
+}
+
 TEST_F(CudaPlannerTest, ResultsAreReproducibleAndStepsCanBeSplit) {
   const Batch batch(ElementType::F16, 512, 32);
   gpu::CudaWindowPlanner planner(config_for(32, 4));

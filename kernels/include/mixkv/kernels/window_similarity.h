@@ -21,7 +21,7 @@ namespace mixkv::gpu {
 // one hidden size per batch). Three steps so that a caller can overlap them
 // with other work and time the device part alone:
 //   prepare(): validates and uploads the batch's small work list;
-//   launch():  enqueues similarity + thresholds + plan (+ majority vote) and
+//   launch():  enqueues similarity + plan (+ majority vote) and
 //              the copy of scores and precisions to pinned host memory;
 //   finish():  waits for the stream, reports NaN / infinite embeddings,
 //              returns one PrecisionPlan per request.
@@ -30,8 +30,9 @@ namespace mixkv::gpu {
 // sum) and equal the CPU planner's up to float rounding of the scores.
 class CudaWindowPlanner {
  public:
-  // Validates `config` as WindowPlanner does and uploads the per-layer
-  // sensitivities and minimum precisions (synchronously, once).
+  // Validates `config` as WindowPlanner does and uploads its per-layer
+  // thresholds (so that a score gets the CPU planner's decision bit for bit)
+  // and minimum precisions (synchronously, once).
   explicit CudaWindowPlanner(PlannerConfig config);
   ~CudaWindowPlanner();
   CudaWindowPlanner(const CudaWindowPlanner&) = delete;
