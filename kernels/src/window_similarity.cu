@@ -37,6 +37,7 @@ void check_cublas(cublasStatus_t status, const char* what) {
 #define MIXKV_PLANNER_LAUNCHED(name) check_cuda(cudaGetLastError(), "launch of " name)
 
 constexpr std::size_t align16(std::size_t n) { return (n + 15) & ~std::size_t{15}; }
+constexpr std::size_t align4(std::size_t n) { return (n + 3) & ~std::size_t{3}; }
 
 // Carves one allocation into 16-byte aligned arrays.
 struct Carver {
@@ -72,11 +73,12 @@ class DeviceBuffer {
   std::size_t bytes_ = 0;
 };
 
-// Pinned host memory, so that copies are truly asynchronous. Only grown while
-// no copy from or to it is pending (the planner's state machine ensures it).
+// Pinned host memory, so that copies are truly asynchronous; with
+// cudaHostAllocMapped also written by kernels directly. Only grown while no
+// copy or kernel uses it (the planner's state machine ensures it).
 class PinnedBuffer {
  public:
-  PinnedBuffer() = default;
+  explicit PinnedBuffer(unsigned flags = cudaHostAllocDefault) : flags_(flags) {}
   PinnedBuffer(const PinnedBuffer&) = delete;
   PinnedBuffer& operator=(const PinnedBuffer&) = delete;
   ~PinnedBuffer() {
@@ -87,13 +89,19 @@ class PinnedBuffer {
     if (ptr_ != nullptr) MIXKV_PLANNER_CUDA(cudaFreeHost(ptr_));
     ptr_ = nullptr;
     bytes_ = 0;
-    MIXKV_PLANNER_CUDA(cudaMallocHost(&ptr_, bytes));
+    device_ = nullptr;
+    MIXKV_PLANNER_CUDA(cudaHostAlloc(&ptr_, bytes, flags_));
+    if ((flags_ & cudaHostAllocMapped) != 0) MIXKV_PLANNER_CUDA(cudaHostGetDevicePointer(&device_, ptr_, 0));
     bytes_ = bytes;
   }
   std::byte* get() const { return static_cast<std::byte*>(ptr_); }
+  // The device's address of a cudaHostAllocMapped buffer.
+  std::byte* device() const { return static_cast<std::byte*>(device_); }
 
  private:
+  unsigned flags_;
   void* ptr_ = nullptr;
+  void* device_ = nullptr;
   std::size_t bytes_ = 0;
 };
 
@@ -355,6 +363,9 @@ __device__ __forceinline__ void prefetch_l2(const void* row, int bytes, int lane
 // Kernels of the planner
 // ---------------------------------------------------------------------------
 
+// Mapped host results: the error word (4 ints), then the windows' records.
+constexpr std::size_t kRecordsOffset = 4 * sizeof(int);
+
 struct BatchArgs {
   const unsigned long long* request_base;  // [requests] address of row 0
   const long long* plan_offset;            // [requests] first precision of the request
@@ -371,9 +382,12 @@ struct BatchArgs {
   double* text_inv_norm;                   // [text rows] scratch; NaN: the row is not finite
   float* text_mean;                        // [requests][hidden] scratch
   double* row_value;                       // [windows][window_size] scratch: (u . w) / |w|
+  int* arrivals;                           // [windows + 1] rows done per window, then windows done
   float* scores;                           // [windows]
   unsigned char* precisions;               // per request [layers][windows]
   int* status;                             // [4]
+  unsigned char* host_results;             // mapped pinned: status [4], then a record a window
+  int record_bytes;                        // a window's record: float score, a precision a layer
   int num_text;
   int num_windows;
   int hidden;
@@ -392,12 +406,17 @@ __device__ __forceinline__ const T* row_at(const BatchArgs& a, int request, int 
 
 // 1 / |t_j| for every text row (a warp a row), NaN for a row holding a NaN or
 // an infinity (text_mean_kernel reports it). Launched normally, so it also
-// clears the error word: every report comes from a later kernel, after its
-// grid_dependency_wait().
+// clears the error word and the arrival counters: every report and arrival
+// comes from a later kernel, after its grid_dependency_wait(). Clearing here,
+// not after the last arrival, keeps a launch correct after one that failed
+// halfway, and in a replayed CUDA graph.
 template <typename T, bool kVec>
 __global__ void __launch_bounds__(kTextNormThreads) text_norm_kernel(BatchArgs a) {
   allow_dependent_launch();
   if (blockIdx.x == 0 && threadIdx.x < 4) a.status[threadIdx.x] = 0;
+  for (int i = blockIdx.x * kTextNormThreads + threadIdx.x; i <= a.num_windows; i += gridDim.x * kTextNormThreads) {
+    a.arrivals[i] = 0;
+  }
   const int j = blockIdx.x * kTextNormWarps + threadIdx.x / kWarp;
   const int lane = threadIdx.x % kWarp;
   if (j >= a.num_text) return;  // whole warps leave together
@@ -508,6 +527,49 @@ __device__ __forceinline__ void load_text_mean(const BatchArgs& a, int request, 
   }
 }
 
+// Eq. 8 as the mean of window w's row terms (in a fixed order: the same bits
+// on every run, whichever warp gets here), then the rule of eqs. 10-11 in
+// every layer with the host planner's own thresholds, so that a score gets
+// the CPU planner's decision exactly. Written to the device arrays and to the
+// window's record in mapped host memory: a record is 4 + layers contiguous
+// bytes, so one warp store crosses the bus instead of a byte a layer.
+__device__ __forceinline__ void plan_window(const BatchArgs& a, int w, int request, int lane) {
+  const int local = a.window_local[w];
+  const int windows = a.request_windows[request];
+  unsigned char* plan = a.precisions + a.plan_offset[request];
+  unsigned char* record = a.host_results + kRecordsOffset + static_cast<long long>(w) * a.record_bytes;
+  double sum = 0.0;
+  // L2 loads: the values were written by other SMs (L1 is not coherent).
+  for (int k = lane; k < a.window_size; k += kWarp) sum += __ldcg(a.row_value + w * a.window_size + k);
+  const float score = static_cast<float>(warp_sum(sum) / a.window_size);
+  if (lane == 0) {
+    a.scores[w] = score;
+    *reinterpret_cast<float*>(record) = score;
+  }
+  for (int l = lane; l < a.num_layers; l += kWarp) {
+    const auto minimum = static_cast<Precision>(a.min_precision[l]);
+    const auto p = static_cast<unsigned char>(window_precision(score, a.thresholds[l], minimum, local == 0));
+    plan[static_cast<long long>(l) * windows + local] = p;
+    record[sizeof(float) + l] = p;
+  }
+}
+
+// lane 0 adds one to *counter after a fence that orders its earlier writes
+// (a row value, a report) before it; every lane gets the count, and if it is `full` every lane fences again, so that what
+// the other arrivals wrote is visible to its loads (the threadFenceReduction
+// pattern of the CUDA samples).
+__device__ __forceinline__ bool arrive_last(int* counter, int full, int lane) {
+  int count = 0;
+  if (lane == 0) {
+    __threadfence();
+    count = atomicAdd(counter, 1) + 1;
+  }
+  count = __shfl_sync(0xffffffffu, count, 0);
+  if (count != full) return false;
+  __threadfence();
+  return true;
+}
+
 // Eq. 8's per-row term (u . w_k) / |w_k| of every window row of the batch,
 // row g = window * S + k, into row_value[g]. The rows are split evenly over
 // the blocks (shares differ by one row at most: no window-sized imbalance
@@ -515,6 +577,11 @@ __device__ __forceinline__ void load_text_mean(const BatchArgs& a, int request, 
 // Before waiting for the text mean, each warp asks L2 for the start of its
 // first row: DRAM is idle while the text kernels run, and those lines are the
 // first the warp reads after the wait.
+// The warp that writes a window's last row value (arrivals[w] reaches S)
+// plans the window at once, so no kernel waits for the slowest row of the
+// batch to start the sums; the warp that completes the last window copies the
+// error word to the mapped host results, after every report was made (a
+// report precedes its row's arrival; text reports precede this kernel).
 template <typename T, bool kVec>
 __global__ void __launch_bounds__(kRowThreads, kRowMinBlocksPerSm) window_rows_kernel(BatchArgs a) {
   extern __shared__ float4 shared4[];
@@ -522,27 +589,30 @@ __global__ void __launch_bounds__(kRowThreads, kRowMinBlocksPerSm) window_rows_k
   allow_dependent_launch();
   const int warp = threadIdx.x / kWarp;
   const int lane = threadIdx.x % kWarp;
-  const long long rows = static_cast<long long>(a.num_windows) * a.window_size;
-  const long long share = rows / gridDim.x;
-  const long long extra = rows % gridDim.x;
-  const long long begin = blockIdx.x * share + min(static_cast<long long>(blockIdx.x), extra);
-  const long long end = begin + share + (blockIdx.x < extra ? 1 : 0);
+  // int indices: prepare() caps the window rows at 2^31 - 1 (64-bit ones
+  // cost the row loop registers and 64-bit divisions).
+  const int rows = a.num_windows * a.window_size;
+  const int share = rows / static_cast<int>(gridDim.x);
+  const int extra = rows % static_cast<int>(gridDim.x);
+  const int block = static_cast<int>(blockIdx.x);
+  const int begin = block * share + min(block, extra);
+  const int end = begin + share + (block < extra ? 1 : 0);
   if (begin + warp < end) {
-    const long long w = (begin + warp) / a.window_size;
-    const int k = static_cast<int>(begin + warp - w * a.window_size);
+    const int w = (begin + warp) / a.window_size;
+    const int k = begin + warp - w * a.window_size;
     prefetch_l2(row_at<T>(a, a.window_request[w], a.window_row[w] + k), a.prefetch_bytes, lane);
   }
   grid_dependency_wait();
   // A share may span requests (batches): one u at a time.
-  for (long long first = begin; first < end;) {
+  for (int first = begin; first < end;) {
     const int request = a.window_request[first / a.window_size];
-    const long long last = min(end, static_cast<long long>(a.window_begin[request + 1]) * a.window_size);
+    const int last = min(end, a.window_begin[request + 1] * a.window_size);
     __syncthreads();  // the previous request's u is no longer read
     load_text_mean<T, kVec>(a, request, u);
     __syncthreads();
-    for (long long g = first + warp; g < last; g += kRowWarps) {
-      const long long w = g / a.window_size;
-      const int prompt_row = a.window_row[w] + static_cast<int>(g - w * a.window_size);
+    for (int g = first + warp; g < last; g += kRowWarps) {
+      const int w = g / a.window_size;
+      const int prompt_row = a.window_row[w] + (g - w * a.window_size);
       const T* row = row_at<T>(a, request, prompt_row);
       double dot, squares;
       row_sums<T, kVec, true, kRowLoads>(row, u, a.hidden, lane, dot, squares);
@@ -551,43 +621,26 @@ __global__ void __launch_bounds__(kRowThreads, kRowMinBlocksPerSm) window_rows_k
         squares = 0.0;
       }
       if (lane == 0) a.row_value[g] = squares > 0.0 ? dot / sqrt(squares) : 0.0;
+      if (!arrive_last(a.arrivals + w, a.window_size, lane)) continue;
+      plan_window(a, w, request, lane);
+      // Only the error word is read after this arrival: the plan's stores
+      // are read after the kernel (majority_vote_kernel, the host).
+      if (arrive_last(a.arrivals + a.num_windows, a.num_windows, lane) && lane < 4) {
+        reinterpret_cast<int*>(a.host_results)[lane] = __ldcg(a.status + lane);
+      }
     }
     first = last;
   }
 }
 
-// Eq. 8 as the mean of each window's row terms (a warp a window, a fixed
-// order: the same bits on every run), then the rule of eqs. 10-11 in every
-// layer with the host planner's own thresholds, so that a score gets the CPU
-// planner's decision exactly.
-__global__ void __launch_bounds__(kBlockThreads) window_plan_kernel(BatchArgs a) {
-  allow_dependent_launch();
-  const int w = blockIdx.x * kWarpsPerBlock + threadIdx.x / kWarp;
-  const int lane = threadIdx.x % kWarp;
-  if (w >= a.num_windows) return;  // whole warps; warp 0 of every block stays
-  const int request = a.window_request[w];
-  const int local = a.window_local[w];
-  const int windows = a.request_windows[request];
-  unsigned char* plan = a.precisions + a.plan_offset[request];
-  grid_dependency_wait();
-  double sum = 0.0;
-  for (int k = lane; k < a.window_size; k += kWarp) sum += a.row_value[static_cast<long long>(w) * a.window_size + k];
-  const float score = static_cast<float>(warp_sum(sum) / a.window_size);
-  if (lane == 0) a.scores[w] = score;
-  for (int l = lane; l < a.num_layers; l += kWarp) {
-    const auto minimum = static_cast<Precision>(a.min_precision[l]);
-    plan[static_cast<long long>(l) * windows + local] =
-        static_cast<unsigned char>(window_precision(score, a.thresholds[l], minimum, local == 0));
-  }
-}
-
-// The paper's per-batch option: a thread per (layer, window position).
+// The paper's per-batch option: a thread per (window position, layer), layers
+// adjacent so that the host record stores of a warp are contiguous.
 __global__ void majority_vote_kernel(BatchArgs a) {
   grid_dependency_wait();
   const long long index = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (index >= static_cast<long long>(a.num_layers) * a.max_windows) return;
-  const int layer = static_cast<int>(index / a.max_windows);
-  const int window = static_cast<int>(index % a.max_windows);
+  const int layer = static_cast<int>(index % a.num_layers);
+  const int window = static_cast<int>(index / a.num_layers);
   int votes[kNumPrecisions] = {0, 0, 0};
   for (int r = 0; r < a.num_requests; ++r) {
     const int windows = a.request_windows[r];
@@ -603,6 +656,8 @@ __global__ void majority_vote_kernel(BatchArgs a) {
     if (window < windows) {
       a.precisions[a.plan_offset[r] + static_cast<long long>(layer) * windows + window] =
           static_cast<unsigned char>(winner);
+      const long long w = a.window_begin[r] + window;
+      a.host_results[kRecordsOffset + w * a.record_bytes + sizeof(float) + layer] = static_cast<unsigned char>(winner);
     }
   }
 }
@@ -645,8 +700,6 @@ void launch_planner_kernels(const BatchArgs& args, const RowLaunch& rows, bool d
   if (args.num_windows == 0) return;
   launch_after(dependent, window_rows_kernel<T, kVec>, rows.grid, kRowThreads, rows.shared, stream, args,
                "launch of window_rows_kernel");
-  launch_after(dependent, window_plan_kernel, (args.num_windows + kWarpsPerBlock - 1) / kWarpsPerBlock, kBlockThreads,
-               0, stream, args, "launch of window_plan_kernel");
   if (vote && args.num_requests > 1) {
     const long long threads = static_cast<long long>(args.num_layers) * args.max_windows;
     launch_after(dependent, majority_vote_kernel, static_cast<unsigned>((threads + kBlockThreads - 1) / kBlockThreads),
@@ -676,7 +729,7 @@ bool pdl_usable() {
   MIXKV_PLANNER_CUDA(cudaGetDevice(&device));
   MIXKV_PLANNER_CUDA(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
   cudaFuncAttributes attributes{};
-  MIXKV_PLANNER_CUDA(cudaFuncGetAttributes(&attributes, window_plan_kernel));
+  MIXKV_PLANNER_CUDA(cudaFuncGetAttributes(&attributes, majority_vote_kernel));
   return major >= 9 && attributes.binaryVersion >= 90;
 }
 
@@ -700,7 +753,7 @@ struct CudaWindowPlanner::Impl {
   DeviceBuffer upload;     // the batch's work list
   DeviceBuffer work;       // [scores | status | precisions] then scratch
   PinnedBuffer staging;    // host side of `upload`
-  PinnedBuffer results;    // host side of work's first `result_bytes`
+  PinnedBuffer results{cudaHostAllocMapped};  // written by the kernels (BatchArgs::host_results)
 
   State state = State::Idle;
   BatchArgs args{};
@@ -711,11 +764,7 @@ struct CudaWindowPlanner::Impl {
   int l2_bytes = 0;
   RowLaunch rows;
   std::size_t upload_bytes = 0;
-  std::size_t result_bytes = 0;
-  std::size_t status_offset = 0;
-  std::size_t precisions_offset = 0;
   std::vector<std::int32_t> windows_of;          // per request
-  std::vector<std::int64_t> first_precision_of;  // per request
   std::vector<std::int64_t> first_window_of;     // per request
 
   explicit Impl(PlannerConfig config) : host(std::move(config)) {}
@@ -803,8 +852,8 @@ void CudaWindowPlanner::prepare(std::span<const TokenLayout> layouts, std::span<
     precisions += layers * windows_of[r];
   }
   if (text_row.size() > static_cast<std::size_t>(INT32_MAX) ||
-      window_row.size() > static_cast<std::size_t>(INT32_MAX)) {
-    throw InvalidArgument("the batch holds more than 2^31 - 1 text rows or windows, expected fewer");
+      window_row.size() * static_cast<std::size_t>(window_size) > static_cast<std::size_t>(INT32_MAX)) {
+    throw InvalidArgument("the batch holds more than 2^31 - 1 text rows or window rows, expected fewer");
   }
 
   Carver in;
@@ -824,14 +873,15 @@ void CudaWindowPlanner::prepare(std::span<const TokenLayout> layouts, std::span<
   const std::size_t o_scores = out.add(window_row.size() * 4);
   const std::size_t o_status = out.add(16);
   const std::size_t o_precisions = out.add(static_cast<std::size_t>(precisions));
-  const std::size_t result_bytes = out.total;
+  const std::size_t o_arrivals = out.add((window_row.size() + 1) * 4);
   const std::size_t o_inv_norm = out.add(text_row.size() * 8);
   const std::size_t o_mean = out.add(requests * static_cast<std::size_t>(hidden) * 4);
   const std::size_t window_rows = window_row.size() * static_cast<std::size_t>(window_size);
   const std::size_t o_row_value = out.add(window_rows * 8);
 
   m.staging.reserve(in.total);
-  m.results.reserve(result_bytes);
+  const std::size_t record_bytes = sizeof(float) + static_cast<std::size_t>(align4(layers));
+  m.results.reserve(kRecordsOffset + window_row.size() * record_bytes);
   m.upload.reserve(in.total, stream);
   m.work.reserve(out.total, stream);
 
@@ -872,6 +922,9 @@ void CudaWindowPlanner::prepare(std::span<const TokenLayout> layouts, std::span<
   a.text_inv_norm = at_offset<double>(wk, o_inv_norm);
   a.text_mean = at_offset<float>(wk, o_mean);
   a.row_value = at_offset<double>(wk, o_row_value);
+  a.arrivals = at_offset<int>(wk, o_arrivals);
+  a.host_results = reinterpret_cast<unsigned char*>(m.results.device());
+  a.record_bytes = static_cast<int>(record_bytes);
   a.num_text = static_cast<int>(text_row.size());
   a.num_windows = static_cast<int>(window_row.size());
   a.hidden = hidden;
@@ -905,11 +958,7 @@ void CudaWindowPlanner::prepare(std::span<const TokenLayout> layouts, std::span<
     a.prefetch_bytes = static_cast<int>(std::min(row_bytes, static_cast<std::size_t>(m.l2_bytes) / 3 / warps));
   }
   m.upload_bytes = in.total;
-  m.result_bytes = result_bytes;
-  m.status_offset = o_status;
-  m.precisions_offset = o_precisions;
   m.windows_of = std::move(windows_of);
-  m.first_precision_of = std::move(first_precision_of);
   m.first_window_of = std::move(first_window_of);
   m.state = Impl::State::Prepared;
 }
@@ -929,7 +978,11 @@ void CudaWindowPlanner::launch(cudaStream_t stream) {
   with_types(m.type, m.vectorized, [&]<typename T, bool kVec>() {
     launch_planner_kernels<T, kVec>(m.args, m.rows, dependent, vote, stream);
   });
-  MIXKV_PLANNER_CUDA(cudaMemcpyAsync(m.results.get(), m.work.get(), m.result_bytes, cudaMemcpyDeviceToHost, stream));
+  // Without windows no kernel copies the error word to the host results.
+  if (m.args.num_windows == 0) {
+    MIXKV_PLANNER_CUDA(
+        cudaMemcpyAsync(m.results.get(), m.args.status, kRecordsOffset, cudaMemcpyDeviceToHost, stream));
+  }
   m.state = Impl::State::Launched;
 }
 
@@ -941,26 +994,26 @@ std::vector<PrecisionPlan> CudaWindowPlanner::finish(cudaStream_t stream) {
   m.state = Impl::State::Idle;  // whatever follows, the buffers are free again after the sync
   MIXKV_PLANNER_CUDA(cudaStreamSynchronize(stream));
   const std::byte* h = m.results.get();
-  const auto* status = reinterpret_cast<const int*>(h + m.status_offset);
+  const auto* status = reinterpret_cast<const int*>(h);
   if (status[0] != 0) {
     throw InvalidArgument(indexed("embeddings", static_cast<std::size_t>(status[1])) + " row " +
                           std::to_string(status[2]) + " (" +
                           (status[3] < 0 ? std::string("text") : "visual window " + std::to_string(status[3])) +
                           ") holds a NaN or infinite value, expected finite embeddings");
   }
-  const auto* scores = reinterpret_cast<const float*>(h);
-  const auto* precisions = reinterpret_cast<const unsigned char*>(h + m.precisions_offset);
   const std::int32_t layers = m.host.num_layers();
   std::vector<PrecisionPlan> plans;
   plans.reserve(m.windows_of.size());
   for (std::size_t r = 0; r < m.windows_of.size(); ++r) {
     const std::int32_t windows = m.windows_of[r];
     PrecisionPlan plan(layers, windows);
-    for (std::int32_t i = 0; i < windows; ++i) plan.set_score(i, scores[m.first_window_of[r] + i]);
-    const unsigned char* p = precisions + m.first_precision_of[r];
-    for (std::int32_t l = 0; l < layers; ++l) {
-      for (std::int32_t i = 0; i < windows; ++i) {
-        plan.set(l, i, static_cast<Precision>(p[static_cast<std::int64_t>(l) * windows + i]));
+    for (std::int32_t i = 0; i < windows; ++i) {
+      const std::byte* record = h + kRecordsOffset + (m.first_window_of[r] + i) * m.args.record_bytes;
+      float score;
+      std::memcpy(&score, record, sizeof score);
+      plan.set_score(i, score);
+      for (std::int32_t l = 0; l < layers; ++l) {
+        plan.set(l, i, static_cast<Precision>(record[sizeof(float) + static_cast<std::size_t>(l)]));
       }
     }
     plans.push_back(std::move(plan));

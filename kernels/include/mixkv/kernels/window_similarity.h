@@ -21,8 +21,9 @@ namespace mixkv::gpu {
 // one hidden size per batch). Three steps so that a caller can overlap them
 // with other work and time the device part alone:
 //   prepare(): validates and uploads the batch's small work list;
-//   launch():  enqueues similarity + plan (+ majority vote) and
-//              the copy of scores and precisions to pinned host memory;
+//   launch():  enqueues similarity + plan (+ majority vote), whose
+//              kernels also write scores and precisions to mapped
+//              pinned host memory;
 //   finish():  waits for the stream, reports NaN / infinite embeddings,
 //              returns one PrecisionPlan per request.
 // plan() does all three. One batch at a time per planner: prepare() while a
