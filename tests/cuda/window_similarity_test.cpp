@@ -261,6 +261,49 @@ TEST_F(CudaPlannerTest, ReportsNonFiniteEmbeddingsAndStaysUsable) {
   EXPECT_EQ(planner.plan(batch.layouts, batch.device_views, stream_).size(), 4u);
 }
 
+// The window kernel counts each window's rows and the windows done on the
+// device; text_norm_kernel clears the counters at every launch. Batches of
+// different sizes in turn, errors in between and the majority vote must
+// leave every result as a fresh planner's, and a batch without a full window
+// (no window kernel: the error word takes a copy instead) must still report.
+TEST_F(CudaPlannerTest, RepeatedLaunchesOfOtherBatchesMatchFreshPlanners) {
+  const Batch large(ElementType::F16, 384, 16);
+  const std::vector<TokenLayout> small_layouts = {
+      TokenLayout({{TokenKind::Text, 3}, {TokenKind::Visual, 2 * 16 + 5}}),
+  };
+  std::vector<test::Matrix> small_host = {test::random_embeddings(ElementType::F16, 3 + 2 * 16 + 5, 384, 41)};
+  const DeviceMatrix small_device(small_host[0]);
+  const std::vector<EmbeddingsView> small_views = {small_device.view()};
+  // Shorter than a window: text rows only are read.
+  const std::vector<TokenLayout> no_window_layouts = {TokenLayout({{TokenKind::Visual, 15}, {TokenKind::Text, 4}})};
+  test::Matrix no_window_host = test::random_embeddings(ElementType::F16, 19, 384, 42);
+  no_window_host.set(17, 3, std::numeric_limits<float>::infinity());
+  const DeviceMatrix no_window_bad(no_window_host);
+  const std::vector<EmbeddingsView> no_window_views = {no_window_bad.view()};
+
+  for (const BatchPolicy policy : {BatchPolicy::PerRequest, BatchPolicy::MajorityVote}) {
+    const PlannerConfig config = config_for(16, 40, policy);  // more layers than a warp has lanes
+    const std::vector<PrecisionPlan> large_fresh =
+        gpu::CudaWindowPlanner(config).plan(large.layouts, large.device_views, stream_);
+    const std::vector<PrecisionPlan> small_fresh =
+        gpu::CudaWindowPlanner(config).plan(small_layouts, small_views, stream_);
+    gpu::CudaWindowPlanner planner(config);
+    for (int round = 0; round < 3; ++round) {
+      EXPECT_EQ(planner.plan(large.layouts, large.device_views, stream_), large_fresh) << "round " << round;
+      EXPECT_EQ(planner.plan(small_layouts, small_views, stream_), small_fresh) << "round " << round;
+      expect_error<InvalidArgument>([&] { planner.plan(no_window_layouts, no_window_views, stream_); },
+                                    "embeddings[0] row 17 (text) holds a NaN or infinite value");
+    }
+    std::vector<EmbeddingsView> good = no_window_views;
+    const DeviceMatrix no_window_good(test::random_embeddings(ElementType::F16, 19, 384, 43));
+    good[0] = no_window_good.view();
+    const std::vector<PrecisionPlan> empty = planner.plan(no_window_layouts, good, stream_);
+    ASSERT_EQ(empty.size(), 1u);
+    EXPECT_EQ(empty[0].num_windows(), 0);
+    EXPECT_EQ(planner.plan(large.layouts, large.device_views, stream_), large_fresh);
+  }
+}
+
 TEST_F(CudaPlannerTest, RejectsBadUse) {
   const Batch batch(ElementType::F16, 64, 16);
   gpu::CudaWindowPlanner planner(config_for(16, 2));
