@@ -554,10 +554,11 @@ __device__ __forceinline__ void plan_window(const BatchArgs& a, int w, int reque
   }
 }
 
-// lane 0 adds one to *counter after a fence that orders its earlier writes
-// (a row value, a report) before it; every lane gets the count, and if it is `full` every lane fences again, so that what
-// the other arrivals wrote is visible to its loads (the threadFenceReduction
-// pattern of the CUDA samples).
+// Lane 0 adds one to *counter after a fence that orders its earlier writes
+// (a row value, a report) before it; every lane gets the count, and if it is
+// `full` every lane fences again, so that what the other arrivals wrote is
+// visible to its loads (the threadFenceReduction pattern of the CUDA
+// samples). Called by whole warps.
 __device__ __forceinline__ bool arrive_last(int* counter, int full, int lane) {
   int count = 0;
   if (lane == 0) {
@@ -751,7 +752,7 @@ struct CudaWindowPlanner::Impl {
   WindowPlanner host;      // validation, configuration and thresholds
   DeviceBuffer constants;  // thresholds, min precisions
   DeviceBuffer upload;     // the batch's work list
-  DeviceBuffer work;       // [scores | status | precisions] then scratch
+  DeviceBuffer work;       // [scores | status | precisions | arrival counters] then scratch
   PinnedBuffer staging;    // host side of `upload`
   PinnedBuffer results{cudaHostAllocMapped};  // written by the kernels (BatchArgs::host_results)
 
