@@ -136,10 +136,10 @@ if [ "$VALIDATE" = 1 ]; then
   done
   timeout 60 "$BUILD/benchmarks/gpu_planner_bench" "$OUT/gpu_planner_bench.json" 2>&1 | tail -12
   if [ "$NCU" = 1 ]; then
-    timeout 90 ncu --clock-control none -k regex:'window_plan|text_|majority' -c 8 --section SpeedOfLight \
+    timeout 90 ncu --clock-control none -k regex:'window_|text_|majority' -c 8 --section SpeedOfLight \
       --section LaunchStats --section Occupancy "$BUILD/benchmarks/gpu_planner_bench" /tmp/ncu_planner.json \
       >"$OUT/ncu_planner.log" 2>&1
-    echo "ncu planner: rc=$?"; grep -E "window_plan|text_|majority|Duration|Memory Throughput" "$OUT/ncu_planner.log" | head -40
+    echo "ncu planner: rc=$?"; grep -E "window_|text_|majority|Duration|Memory Throughput|Achieved Occ" "$OUT/ncu_planner.log" | head -40
   fi
   STAGE="$BUILD/python-stage"
   rm -rf "$STAGE" && mkdir -p "$STAGE" && cp -r bindings/python/mixkv "$STAGE/" && cp "$BUILD"/bindings/_core*.so "$STAGE/mixkv/"
