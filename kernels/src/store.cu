@@ -127,19 +127,21 @@ __device__ void copy_fp16_rows(const StoreParams& p, long long* row_dst) {
     }
     row_dst[threadIdx.x] = dst;
     if (!__syncthreads_or(dst >= 0)) continue;  // also publishes row_dst
-    constexpr int kBatch = 2;  // chunks loaded before the first store
+    // Chunks loaded before the first store. A loaded chunk is remembered as
+    // (col << 7 | row) (row < kThreads = 2^7), one register instead of a
+    // destination pointer's two: 3 in flight then fit the kernel's 64
+    // registers without spills (4 spill).
+    constexpr int kBatch = 3;
+    static_assert(kThreads == 1 << 7);
     for (detail::StridedIndex at(chunks_per_row); at.row < n;) {
       uint4 kx[kBatch], vx[kBatch];
-      char* to[kBatch];
+      int chunk[kBatch];
 #pragma unroll
       for (int u = 0; u < kBatch; ++u) {
-        to[u] = nullptr;
+        chunk[u] = -1;
         if (at.row < n) {
-          const long long off = row_dst[at.row];
-          if (off >= 0) {
-            const int head = at.col / chunks_per_head;
-            to[u] = reinterpret_cast<char*>(pool.base) + off + head * head_bytes +
-                    16 * (at.col - head * chunks_per_head);
+          if (row_dst[at.row] >= 0) {
+            chunk[u] = at.col << 7 | at.row;
             const std::size_t src =
                 static_cast<std::size_t>(blockIdx.x + (first + at.row) * G) * chunks_per_row + at.col;
             kx[u] = __ldg(p.k + src);
@@ -150,9 +152,13 @@ __device__ void copy_fp16_rows(const StoreParams& p, long long* row_dst) {
       }
 #pragma unroll
       for (int u = 0; u < kBatch; ++u) {
-        if (to[u] == nullptr) continue;
-        *reinterpret_cast<uint4*>(to[u]) = kx[u];
-        *reinterpret_cast<uint4*>(to[u] + v_offset) = vx[u];
+        if (chunk[u] < 0) continue;
+        const int col = chunk[u] >> 7;
+        const int head = col / chunks_per_head;
+        char* to = reinterpret_cast<char*>(pool.base) + row_dst[chunk[u] & (kThreads - 1)] + head * head_bytes +
+                   16 * (col - head * chunks_per_head);
+        *reinterpret_cast<uint4*>(to) = kx[u];
+        *reinterpret_cast<uint4*>(to + v_offset) = vx[u];
       }
     }
     __syncthreads();  // row_dst is rewritten next round
@@ -282,6 +288,10 @@ void store_prefill(const StorePrefillArgs& a) {
   p.num_windows[0] = a.num_int4_windows;
   p.num_windows[1] = a.num_int2_windows;
   for (int i = 0; i < kNumPrecisions; ++i) p.pools[i] = a.pools[i];
+  require(static_cast<std::int64_t>(f.num_kv_heads) * f.head_dim < (std::int64_t{1} << 27),
+          std::string(fn) + ": num_kv_heads * head_dim = " +
+              std::to_string(static_cast<std::int64_t>(f.num_kv_heads) * f.head_dim) +
+              ": expected < 2^27 (16-byte chunks of a row counted in 24 bits)");
   const std::int64_t windows = static_cast<std::int64_t>(a.num_int4_windows) + a.num_int2_windows;
   const std::int64_t tiles = windows * f.num_kv_heads;
   require(tiles <= std::numeric_limits<std::int32_t>::max(),
