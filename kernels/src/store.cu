@@ -84,17 +84,14 @@ __device__ __forceinline__ void load_window(const uint4* k, const uint4* v, std:
   }
 }
 
-// Quantized tile `j` (window j / heads of the INT4 list, then of the INT2
-// list; KV head j % heads).
-struct TileRef {
-  WindowSlot window;
-  int head;
-  int which;  // 0: INT4, 1: INT2
-};
-__device__ __forceinline__ TileRef tile_ref(const StoreParams& p, int j, int heads) {
-  const int which = j < p.num_windows[0] * heads ? 0 : 1;
-  if (which == 1) j -= p.num_windows[0] * heads;
-  return {p.windows[which][j / heads], j % heads, which};
+// Quantized tile `j`: KV head j % heads of window j / heads of the INT4
+// list, then of the INT2 list.
+__device__ __forceinline__ bool tile_is_int2(const StoreParams& p, int j, int heads) {
+  return j >= p.num_windows[0] * heads;
+}
+__device__ __forceinline__ WindowSlot tile_window(const StoreParams& p, int j, int heads) {
+  const int int4_tiles = p.num_windows[0] * heads;
+  return j < int4_tiles ? p.windows[0][j / heads] : p.windows[1][(j - int4_tiles) / heads];
 }
 
 // The FP16 rows of CTA b: rows b, b + G, b + 2G, ... (G = gridDim.x).
@@ -184,10 +181,16 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) store_prefill_kernel(
   const std::size_t stage_bytes = detail::QuantTile<__half>::tile_bytes(D, S);
   auto stage = [&](int i) { return reinterpret_cast<__half*>(smem_bytes + (i & (p.stages - 1)) * stage_bytes); };
   float* scratch = reinterpret_cast<float*>(smem_bytes + p.stages * stage_bytes);
+  // Windows are read one tile ahead of their use: tile i + 2's is loaded
+  // while tile i is quantized, so no cp.async issue waits for a window
+  // read (which, with every warp behind it at the next barrier, delayed
+  // each tile's math by a global load's latency).
   int j = blockIdx.x;
+  WindowSlot current{}, next{};
   if (j < tiles) {  // the first tile loads while the FP16 rows are copied
-    const TileRef t = tile_ref(p, j, heads);
-    load_window(p.k, p.v, t.window.first_row, t.head, heads, D, S, stage(0));
+    current = tile_window(p, j, heads);
+    if (j + G < tiles) next = tile_window(p, j + G, heads);
+    load_window(p.k, p.v, current.first_row, j % heads, heads, D, S, stage(0));
   }
   copy_fp16_rows(p, row_dst);
   for (int i = 0; j < tiles; ++i, j += G) {
@@ -196,19 +199,22 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) store_prefill_kernel(
     // stage and the scratch may be overwritten.
     __syncthreads();
     const bool more = j + G < tiles;
-    if (more && p.stages == 2) {
-      const TileRef next = tile_ref(p, j + G, heads);
-      load_window(p.k, p.v, next.window.first_row, next.head, heads, D, S, stage(i + 1));
+    WindowSlot after{};
+    if (more) {
+      if (j + 2 * G < tiles) after = tile_window(p, j + 2 * G, heads);
+      if (p.stages == 2) load_window(p.k, p.v, next.first_row, (j + G) % heads, heads, D, S, stage(i + 1));
     }
-    const TileRef t = tile_ref(p, j, heads);
-    const PoolView& pool = p.pools[1 + t.which];
-    char* out = reinterpret_cast<char*>(pool.block(t.window.block_id)) + pool.format.head_offset(t.head);
+    const PoolView& pool = p.pools[tile_is_int2(p, j, heads) ? 2 : 1];
+    char* out = reinterpret_cast<char*>(pool.block(current.block_id)) + pool.format.head_offset(j % heads);
     detail::quantize_tile(pool.format, stage(i), scratch, out);
     if (more && p.stages == 1) {
       __syncthreads();  // the one stage is free once every thread is past the codes
-      const TileRef next = tile_ref(p, j + G, heads);
-      load_window(p.k, p.v, next.window.first_row, next.head, heads, D, S, stage(0));
+      // The window read again rather than kept through the codes (a spill
+      // at 64 registers); this load's latency is exposed here anyway.
+      load_window(p.k, p.v, tile_window(p, j + G, heads).first_row, (j + G) % heads, heads, D, S, stage(0));
     }
+    current = next;
+    next = after;
   }
 }
 
@@ -294,8 +300,8 @@ void store_prefill(const StorePrefillArgs& a) {
               ": expected < 2^27 (16-byte chunks of a row counted in 24 bits)");
   const std::int64_t windows = static_cast<std::int64_t>(a.num_int4_windows) + a.num_int2_windows;
   const std::int64_t tiles = windows * f.num_kv_heads;
-  require(tiles <= std::numeric_limits<std::int32_t>::max(),
-          std::string(fn) + ": (num_int4_windows + num_int2_windows) * num_kv_heads: expected < 2^31");
+  require(tiles < (std::int64_t{1} << 30),  // the kernel's tile indices run to tiles + 2 * grid
+          std::string(fn) + ": (num_int4_windows + num_int2_windows) * num_kv_heads: expected < 2^30");
   // Two tile stages where they fit, else one; no shared memory without
   // tiles (then the FP16 copy alone decides the occupancy).
   constexpr std::size_t kMaxSmem = 227 * 1024 - kThreads * sizeof(long long);  // less the kernel's row_dst
