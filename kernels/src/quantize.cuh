@@ -165,9 +165,15 @@ template <typename T>
 struct QuantTile {
   static constexpr int pad() { return 16 / static_cast<int>(sizeof(T)); }
   __host__ __device__ static constexpr int pitch(int head_dim) { return head_dim + pad(); }
+  // The K and V rows alone (a multiple of 16 bytes: rows are).
+  __host__ __device__ static constexpr std::size_t tile_bytes(int head_dim, int block_size) {
+    return 2 * static_cast<std::size_t>(block_size) * pitch(head_dim) * sizeof(T);
+  }
+  __host__ __device__ static constexpr std::size_t scratch_bytes(int head_dim, int block_size) {
+    return (2 * static_cast<std::size_t>(head_dim) + 2 * block_size) * sizeof(float);
+  }
   __host__ __device__ static constexpr std::size_t bytes(int head_dim, int block_size) {
-    return 2 * static_cast<std::size_t>(block_size) * pitch(head_dim) * sizeof(T) +
-           (2 * static_cast<std::size_t>(head_dim) + 2 * block_size) * sizeof(float);
+    return tile_bytes(head_dim, block_size) + scratch_bytes(head_dim, block_size);
   }
 };
 

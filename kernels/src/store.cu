@@ -1,6 +1,7 @@
 #include "mixkv/kernels/store.h"
 
 #include <algorithm>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -14,7 +15,13 @@ namespace {
 using detail::require;
 
 constexpr int kThreads = 128;
-constexpr int kRowsPerCta = 16;
+// FP16 rows a CTA needs at least before the grid is widened for them.
+constexpr int kMinFp16RowsPerCta = 16;
+// Caps store_prefill_kernel at 64 registers: 8 CTAs per SM for FP16-only
+// plans (no dynamic shared memory); with two tile stages (36 KB at D 128,
+// S 32) shared memory allows 6 anyway. (Without the cap the FP16 copy's
+// loads in flight took 95.)
+constexpr int kMinCtasPerSm = 8;
 
 struct StoreParams {
   const uint4* k;  // rows of num_kv_heads * head_dim halves, as 16-byte chunks
@@ -23,7 +30,7 @@ struct StoreParams {
   const std::int32_t* fp16_slots;
   const WindowSlot* windows[2];  // INT4, INT2
   std::int32_t num_windows[2];
-  std::int32_t fp16_ctas;
+  std::int32_t stages;  // tile buffers in shared memory: 2, or 1 where two do not fit
   PoolView pools[kNumPrecisions];
 };
 
@@ -39,86 +46,176 @@ __device__ __forceinline__ void copy_row(const PoolView& pool, std::int32_t slot
   reinterpret_cast<uint4*>(head_base + f.v_offset() + row_offset)[c] = v_row[chunk];
 }
 
-// Loads window rows [first_row, first_row + S) of KV head `head` into the
-// FP16 tile as they are (16-byte row chunks into padded rows) with cp.async:
-// the copies go global -> shared without passing through registers, so all
-// of a thread's chunks are in flight at once with one instruction each
-// (instead of a load, a shared store and the registers held in between).
-// Ends with the thread's copies complete; the caller's __syncthreads()
-// publishes them.
+// Starts copying window rows [first_row, first_row + S) of KV head `head`
+// into the FP16 tile as they are (16-byte row chunks into padded rows) with
+// cp.async: the copies go global -> shared without passing through
+// registers, so all of a thread's chunks are in flight at once with one
+// instruction each, and they stay in flight while the thread quantizes the
+// previous tile. The caller's cp.async.wait_all and __syncthreads() complete
+// and publish them. The thread's chunks are walked by constant address
+// steps (a row wrap adds a constant more): computing each address from its
+// (row, col) took 37 instructions per K/V chunk pair, ~40% of the
+// quantizer's own count at D 128, S 32.
 __device__ __forceinline__ void load_window(const uint4* k, const uint4* v, std::int32_t first_row, int head,
                                             int heads, int D, int S, __half* tile) {
-  const int chunks_per_row = D / 8;
-  const int pitch = detail::QuantTile<__half>::pitch(D);
-  const auto k_tile = static_cast<std::uint32_t>(__cvta_generic_to_shared(tile));
-  const auto v_tile = k_tile + static_cast<std::uint32_t>(S * pitch * sizeof(__half));
-  for (detail::StridedIndex i(chunks_per_row); i.row < S; i.next()) {
-    const std::size_t src =
-        (static_cast<std::size_t>(first_row + i.row) * heads + head) * chunks_per_row + i.col;
-    const auto at = static_cast<std::uint32_t>((i.row * pitch + 8 * i.col) * sizeof(__half));
+  const int chunks_per_row = D / 8;  // of one head
+  const int pitch_bytes = detail::QuantTile<__half>::pitch(D) * static_cast<int>(sizeof(__half));
+  const std::size_t input_row_bytes = static_cast<std::size_t>(heads) * D * sizeof(__half);
+  detail::StridedIndex i(chunks_per_row);
+  std::size_t src = __cvta_generic_to_global(k) + (static_cast<std::size_t>(first_row + i.row) * heads + head) *
+                                                      D * sizeof(__half) + 16 * i.col;
+  const std::size_t v_minus_k = __cvta_generic_to_global(v) - __cvta_generic_to_global(k);  // mod 2^64
+  auto at = static_cast<std::uint32_t>(__cvta_generic_to_shared(tile)) + i.row * pitch_bytes + 16 * i.col;
+  const auto v_tile = static_cast<std::uint32_t>(S * pitch_bytes);
+  const std::size_t src_step = i.row_step * input_row_bytes + 16 * i.col_step;
+  const std::uint32_t at_step = i.row_step * pitch_bytes + 16 * i.col_step;
+  const std::size_t src_wrap = input_row_bytes - 16 * chunks_per_row;  // col -= chunks_per_row, ++row
+  const std::uint32_t at_wrap = pitch_bytes - 16 * chunks_per_row;
+  for (; i.row < S; i.row += i.row_step, i.col += i.col_step, src += src_step, at += at_step) {
     // .cg: the input is read once, so it bypasses L1.
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n"
-                 ::"r"(k_tile + at), "l"(__cvta_generic_to_global(k + src)));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n"
-                 ::"r"(v_tile + at), "l"(__cvta_generic_to_global(v + src)));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(at), "l"(src));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(at + v_tile), "l"(src + v_minus_k));
+    if (i.col + i.col_step >= chunks_per_row) {
+      i.col -= chunks_per_row;
+      ++i.row;
+      src += src_wrap;
+      at += at_wrap;
+    }
   }
-  asm volatile("cp.async.wait_all;\n" ::: "memory");
 }
 
-__global__ void __launch_bounds__(kThreads) store_prefill_kernel(const __grid_constant__ StoreParams p) {
-  extern __shared__ __align__(16) unsigned char smem_bytes[];
-  const BlockFormat& f16 = p.pools[0].format;
-  const int heads = f16.num_kv_heads;
-  const int D = f16.head_dim;
-  const int S = f16.block_size;
-  if (static_cast<int>(blockIdx.x) < p.fp16_ctas) {
-    const int chunks_per_head = D / 8;
-    const int chunks_per_row = heads * chunks_per_head;
-    const int first = blockIdx.x * kRowsPerCta;
-    const int rows = min(kRowsPerCta, p.rows - first);
-    const int total = rows * chunks_per_row;
-    constexpr int kBatch = 4;  // loads in flight per thread before the first store
-    for (int base = threadIdx.x; base < total; base += kBatch * blockDim.x) {
+// Quantized tile `j`: KV head j % heads of window j / heads of the INT4
+// list, then of the INT2 list.
+__device__ __forceinline__ bool tile_is_int2(const StoreParams& p, int j, int heads) {
+  return j >= p.num_windows[0] * heads;
+}
+__device__ __forceinline__ WindowSlot tile_window(const StoreParams& p, int j, int heads) {
+  const int int4_tiles = p.num_windows[0] * heads;
+  return j < int4_tiles ? p.windows[0][j / heads] : p.windows[1][(j - int4_tiles) / heads];
+}
+
+// The FP16 rows of CTA b: rows b, b + G, b + 2G, ... (G = gridDim.x).
+// Interleaved rather than contiguous, so that FP16 rows bunched in windows
+// spread over all CTAs. Slots are read first, kThreads rows at a time, and
+// only rows with a slot are read: quantized rows (slot -1) are read by the
+// tiles alone (the previous kernel read every row here too, twice the input
+// through L2 for an all-INT4 plan). Each row's destination is resolved once,
+// by the thread that read its slot.
+// row_dst: kThreads entries of shared memory.
+__device__ void copy_fp16_rows(const StoreParams& p, long long* row_dst) {
+  const PoolView& pool = p.pools[0];
+  const BlockFormat& f = pool.format;
+  const int chunks_per_head = f.head_dim / 8;
+  const int chunks_per_row = f.num_kv_heads * chunks_per_head;
+  const std::size_t head_bytes = f.head_bytes();
+  const std::size_t v_offset = f.v_offset();
+  const auto G = static_cast<std::int64_t>(gridDim.x);
+  const std::int64_t mine = (p.rows - static_cast<std::int64_t>(blockIdx.x) + G - 1) / G;  // rows of this CTA
+  for (std::int64_t first = 0; first < mine; first += kThreads) {
+    const int n = static_cast<int>(min(static_cast<std::int64_t>(kThreads), mine - first));
+    long long dst = -1;
+    if (static_cast<int>(threadIdx.x) < n) {
+      const std::int32_t slot = __ldg(p.fp16_slots + blockIdx.x + (first + threadIdx.x) * G);
+      if (slot >= 0) {
+        dst = reinterpret_cast<const char*>(pool.block(slot / f.block_size)) -
+              reinterpret_cast<const char*>(pool.base) +
+              static_cast<long long>(slot % f.block_size) * f.head_dim * 2;
+      }
+    }
+    row_dst[threadIdx.x] = dst;
+    if (!__syncthreads_or(dst >= 0)) continue;  // also publishes row_dst
+    // Chunks loaded before the first store. A loaded chunk is remembered as
+    // (col << 7 | row) (row < kThreads = 2^7), one register instead of a
+    // destination pointer's two: 3 in flight then fit the kernel's 64
+    // registers without spills (4 spill).
+    constexpr int kBatch = 3;
+    static_assert(kThreads == 1 << 7);
+    for (detail::StridedIndex at(chunks_per_row); at.row < n;) {
       uint4 kx[kBatch], vx[kBatch];
-      std::int32_t slot[kBatch];
+      int chunk[kBatch];
 #pragma unroll
       for (int u = 0; u < kBatch; ++u) {
-        const int i = base + u * blockDim.x;
-        slot[u] = -1;
-        if (i < total) {
-          const std::size_t at = static_cast<std::size_t>(first) * chunks_per_row + i;
-          slot[u] = __ldg(p.fp16_slots + first + i / chunks_per_row);
-          kx[u] = __ldg(p.k + at);
-          vx[u] = __ldg(p.v + at);
+        chunk[u] = -1;
+        if (at.row < n) {
+          if (row_dst[at.row] >= 0) {
+            chunk[u] = at.col << 7 | at.row;
+            const std::size_t src =
+                static_cast<std::size_t>(blockIdx.x + (first + at.row) * G) * chunks_per_row + at.col;
+            kx[u] = __ldg(p.k + src);
+            vx[u] = __ldg(p.v + src);
+          }
+          at.next();
         }
       }
 #pragma unroll
       for (int u = 0; u < kBatch; ++u) {
-        if (slot[u] < 0) continue;
-        const int chunk = (base + u * blockDim.x) % chunks_per_row;
-        const BlockFormat& f = p.pools[0].format;
-        char* head_base = reinterpret_cast<char*>(p.pools[0].block(slot[u] / f.block_size)) +
-                          f.head_offset(chunk / chunks_per_head);
-        const std::size_t row_offset = static_cast<std::size_t>(slot[u] % f.block_size) * f.head_dim * 2;
-        reinterpret_cast<uint4*>(head_base + f.k_offset() + row_offset)[chunk % chunks_per_head] = kx[u];
-        reinterpret_cast<uint4*>(head_base + f.v_offset() + row_offset)[chunk % chunks_per_head] = vx[u];
+        if (chunk[u] < 0) continue;
+        const int col = chunk[u] >> 7;
+        const int head = col / chunks_per_head;
+        char* to = reinterpret_cast<char*>(pool.base) + row_dst[chunk[u] & (kThreads - 1)] + head * head_bytes +
+                   16 * (col - head * chunks_per_head);
+        *reinterpret_cast<uint4*>(to) = kx[u];
+        *reinterpret_cast<uint4*>(to + v_offset) = vx[u];
       }
     }
-    return;
+    __syncthreads();  // row_dst is rewritten next round
   }
-  int j = blockIdx.x - p.fp16_ctas;
-  const int which = j < p.num_windows[0] * heads ? 0 : 1;
-  if (which == 1) j -= p.num_windows[0] * heads;
-  const WindowSlot w = p.windows[which][j / heads];
-  const int head = j % heads;
-  const PoolView& pool = p.pools[1 + which];
-  __half* tile = reinterpret_cast<__half*>(smem_bytes);
-  float* scratch = reinterpret_cast<float*>(smem_bytes + 2 * static_cast<std::size_t>(S) *
-                                                             detail::QuantTile<__half>::pitch(D) * sizeof(__half));
-  load_window(p.k, p.v, w.first_row, head, heads, D, S, tile);
-  __syncthreads();
-  char* out = reinterpret_cast<char*>(pool.block(w.block_id)) + pool.format.head_offset(head);
-  detail::quantize_tile(pool.format, tile, scratch, out);
+}
+
+// Persistent CTAs: CTA b quantizes tiles b, b + G, b + 2G, ... (G =
+// gridDim.x, sized on the host so that every CTA gets the same number of
+// tiles, give or take one) and copies its share of the FP16 rows. Tiles go
+// through two shared-memory stages: tile i + 1 is loaded while tile i is
+// quantized, so a CTA's loads no longer wait behind its own math (one tile
+// per CTA serialized load -> stats -> codes -> exit). Tiles too large for
+// two stages take one, loaded after the previous tile's codes.
+__global__ void __launch_bounds__(kThreads, kMinCtasPerSm) store_prefill_kernel(const __grid_constant__ StoreParams p) {
+  extern __shared__ __align__(16) unsigned char smem_bytes[];
+  __shared__ long long row_dst[kThreads];  // per FP16 row: byte offset of its head-0 K chunk from the pool base, or -1
+  const BlockFormat& f16 = p.pools[0].format;
+  const int heads = f16.num_kv_heads;
+  const int D = f16.head_dim;
+  const int S = f16.block_size;
+  const int tiles = (p.num_windows[0] + p.num_windows[1]) * heads;
+  const int G = static_cast<int>(gridDim.x);
+  const std::size_t stage_bytes = detail::QuantTile<__half>::tile_bytes(D, S);
+  auto stage = [&](int i) { return reinterpret_cast<__half*>(smem_bytes + (i & (p.stages - 1)) * stage_bytes); };
+  float* scratch = reinterpret_cast<float*>(smem_bytes + p.stages * stage_bytes);
+  // Windows are read one tile ahead of their use: tile i + 2's is loaded
+  // while tile i is quantized, so no cp.async issue waits for a window
+  // read (which, with every warp behind it at the next barrier, delayed
+  // each tile's math by a global load's latency).
+  int j = blockIdx.x;
+  WindowSlot current{}, next{};
+  if (j < tiles) {  // the first tile loads while the FP16 rows are copied
+    current = tile_window(p, j, heads);
+    if (j + G < tiles) next = tile_window(p, j + G, heads);
+    load_window(p.k, p.v, current.first_row, j % heads, heads, D, S, stage(0));
+  }
+  copy_fp16_rows(p, row_dst);
+  for (int i = 0; j < tiles; ++i, j += G) {
+    asm volatile("cp.async.wait_all;\n" ::: "memory");  // tile i: the only copies in flight
+    // Publishes tile i; every thread is past tile i - 1's codes, so its
+    // stage and the scratch may be overwritten.
+    __syncthreads();
+    const bool more = j + G < tiles;
+    WindowSlot after{};
+    if (more) {
+      if (j + 2 * G < tiles) after = tile_window(p, j + 2 * G, heads);
+      if (p.stages == 2) load_window(p.k, p.v, next.first_row, (j + G) % heads, heads, D, S, stage(i + 1));
+    }
+    const PoolView& pool = p.pools[tile_is_int2(p, j, heads) ? 2 : 1];
+    char* out = reinterpret_cast<char*>(pool.block(current.block_id)) + pool.format.head_offset(j % heads);
+    detail::quantize_tile(pool.format, stage(i), scratch, out);
+    if (more && p.stages == 1) {
+      __syncthreads();  // the one stage is free once every thread is past the codes
+      // The window read again rather than kept through the codes (a spill
+      // at 64 registers); this load's latency is exposed here anyway.
+      load_window(p.k, p.v, tile_window(p, j + G, heads).first_row, (j + G) % heads, heads, D, S, stage(0));
+    }
+    current = next;
+    next = after;
+  }
 }
 
 struct AppendParams {
@@ -196,16 +293,42 @@ void store_prefill(const StorePrefillArgs& a) {
   p.windows[1] = a.int2_windows;
   p.num_windows[0] = a.num_int4_windows;
   p.num_windows[1] = a.num_int2_windows;
-  p.fp16_ctas = (a.rows + kRowsPerCta - 1) / kRowsPerCta;
   for (int i = 0; i < kNumPrecisions; ++i) p.pools[i] = a.pools[i];
-  const std::int64_t grid =
-      p.fp16_ctas + static_cast<std::int64_t>(a.num_int4_windows + a.num_int2_windows) * f.num_kv_heads;
-  const std::size_t smem = detail::QuantTile<__half>::bytes(f.head_dim, f.block_size);
-  require(smem <= 227 * 1024, std::string(fn) + ": head_dim * block_size too large for one tile in shared memory");
+  require(static_cast<std::int64_t>(f.num_kv_heads) * f.head_dim < (std::int64_t{1} << 27),
+          std::string(fn) + ": num_kv_heads * head_dim = " +
+              std::to_string(static_cast<std::int64_t>(f.num_kv_heads) * f.head_dim) +
+              ": expected < 2^27 (16-byte chunks of a row counted in 24 bits)");
+  const std::int64_t windows = static_cast<std::int64_t>(a.num_int4_windows) + a.num_int2_windows;
+  const std::int64_t tiles = windows * f.num_kv_heads;
+  require(tiles < (std::int64_t{1} << 30),  // the kernel's tile indices run to tiles + 2 * grid
+          std::string(fn) + ": (num_int4_windows + num_int2_windows) * num_kv_heads: expected < 2^30");
+  // Two tile stages where they fit, else one; no shared memory without
+  // tiles (then the FP16 copy alone decides the occupancy).
+  constexpr std::size_t kMaxSmem = 227 * 1024 - kThreads * sizeof(long long);  // less the kernel's row_dst
+  const std::size_t tile_bytes = detail::QuantTile<__half>::tile_bytes(f.head_dim, f.block_size);
+  const std::size_t scratch_bytes = detail::QuantTile<__half>::scratch_bytes(f.head_dim, f.block_size);
+  p.stages = 2 * tile_bytes + scratch_bytes <= kMaxSmem ? 2 : 1;
+  const std::size_t smem = tiles > 0 ? p.stages * tile_bytes + scratch_bytes : 0;
+  require(smem <= kMaxSmem, std::string(fn) + ": head_dim * block_size too large for one tile in shared memory");
   if (smem > 48 * 1024) {
     MIXKV_CUDA_CHECK(cudaFuncSetAttribute(store_prefill_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                           static_cast<int>(smem)));
   }
+  int device = 0, sms = 0, per_sm = 0;
+  MIXKV_CUDA_CHECK(cudaGetDevice(&device));
+  MIXKV_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  MIXKV_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, store_prefill_kernel, kThreads, smem));
+  const std::int64_t resident = static_cast<std::int64_t>(sms) * std::max(per_sm, 1);
+  // Tiles: as many rounds as the resident CTAs need, then as few CTAs as
+  // give every CTA that many tiles (or one fewer): no last round that a few
+  // CTAs run alone. FP16 rows (those no window covers, when the mapping is
+  // valid) widen the grid up to the resident CTAs, kMinFp16RowsPerCta each.
+  const std::int64_t rounds = (tiles + resident - 1) / resident;
+  const std::int64_t tile_ctas = rounds > 0 ? (tiles + rounds - 1) / rounds : 0;
+  const std::int64_t fp16_rows = std::max<std::int64_t>(a.rows - windows * f.block_size, 0);
+  const std::int64_t fp16_ctas =
+      std::min(resident, (fp16_rows + kMinFp16RowsPerCta - 1) / kMinFp16RowsPerCta);
+  const std::int64_t grid = std::max<std::int64_t>({tile_ctas, fp16_ctas, 1});
   store_prefill_kernel<<<static_cast<unsigned>(grid), kThreads, smem, a.stream>>>(p);
   MIXKV_CUDA_CHECK_LAUNCH("store_prefill_kernel");
 }

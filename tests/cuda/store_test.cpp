@@ -119,7 +119,10 @@ INSTANTIATE_TEST_SUITE_P(
     OddSizes, StorePrefillCuda,
     ::testing::Values(StoreCase{1, 64, 32, 97}, StoreCase{3, 64, 32, 33}, StoreCase{4, 128, 32, 1},
                       StoreCase{4, 128, 32, 31}, StoreCase{4, 128, 32, 97}, StoreCase{2, 128, 16, 97},
-                      StoreCase{2, 128, 64, 200}, StoreCase{3, 256, 32, 97}, StoreCase{4, 128, 32, 19600}),
+                      StoreCase{2, 128, 64, 200}, StoreCase{3, 256, 32, 97}, StoreCase{4, 128, 32, 19600},
+                      // Several tiles per persistent CTA: ~6 rounds of two stages; and tiles too
+                      // large for two stages (one stage, > 1 round on up to 132 SMs).
+                      StoreCase{4, 64, 16, 40000}, StoreCase{1, 256, 128, 40000}),
     [](const auto& info) {
       const StoreCase& c = info.param;
       return "H" + std::to_string(c.heads) + "_D" + std::to_string(c.dim) + "_S" + std::to_string(c.block) + "_rows" +
