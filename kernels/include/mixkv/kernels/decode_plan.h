@@ -18,12 +18,15 @@ struct DecodePlanConfig {
   std::int32_t head_dim = 0;    // 64, 128, 256 (the built instances)
   std::int32_t block_size = 0;  // 16, 32, 64 (the built instances)
   std::int32_t max_batch = 0;
-  // Work items one layer may hold; 0 = max_batch * num_kv_heads + 4 * SMs.
+  // Work items one layer may hold; 0 = max_batch * num_kv_heads + 12 * SMs
+  // (+ max_batch * num_kv_heads * chunks_per_sequence when that is set).
   std::int32_t max_items_per_layer = 0;
   // Multiprocessors to plan for; 0 = those of the current device.
   std::int32_t num_sms = 0;
-  // Split-KV chunks per (sequence, KV head); 0 = chosen from the batch so
-  // that about 4 work items per SM exist (tests force other splits).
+  // Split-KV chunks per (sequence, KV head); 0 = chosen from the batch:
+  // whole waves of resident CTAs (2 per SM when there are fewer
+  // (sequence, KV head) pairs than SMs), at least 8 blocks a chunk
+  // (tests force other splits).
   std::int32_t chunks_per_sequence = 0;
 };
 
