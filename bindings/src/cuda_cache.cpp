@@ -113,7 +113,8 @@ void bind_cuda_cache(py::module_& cuda) {
       .def_readwrite("block_size", &gpu::DecodePlanConfig::block_size, "16, 32 or 64 (the built instances)")
       .def_readwrite("max_batch", &gpu::DecodePlanConfig::max_batch)
       .def_readwrite("max_items_per_layer", &gpu::DecodePlanConfig::max_items_per_layer,
-                     "0: max_batch * num_kv_heads + 4 * SMs")
+                     "0: max_batch * num_kv_heads + 12 * SMs (+ max_batch * num_kv_heads * chunks_per_sequence "
+                     "when that is set)")
       .def_readwrite("num_sms", &gpu::DecodePlanConfig::num_sms, "0: those of the current device")
       .def_readwrite("chunks_per_sequence", &gpu::DecodePlanConfig::chunks_per_sequence,
                      "split-KV chunks per (sequence, KV head); 0: chosen from the batch");
