@@ -598,7 +598,6 @@ __global__ void __launch_bounds__(kRowThreads, kRowMinBlocksPerSm) window_rows_k
   const int block = static_cast<int>(blockIdx.x);
   const int begin = block * share + min(block, extra);
   const int end = begin + share + (block < extra ? 1 : 0);
-  const int row_bytes = a.hidden * static_cast<int>(sizeof(T));
   if (begin + warp < end) {
     const int w = (begin + warp) / a.window_size;
     const int k = begin + warp - w * a.window_size;
@@ -616,19 +615,6 @@ __global__ void __launch_bounds__(kRowThreads, kRowMinBlocksPerSm) window_rows_k
       const int w = g / a.window_size;
       const int prompt_row = a.window_row[w] + (g - w * a.window_size);
       const T* row = row_at<T>(a, request, prompt_row);
-      // The warp's next row streams into L2 while this one is reduced, so
-      // its loads wait for L2 rather than DRAM: a warp's rows are otherwise
-      // a serial chain of DRAM round trips (ncu: 60% of DRAM bandwidth,
-      // most stalls on global loads). Within a window the next row is
-      // kRowWarps rows on, with no index load in the way.
-      const int next = g + kRowWarps;
-      if (next < last) {
-        const int next_w = next / a.window_size;
-        const T* next_row =
-            next_w == w ? row + static_cast<long long>(kRowWarps) * a.hidden
-                        : row_at<T>(a, request, a.window_row[next_w] + (next - next_w * a.window_size));
-        prefetch_l2(next_row, row_bytes, lane);
-      }
       double dot, squares;
       row_sums<T, kVec, true, kRowLoads>(row, u, a.hidden, lane, dot, squares);
       if (!isfinite(dot) || !isfinite(squares)) {
