@@ -11,7 +11,6 @@
 
 #include "mixkv/cache/errors.h"
 #include "mixkv/cache/window_rules.h"
-#include "device_math.cuh"
 #include "mixkv/kernels/window_similarity.h"
 
 namespace mixkv::gpu {
@@ -151,21 +150,15 @@ constexpr int kTextNormLoads = 16;
 // text_mean_kernel: text rows a thread reads before it adds any.
 constexpr int kTextMeanLoads = 8;
 // window_rows_kernel: a warp a row, at most 64 registers so that 4 blocks (32
-// warps) share an SM on the scalar path (the 16-byte path's rings fit 2).
+// warps) share an SM.
 constexpr int kRowThreads = 256;
 constexpr int kRowWarps = kRowThreads / kWarp;
 constexpr int kRowMinBlocksPerSm = 4;
-// 16-byte loads a lane issues before it uses any (one chunk of the 16-byte
-// path's ring: 4 KiB a warp; a 3,584-channel FP16 row is 2 chunks).
+// 16-byte loads a lane issues before it uses any: 4 KiB a warp, 128 KiB an SM
+// at 32 warps, 17 MB on 132 SMs, enough to keep 4.6 TB/s busy for up to
+// 3.6 us of memory latency (Little's law). A 3,584-channel FP16 row is 2
+// such rounds (the last 2 loads predicated off).
 constexpr int kRowLoads = 8;
-// On the 16-byte path a warp streams its rows through a private ring of
-// shared-memory chunks (kRowLoads 16-byte pieces a lane), so the next chunks
-// are in flight while one is reduced; with registers alone a warp's rows
-// were a serial chain of DRAM round trips (ncu: 60% of DRAM bandwidth, most
-// stalls on global loads).
-constexpr int kRowRingStages = 3;
-constexpr int kRowChunkBytes = kRowLoads * kWarp * 16;
-constexpr int kRowRingBytes = kRowWarps * kRowRingStages * kRowChunkBytes;
 // Below this a float sum of squares may have lost digits to underflow (the
 // CPU planner uses the same bound).
 constexpr float kSmallestTrustedSquares = 1e-30f;
@@ -578,127 +571,6 @@ __device__ __forceinline__ bool arrive_last(int* counter, int full, int lane) {
   return true;
 }
 
-// Bytes of the text mean at the start of window_rows_kernel's shared memory
-// (the ring follows, 16-byte aligned).
-__host__ __device__ inline std::size_t u_bytes(int hidden) {
-  return (static_cast<std::size_t>(hidden) * 4 + 15) / 16 * 16;
-}
-
-// The rest of one window row once its lanes hold their float partial sums:
-// the warp's totals (double ones where floats cannot be trusted), a report
-// for a non-finite row, the row's term, and the window's plan by the warp
-// that completes it.
-template <typename T, bool kVec>
-__device__ void finish_row(const BatchArgs& a, int g, int request, int prompt_row, const float* u, int lane,
-                           float dot_f, float squares_f) {
-  dot_f = warp_sum(dot_f);
-  squares_f = warp_sum(squares_f);
-  double dot = dot_f, squares = squares_f;
-  if (!trusted(dot_f, squares_f)) {
-    row_exact<T, kVec, true>(row_at<T>(a, request, prompt_row), u, a.hidden, lane, dot, squares);
-  }
-  const int w = g / a.window_size;
-  if (!isfinite(dot) || !isfinite(squares)) {
-    if (lane == 0) report_non_finite(a.status, request, prompt_row, a.window_local[w]);
-    squares = 0.0;
-  }
-  if (lane == 0) a.row_value[g] = squares > 0.0 ? dot / sqrt(squares) : 0.0;
-  if (!arrive_last(a.arrivals + w, a.window_size, lane)) return;
-  plan_window(a, w, request, lane);
-  // Only the error word is read after this arrival: the plan's stores
-  // are read after the kernel (majority_vote_kernel, the host).
-  if (arrive_last(a.arrivals + a.num_windows, a.num_windows, lane) && lane < 4) {
-    reinterpret_cast<int*>(a.host_results)[lane] = __ldcg(a.status + lane);
-  }
-}
-
-// The 16-byte path of window_rows_kernel: the warp's rows first + warp,
-// first + warp + kRowWarps, ... below `last`, as a sequence of chunks
-// (kRowLoads 16-byte pieces a lane) streamed through the warp's ring with
-// kRowRingStages - 1 chunks in flight ahead of the one being summed. Each
-// lane reads back only the pieces it copied itself, so cp.async.wait_group
-// orders them; the __syncwarp before a stage is refilled keeps the compiler
-// from moving the refill above the reads.
-template <typename T>
-__device__ void stream_rows(const BatchArgs& a, int request, int first, int last, int warp, int lane, const float* u,
-                            char* ring) {
-  constexpr int V = kVecElems<T>;
-  constexpr int kStep = kWarp * V;  // channels of one warp-wide 16-byte load
-  constexpr int kChunkChannels = kRowLoads * kStep;
-  if (first + warp >= last) return;
-  const int chunks_per_row = (a.hidden + kChunkChannels - 1) / kChunkChannels;
-  const int rows = (last - first - warp + kRowWarps - 1) / kRowWarps;
-  const int total = rows * chunks_per_row;
-  const auto* u4 = reinterpret_cast<const float4*>(u);
-
-  // Where the issue side is: its row (by pointer; the next row of the same
-  // window is kRowWarps rows on, so a window index is loaded once a window).
-  int issue_g = first + warp;
-  int issue_w = issue_g / a.window_size;
-  const T* issue_row = row_at<T>(a, request, a.window_row[issue_w] + (issue_g - issue_w * a.window_size));
-  int issue_chunk = 0;
-  auto issue = [&](int j) {
-    char* stage = ring + (j % kRowRingStages) * kRowChunkBytes;
-#pragma unroll
-    for (int p = 0; p < kRowLoads; ++p) {
-      const int c = issue_chunk * kChunkChannels + p * kStep + lane * V;
-      const bool inside = c < a.hidden;
-      detail::cp_async_16(stage + (p * kWarp + lane) * 16, inside ? issue_row + c : issue_row, inside ? 16 : 0);
-    }
-    if (++issue_chunk == chunks_per_row && (issue_g += kRowWarps) < last) {
-      issue_chunk = 0;
-      const int w = issue_g / a.window_size;
-      issue_row = w == issue_w ? issue_row + static_cast<long long>(kRowWarps) * a.hidden
-                               : row_at<T>(a, request, a.window_row[w] + (issue_g - w * a.window_size));
-      issue_w = w;
-    }
-  };
-#pragma unroll
-  for (int j = 0; j < kRowRingStages; ++j) {
-    if (j < total) issue(j);
-    detail::cp_async_commit();
-  }
-  float dot = 0.0f, squares = 0.0f;
-  int g = first + warp, chunk = 0;
-  for (int j = 0; j < total; ++j) {
-    detail::cp_async_wait<kRowRingStages - 1>();
-    const char* stage = ring + (j % kRowRingStages) * kRowChunkBytes;
-#pragma unroll
-    for (int p = 0; p < kRowLoads; ++p) {
-      const int c = chunk * kChunkChannels + p * kStep + lane * V;
-      if (c >= a.hidden) break;
-      float x[V];
-      widen<T>(*reinterpret_cast<const uint4*>(stage + (p * kWarp + lane) * 16), x);
-#pragma unroll
-      for (int e = 0; e < V; ++e) squares = fmaf(x[e], x[e], squares);
-      // u_slot's planes, as in row_partials.
-      const float4 w0 = V == 8 ? u4[c >> 3] : u4[c >> 2];
-      dot = fmaf(w0.x, x[0], dot);
-      dot = fmaf(w0.y, x[1], dot);
-      dot = fmaf(w0.z, x[2], dot);
-      dot = fmaf(w0.w, x[3], dot);
-      if constexpr (V == 8) {
-        const float4 w1 = u4[(a.hidden >> 3) + (c >> 3)];
-        dot = fmaf(w1.x, x[4], dot);
-        dot = fmaf(w1.y, x[5], dot);
-        dot = fmaf(w1.z, x[6], dot);
-        dot = fmaf(w1.w, x[7], dot);
-      }
-    }
-    __syncwarp();
-    if (j + kRowRingStages < total) issue(j + kRowRingStages);
-    detail::cp_async_commit();
-    if (++chunk == chunks_per_row) {
-      const int w = g / a.window_size;
-      finish_row<T, true>(a, g, request, a.window_row[w] + (g - w * a.window_size), u, lane, dot, squares);
-      dot = squares = 0.0f;
-      chunk = 0;
-      g += kRowWarps;
-    }
-  }
-  detail::cp_async_wait<0>();
-}
-
 // Eq. 8's per-row term (u . w_k) / |w_k| of every window row of the batch,
 // row g = window * S + k, into row_value[g]. The rows are split evenly over
 // the blocks (shares differ by one row at most: no window-sized imbalance
@@ -739,17 +611,23 @@ __global__ void __launch_bounds__(kRowThreads, kRowMinBlocksPerSm) window_rows_k
     __syncthreads();  // the previous request's u is no longer read
     load_text_mean<T, kVec>(a, request, u);
     __syncthreads();
-    if constexpr (kVec) {
-      char* ring = reinterpret_cast<char*>(shared4) + u_bytes(a.hidden) +
-                   static_cast<std::size_t>(warp) * kRowRingStages * kRowChunkBytes;
-      stream_rows<T>(a, request, first, last, warp, lane, u, ring);
-    } else {
-      for (int g = first + warp; g < last; g += kRowWarps) {
-        const int w = g / a.window_size;
-        const int prompt_row = a.window_row[w] + (g - w * a.window_size);
-        float dot = 0.0f, squares = 0.0f;
-        row_partials<T, false, true, kRowLoads>(row_at<T>(a, request, prompt_row), u, a.hidden, lane, dot, squares);
-        finish_row<T, false>(a, g, request, prompt_row, u, lane, dot, squares);
+    for (int g = first + warp; g < last; g += kRowWarps) {
+      const int w = g / a.window_size;
+      const int prompt_row = a.window_row[w] + (g - w * a.window_size);
+      const T* row = row_at<T>(a, request, prompt_row);
+      double dot, squares;
+      row_sums<T, kVec, true, kRowLoads>(row, u, a.hidden, lane, dot, squares);
+      if (!isfinite(dot) || !isfinite(squares)) {
+        if (lane == 0) report_non_finite(a.status, request, prompt_row, a.window_local[w]);
+        squares = 0.0;
+      }
+      if (lane == 0) a.row_value[g] = squares > 0.0 ? dot / sqrt(squares) : 0.0;
+      if (!arrive_last(a.arrivals + w, a.window_size, lane)) continue;
+      plan_window(a, w, request, lane);
+      // Only the error word is read after this arrival: the plan's stores
+      // are read after the kernel (majority_vote_kernel, the host).
+      if (arrive_last(a.arrivals + a.num_windows, a.num_windows, lane) && lane < 4) {
+        reinterpret_cast<int*>(a.host_results)[lane] = __ldcg(a.status + lane);
       }
     }
     first = last;
@@ -1058,7 +936,7 @@ void CudaWindowPlanner::prepare(std::span<const TokenLayout> layouts, std::span<
   m.vectorized = rows_aligned(embeddings);
   if (window_rows > 0) {
     // Every block resident at once, none without a row.
-    const std::size_t shared = u_bytes(hidden) + (m.vectorized ? kRowRingBytes : 0);
+    const std::size_t shared = align16(static_cast<std::size_t>(hidden) * 4);
     const int per_sm = with_types(m.type, m.vectorized, [&]<typename T, bool kVec>() {
       if (shared > 48 * 1024) {
         MIXKV_PLANNER_CUDA(cudaFuncSetAttribute(window_rows_kernel<T, kVec>,
