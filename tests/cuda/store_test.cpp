@@ -174,5 +174,29 @@ TEST(StoreCudaBadInput, NamesTheArgument) {
   MIXKV_EXPECT_INVALID(dmap.upload(bad, 32, nullptr), "fp16_slots[1]");
 }
 
+// Shapes the persistent kernel cannot index or fit, rejected on the host
+// before any CUDA call (the pointers are never dereferenced).
+TEST(StoreCudaBadInput, RejectsShapesTheKernelCannotHold) {
+  std::byte arena[16];
+  const Half values[1] = {};
+  const std::int32_t slots[1] = {-1};
+  const WindowSlot windows[1] = {};
+  auto args_for = [&](std::int32_t heads, std::int32_t dim, std::int32_t block) {
+    gpu::StorePrefillArgs args;
+    for (Precision p : kAllPrecisions) args.pools[pool_index(p)] = {arena, sizeof(arena), 1, {p, heads, dim, block}};
+    args.k = args.v = values;
+    args.rows = 1;
+    args.fp16_slots = slots;
+    args.int4_windows = windows;
+    args.num_int4_windows = 1;
+    return args;
+  };
+  MIXKV_EXPECT_INVALID(gpu::store_prefill(args_for(1 << 18, 512, 16)), "num_kv_heads * head_dim");
+  gpu::StorePrefillArgs many_tiles = args_for(1, 64, 16);
+  many_tiles.num_int4_windows = 1 << 30;
+  MIXKV_EXPECT_INVALID(gpu::store_prefill(many_tiles), "num_int4_windows + num_int2_windows");
+  MIXKV_EXPECT_INVALID(gpu::store_prefill(args_for(1, 512, 256)), "too large for one tile");
+}
+
 }  // namespace
 }  // namespace mixkv::test
