@@ -554,19 +554,16 @@ __device__ __forceinline__ void plan_window(const BatchArgs& a, int w, int reque
   }
 }
 
-// Lane 0 adds one to *counter after a fence that orders its earlier writes
-// (a row value, a report) before it; every lane gets the count, and if it is
-// `full` every lane fences again, so that what the other arrivals wrote is
+// Lane 0 adds `count` to *counter; every lane gets the new total, and if it
+// is `full` every lane fences, so that what the other arrivals published is
 // visible to its loads (the threadFenceReduction pattern of the CUDA
-// samples). Called by whole warps.
-__device__ __forceinline__ bool arrive_last(int* counter, int full, int lane) {
-  int count = 0;
-  if (lane == 0) {
-    __threadfence();
-    count = atomicAdd(counter, 1) + 1;
-  }
-  count = __shfl_sync(0xffffffffu, count, 0);
-  if (count != full) return false;
+// samples). The caller fenced the writes this arrival stands for. Called by
+// whole warps.
+__device__ __forceinline__ bool arrive_last(int* counter, int count, int full, int lane) {
+  int total = 0;
+  if (lane == 0) total = atomicAdd(counter, count) + count;
+  total = __shfl_sync(0xffffffffu, total, 0);
+  if (total != full) return false;
   __threadfence();
   return true;
 }
@@ -578,11 +575,14 @@ __device__ __forceinline__ bool arrive_last(int* counter, int full, int lane) {
 // Before waiting for the text mean, each warp asks L2 for the start of its
 // first row: DRAM is idle while the text kernels run, and those lines are the
 // first the warp reads after the wait.
-// The warp that writes a window's last row value (arrivals[w] reaches S)
-// plans the window at once, so no kernel waits for the slowest row of the
-// batch to start the sums; the warp that completes the last window copies the
-// error word to the mapped host results, after every report was made (a
-// report precedes its row's arrival; text reports precede this kernel).
+// A block counts its rows into each window it touched once all of them are
+// written: one fence a warp and one atomic a (block, window), where an
+// arrival a row put a fence and an L2 round trip between every two rows of
+// a warp. The block that completes a window (arrivals[w] reaches S) plans it
+// at once, so no kernel waits for the slowest row of the batch to start the
+// sums; the block that completes the last window copies the error word to
+// the mapped host results, after every report was made (a report precedes
+// its row's arrival; text reports precede this kernel).
 template <typename T, bool kVec>
 __global__ void __launch_bounds__(kRowThreads, kRowMinBlocksPerSm) window_rows_kernel(BatchArgs a) {
   extern __shared__ float4 shared4[];
@@ -622,11 +622,18 @@ __global__ void __launch_bounds__(kRowThreads, kRowMinBlocksPerSm) window_rows_k
         squares = 0.0;
       }
       if (lane == 0) a.row_value[g] = squares > 0.0 ? dot / sqrt(squares) : 0.0;
-      if (!arrive_last(a.arrivals + w, a.window_size, lane)) continue;
+    }
+    if (lane == 0) __threadfence();  // this warp's row values and reports, before any arrival below
+    __syncthreads();
+    const int first_window = first / a.window_size;
+    for (int w = first_window + warp; w * a.window_size < last; w += kRowWarps) {
+      const int count = min(last, (w + 1) * a.window_size) - max(first, w * a.window_size);
+      if (!arrive_last(a.arrivals + w, count, a.window_size, lane)) continue;
       plan_window(a, w, request, lane);
       // Only the error word is read after this arrival: the plan's stores
       // are read after the kernel (majority_vote_kernel, the host).
-      if (arrive_last(a.arrivals + a.num_windows, a.num_windows, lane) && lane < 4) {
+      if (lane == 0) __threadfence();
+      if (arrive_last(a.arrivals + a.num_windows, 1, a.num_windows, lane) && lane < 4) {
         reinterpret_cast<int*>(a.host_results)[lane] = __ldcg(a.status + lane);
       }
     }
