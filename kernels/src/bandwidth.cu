@@ -77,15 +77,25 @@ L2Flusher::L2Flusher(FlushMode mode) : mode_(mode) {
   MIXKV_CUDA_CHECK(cudaGetDevice(&device));
   MIXKV_CUDA_CHECK(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, device));
   bytes_ = std::max<std::size_t>(static_cast<std::size_t>(l2) * 4, 64u << 20);
-  MIXKV_CUDA_CHECK(cudaMalloc(&buffer_, bytes_));
-  MIXKV_CUDA_CHECK(cudaMalloc(&sink_, sizeof(unsigned)));
-  // Touched once, so that the first read flush does not hit fresh pages.
-  MIXKV_CUDA_CHECK(cudaMemset(buffer_, 0, bytes_));
+  // A constructor that throws runs no destructor: free what was allocated.
+  try {
+    MIXKV_CUDA_CHECK(cudaMalloc(&buffer_, bytes_));
+    MIXKV_CUDA_CHECK(cudaMalloc(&sink_, sizeof(unsigned)));
+    // Touched once, so that the first read flush does not hit fresh pages.
+    MIXKV_CUDA_CHECK(cudaMemset(buffer_, 0, bytes_));
+  } catch (...) {
+    release();
+    throw;
+  }
 }
 
-L2Flusher::~L2Flusher() {
+L2Flusher::~L2Flusher() { release(); }
+
+void L2Flusher::release() {
   if (buffer_ != nullptr) cudaFree(buffer_);
   if (sink_ != nullptr) cudaFree(sink_);
+  buffer_ = nullptr;
+  sink_ = nullptr;
 }
 
 void L2Flusher::flush(cudaStream_t stream) {

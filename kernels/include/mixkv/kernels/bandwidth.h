@@ -26,6 +26,7 @@ class L2Flusher {
   void flush(cudaStream_t stream);
 
  private:
+  void release();
   void* buffer_ = nullptr;
   unsigned* sink_ = nullptr;
   std::size_t bytes_ = 0;
