@@ -56,7 +56,7 @@ __global__ void __launch_bounds__(kThreads) demote_kernel(const BlockCopy* moves
   }
   __syncthreads();
   char* out = reinterpret_cast<char*>(dst.block(move.dst)) + dst.format.head_offset(head);
-  detail::quantize_tile(dst.format, static_cast<const float*>(tile), tile + 2 * S * P, out);
+  detail::quantize_tile<float, kThreads>(dst.format, static_cast<const float*>(tile), tile + 2 * S * P, out);
 }
 
 }  // namespace

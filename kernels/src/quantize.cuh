@@ -137,23 +137,31 @@ __device__ __forceinline__ void tile_eight(const T* at, float (&x)[8]) {
 }
 
 // The thread's share of a [rows][cols] index space walked with stride
-// blockDim.x (i = threadIdx.x, threadIdx.x + blockDim.x, ...) as (row, col):
-// one division up front instead of a runtime division and modulo per step
-// (each ~20 instructions for a runtime divisor).
+// `threads` (the CTA size: i = threadIdx.x, threadIdx.x + threads, ...) as
+// (row, col): one division up front instead of a runtime division and modulo
+// per step (each ~20 instructions for a runtime divisor). With constant
+// columns and threads every member but row and col is a constant, and where
+// the columns divide the threads (col_step 0) the wrap test folds away: the
+// loops over rows then have constant trip counts and unroll.
 struct StridedIndex {
   int cols, row_step, col_step, row, col;
-  __device__ explicit StridedIndex(int columns)
+  __device__ StridedIndex(int columns, int threads)
       : cols(columns),
-        row_step(static_cast<int>(blockDim.x) / columns),
-        col_step(static_cast<int>(blockDim.x) % columns),
+        row_step(threads / columns),
+        col_step(threads % columns),
         row(static_cast<int>(threadIdx.x) / columns),
         col(static_cast<int>(threadIdx.x) % columns) {}
   __device__ void next() {
     row += row_step;
     col += col_step;
-    if (col >= cols) col -= cols, ++row;
+    if (col_step != 0 && col >= cols) col -= cols, ++row;  // col < cols stays so with col_step 0
   }
 };
+
+// A tile dimension: the template argument of an instance built for one
+// shape (every bound, pitch and offset derived from it is then a constant),
+// or, where that is 0 (the generic instance), the runtime value.
+__host__ __device__ constexpr int fixed_or(int fixed, int runtime) { return fixed != 0 ? fixed : runtime; }
 
 // A K/V tile in shared memory: K [S][pitch] then V [S][pitch] elements of T
 // (__half for store_prefill: exact and half the bytes; float for demote's
@@ -183,7 +191,13 @@ struct QuantTile {
 // into their words: they occupy disjoint bits, so + equals | and the shift
 // can fold into the add (IMAD/LEA); the biases of biased_code sum the same
 // way and leave with one subtraction per word.
-template <typename T, int kBits>
+// kThreads: the CTA size. kHeadDim, kBlockSize: the tile shape where an
+// instance is built for it (see fixed_or), else 0: `format`'s. At a runtime
+// shape the loop bounds, strides and offsets are integer arithmetic and the
+// loops run with remainders: the generic instance's FP16 quantizer is 1100
+// SASS instructions (INT4; INT2 1339), D 128, S 32's is 593 (823) of nearly
+// straight-line code.
+template <typename T, int kThreads, int kBits, int kHeadDim, int kBlockSize>
 __device__ void quantize_tile_bits(const BlockFormat& format, const T* tile, float* scratch, char* out) {
   using V = Vec4<T>;
   using V4 = typename V::type;
@@ -191,8 +205,12 @@ __device__ void quantize_tile_bits(const BlockFormat& format, const T* tile, flo
   constexpr int kPerWord = 32 / kBits;
   constexpr bool kClampLow = !std::is_same_v<T, __half>;  // see biased_code
   constexpr uint32_t kWordBias = word_bias<kBits>();
-  const int S = format.block_size;
-  const int D = format.head_dim;
+  __builtin_assume(threadIdx.x < kThreads);  // bounds the threads' strided loops: at a fixed shape they unroll
+  const int S = fixed_or(kBlockSize, format.block_size);
+  const int D = fixed_or(kHeadDim, format.head_dim);
+  // The head region's layout, from the precision of kBits rather than the
+  // format's: its offsets are then constants for a fixed shape.
+  const BlockFormat layout{kBits == 4 ? Precision::INT4 : Precision::INT2, 1, D, S};
   const int P = QuantTile<T>::pitch(D);
   const T* k = tile;
   const T* v = tile + S * P;
@@ -200,8 +218,8 @@ __device__ void quantize_tile_bits(const BlockFormat& format, const T* tile, flo
   float* k_min = k_inverse + D;
   float* v_inverse = k_min + D;
   float* v_min = v_inverse + S;
-  uint32_t* k_params = reinterpret_cast<uint32_t*>(out + format.k_params_offset());
-  uint32_t* v_params = reinterpret_cast<uint32_t*>(out + format.v_params_offset());
+  uint32_t* k_params = reinterpret_cast<uint32_t*>(out + layout.k_params_offset());
+  uint32_t* v_params = reinterpret_cast<uint32_t*>(out + layout.v_params_offset());
 
   // Statistics: a warp takes a group of 8 K channel quads or 8 V tokens; the
   // lane's slot picks the item and its part (lane / 8) a quarter of the
@@ -210,7 +228,7 @@ __device__ void quantize_tile_bits(const BlockFormat& format, const T* tile, flo
   // and parts 0 and 1 read rows 4 apart (16 banks): no bank conflicts.
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
-  const int warps = blockDim.x / 32;
+  constexpr int warps = kThreads / 32;
   const int slot = lane % 8;
   const int part = lane / 8;
 
@@ -283,7 +301,7 @@ __device__ void quantize_tile_bits(const BlockFormat& format, const T* tile, flo
   const int quads_per_unit = 32 / lanes_per_quad;
   const int quad_units = (quads + quads_per_unit - 1) / quads_per_unit;
   const int units = quad_units * (k_words / lanes_per_quad);
-  uint32_t* k_codes = reinterpret_cast<uint32_t*>(out + format.k_offset());
+  uint32_t* k_codes = reinterpret_cast<uint32_t*>(out + layout.k_offset());
   for (int unit = warp; unit < units; unit += warps) {
     const int q = unit % quad_units * quads_per_unit + lane % quads_per_unit;
     const int j = unit / quad_units * lanes_per_quad + lane / quads_per_unit;
@@ -314,9 +332,9 @@ __device__ void quantize_tile_bits(const BlockFormat& format, const T* tile, flo
   // 2 set load their upper 8 channels first (4 banks further) and swap the
   // halves back in the packed result.
   const int pieces16 = D / 16;
-  char* v_codes = out + format.v_offset();
-  const int v_token_bytes = D * kBits / 8;
-  for (StridedIndex at(pieces16); at.row < S; at.next()) {
+  char* v_codes = out + layout.v_offset();
+  const int v_token_bytes = static_cast<int>(layout.v_token_bytes());
+  for (StridedIndex at(pieces16, kThreads); at.row < S; at.next()) {
     const int t = at.row;
     const int piece = at.col;
     const int first = piece & 4 ? 8 : 0;  // channel offset of the half loaded first
@@ -345,16 +363,16 @@ __device__ void quantize_tile_bits(const BlockFormat& format, const T* tile, flo
   }
 }
 
-// Quantizes the K/V tile (all threads of the CTA take part; blockDim.x a
+// Quantizes the K/V tile (all kThreads threads of the CTA take part; a
 // multiple of 32) into the head region `out` of `format` (INT4 or INT2; head
-// region 8-byte aligned). Ends with no barrier pending; the caller's next use
-// of the tile needs __syncthreads().
-template <typename T>
+// region 8-byte aligned), for any shape `format` holds. Ends with no barrier
+// pending; the caller's next use of the tile needs __syncthreads().
+template <typename T, int kThreads>
 __device__ inline void quantize_tile(const BlockFormat& format, const T* tile, float* scratch, char* out) {
   if (format.bits() == 4) {
-    quantize_tile_bits<T, 4>(format, tile, scratch, out);
+    quantize_tile_bits<T, kThreads, 4, 0, 0>(format, tile, scratch, out);
   } else {
-    quantize_tile_bits<T, 2>(format, tile, scratch, out);
+    quantize_tile_bits<T, kThreads, 2, 0, 0>(format, tile, scratch, out);
   }
 }
 

@@ -23,6 +23,41 @@ constexpr int kMinFp16RowsPerCta = 16;
 // loads in flight took 95.)
 constexpr int kMinCtasPerSm = 8;
 
+// Tile buffers in shared memory: two where they fit, else one. Shared by
+// the host, which sizes the launch, and the instances built for one shape,
+// for which it is a constant.
+constexpr std::size_t kMaxSmem = 227 * 1024 - kThreads * sizeof(long long);  // less the kernel's row_dst
+__host__ __device__ constexpr int tile_stages(int head_dim, int block_size) {
+  return 2 * detail::QuantTile<__half>::tile_bytes(head_dim, block_size) +
+                     detail::QuantTile<__half>::scratch_bytes(head_dim, block_size) <=
+                 kMaxSmem
+             ? 2
+             : 1;
+}
+
+// n / d for 0 <= n < 2^31 by a multiply-high, an add and a shift, with the
+// multiplier computed on the host (Granlund and Montgomery 1994, fig. 4.1:
+// l = ceil(log2 d), m = floor(2^32 (2^l - d) / d) + 1, n / d = (umulhi(n, m)
+// + n) >> l; n < 2^31 keeps the sum in 32 bits). A division by a runtime
+// divisor takes ~20 instructions; the tile loop divides by num_kv_heads
+// three times per tile.
+class FastDivisor {
+ public:
+  FastDivisor() = default;
+  explicit FastDivisor(std::uint32_t d) : divisor_(d) {
+    while ((std::uint64_t{1} << shift_) < d) ++shift_;
+    multiplier_ =
+        static_cast<std::uint32_t>(((std::uint64_t{1} << 32) * ((std::uint64_t{1} << shift_) - d)) / d + 1);
+  }
+  __device__ int div(int n) const {
+    return static_cast<int>((__umulhi(static_cast<std::uint32_t>(n), multiplier_) + n) >> shift_);
+  }
+  __device__ int mod(int n) const { return n - div(n) * static_cast<int>(divisor_); }
+
+ private:
+  std::uint32_t divisor_ = 1, multiplier_ = 1, shift_ = 0;
+};
+
 struct StoreParams {
   const uint4* k;  // rows of num_kv_heads * head_dim halves, as 16-byte chunks
   const uint4* v;
@@ -30,7 +65,9 @@ struct StoreParams {
   const std::int32_t* fp16_slots;
   const WindowSlot* windows[2];  // INT4, INT2
   std::int32_t num_windows[2];
-  std::int32_t stages;  // tile buffers in shared memory: 2, or 1 where two do not fit
+  std::int32_t stages;  // tile_stages of the shape
+  FastDivisor heads;    // num_kv_heads
+  std::int32_t int4_tiles;  // num_windows[0] * num_kv_heads
   PoolView pools[kNumPrecisions];
 };
 
@@ -61,7 +98,7 @@ __device__ __forceinline__ void load_window(const uint4* k, const uint4* v, std:
   const int chunks_per_row = D / 8;  // of one head
   const int pitch_bytes = detail::QuantTile<__half>::pitch(D) * static_cast<int>(sizeof(__half));
   const std::size_t input_row_bytes = static_cast<std::size_t>(heads) * D * sizeof(__half);
-  detail::StridedIndex i(chunks_per_row);
+  detail::StridedIndex i(chunks_per_row, kThreads);
   std::size_t src = __cvta_generic_to_global(k) + (static_cast<std::size_t>(first_row + i.row) * heads + head) *
                                                       D * sizeof(__half) + 16 * i.col;
   const std::size_t v_minus_k = __cvta_generic_to_global(v) - __cvta_generic_to_global(k);  // mod 2^64
@@ -75,7 +112,7 @@ __device__ __forceinline__ void load_window(const uint4* k, const uint4* v, std:
     // .cg: the input is read once, so it bypasses L1.
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(at), "l"(src));
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(at + v_tile), "l"(src + v_minus_k));
-    if (i.col + i.col_step >= chunks_per_row) {
+    if (i.col_step != 0 && i.col + i.col_step >= chunks_per_row) {  // as in StridedIndex::next
       i.col -= chunks_per_row;
       ++i.row;
       src += src_wrap;
@@ -86,13 +123,12 @@ __device__ __forceinline__ void load_window(const uint4* k, const uint4* v, std:
 
 // Quantized tile `j`: KV head j % heads of window j / heads of the INT4
 // list, then of the INT2 list.
-__device__ __forceinline__ bool tile_is_int2(const StoreParams& p, int j, int heads) {
-  return j >= p.num_windows[0] * heads;
+__device__ __forceinline__ bool tile_is_int2(const StoreParams& p, int j) { return j >= p.int4_tiles; }
+__device__ __forceinline__ WindowSlot tile_window(const StoreParams& p, int j) {
+  const int window = p.heads.div(j);
+  return window < p.num_windows[0] ? p.windows[0][window] : p.windows[1][window - p.num_windows[0]];
 }
-__device__ __forceinline__ WindowSlot tile_window(const StoreParams& p, int j, int heads) {
-  const int int4_tiles = p.num_windows[0] * heads;
-  return j < int4_tiles ? p.windows[0][j / heads] : p.windows[1][(j - int4_tiles) / heads];
-}
+__device__ __forceinline__ int tile_head(const StoreParams& p, int j) { return p.heads.mod(j); }
 
 // The FP16 rows of CTA b: rows b, b + G, b + 2G, ... (G = gridDim.x).
 // Interleaved rather than contiguous, so that FP16 rows bunched in windows
@@ -130,7 +166,7 @@ __device__ void copy_fp16_rows(const StoreParams& p, long long* row_dst) {
     // registers without spills (4 spill).
     constexpr int kBatch = 3;
     static_assert(kThreads == 1 << 7);
-    for (detail::StridedIndex at(chunks_per_row); at.row < n;) {
+    for (detail::StridedIndex at(chunks_per_row, kThreads); at.row < n;) {
       uint4 kx[kBatch], vx[kBatch];
       int chunk[kBatch];
 #pragma unroll
@@ -169,18 +205,25 @@ __device__ void copy_fp16_rows(const StoreParams& p, long long* row_dst) {
 // quantized, so a CTA's loads no longer wait behind its own math (one tile
 // per CTA serialized load -> stats -> codes -> exit). Tiles too large for
 // two stages take one, loaded after the previous tile's codes.
+// kHeadDim, kBlockSize: the shape of an instance built for one (store_kernel
+// lists them), or 0, 0: any shape, read from the format (fixed_or); the
+// force-inlined helpers get the constants through their arguments.
+template <int kHeadDim, int kBlockSize>
 __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) store_prefill_kernel(const __grid_constant__ StoreParams p) {
+  static_assert((kHeadDim == 0) == (kBlockSize == 0), "a shape is fixed whole or not at all");
+  __builtin_assume(threadIdx.x < kThreads);  // bounds the threads' strided loops: at a fixed shape they unroll
   extern __shared__ __align__(16) unsigned char smem_bytes[];
   __shared__ long long row_dst[kThreads];  // per FP16 row: byte offset of its head-0 K chunk from the pool base, or -1
   const BlockFormat& f16 = p.pools[0].format;
   const int heads = f16.num_kv_heads;
-  const int D = f16.head_dim;
-  const int S = f16.block_size;
+  const int D = detail::fixed_or(kHeadDim, f16.head_dim);
+  const int S = detail::fixed_or(kBlockSize, f16.block_size);
+  const int stages = kHeadDim != 0 ? tile_stages(kHeadDim, kBlockSize) : p.stages;
   const int tiles = (p.num_windows[0] + p.num_windows[1]) * heads;
   const int G = static_cast<int>(gridDim.x);
   const std::size_t stage_bytes = detail::QuantTile<__half>::tile_bytes(D, S);
-  auto stage = [&](int i) { return reinterpret_cast<__half*>(smem_bytes + (i & (p.stages - 1)) * stage_bytes); };
-  float* scratch = reinterpret_cast<float*>(smem_bytes + p.stages * stage_bytes);
+  auto stage = [&](int i) { return reinterpret_cast<__half*>(smem_bytes + (i & (stages - 1)) * stage_bytes); };
+  float* scratch = reinterpret_cast<float*>(smem_bytes + stages * stage_bytes);
   // Windows are read one tile ahead of their use: tile i + 2's is loaded
   // while tile i is quantized, so no cp.async issue waits for a window
   // read (which, with every warp behind it at the next barrier, delayed
@@ -188,9 +231,9 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) store_prefill_kernel(
   int j = blockIdx.x;
   WindowSlot current{}, next{};
   if (j < tiles) {  // the first tile loads while the FP16 rows are copied
-    current = tile_window(p, j, heads);
-    if (j + G < tiles) next = tile_window(p, j + G, heads);
-    load_window(p.k, p.v, current.first_row, j % heads, heads, D, S, stage(0));
+    current = tile_window(p, j);
+    if (j + G < tiles) next = tile_window(p, j + G);
+    load_window(p.k, p.v, current.first_row, tile_head(p, j), heads, D, S, stage(0));
   }
   copy_fp16_rows(p, row_dst);
   for (int i = 0; j < tiles; ++i, j += G) {
@@ -201,17 +244,22 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) store_prefill_kernel(
     const bool more = j + G < tiles;
     WindowSlot after{};
     if (more) {
-      if (j + 2 * G < tiles) after = tile_window(p, j + 2 * G, heads);
-      if (p.stages == 2) load_window(p.k, p.v, next.first_row, (j + G) % heads, heads, D, S, stage(i + 1));
+      if (j + 2 * G < tiles) after = tile_window(p, j + 2 * G);
+      if (stages == 2) load_window(p.k, p.v, next.first_row, tile_head(p, j + G), heads, D, S, stage(i + 1));
     }
-    const PoolView& pool = p.pools[tile_is_int2(p, j, heads) ? 2 : 1];
-    char* out = reinterpret_cast<char*>(pool.block(current.block_id)) + pool.format.head_offset(j % heads);
-    detail::quantize_tile(pool.format, stage(i), scratch, out);
-    if (more && p.stages == 1) {
+    const bool int2 = tile_is_int2(p, j);
+    const PoolView& pool = p.pools[int2 ? 2 : 1];
+    char* out = reinterpret_cast<char*>(pool.block(current.block_id)) + pool.format.head_offset(tile_head(p, j));
+    if (int2) {
+      detail::quantize_tile_bits<__half, kThreads, 2, kHeadDim, kBlockSize>(pool.format, stage(i), scratch, out);
+    } else {
+      detail::quantize_tile_bits<__half, kThreads, 4, kHeadDim, kBlockSize>(pool.format, stage(i), scratch, out);
+    }
+    if (more && stages == 1) {
       __syncthreads();  // the one stage is free once every thread is past the codes
       // The window read again rather than kept through the codes (a spill
       // at 64 registers); this load's latency is exposed here anyway.
-      load_window(p.k, p.v, tile_window(p, j + G, heads).first_row, (j + G) % heads, heads, D, S, stage(0));
+      load_window(p.k, p.v, tile_window(p, j + G).first_row, tile_head(p, j + G), heads, D, S, stage(0));
     }
     current = next;
     next = after;
@@ -242,6 +290,45 @@ __global__ void copy_blocks_kernel(const BlockCopy* copies, PoolView pool) {
   uint4* dst = reinterpret_cast<uint4*>(pool.block(c.dst));
   const std::size_t chunks = pool.format.block_bytes() / 16;
   for (std::size_t i = threadIdx.x; i < chunks; i += blockDim.x) dst[i] = src[i];
+}
+
+#if defined(MIXKV_ALL_KERNEL_INSTANCES)
+#define MIXKV_STORE_ALL_SHAPES 1
+#else
+#define MIXKV_STORE_ALL_SHAPES 0
+#endif
+
+using StoreKernel = void (*)(StoreParams);
+
+// THE dispatch point of store_prefill: (head_dim, block_size) -> the
+// instance built for that shape, else the generic one (every shape
+// check_pool accepts). Built by default: the decode kernels' default shapes,
+// {64, 128, 256} x {32} plus {128} x {16, 64}; MIXKV_ALL_KERNEL_INSTANCES
+// adds the rest of {64, 128, 256} x {16, 32, 64}. (nvcc on this file: 4.8 s
+// with the generic kernel alone, 6.8 s with the default set, 8.3 s with all.)
+StoreKernel store_kernel(int head_dim, int block_size) {
+  switch (head_dim) {
+    case 64:
+      if (block_size == 32) return store_prefill_kernel<64, 32>;
+#if MIXKV_STORE_ALL_SHAPES
+      if (block_size == 16) return store_prefill_kernel<64, 16>;
+      if (block_size == 64) return store_prefill_kernel<64, 64>;
+#endif
+      break;
+    case 128:
+      if (block_size == 16) return store_prefill_kernel<128, 16>;
+      if (block_size == 32) return store_prefill_kernel<128, 32>;
+      if (block_size == 64) return store_prefill_kernel<128, 64>;
+      break;
+    case 256:
+      if (block_size == 32) return store_prefill_kernel<256, 32>;
+#if MIXKV_STORE_ALL_SHAPES
+      if (block_size == 16) return store_prefill_kernel<256, 16>;
+      if (block_size == 64) return store_prefill_kernel<256, 64>;
+#endif
+      break;
+  }
+  return store_prefill_kernel<0, 0>;
 }
 
 void check_pool(const char* fn, const char* name, const PoolView& pool, Precision expected) {
@@ -304,20 +391,22 @@ void store_prefill(const StorePrefillArgs& a) {
           std::string(fn) + ": (num_int4_windows + num_int2_windows) * num_kv_heads: expected < 2^30");
   // Two tile stages where they fit, else one; no shared memory without
   // tiles (then the FP16 copy alone decides the occupancy).
-  constexpr std::size_t kMaxSmem = 227 * 1024 - kThreads * sizeof(long long);  // less the kernel's row_dst
   const std::size_t tile_bytes = detail::QuantTile<__half>::tile_bytes(f.head_dim, f.block_size);
   const std::size_t scratch_bytes = detail::QuantTile<__half>::scratch_bytes(f.head_dim, f.block_size);
-  p.stages = 2 * tile_bytes + scratch_bytes <= kMaxSmem ? 2 : 1;
+  p.stages = tile_stages(f.head_dim, f.block_size);
+  p.int4_tiles = a.num_int4_windows * f.num_kv_heads;
+  p.heads = FastDivisor(static_cast<std::uint32_t>(f.num_kv_heads));
   const std::size_t smem = tiles > 0 ? p.stages * tile_bytes + scratch_bytes : 0;
   require(smem <= kMaxSmem, std::string(fn) + ": head_dim * block_size too large for one tile in shared memory");
+  const StoreKernel kernel = store_kernel(f.head_dim, f.block_size);
   if (smem > 48 * 1024) {
-    MIXKV_CUDA_CHECK(cudaFuncSetAttribute(store_prefill_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    MIXKV_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                           static_cast<int>(smem)));
   }
   int device = 0, sms = 0, per_sm = 0;
   MIXKV_CUDA_CHECK(cudaGetDevice(&device));
   MIXKV_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  MIXKV_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, store_prefill_kernel, kThreads, smem));
+  MIXKV_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem));
   const std::int64_t resident = static_cast<std::int64_t>(sms) * std::max(per_sm, 1);
   // Tiles: as many rounds as the resident CTAs need, then as few CTAs as
   // give every CTA that many tiles (or one fewer): no last round that a few
@@ -329,7 +418,7 @@ void store_prefill(const StorePrefillArgs& a) {
   const std::int64_t fp16_ctas =
       std::min(resident, (fp16_rows + kMinFp16RowsPerCta - 1) / kMinFp16RowsPerCta);
   const std::int64_t grid = std::max<std::int64_t>({tile_ctas, fp16_ctas, 1});
-  store_prefill_kernel<<<static_cast<unsigned>(grid), kThreads, smem, a.stream>>>(p);
+  kernel<<<static_cast<unsigned>(grid), kThreads, smem, a.stream>>>(p);
   MIXKV_CUDA_CHECK_LAUNCH("store_prefill_kernel");
 }
 

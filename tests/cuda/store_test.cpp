@@ -122,7 +122,10 @@ INSTANTIATE_TEST_SUITE_P(
                       StoreCase{2, 128, 64, 200}, StoreCase{3, 256, 32, 97}, StoreCase{4, 128, 32, 19600},
                       // Several tiles per persistent CTA: ~6 rounds of two stages; and tiles too
                       // large for two stages (one stage, > 1 round on up to 132 SMs).
-                      StoreCase{4, 64, 16, 40000}, StoreCase{1, 256, 128, 40000}),
+                      StoreCase{4, 64, 16, 40000}, StoreCase{1, 256, 128, 40000},
+                      // Shapes with no instance of their own, through the generic one: 10 row
+                      // chunks per head (the load's column wrap), odd INT2 words per channel.
+                      StoreCase{2, 80, 48, 200}, StoreCase{3, 96, 32, 97}),
     [](const auto& info) {
       const StoreCase& c = info.param;
       return "H" + std::to_string(c.heads) + "_D" + std::to_string(c.dim) + "_S" + std::to_string(c.block) + "_rows" +
