@@ -513,8 +513,8 @@ __device__ __forceinline__ void run_segment(const DecodeParams& p, const std::in
   constexpr int kUnitBytes = Tile::template unit_bytes<P>();
   constexpr int kUnitsPerBlock = P == Precision::FP16 ? S / 16 : 1;
   static_assert(kStages >= 1);
-  const PoolView& pool = p.pools[pool_index(P)];
-  const std::size_t head_offset = pool.format.head_offset(kv_head);
+  const DevicePool& pool = p.pools[pool_index(P)];
+  const std::size_t head_offset = pool.view.format.head_offset(kv_head);
 
   int units = (hi - lo) * kUnitsPerBlock;
   if (P == Precision::FP16 && hi == n_blocks) units -= kUnitsPerBlock - (fill + 15) / 16;

@@ -4,7 +4,7 @@
 
 #include <cstdint>
 
-#include "mixkv/cache/pool_view.h"
+#include "device_pool.cuh"
 #include "mixkv/cache/precision.h"
 
 namespace mixkv::gpu::detail {
@@ -58,7 +58,7 @@ struct DecodeParams {
   std::int32_t* group_counters = nullptr;  // [partials], at a group's first row
   std::int32_t* pair_counters = nullptr;   // [partials], at a pair's first row
 
-  PoolView pools[kNumPrecisions];
+  DevicePool pools[kNumPrecisions];
   std::int32_t num_q_heads = 0;
   std::int32_t num_kv_heads = 0;
   std::int32_t group = 0;

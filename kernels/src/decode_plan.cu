@@ -385,7 +385,7 @@ void DecodePlan::run(const DecodeRunArgs& args) const {
   p.partial_lse = s.d_partial_lse.get();
   p.group_counters = s.d_counters.get();
   p.pair_counters = s.d_counters.get() + s.max_partials;
-  for (int i = 0; i < kNumPrecisions; ++i) p.pools[i] = args.pools[i];
+  for (int i = 0; i < kNumPrecisions; ++i) p.pools[i] = detail::DevicePool(args.pools[i]);
   p.num_q_heads = c.num_q_heads;
   p.num_kv_heads = c.num_kv_heads;
   p.group = s.group;

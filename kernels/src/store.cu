@@ -7,11 +7,14 @@
 
 #include "cuda_check.cuh"
 #include "device_buffer.cuh"
+#include "device_pool.cuh"
 #include "quantize.cuh"
 
 namespace mixkv::gpu {
 namespace {
 
+using detail::DevicePool;
+using detail::FastDivisor;
 using detail::require;
 
 constexpr int kThreads = 128;
@@ -35,29 +38,6 @@ __host__ __device__ constexpr int tile_stages(int head_dim, int block_size) {
              : 1;
 }
 
-// n / d for 0 <= n < 2^31 by a multiply-high, an add and a shift, with the
-// multiplier computed on the host (Granlund and Montgomery 1994, fig. 4.1:
-// l = ceil(log2 d), m = floor(2^32 (2^l - d) / d) + 1, n / d = (umulhi(n, m)
-// + n) >> l; n < 2^31 keeps the sum in 32 bits). A division by a runtime
-// divisor takes ~20 instructions; the tile loop divides by num_kv_heads
-// three times per tile.
-class FastDivisor {
- public:
-  FastDivisor() = default;
-  explicit FastDivisor(std::uint32_t d) : divisor_(d) {
-    while ((std::uint64_t{1} << shift_) < d) ++shift_;
-    multiplier_ =
-        static_cast<std::uint32_t>(((std::uint64_t{1} << 32) * ((std::uint64_t{1} << shift_) - d)) / d + 1);
-  }
-  __device__ int div(int n) const {
-    return static_cast<int>((__umulhi(static_cast<std::uint32_t>(n), multiplier_) + n) >> shift_);
-  }
-  __device__ int mod(int n) const { return n - div(n) * static_cast<int>(divisor_); }
-
- private:
-  std::uint32_t divisor_ = 1, multiplier_ = 1, shift_ = 0;
-};
-
 struct StoreParams {
   const uint4* k;  // rows of num_kv_heads * head_dim halves, as 16-byte chunks
   const uint4* v;
@@ -68,7 +48,7 @@ struct StoreParams {
   std::int32_t stages;  // tile_stages of the shape
   FastDivisor heads;    // num_kv_heads
   std::int32_t int4_tiles;  // num_windows[0] * num_kv_heads
-  PoolView pools[kNumPrecisions];
+  DevicePool pools[kNumPrecisions];
 };
 
 // FP16 row `slot`: K/V of head h go to token (slot % S) of block slot / S.
@@ -139,8 +119,8 @@ __device__ __forceinline__ int tile_head(const StoreParams& p, int j) { return p
 // by the thread that read its slot.
 // row_dst: kThreads entries of shared memory.
 __device__ void copy_fp16_rows(const StoreParams& p, long long* row_dst) {
-  const PoolView& pool = p.pools[0];
-  const BlockFormat& f = pool.format;
+  const DevicePool& pool = p.pools[0];
+  const BlockFormat& f = pool.view.format;
   const int chunks_per_head = f.head_dim / 8;
   const int chunks_per_row = f.num_kv_heads * chunks_per_head;
   const std::size_t head_bytes = f.head_bytes();
@@ -154,7 +134,7 @@ __device__ void copy_fp16_rows(const StoreParams& p, long long* row_dst) {
       const std::int32_t slot = __ldg(p.fp16_slots + blockIdx.x + (first + threadIdx.x) * G);
       if (slot >= 0) {
         dst = reinterpret_cast<const char*>(pool.block(slot / f.block_size)) -
-              reinterpret_cast<const char*>(pool.base) +
+              reinterpret_cast<const char*>(pool.view.base) +
               static_cast<long long>(slot % f.block_size) * f.head_dim * 2;
       }
     }
@@ -188,7 +168,7 @@ __device__ void copy_fp16_rows(const StoreParams& p, long long* row_dst) {
         if (chunk[u] < 0) continue;
         const int col = chunk[u] >> 7;
         const int head = col / chunks_per_head;
-        char* to = reinterpret_cast<char*>(pool.base) + row_dst[chunk[u] & (kThreads - 1)] + head * head_bytes +
+        char* to = reinterpret_cast<char*>(pool.view.base) + row_dst[chunk[u] & (kThreads - 1)] + head * head_bytes +
                    16 * (col - head * chunks_per_head);
         *reinterpret_cast<uint4*>(to) = kx[u];
         *reinterpret_cast<uint4*>(to + v_offset) = vx[u];
@@ -214,7 +194,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) store_prefill_kernel(
   __builtin_assume(threadIdx.x < kThreads);  // bounds the threads' strided loops: at a fixed shape they unroll
   extern __shared__ __align__(16) unsigned char smem_bytes[];
   __shared__ long long row_dst[kThreads];  // per FP16 row: byte offset of its head-0 K chunk from the pool base, or -1
-  const BlockFormat& f16 = p.pools[0].format;
+  const BlockFormat& f16 = p.pools[0].view.format;
   const int heads = f16.num_kv_heads;
   const int D = detail::fixed_or(kHeadDim, f16.head_dim);
   const int S = detail::fixed_or(kBlockSize, f16.block_size);
@@ -248,12 +228,13 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) store_prefill_kernel(
       if (stages == 2) load_window(p.k, p.v, next.first_row, tile_head(p, j + G), heads, D, S, stage(i + 1));
     }
     const bool int2 = tile_is_int2(p, j);
-    const PoolView& pool = p.pools[int2 ? 2 : 1];
-    char* out = reinterpret_cast<char*>(pool.block(current.block_id)) + pool.format.head_offset(tile_head(p, j));
+    const DevicePool& pool = p.pools[int2 ? 2 : 1];
+    const BlockFormat& format = pool.view.format;
+    char* out = reinterpret_cast<char*>(pool.block(current.block_id)) + format.head_offset(tile_head(p, j));
     if (int2) {
-      detail::quantize_tile_bits<__half, kThreads, 2, kHeadDim, kBlockSize>(pool.format, stage(i), scratch, out);
+      detail::quantize_tile_bits<__half, kThreads, 2, kHeadDim, kBlockSize>(format, stage(i), scratch, out);
     } else {
-      detail::quantize_tile_bits<__half, kThreads, 4, kHeadDim, kBlockSize>(pool.format, stage(i), scratch, out);
+      detail::quantize_tile_bits<__half, kThreads, 4, kHeadDim, kBlockSize>(format, stage(i), scratch, out);
     }
     if (more && stages == 1) {
       __syncthreads();  // the one stage is free once every thread is past the codes
@@ -380,7 +361,7 @@ void store_prefill(const StorePrefillArgs& a) {
   p.windows[1] = a.int2_windows;
   p.num_windows[0] = a.num_int4_windows;
   p.num_windows[1] = a.num_int2_windows;
-  for (int i = 0; i < kNumPrecisions; ++i) p.pools[i] = a.pools[i];
+  for (int i = 0; i < kNumPrecisions; ++i) p.pools[i] = DevicePool(a.pools[i]);
   require(static_cast<std::int64_t>(f.num_kv_heads) * f.head_dim < (std::int64_t{1} << 27),
           std::string(fn) + ": num_kv_heads * head_dim = " +
               std::to_string(static_cast<std::int64_t>(f.num_kv_heads) * f.head_dim) +

@@ -19,9 +19,12 @@ struct PoolView {
   BlockFormat format{};
 
   MIXKV_HOST_DEVICE std::byte* block(std::int32_t block_id) const {
-    const std::size_t slab = static_cast<std::size_t>(block_id / blocks_per_slab);
-    const std::size_t index = static_cast<std::size_t>(block_id % blocks_per_slab);
-    return base + slab * slab_bytes + index * format.block_bytes();
+    return block_at(block_id / blocks_per_slab, block_id % blocks_per_slab);
+  }
+  // Block `index` of slab `slab`: for callers that split the id themselves
+  // (the CUDA kernels divide by a precomputed reciprocal).
+  MIXKV_HOST_DEVICE std::byte* block_at(std::int32_t slab, std::int32_t index) const {
+    return base + static_cast<std::size_t>(slab) * slab_bytes + static_cast<std::size_t>(index) * format.block_bytes();
   }
 };
 
