@@ -1,8 +1,8 @@
 #pragma once
 // Min-max RTN quantization of one (block, KV head) tile held in shared
 // memory, with the rounding of quant_math.h written with explicit IEEE
-// intrinsics (no FMA contraction) so that codes and (scale, min) match the
-// CPU reference bit for bit. Shared by store_prefill and demote.
+// intrinsics (its FMAs as __fmaf_rn, nothing else contracted) so that codes
+// and (scale, min) match the CPU reference bit for bit. Shared by store_prefill and demote.
 #include <cuda_fp16.h>
 
 #include <cstdint>
@@ -14,7 +14,7 @@ namespace mixkv::gpu::detail {
 
 struct GroupParamsDevice {
   float inverse_step;  // quant_inverse_step of the stored FP16 scale
-  float min;           // the stored FP16 minimum, widened
+  float bias;          // quant_bias of the stored FP16 minimum
   uint32_t packed;     // (scale, min) halves as stored
 };
 
@@ -24,7 +24,7 @@ __device__ __forceinline__ GroupParamsDevice group_params(float lo, float hi, in
   const float widened = __half2float(scale);
   GroupParamsDevice g;
   g.inverse_step = widened > 0.0f ? __frcp_rn(widened) : 0.0f;  // __frcp_rn: IEEE 1/x, as the host's 1.0f / x
-  g.min = __half2float(min);
+  g.bias = __fmaf_rn(-__half2float(min), g.inverse_step, 0.5f);
   g.packed = static_cast<uint32_t>(__half_as_ushort(scale)) | (static_cast<uint32_t>(__half_as_ushort(min)) << 16);
   return g;
 }
@@ -37,11 +37,12 @@ __device__ __forceinline__ GroupParamsDevice group_params(float lo, float hi, in
 // kCodeBias + code. A constant group (inverse_step 0) gives floor(0.5) = 0.
 // kClampLow: y is negative when the stored FP16 minimum rounded above the
 // group's lowest value; for FP16 input the stored minimum IS the lowest
-// value (exact), so x - min >= 0, y >= 0.5 and that clamp is skipped.
+// value (exact), so y >= 0.5 - 2^-9 (quant_math.h) and that clamp is
+// skipped.
 inline constexpr uint32_t kCodeBias = 0x4B000000u;  // the bits of 2^23
 template <uint32_t kMaxCode, bool kClampLow>
-__device__ __forceinline__ uint32_t biased_code(float x, float inverse_step, float min) {
-  float y = fminf(__fadd_rn(__fmul_rn(__fsub_rn(x, min), inverse_step), 0.5f), static_cast<float>(kMaxCode));
+__device__ __forceinline__ uint32_t biased_code(float x, float inverse_step, float bias) {
+  float y = fminf(__fmaf_rn(x, inverse_step, bias), static_cast<float>(kMaxCode));
   if constexpr (kClampLow) y = fmaxf(y, 0.0f);
   return __float_as_uint(__fadd_rd(y, 8388608.0f));
 }
@@ -215,9 +216,9 @@ __device__ void quantize_tile_bits(const BlockFormat& format, const T* tile, flo
   const T* k = tile;
   const T* v = tile + S * P;
   float* k_inverse = scratch;
-  float* k_min = k_inverse + D;
-  float* v_inverse = k_min + D;
-  float* v_min = v_inverse + S;
+  float* k_bias = k_inverse + D;
+  float* v_inverse = k_bias + D;
+  float* v_bias = v_inverse + S;
   uint32_t* k_params = reinterpret_cast<uint32_t*>(out + layout.k_params_offset());
   uint32_t* v_params = reinterpret_cast<uint32_t*>(out + layout.v_params_offset());
 
@@ -255,7 +256,7 @@ __device__ void quantize_tile_bits(const BlockFormat& format, const T* tile, flo
       const int c = 4 * q + part;
       const GroupParamsDevice gp = group_params(component(widen(lo), part), component(widen(hi), part), kMaxCode);
       k_inverse[c] = gp.inverse_step;
-      k_min[c] = gp.min;
+      k_bias[c] = gp.bias;
       k_params[c] = gp.packed;
     }
   }
@@ -282,7 +283,7 @@ __device__ void quantize_tile_bits(const BlockFormat& format, const T* tile, flo
       const GroupParamsDevice gp =
           group_params(fminf(fminf(l.x, l.y), fminf(l.z, l.w)), fmaxf(fmaxf(h.x, h.y), fmaxf(h.z, h.w)), kMaxCode);
       v_inverse[t] = gp.inverse_step;
-      v_min[t] = gp.min;
+      v_bias[t] = gp.bias;
       v_params[t] = gp.packed;
     }
   }
@@ -307,16 +308,16 @@ __device__ void quantize_tile_bits(const BlockFormat& format, const T* tile, flo
     const int j = unit / quad_units * lanes_per_quad + lane / quads_per_unit;
     if (q >= quads) continue;  // no shuffles below: such lanes may leave
     const float4 inverse = *reinterpret_cast<const float4*>(k_inverse + 4 * q);
-    const float4 min = *reinterpret_cast<const float4*>(k_min + 4 * q);
+    const float4 bias = *reinterpret_cast<const float4*>(k_bias + 4 * q);
     const T* column = k + j * kPerWord * P + 4 * q;
     uint32_t w0 = 0, w1 = 0, w2 = 0, w3 = 0;
 #pragma unroll
     for (int r = 0; r < kPerWord; ++r) {
       const float4 x = widen(V::load(column + r * P));
-      w0 += biased_code<kMaxCode, kClampLow>(x.x, inverse.x, min.x) << (r * kBits);
-      w1 += biased_code<kMaxCode, kClampLow>(x.y, inverse.y, min.y) << (r * kBits);
-      w2 += biased_code<kMaxCode, kClampLow>(x.z, inverse.z, min.z) << (r * kBits);
-      w3 += biased_code<kMaxCode, kClampLow>(x.w, inverse.w, min.w) << (r * kBits);
+      w0 += biased_code<kMaxCode, kClampLow>(x.x, inverse.x, bias.x) << (r * kBits);
+      w1 += biased_code<kMaxCode, kClampLow>(x.y, inverse.y, bias.y) << (r * kBits);
+      w2 += biased_code<kMaxCode, kClampLow>(x.z, inverse.z, bias.z) << (r * kBits);
+      w3 += biased_code<kMaxCode, kClampLow>(x.w, inverse.w, bias.w) << (r * kBits);
     }
     uint32_t* to = k_codes + 4 * q * k_words + j;
     to[0] = w0 - kWordBias;
@@ -339,7 +340,7 @@ __device__ void quantize_tile_bits(const BlockFormat& format, const T* tile, flo
     const int piece = at.col;
     const int first = piece & 4 ? 8 : 0;  // channel offset of the half loaded first
     const float inverse = v_inverse[t];
-    const float min = v_min[t];
+    const float bias = v_bias[t];
     const T* row = v + t * P + 16 * piece;
     uint32_t words[2] = {0, 0};  // in load order
 #pragma unroll
@@ -348,7 +349,7 @@ __device__ void quantize_tile_bits(const BlockFormat& format, const T* tile, flo
       tile_eight(row + (e ^ first), x);
 #pragma unroll
       for (int u = 0; u < 8; ++u) {
-        words[(e + u) / kPerWord] += biased_code<kMaxCode, kClampLow>(x[u], inverse, min)
+        words[(e + u) / kPerWord] += biased_code<kMaxCode, kClampLow>(x[u], inverse, bias)
                                      << ((e + u) % kPerWord * kBits);
       }
     }

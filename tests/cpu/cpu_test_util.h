@@ -125,7 +125,9 @@ inline std::vector<float> reference_dequant_k(const float* x, std::size_t stride
     }
     const float scale = half_to_float(float_to_half(quant_step(lo, hi, qmax)));
     const float min = half_to_float(float_to_half(lo));
-    for (int t = 0; t < tokens; ++t) out[t * dim + c] = dequant(quant_code(x[t * stride + c], quant_inverse_step(scale), min, qmax), scale, min);
+    const float inverse = quant_inverse_step(scale);
+    const float bias = quant_bias(min, inverse);
+    for (int t = 0; t < tokens; ++t) out[t * dim + c] = dequant(quant_code(x[t * stride + c], inverse, bias, qmax), scale, min);
   }
   return out;
 }
@@ -139,7 +141,9 @@ inline std::vector<float> reference_dequant_v(const float* x, std::size_t stride
     const float hi = *std::max_element(row, row + dim);
     const float scale = half_to_float(float_to_half(quant_step(lo, hi, qmax)));
     const float min = half_to_float(float_to_half(lo));
-    for (int c = 0; c < dim; ++c) out[t * dim + c] = dequant(quant_code(row[c], quant_inverse_step(scale), min, qmax), scale, min);
+    const float inverse = quant_inverse_step(scale);
+    const float bias = quant_bias(min, inverse);
+    for (int c = 0; c < dim; ++c) out[t * dim + c] = dequant(quant_code(row[c], inverse, bias, qmax), scale, min);
   }
   return out;
 }

@@ -68,13 +68,15 @@ void quantize_floats(const BlockFormat& f, const float* k, const float* v, std::
     float lo = k[c], hi = k[c];
     for (int t = 0; t < S; ++t) lo = std::min(lo, k[t * D + c]), hi = std::max(hi, k[t * D + c]);
     const auto [s, m] = params(lo, hi, region + f.k_params_offset() + 4 * c);
-    for (int t = 0; t < S; ++t) kc[t * D + c] = static_cast<std::uint8_t>(quant_code(k[t * D + c], quant_inverse_step(s), m, qmax));
+    const float inverse = quant_inverse_step(s), bias = quant_bias(m, inverse);
+    for (int t = 0; t < S; ++t) kc[t * D + c] = static_cast<std::uint8_t>(quant_code(k[t * D + c], inverse, bias, qmax));
   }
   for (int t = 0; t < S; ++t) {
     const float lo = *std::min_element(v + t * D, v + t * D + D);
     const float hi = *std::max_element(v + t * D, v + t * D + D);
     const auto [s, m] = params(lo, hi, region + f.v_params_offset() + 4 * t);
-    for (int c = 0; c < D; ++c) vc[t * D + c] = static_cast<std::uint8_t>(quant_code(v[t * D + c], quant_inverse_step(s), m, qmax));
+    const float inverse = quant_inverse_step(s), bias = quant_bias(m, inverse);
+    for (int c = 0; c < D; ++c) vc[t * D + c] = static_cast<std::uint8_t>(quant_code(v[t * D + c], inverse, bias, qmax));
   }
   cpu::pack_codes(f, kc.data(), vc.data(), region);
 }

@@ -82,9 +82,9 @@ void quantize_head(const BlockFormat& format, const T* k, const T* v, std::size_
     const auto [lo, hi] = std::minmax_element(group.begin(), group.begin() + tokens);
     const GroupParams params = group_params(*lo, *hi, max_code);
     const float inverse_step = quant_inverse_step(half_to_float(params.scale));
-    const float min = half_to_float(params.min);
+    const float bias = quant_bias(half_to_float(params.min), inverse_step);
     for (int t = 0; t < tokens; ++t) {
-      put_code(head_region, format.k_code_location(t, c), quant_code(group[t], inverse_step, min, max_code), bits);
+      put_code(head_region, format.k_code_location(t, c), quant_code(group[t], inverse_step, bias, max_code), bits);
     }
     store_params(head_region + format.k_params_offset() + static_cast<std::size_t>(c) * 2 * sizeof(Half), params);
   }
@@ -94,9 +94,9 @@ void quantize_head(const BlockFormat& format, const T* k, const T* v, std::size_
     const auto [lo, hi] = std::minmax_element(group.begin(), group.begin() + dim);
     const GroupParams params = group_params(*lo, *hi, max_code);
     const float inverse_step = quant_inverse_step(half_to_float(params.scale));
-    const float min = half_to_float(params.min);
+    const float bias = quant_bias(half_to_float(params.min), inverse_step);
     for (int c = 0; c < dim; ++c) {
-      put_code(head_region, format.v_code_location(t, c), quant_code(group[c], inverse_step, min, max_code), bits);
+      put_code(head_region, format.v_code_location(t, c), quant_code(group[c], inverse_step, bias, max_code), bits);
     }
     store_params(head_region + format.v_params_offset() + static_cast<std::size_t>(t) * 2 * sizeof(Half), params);
   }
