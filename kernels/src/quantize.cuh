@@ -18,12 +18,39 @@ struct GroupParamsDevice {
   uint32_t packed;     // (scale, min) halves as stored
 };
 
-__device__ __forceinline__ GroupParamsDevice group_params(float lo, float hi, int max_code) {
-  const __half scale = __float2half_rn(__fdiv_rn(__fsub_rn(hi, lo), static_cast<float>(max_code)));
+// quant_step's IEEE quotient (hi - lo) / kMaxCode in three instructions:
+// the product with the rounded reciprocal, corrected once by its FMA
+// residual. For the divisors 3 and 15 this equals the IEEE quotient for
+// every non-negative float below 2^127 (checked exhaustively on the host
+// with fmaf, which rounds as FFMA does); __fdiv_rn adds a range check and a
+// slow-path branch, ~10 more instructions a group.
+template <uint32_t kMaxCode>
+__device__ __forceinline__ float range_over_max_code(float range) {
+  static_assert(kMaxCode == 3 || kMaxCode == 15, "the exactness was checked for these divisors only");
+  constexpr float kDivisor = static_cast<float>(kMaxCode);
+  constexpr float kReciprocal = 1.0f / kDivisor;
+  const float q = __fmul_rn(range, kReciprocal);
+  return __fmaf_rn(__fmaf_rn(-q, kDivisor, range), kReciprocal, q);
+}
+
+// IEEE 1 / x (the host's 1.0f / x) for a widened positive FP16 value x.
+// This is the instruction sequence ptxas emits for __frcp_rn on the inputs
+// it can take directly (MUFU.RCP, then one FMA residual correction); its
+// range test and slow path (~9 instructions) are for float exponents an FP16
+// value never has (x and 1 / x both normal floats: 2^-24 <= x <= 65504).
+__device__ __forceinline__ float reciprocal_of_half(float x) {
+  float approx;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(approx) : "f"(x));
+  return __fmaf_rn(approx, __fmaf_rn(-x, approx, 1.0f), approx);
+}
+
+template <uint32_t kMaxCode>
+__device__ __forceinline__ GroupParamsDevice group_params(float lo, float hi) {
+  const __half scale = __float2half_rn(range_over_max_code<kMaxCode>(__fsub_rn(hi, lo)));
   const __half min = __float2half_rn(lo);
   const float widened = __half2float(scale);
   GroupParamsDevice g;
-  g.inverse_step = widened > 0.0f ? __frcp_rn(widened) : 0.0f;  // __frcp_rn: IEEE 1/x, as the host's 1.0f / x
+  g.inverse_step = widened > 0.0f ? reciprocal_of_half(widened) : 0.0f;
   g.bias = __fmaf_rn(-__half2float(min), g.inverse_step, 0.5f);
   g.packed = static_cast<uint32_t>(__half_as_ushort(scale)) | (static_cast<uint32_t>(__half_as_ushort(min)) << 16);
   return g;
@@ -127,6 +154,12 @@ __device__ __forceinline__ float4 widen(Half4 a) {
 }
 __device__ __forceinline__ float4 widen(float4 a) { return a; }
 __device__ __forceinline__ float component(float4 a, int i) { return i == 0 ? a.x : i == 1 ? a.y : i == 2 ? a.z : a.w; }
+// Value i of four halves, widening only that one: a select of the word and
+// of its half (the four-way select of widened floats compiled to branches).
+__device__ __forceinline__ float component(Half4 a, int i) {
+  const __half2 pair = i & 2 ? a.hi : a.lo;
+  return __half2float(i & 1 ? __high2half(pair) : __low2half(pair));
+}
 
 // Eight adjacent tile values as floats, from 16-byte aligned `at`.
 template <typename T>
@@ -254,7 +287,7 @@ __device__ void quantize_tile_bits(const BlockFormat& format, const T* tile, flo
     }
     if (q < quads) {  // every part now holds the quad's range; part p sets channel 4q + p
       const int c = 4 * q + part;
-      const GroupParamsDevice gp = group_params(component(widen(lo), part), component(widen(hi), part), kMaxCode);
+      const GroupParamsDevice gp = group_params<kMaxCode>(component(lo, part), component(hi, part));
       k_inverse[c] = gp.inverse_step;
       k_bias[c] = gp.bias;
       k_params[c] = gp.packed;
@@ -281,7 +314,7 @@ __device__ void quantize_tile_bits(const BlockFormat& format, const T* tile, flo
     if (part == 0) {
       const float4 l = widen(lo), h = widen(hi);
       const GroupParamsDevice gp =
-          group_params(fminf(fminf(l.x, l.y), fminf(l.z, l.w)), fmaxf(fmaxf(h.x, h.y), fmaxf(h.z, h.w)), kMaxCode);
+          group_params<kMaxCode>(fminf(fminf(l.x, l.y), fminf(l.z, l.w)), fmaxf(fmaxf(h.x, h.y), fmaxf(h.z, h.w)));
       v_inverse[t] = gp.inverse_step;
       v_bias[t] = gp.bias;
       v_params[t] = gp.packed;

@@ -110,6 +110,25 @@ __device__ __forceinline__ WindowSlot tile_window(const StoreParams& p, int j) {
 }
 __device__ __forceinline__ int tile_head(const StoreParams& p, int j) { return p.heads.mod(j); }
 
+// Quantizes `tile` into head `head` of block `block_id` of `pool`, the
+// INT4 or INT2 pool as kBits says, in an instance built for one shape. The
+// block is addressed through a view whose format takes its precision from
+// kBits and its sizes from the template: the head size is then a constant
+// (through the pool's own format the precision was read and branched on at
+// run time, ~60 instructions a tile).
+template <int kBits, int kHeadDim, int kBlockSize>
+__device__ __forceinline__ void quantize_into(const DevicePool& pool, std::int32_t block_id, int head,
+                                              const __half* tile, float* scratch) {
+  static_assert(kHeadDim != 0 && kBlockSize != 0, "for the instances built for one shape");
+  const BlockFormat& format = pool.view.format;
+  const BlockFormat layout{kBits == 4 ? Precision::INT4 : Precision::INT2, format.num_kv_heads, kHeadDim, kBlockSize};
+  const PoolView view{pool.view.base, pool.view.slab_bytes, pool.view.blocks_per_slab, layout};
+  const int slab = pool.per_slab.div(block_id);
+  char* out = reinterpret_cast<char*>(view.block_at(slab, block_id - slab * view.blocks_per_slab)) +
+              layout.head_offset(head);
+  detail::quantize_tile_bits<__half, kThreads, kBits, kHeadDim, kBlockSize>(format, tile, scratch, out);
+}
+
 // The FP16 rows of CTA b: rows b, b + G, b + 2G, ... (G = gridDim.x).
 // Interleaved rather than contiguous, so that FP16 rows bunched in windows
 // spread over all CTAs. Slots are read first, kThreads rows at a time, and
@@ -125,10 +144,12 @@ __device__ void copy_fp16_rows(const StoreParams& p, long long* row_dst) {
   const int chunks_per_row = f.num_kv_heads * chunks_per_head;
   const std::size_t head_bytes = f.head_bytes();
   const std::size_t v_offset = f.v_offset();
-  const auto G = static_cast<std::int64_t>(gridDim.x);
-  const std::int64_t mine = (p.rows - static_cast<std::int64_t>(blockIdx.x) + G - 1) / G;  // rows of this CTA
-  for (std::int64_t first = 0; first < mine; first += kThreads) {
-    const int n = static_cast<int>(min(static_cast<std::int64_t>(kThreads), mine - first));
+  const unsigned G = gridDim.x;
+  // Rows of this CTA, in 32 bits: rows < 2^31 and blockIdx.x < G, so no
+  // term wraps (the 64-bit division was a ~70-instruction call per CTA).
+  const unsigned mine = (static_cast<unsigned>(p.rows) - blockIdx.x + G - 1) / G;
+  for (unsigned first = 0; first < mine; first += kThreads) {
+    const int n = static_cast<int>(min(static_cast<unsigned>(kThreads), mine - first));
     long long dst = -1;
     if (static_cast<int>(threadIdx.x) < n) {
       const std::int32_t slot = __ldg(p.fp16_slots + blockIdx.x + (first + threadIdx.x) * G);
@@ -227,14 +248,23 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) store_prefill_kernel(
       if (j + 2 * G < tiles) after = tile_window(p, j + 2 * G);
       if (stages == 2) load_window(p.k, p.v, next.first_row, tile_head(p, j + G), heads, D, S, stage(i + 1));
     }
-    const bool int2 = tile_is_int2(p, j);
-    const DevicePool& pool = p.pools[int2 ? 2 : 1];
-    const BlockFormat& format = pool.view.format;
-    char* out = reinterpret_cast<char*>(pool.block(current.block_id)) + format.head_offset(tile_head(p, j));
-    if (int2) {
-      detail::quantize_tile_bits<__half, kThreads, 2, kHeadDim, kBlockSize>(format, stage(i), scratch, out);
+    if constexpr (kHeadDim == 0) {
+      // The pool and its address chosen before the branch: per branch (as
+      // below) the generic instance, with every size a runtime value,
+      // spilled 136 bytes.
+      const bool int2 = tile_is_int2(p, j);
+      const DevicePool& pool = p.pools[int2 ? 2 : 1];
+      const BlockFormat& format = pool.view.format;
+      char* out = reinterpret_cast<char*>(pool.block(current.block_id)) + format.head_offset(tile_head(p, j));
+      if (int2) {
+        detail::quantize_tile_bits<__half, kThreads, 2, 0, 0>(format, stage(i), scratch, out);
+      } else {
+        detail::quantize_tile_bits<__half, kThreads, 4, 0, 0>(format, stage(i), scratch, out);
+      }
+    } else if (tile_is_int2(p, j)) {
+      quantize_into<2, kHeadDim, kBlockSize>(p.pools[2], current.block_id, tile_head(p, j), stage(i), scratch);
     } else {
-      detail::quantize_tile_bits<__half, kThreads, 4, kHeadDim, kBlockSize>(format, stage(i), scratch, out);
+      quantize_into<4, kHeadDim, kBlockSize>(p.pools[1], current.block_id, tile_head(p, j), stage(i), scratch);
     }
     if (more && stages == 1) {
       __syncthreads();  // the one stage is free once every thread is past the codes
