@@ -44,6 +44,11 @@ __device__ __forceinline__ float reciprocal_of_half(float x) {
   return __fmaf_rn(approx, __fmaf_rn(-x, approx, 1.0f), approx);
 }
 
+// Whether the group's stored scale (the low half of GroupParamsDevice::
+// packed, >= 0) is an FP16 subnormal: its codes may then need the clamp to
+// max_code (biased_code).
+__device__ __forceinline__ bool has_subnormal_scale(uint32_t packed) { return (packed & 0xffffu) - 1u < 0x3ffu; }
+
 template <uint32_t kMaxCode>
 __device__ __forceinline__ GroupParamsDevice group_params(float lo, float hi) {
   const __half scale = __float2half_rn(range_over_max_code<kMaxCode>(__fsub_rn(hi, lo)));
@@ -62,14 +67,18 @@ __device__ __forceinline__ GroupParamsDevice group_params(float lo, float hi) {
 // [0, max_code] first (floor commutes with clamping to integers), adding 2^23
 // rounded down leaves floor(y) in the low mantissa bits: the result is
 // kCodeBias + code. A constant group (inverse_step 0) gives floor(0.5) = 0.
-// kClampLow: y is negative when the stored FP16 minimum rounded above the
-// group's lowest value; for FP16 input the stored minimum IS the lowest
-// value (exact), so y >= 0.5 - 2^-9 (quant_math.h) and that clamp is
-// skipped.
+// Each clamp is skipped where it cannot fire (quant_math.h): kClampLow, y
+// is negative only when the stored FP16 minimum rounded above the group's
+// lowest value, which an FP16 minimum never does (y >= 0.5 - 2^-9);
+// kClampHigh, y reaches max_code + 1 only when the scale rounded down by
+// more than the slack, which for FP16 input takes a subnormal FP16 scale
+// (has_subnormal_scale): a normal one is within 2^-11 of the step, so y <
+// max_code (1 + 2^-11) + 0.5 + 2^-9 < max_code + 1.
 inline constexpr uint32_t kCodeBias = 0x4B000000u;  // the bits of 2^23
-template <uint32_t kMaxCode, bool kClampLow>
+template <uint32_t kMaxCode, bool kClampLow, bool kClampHigh>
 __device__ __forceinline__ uint32_t biased_code(float x, float inverse_step, float bias) {
-  float y = fminf(__fmaf_rn(x, inverse_step, bias), static_cast<float>(kMaxCode));
+  float y = __fmaf_rn(x, inverse_step, bias);
+  if constexpr (kClampHigh) y = fminf(y, static_cast<float>(kMaxCode));
   if constexpr (kClampLow) y = fmaxf(y, 0.0f);
   return __float_as_uint(__fadd_rd(y, 8388608.0f));
 }
@@ -228,16 +237,16 @@ struct QuantTile {
 // kThreads: the CTA size. kHeadDim, kBlockSize: the tile shape where an
 // instance is built for it (see fixed_or), else 0: `format`'s. At a runtime
 // shape the loop bounds, strides and offsets are integer arithmetic and the
-// loops run with remainders: the generic instance's FP16 quantizer is 1100
-// SASS instructions (INT4; INT2 1339), D 128, S 32's is 593 (823) of nearly
-// straight-line code.
+// loops run with remainders (in v11 the generic instance's FP16 quantizer
+// was 1100 SASS instructions at INT4, 1339 at INT2; D 128, S 32's 593 and
+// 823 of nearly straight-line code).
 template <typename T, int kThreads, int kBits, int kHeadDim, int kBlockSize>
 __device__ void quantize_tile_bits(const BlockFormat& format, const T* tile, float* scratch, char* out) {
   using V = Vec4<T>;
   using V4 = typename V::type;
   constexpr uint32_t kMaxCode = (1u << kBits) - 1u;
   constexpr int kPerWord = 32 / kBits;
-  constexpr bool kClampLow = !std::is_same_v<T, __half>;  // see biased_code
+  constexpr bool kFp16 = std::is_same_v<T, __half>;  // see biased_code for what FP16 input spares
   constexpr uint32_t kWordBias = word_bias<kBits>();
   __builtin_assume(threadIdx.x < kThreads);  // bounds the threads' strided loops: at a fixed shape they unroll
   const int S = fixed_or(kBlockSize, format.block_size);
@@ -266,6 +275,7 @@ __device__ void quantize_tile_bits(const BlockFormat& format, const T* tile, flo
   const int slot = lane % 8;
   const int part = lane / 8;
 
+  bool subnormal_scale = false;  // of a group this thread set
   // K: one group per channel over the tokens; part p takes tokens 16i + 4p + r.
   const int quads = D / 4;
   for (int g = warp; g * 8 < quads; g += warps) {
@@ -291,6 +301,7 @@ __device__ void quantize_tile_bits(const BlockFormat& format, const T* tile, flo
       k_inverse[c] = gp.inverse_step;
       k_bias[c] = gp.bias;
       k_params[c] = gp.packed;
+      subnormal_scale |= has_subnormal_scale(gp.packed);
     }
   }
   // V: one group per token over the channels; part p takes the 8-channel
@@ -318,82 +329,92 @@ __device__ void quantize_tile_bits(const BlockFormat& format, const T* tile, flo
       v_inverse[t] = gp.inverse_step;
       v_bias[t] = gp.bias;
       v_params[t] = gp.packed;
+      subnormal_scale |= has_subnormal_scale(gp.packed);
     }
   }
-  __syncthreads();
-  // K codes, channel-major packed along tokens (block_format.h): a lane packs
-  // word j of the four channels of quad q from kPerWord rows. A warp takes
-  // two consecutive words (one if the words per channel are odd) of 16 (32)
-  // adjacent quads: each of the four stores then writes 8-byte runs of
-  // adjacent words instead of 32 scattered words, and no lane idles for any
-  // S. Each half-warp holds one word: 16 adjacent quads of a row, 32 banks,
-  // conflict-free. (Four words a warp would halve the store transactions
-  // again, but put rows a multiple of 8 apart, same banks, into one
-  // half-warp; rotating their rows took 64 registers: 8 CTAs per SM, not 9.)
-  const int k_words = S / kPerWord;  // per channel
-  const int lanes_per_quad = k_words % 2 == 0 ? 2 : 1;
-  const int quads_per_unit = 32 / lanes_per_quad;
-  const int quad_units = (quads + quads_per_unit - 1) / quads_per_unit;
-  const int units = quad_units * (k_words / lanes_per_quad);
-  uint32_t* k_codes = reinterpret_cast<uint32_t*>(out + layout.k_offset());
-  for (int unit = warp; unit < units; unit += warps) {
-    const int q = unit % quad_units * quads_per_unit + lane % quads_per_unit;
-    const int j = unit / quad_units * lanes_per_quad + lane / quads_per_unit;
-    if (q >= quads) continue;  // no shuffles below: such lanes may leave
-    const float4 inverse = *reinterpret_cast<const float4*>(k_inverse + 4 * q);
-    const float4 bias = *reinterpret_cast<const float4*>(k_bias + 4 * q);
-    const T* column = k + j * kPerWord * P + 4 * q;
-    uint32_t w0 = 0, w1 = 0, w2 = 0, w3 = 0;
-#pragma unroll
-    for (int r = 0; r < kPerWord; ++r) {
-      const float4 x = widen(V::load(column + r * P));
-      w0 += biased_code<kMaxCode, kClampLow>(x.x, inverse.x, bias.x) << (r * kBits);
-      w1 += biased_code<kMaxCode, kClampLow>(x.y, inverse.y, bias.y) << (r * kBits);
-      w2 += biased_code<kMaxCode, kClampLow>(x.z, inverse.z, bias.z) << (r * kBits);
-      w3 += biased_code<kMaxCode, kClampLow>(x.w, inverse.w, bias.w) << (r * kBits);
+  // Codes without the clamp to max_code unless some group of the tile needs
+  // it (one instruction of ~5 a code; the code passes are built twice).
+  const bool clamp_high = __syncthreads_or(subnormal_scale) != 0 || !kFp16;
+  auto write_codes = [&]<bool kClampHigh>() {
+    // K codes, channel-major packed along tokens (block_format.h): a lane packs
+    // word j of the four channels of quad q from kPerWord rows. A warp takes
+    // two consecutive words (one if the words per channel are odd) of 16 (32)
+    // adjacent quads: each of the four stores then writes 8-byte runs of
+    // adjacent words instead of 32 scattered words, and no lane idles for any
+    // S. Each half-warp holds one word: 16 adjacent quads of a row, 32 banks,
+    // conflict-free. (Four words a warp would halve the store transactions
+    // again, but put rows a multiple of 8 apart, same banks, into one
+    // half-warp; rotating their rows took 64 registers: 8 CTAs per SM, not 9.)
+    const int k_words = S / kPerWord;  // per channel
+    const int lanes_per_quad = k_words % 2 == 0 ? 2 : 1;
+    const int quads_per_unit = 32 / lanes_per_quad;
+    const int quad_units = (quads + quads_per_unit - 1) / quads_per_unit;
+    const int units = quad_units * (k_words / lanes_per_quad);
+    uint32_t* k_codes = reinterpret_cast<uint32_t*>(out + layout.k_offset());
+    for (int unit = warp; unit < units; unit += warps) {
+      const int q = unit % quad_units * quads_per_unit + lane % quads_per_unit;
+      const int j = unit / quad_units * lanes_per_quad + lane / quads_per_unit;
+      if (q >= quads) continue;  // no shuffles below: such lanes may leave
+      const float4 inverse = *reinterpret_cast<const float4*>(k_inverse + 4 * q);
+      const float4 bias = *reinterpret_cast<const float4*>(k_bias + 4 * q);
+      const T* column = k + j * kPerWord * P + 4 * q;
+      uint32_t w0 = 0, w1 = 0, w2 = 0, w3 = 0;
+  #pragma unroll
+      for (int r = 0; r < kPerWord; ++r) {
+        const float4 x = widen(V::load(column + r * P));
+        w0 += biased_code<kMaxCode, !kFp16, kClampHigh>(x.x, inverse.x, bias.x) << (r * kBits);
+        w1 += biased_code<kMaxCode, !kFp16, kClampHigh>(x.y, inverse.y, bias.y) << (r * kBits);
+        w2 += biased_code<kMaxCode, !kFp16, kClampHigh>(x.z, inverse.z, bias.z) << (r * kBits);
+        w3 += biased_code<kMaxCode, !kFp16, kClampHigh>(x.w, inverse.w, bias.w) << (r * kBits);
+      }
+      uint32_t* to = k_codes + 4 * q * k_words + j;
+      to[0] = w0 - kWordBias;
+      to[k_words] = w1 - kWordBias;
+      to[2 * k_words] = w2 - kWordBias;
+      to[3 * k_words] = w3 - kWordBias;
     }
-    uint32_t* to = k_codes + 4 * q * k_words + j;
-    to[0] = w0 - kWordBias;
-    to[k_words] = w1 - kWordBias;
-    to[2 * k_words] = w2 - kWordBias;
-    to[3 * k_words] = w3 - kWordBias;
-  }
-  // V codes, token-major packed along channels: a lane packs a piece of 16
-  // channels of token t (two INT4 words, one 8-byte store; or one INT2
-  // word). Adjacent lanes take adjacent pieces of a row, so a warp's stores
-  // are contiguous. Pieces sit 32 bytes (8 banks) apart: pieces p and p + 4
-  // of a quarter-warp's 16-byte loads would share banks, so pieces with bit
-  // 2 set load their upper 8 channels first (4 banks further) and swap the
-  // halves back in the packed result.
-  const int pieces16 = D / 16;
-  char* v_codes = out + layout.v_offset();
-  const int v_token_bytes = static_cast<int>(layout.v_token_bytes());
-  for (StridedIndex at(pieces16, kThreads); at.row < S; at.next()) {
-    const int t = at.row;
-    const int piece = at.col;
-    const int first = piece & 4 ? 8 : 0;  // channel offset of the half loaded first
-    const float inverse = v_inverse[t];
-    const float bias = v_bias[t];
-    const T* row = v + t * P + 16 * piece;
-    uint32_t words[2] = {0, 0};  // in load order
-#pragma unroll
-    for (int e = 0; e < 16; e += 8) {
-      float x[8];
-      tile_eight(row + (e ^ first), x);
-#pragma unroll
-      for (int u = 0; u < 8; ++u) {
-        words[(e + u) / kPerWord] += biased_code<kMaxCode, kClampLow>(x[u], inverse, bias)
-                                     << ((e + u) % kPerWord * kBits);
+    // V codes, token-major packed along channels: a lane packs a piece of 16
+    // channels of token t (two INT4 words, one 8-byte store; or one INT2
+    // word). Adjacent lanes take adjacent pieces of a row, so a warp's stores
+    // are contiguous. Pieces sit 32 bytes (8 banks) apart: pieces p and p + 4
+    // of a quarter-warp's 16-byte loads would share banks, so pieces with bit
+    // 2 set load their upper 8 channels first (4 banks further) and swap the
+    // halves back in the packed result.
+    const int pieces16 = D / 16;
+    char* v_codes = out + layout.v_offset();
+    const int v_token_bytes = static_cast<int>(layout.v_token_bytes());
+    for (StridedIndex at(pieces16, kThreads); at.row < S; at.next()) {
+      const int t = at.row;
+      const int piece = at.col;
+      const int first = piece & 4 ? 8 : 0;  // channel offset of the half loaded first
+      const float inverse = v_inverse[t];
+      const float bias = v_bias[t];
+      const T* row = v + t * P + 16 * piece;
+      uint32_t words[2] = {0, 0};  // in load order
+  #pragma unroll
+      for (int e = 0; e < 16; e += 8) {
+        float x[8];
+        tile_eight(row + (e ^ first), x);
+  #pragma unroll
+        for (int u = 0; u < 8; ++u) {
+          words[(e + u) / kPerWord] += biased_code<kMaxCode, !kFp16, kClampHigh>(x[u], inverse, bias)
+                                       << ((e + u) % kPerWord * kBits);
+        }
+      }
+      char* to = v_codes + t * v_token_bytes + piece * 2 * kBits;  // 16 codes of kBits: 2 * kBits bytes
+      if constexpr (kBits == 4) {
+        const uint32_t a = words[0] - kWordBias, b = words[1] - kWordBias;  // one word per half
+        *reinterpret_cast<uint2*>(to) = first ? make_uint2(b, a) : make_uint2(a, b);
+      } else {
+        const uint32_t w = words[0] - kWordBias;  // the halves' codes in its low and high 16 bits
+        *reinterpret_cast<uint32_t*>(to) = first ? __funnelshift_l(w, w, 16) : w;
       }
     }
-    char* to = v_codes + t * v_token_bytes + piece * 2 * kBits;  // 16 codes of kBits: 2 * kBits bytes
-    if constexpr (kBits == 4) {
-      const uint32_t a = words[0] - kWordBias, b = words[1] - kWordBias;  // one word per half
-      *reinterpret_cast<uint2*>(to) = first ? make_uint2(b, a) : make_uint2(a, b);
-    } else {
-      const uint32_t w = words[0] - kWordBias;  // the halves' codes in its low and high 16 bits
-      *reinterpret_cast<uint32_t*>(to) = first ? __funnelshift_l(w, w, 16) : w;
-    }
+  };
+  if (clamp_high) {
+    write_codes.template operator()<true>();
+  } else {
+    write_codes.template operator()<false>();
   }
 }
 
