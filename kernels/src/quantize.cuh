@@ -2,7 +2,8 @@
 // Min-max RTN quantization of one (block, KV head) tile held in shared
 // memory, with the rounding of quant_math.h written with explicit IEEE
 // intrinsics (its FMAs as __fmaf_rn, nothing else contracted) so that codes
-// and (scale, min) match the CPU reference bit for bit. Shared by store_prefill and demote.
+// and (scale, min) match the CPU reference bit for bit. Shared by
+// store_prefill and demote.
 #include <cuda_fp16.h>
 
 #include <cstdint>
@@ -72,8 +73,8 @@ __device__ __forceinline__ GroupParamsDevice group_params(float lo, float hi) {
 // lowest value, which an FP16 minimum never does (y >= 0.5 - 2^-9);
 // kClampHigh, y reaches max_code + 1 only when the scale rounded down by
 // more than the slack, which for FP16 input takes a subnormal FP16 scale
-// (has_subnormal_scale): a normal one is within 2^-11 of the step, so y <
-// max_code (1 + 2^-11) + 0.5 + 2^-9 < max_code + 1.
+// (has_subnormal_scale): a normal one is within a relative 2^-11 of the
+// step, so y < max_code (1 + 2^-11) + 0.5 + 2^-9 < max_code + 1.
 inline constexpr uint32_t kCodeBias = 0x4B000000u;  // the bits of 2^23
 template <uint32_t kMaxCode, bool kClampLow, bool kClampHigh>
 __device__ __forceinline__ uint32_t biased_code(float x, float inverse_step, float bias) {
@@ -359,7 +360,7 @@ __device__ void quantize_tile_bits(const BlockFormat& format, const T* tile, flo
       const float4 bias = *reinterpret_cast<const float4*>(k_bias + 4 * q);
       const T* column = k + j * kPerWord * P + 4 * q;
       uint32_t w0 = 0, w1 = 0, w2 = 0, w3 = 0;
-  #pragma unroll
+#pragma unroll
       for (int r = 0; r < kPerWord; ++r) {
         const float4 x = widen(V::load(column + r * P));
         w0 += biased_code<kMaxCode, !kFp16, kClampHigh>(x.x, inverse.x, bias.x) << (r * kBits);
@@ -391,11 +392,11 @@ __device__ void quantize_tile_bits(const BlockFormat& format, const T* tile, flo
       const float bias = v_bias[t];
       const T* row = v + t * P + 16 * piece;
       uint32_t words[2] = {0, 0};  // in load order
-  #pragma unroll
+#pragma unroll
       for (int e = 0; e < 16; e += 8) {
         float x[8];
         tile_eight(row + (e ^ first), x);
-  #pragma unroll
+#pragma unroll
         for (int u = 0; u < 8; ++u) {
           words[(e + u) / kPerWord] += biased_code<kMaxCode, !kFp16, kClampHigh>(x[u], inverse, bias)
                                        << ((e + u) % kPerWord * kBits);
