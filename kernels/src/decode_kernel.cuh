@@ -380,7 +380,10 @@ __device__ __forceinline__ void compute_quant_block(const char* slot, const uint
     s[mt][0] = s[mt][1] = s[mt][2] = s[mt][3] = 0.0f;
     s_odd[mt][0] = s_odd[mt][1] = s_odd[mt][2] = s_odd[mt][3] = 0.0f;
   }
-  float bias[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // sum_c q_c m_c (every row alike)
+  // The two rank-1 products are read from rows g only ([0], [1]): rows
+  // g + 8 of their A operands are left undefined, which saves the register
+  // copies that duplicating the mins and ones into a 4-register A would cost.
+  float bias[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // sum_c q_c m_c
   float qsum[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // sum_c q'_c
   uint32_t kx[D / 16][2][2];
   load_k_pairs<D, S, Bits>(slot + F.k_offset(), kx, lane);
@@ -394,9 +397,9 @@ __device__ __forceinline__ void compute_quant_block(const char* slot, const uint
     const uint32_t qb1 = hmul2_u32(qf[ks][1], prmt(p8.x, p8.y, 0x5410));
     const uint32_t min0 = prmt(p0.x, p0.y, 0x7632);
     const uint32_t min8 = prmt(p8.x, p8.y, 0x7632);
-    const uint32_t am[4] = {min0, min0, min8, min8};
+    const uint32_t am[4] = {min0, undefined_u32(), min8, undefined_u32()};
     mma_16816(bias, am, qf[ks][0], qf[ks][1]);
-    const uint32_t ones[4] = {kOnes, kOnes, kOnes, kOnes};
+    const uint32_t ones[4] = {kOnes, undefined_u32(), kOnes, undefined_u32()};
     mma_16816(qsum, ones, qb0, qb1);
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
@@ -414,8 +417,8 @@ __device__ __forceinline__ void compute_quant_block(const char* slot, const uint
     const float f1 = __int_as_float((127 - KRunPos<Bits>::k(2 * mt + 1)) << 23);
     s[mt][0] = ((s[mt][0] - 1024.0f * qsum[0]) * f0 + bias[0]) * scale_log2;
     s[mt][1] = ((s[mt][1] - 1024.0f * qsum[1]) * f0 + bias[1]) * scale_log2;
-    s[mt][2] = ((s[mt][2] - 1024.0f * qsum[2]) * f1 + bias[2]) * scale_log2;
-    s[mt][3] = ((s[mt][3] - 1024.0f * qsum[3]) * f1 + bias[3]) * scale_log2;
+    s[mt][2] = ((s[mt][2] - 1024.0f * qsum[0]) * f1 + bias[0]) * scale_log2;
+    s[mt][3] = ((s[mt][3] - 1024.0f * qsum[1]) * f1 + bias[1]) * scale_log2;
   }
   online_softmax<MT>(s, st);
 
