@@ -127,24 +127,29 @@ __device__ __forceinline__ void online_softmax_rescale(float& bm0, float& bm1, W
   st.m[1] = m1;
 }
 
-// Scores (base 2) of MT m-tiles -> probabilities relative to the new running
-// max; the state is rescaled and the sums updated.
+// Unscaled scores of MT m-tiles -> probabilities relative to the new running
+// max (base 2, scores times scale_log2); the state is rescaled and the sums
+// updated. The scale goes into the exponent's fma and, since scale_log2 > 0
+// and rounding is monotonic, into the block max once: fl(max x * scale) is
+// max fl(x * scale), so the running max is the one of scaled scores.
 template <int MT, int D>
-__device__ __forceinline__ void online_softmax(float (&s)[MT][4], WarpState<D>& st) {
+__device__ __forceinline__ void online_softmax(float (&s)[MT][4], float scale_log2, WarpState<D>& st) {
   float bm0 = -INFINITY, bm1 = -INFINITY;
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
     bm0 = fmaxf(bm0, fmaxf(s[mt][0], s[mt][2]));
     bm1 = fmaxf(bm1, fmaxf(s[mt][1], s[mt][3]));
   }
+  bm0 *= scale_log2;
+  bm1 *= scale_log2;
   float base0, base1;
   online_softmax_rescale(bm0, bm1, st, base0, base1);
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
-    s[mt][0] = exp2_ftz(s[mt][0] - base0);
-    s[mt][1] = exp2_ftz(s[mt][1] - base1);
-    s[mt][2] = exp2_ftz(s[mt][2] - base0);
-    s[mt][3] = exp2_ftz(s[mt][3] - base1);
+    s[mt][0] = exp2_ftz(fmaf(s[mt][0], scale_log2, -base0));
+    s[mt][1] = exp2_ftz(fmaf(s[mt][1], scale_log2, -base1));
+    s[mt][2] = exp2_ftz(fmaf(s[mt][2], scale_log2, -base0));
+    s[mt][3] = exp2_ftz(fmaf(s[mt][3], scale_log2, -base1));
     st.l[0] += s[mt][0] + s[mt][2];
     st.l[1] += s[mt][1] + s[mt][3];
   }
@@ -196,11 +201,11 @@ __device__ __forceinline__ void compute_fp16_unit(const char* slot, int valid_ro
       mma_16816(s[0], a, qf[ks][0], qf[ks][1]);
     }
   }
-  s[0][0] = g < valid_rows ? s[0][0] * scale_log2 : -INFINITY;
-  s[0][1] = g < valid_rows ? s[0][1] * scale_log2 : -INFINITY;
-  s[0][2] = g + 8 < valid_rows ? s[0][2] * scale_log2 : -INFINITY;
-  s[0][3] = g + 8 < valid_rows ? s[0][3] * scale_log2 : -INFINITY;
-  online_softmax<1>(s, st);
+  s[0][0] = g < valid_rows ? s[0][0] : -INFINITY;
+  s[0][1] = g < valid_rows ? s[0][1] : -INFINITY;
+  s[0][2] = g + 8 < valid_rows ? s[0][2] : -INFINITY;
+  s[0][3] = g + 8 < valid_rows ? s[0][3] : -INFINITY;
+  online_softmax<1>(s, scale_log2, st);
   const uint32_t b0 = movmatrix_trans(pack_half2(s[0][0], s[0][1]));
   const uint32_t b1 = movmatrix_trans(pack_half2(s[0][2], s[0][3]));
 
@@ -415,12 +420,12 @@ __device__ __forceinline__ void compute_quant_block(const char* slot, const uint
     // rows g: run token 2mt; rows g + 8: run token 2mt + 1
     const float f0 = __int_as_float((127 - KRunPos<Bits>::k(2 * mt)) << 23);
     const float f1 = __int_as_float((127 - KRunPos<Bits>::k(2 * mt + 1)) << 23);
-    s[mt][0] = ((s[mt][0] - 1024.0f * qsum[0]) * f0 + bias[0]) * scale_log2;
-    s[mt][1] = ((s[mt][1] - 1024.0f * qsum[1]) * f0 + bias[1]) * scale_log2;
-    s[mt][2] = ((s[mt][2] - 1024.0f * qsum[0]) * f1 + bias[0]) * scale_log2;
-    s[mt][3] = ((s[mt][3] - 1024.0f * qsum[1]) * f1 + bias[1]) * scale_log2;
+    s[mt][0] = (s[mt][0] - 1024.0f * qsum[0]) * f0 + bias[0];
+    s[mt][1] = (s[mt][1] - 1024.0f * qsum[1]) * f0 + bias[1];
+    s[mt][2] = (s[mt][2] - 1024.0f * qsum[0]) * f1 + bias[0];
+    s[mt][3] = (s[mt][3] - 1024.0f * qsum[1]) * f1 + bias[1];
   }
-  online_softmax<MT>(s, st);
+  online_softmax<MT>(s, scale_log2, st);
 
   // ---- fold the per-token V parameters of the thread's tokens into P
   float vscale[kRunTokens];
@@ -439,8 +444,8 @@ __device__ __forceinline__ void compute_quant_block(const char* slot, const uint
   for (int mt = 0; mt < MT; ++mt) {
     const int i0 = 2 * mt;
     const int i1 = 2 * mt + 1;
-    st.vb[0] += s[mt][0] * vmin[i0] + s[mt][2] * vmin[i1];
-    st.vb[1] += s[mt][1] * vmin[i0] + s[mt][3] * vmin[i1];
+    st.vb[0] = fmaf(s[mt][2], vmin[i1], fmaf(s[mt][0], vmin[i0], st.vb[0]));
+    st.vb[1] = fmaf(s[mt][3], vmin[i1], fmaf(s[mt][1], vmin[i0], st.vb[1]));
     s[mt][0] *= vscale[i0];
     s[mt][1] *= vscale[i0];
     s[mt][2] *= vscale[i1];
