@@ -176,10 +176,21 @@ __device__ __forceinline__ void load_fp16_unit(char* slot, const char* head, int
   }
 }
 
+// Chunks lane + 32 j of a quantized head: one shared and one global address
+// per lane, each round's 512 j an immediate of the copy (a register per
+// round and two 64-bit adds per copy otherwise).
+template <int Bytes, int J = 0>
+__device__ __forceinline__ void load_quant_chunks(uint32_t dst, const char* src, int lane) {
+  constexpr int kChunks = Bytes / 16;
+  if constexpr (32 * J < kChunks) {
+    if (32 * (J + 1) <= kChunks || lane + 32 * J < kChunks) cp_async_16_at<512 * J>(dst, src);
+    load_quant_chunks<Bytes, J + 1>(dst, src, lane);
+  }
+}
+
 template <int Bytes>
 __device__ __forceinline__ void load_quant_head(char* slot, const char* head, int lane) {
-#pragma unroll
-  for (int i = lane; i < Bytes / 16; i += 32) cp_async_16(slot + 16 * i, head + 16 * i);
+  load_quant_chunks<Bytes>(static_cast<uint32_t>(__cvta_generic_to_shared(slot)) + 16 * lane, head + 16 * lane, lane);
 }
 
 // -------------------------------------------------------------- compute --

@@ -51,6 +51,12 @@ __device__ __forceinline__ void cp_async_16(void* smem_dst, const void* gmem_src
   const auto addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem_dst));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(addr), "l"(gmem_src), "r"(src_bytes));
 }
+// cp_async_16 of the 16 bytes at byte offset Off from both addresses (a
+// shared-space address here), the offset folded into the instruction.
+template <int Off>
+__device__ __forceinline__ void cp_async_16_at(uint32_t smem_addr, const void* gmem_src) {
+  asm volatile("cp.async.cg.shared.global [%0+%2], [%1+%2], 16;\n" ::"r"(smem_addr), "l"(gmem_src), "n"(Off));
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
