@@ -389,13 +389,12 @@ __device__ __forceinline__ void compute_quant_block(const char* slot, const uint
   const int r = lane & 3;
 
   // ---- S^T = K Q'^T, plus the rank-1 terms
-  // Even and odd k-steps accumulate apart: two MMA dependency chains.
-  float s[MT][4], s_odd[MT][4];
+  // One MMA chain per m-tile, D/16 deep: as deep as the two rank-1 chains,
+  // so splitting it (even and odd k-steps) would not shorten the block's
+  // critical path and would cost a 4-FADD merge per m-tile.
+  float s[MT][4];
 #pragma unroll
-  for (int mt = 0; mt < MT; ++mt) {
-    s[mt][0] = s[mt][1] = s[mt][2] = s[mt][3] = 0.0f;
-    s_odd[mt][0] = s_odd[mt][1] = s_odd[mt][2] = s_odd[mt][3] = 0.0f;
-  }
+  for (int mt = 0; mt < MT; ++mt) s[mt][0] = s[mt][1] = s[mt][2] = s[mt][3] = 0.0f;
   // The two rank-1 products are read from rows g only ([0], [1]): rows
   // g + 8 of their A operands are left undefined, which saves the register
   // copies that duplicating the mins and ones into a 4-register A would cost.
@@ -421,13 +420,11 @@ __device__ __forceinline__ void compute_quant_block(const char* slot, const uint
     for (int mt = 0; mt < MT; ++mt) {
       const uint32_t a[4] = {k_codes_of<Bits>(kx[ks][0], 2 * mt), k_codes_of<Bits>(kx[ks][0], 2 * mt + 1),
                              k_codes_of<Bits>(kx[ks][1], 2 * mt), k_codes_of<Bits>(kx[ks][1], 2 * mt + 1)};
-      mma_16816(ks % 2 ? s_odd[mt] : s[mt], a, qb0, qb1);
+      mma_16816(s[mt], a, qb0, qb1);
     }
   }
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) s[mt][e] += s_odd[mt][e];
     // rows g: run token 2mt; rows g + 8: run token 2mt + 1
     const float f0 = __int_as_float((127 - KRunPos<Bits>::k(2 * mt)) << 23);
     const float f1 = __int_as_float((127 - KRunPos<Bits>::k(2 * mt + 1)) << 23);
