@@ -92,7 +92,9 @@ __device__ __forceinline__ int v_swizzle(int chunk, int row) {
   return chunk ^ ((((row >> 1) & 1) * 5) ^ (((row >> 2) & 1) * 2));
 }
 
-template <int D>
+// kFinite: every score of the tile is finite (a quantized block has no
+// masked rows), so the new running max is too and needs no -inf guard.
+template <bool kFinite, int D>
 __device__ __forceinline__ void online_softmax_rescale(float& bm0, float& bm1, WarpState<D>& st, float& base0,
                                                        float& base1) {
 #pragma unroll
@@ -103,8 +105,8 @@ __device__ __forceinline__ void online_softmax_rescale(float& bm0, float& bm1, W
   const float m0 = fmaxf(st.m[0], bm0);
   const float m1 = fmaxf(st.m[1], bm1);
   // A head with no valid score yet keeps base 0, so -inf - -inf never occurs.
-  base0 = m0 == -INFINITY ? 0.0f : m0;
-  base1 = m1 == -INFINITY ? 0.0f : m1;
+  base0 = !kFinite && m0 == -INFINITY ? 0.0f : m0;
+  base1 = !kFinite && m1 == -INFINITY ? 0.0f : m1;
   // Once the running max has settled it rarely moves: when it moved for no
   // head of the warp, every alpha is 1 and the rescale is skipped.
   const bool moved = __any_sync(0xffffffffu, m0 != st.m[0] || m1 != st.m[1]);
@@ -132,7 +134,7 @@ __device__ __forceinline__ void online_softmax_rescale(float& bm0, float& bm1, W
 // updated. The scale goes into the exponent's fma and, since scale_log2 > 0
 // and rounding is monotonic, into the block max once: fl(max x * scale) is
 // max fl(x * scale), so the running max is the one of scaled scores.
-template <int MT, int D>
+template <int MT, bool kFinite, int D>
 __device__ __forceinline__ void online_softmax(float (&s)[MT][4], float scale_log2, WarpState<D>& st) {
   float bm0 = -INFINITY, bm1 = -INFINITY;
 #pragma unroll
@@ -143,7 +145,7 @@ __device__ __forceinline__ void online_softmax(float (&s)[MT][4], float scale_lo
   bm0 *= scale_log2;
   bm1 *= scale_log2;
   float base0, base1;
-  online_softmax_rescale(bm0, bm1, st, base0, base1);
+  online_softmax_rescale<kFinite>(bm0, bm1, st, base0, base1);
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
     s[mt][0] = exp2_ftz(fmaf(s[mt][0], scale_log2, -base0));
@@ -216,7 +218,7 @@ __device__ __forceinline__ void compute_fp16_unit(const char* slot, int valid_ro
   s[0][1] = g < valid_rows ? s[0][1] : -INFINITY;
   s[0][2] = g + 8 < valid_rows ? s[0][2] : -INFINITY;
   s[0][3] = g + 8 < valid_rows ? s[0][3] : -INFINITY;
-  online_softmax<1>(s, scale_log2, st);
+  online_softmax<1, false>(s, scale_log2, st);
   const uint32_t b0 = movmatrix_trans(pack_half2(s[0][0], s[0][1]));
   const uint32_t b1 = movmatrix_trans(pack_half2(s[0][2], s[0][3]));
 
@@ -433,7 +435,7 @@ __device__ __forceinline__ void compute_quant_block(const char* slot, const uint
     s[mt][2] = (s[mt][2] - 1024.0f * qsum[0]) * f1 + bias[0];
     s[mt][3] = (s[mt][3] - 1024.0f * qsum[1]) * f1 + bias[1];
   }
-  online_softmax<MT>(s, scale_log2, st);
+  online_softmax<MT, true>(s, scale_log2, st);
 
   // ---- fold the per-token V parameters of the thread's tokens into P
   float vscale[kRunTokens];
