@@ -322,6 +322,20 @@ __device__ __forceinline__ uint32_t v_codes_at(uint32_t x, int bit) {
   return biased_codes_at<Bits>(VFieldPos<Bits>::shifted(bit) ? x >> 8 : x, VFieldPos<Bits>::k(bit));
 }
 
+// The V codes of channel tile cm in the thread's run (channels 2 cm, 2 cm + 1
+// of it: O^T rows g and g + 8): their word of the run, the prmt selector
+// that pairs that word's half of two tokens, the bit of row g's field in
+// the half (row g + 8 at shift + Bits) and the bit k each code lands at.
+template <int Bits>
+struct VTilePos {
+  static constexpr int kChannelsPerWord = 32 / Bits;
+  static constexpr int word(int cm) { return 2 * cm / kChannelsPerWord; }
+  static constexpr int in_word(int cm) { return 2 * cm % kChannelsPerWord; }
+  static constexpr uint32_t sel(int cm) { return in_word(cm) / (16 / Bits) ? 0x7632 : 0x5410; }
+  static constexpr int shift(int cm) { return in_word(cm) % (16 / Bits) * Bits; }
+  static constexpr int k(int cm, int half) { return VFieldPos<Bits>::k(shift(cm) + half * Bits); }
+};
+
 template <int Bits>
 __device__ __forceinline__ uint32_t k_codes_of(const uint32_t (&x)[2], int i) {
   const uint32_t h = x[KRunPos<Bits>::half(i)];
@@ -371,21 +385,23 @@ __device__ __forceinline__ void load_k_pairs(const char* k_codes, uint32_t (&x)[
 //   K: 1024 + 2^k x (k fixed per token row), so
 //      S^T[t] = 2^-k_t (sum_c q'_c (1024 + 2^k x_tc) - 1024 sum_c q'_c) + sum_c q_c m_c,
 //      with sum_c q'_c and sum_c q_c m_c from two rank-1 MMAs per k-step;
-//   V: 1024 + 2^k x (k fixed per channel row) into a block accumulator that
-//      starts at -1024 sum_t p'_t (a rank-1 MMA over the same FP16 p'), then
-//      scaled by 2^-k into the running one.
-// Both offsets live in accumulators of one block only, so the 1024 costs
-// about 10 of their 24 bits on sums of a few units: noise far below FP16
+//   V: 1024 + 2^k x (k fixed per channel row) straight into the running
+//      O^T, which a quantized segment keeps times 2^k (scale_acc_to_codes:
+//      exact, once per segment); each m-tile's code MMA follows a rank-1 MMA
+//      of -1024 sum_t p'_t over the same FP16 p', so the offset cancels
+//      within the m-tile.
+// The offsets never outlive one block (K) or one m-tile (V), so the 1024
+// costs about 10 of 24 bits on sums of a few units: noise far below FP16
 // rounding. (The running V accumulator must never carry the offset: a long
 // average is ~1e4 times smaller than 1024 sum p', v2 in kernel-notes-log.md.)
 template <int D, int S, int Bits>
 __device__ __forceinline__ void compute_quant_block(const char* slot, const uint32_t (&qf)[D / 16][2],
-                                                    float scale_log2, WarpState<D>& st, int lane) {
+                                                    const uint32_t (&minus1024)[4], float scale_log2,
+                                                    WarpState<D>& st, int lane) {
   constexpr Precision P = Bits == 4 ? Precision::INT4 : Precision::INT2;
   constexpr BlockFormat F{P, 1, D, S};
   constexpr int MT = S / 16;
   constexpr int kRunTokens = S / 8;
-  constexpr int kCodesPer16 = 16 / Bits;
   constexpr uint32_t kOnes = 0x3C003C00u;      // half2(1, 1)
   const int g = lane >> 2;
   const int r = lane & 3;
@@ -469,17 +485,8 @@ __device__ __forceinline__ void compute_quant_block(const char* slot, const uint
     pb[mt][0] = movmatrix_trans(pack_half2(s[mt][0], s[mt][1]));
     pb[mt][1] = movmatrix_trans(pack_half2(s[mt][2], s[mt][3]));
   }
-  // -1024 sum_t p'_t per head (every row alike), from the FP16 p' the MMAs use.
-  float offset[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  {
-    constexpr uint32_t kMinus1024 = 0xE400E400u;  // half2(-1024, -1024)
-    const uint32_t a[4] = {kMinus1024, kMinus1024, kMinus1024, kMinus1024};
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) mma_16816(offset, a, pb[mt][0], pb[mt][1]);
-  }
   const char* v_codes = slot + F.v_offset();
   constexpr int kRowBytes = D * Bits / 8;
-  constexpr int kChannelsPerWord = 32 / Bits;
   // k = 2r, 2r+1, 2r+8, 2r+9 of m-tile mt: tokens ta, tb, ta + 1, tb + 1
   constexpr int kVBytes = kVRunBytes<D, Bits>;
   SmemRun<kVBytes> v[MT][4];
@@ -495,26 +502,35 @@ __device__ __forceinline__ void compute_quant_block(const char* slot, const uint
   }
 #pragma unroll
   for (int cm = 0; cm < D / 16; ++cm) {
-    const int e0 = 2 * cm;  // first of the tile's two channels within the thread's run
-    const int word = e0 / kChannelsPerWord;
-    const int in_word = e0 % kChannelsPerWord;
-    const uint32_t sel = in_word / kCodesPer16 ? 0x7632 : 0x5410;
-    const int shift = (in_word % kCodesPer16) * Bits;  // row g; row g + 8 at shift + Bits
-    float blk[4] = {offset[0], offset[1], offset[2], offset[3]};
+    const int word = VTilePos<Bits>::word(cm);
+    const uint32_t sel = VTilePos<Bits>::sel(cm);
+    const int shift = VTilePos<Bits>::shift(cm);  // row g; row g + 8 at shift + Bits
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
       const uint32_t xab = prmt(v[mt][0].w[word], v[mt][1].w[word], sel);
       const uint32_t xcd = prmt(v[mt][2].w[word], v[mt][3].w[word], sel);
       const uint32_t a[4] = {v_codes_at<Bits>(xab, shift), v_codes_at<Bits>(xab, shift + Bits),
                              v_codes_at<Bits>(xcd, shift), v_codes_at<Bits>(xcd, shift + Bits)};
-      mma_16816(blk, a, pb[mt][0], pb[mt][1]);
+      mma_16816(st.acc[cm], minus1024, pb[mt][0], pb[mt][1]);
+      mma_16816(st.acc[cm], a, pb[mt][0], pb[mt][1]);
     }
-    const float f0 = __int_as_float((127 - VFieldPos<Bits>::k(shift)) << 23);         // 2^-k, row g
-    const float f1 = __int_as_float((127 - VFieldPos<Bits>::k(shift + Bits)) << 23);  // row g + 8
-    st.acc[cm][0] = fmaf(blk[0], f0, st.acc[cm][0]);
-    st.acc[cm][1] = fmaf(blk[1], f0, st.acc[cm][1]);
-    st.acc[cm][2] = fmaf(blk[2], f1, st.acc[cm][2]);
-    st.acc[cm][3] = fmaf(blk[3], f1, st.acc[cm][3]);
+  }
+}
+
+// Entering (to_codes) or leaving a quantized segment of `Bits`: O^T rows
+// times 2^k or 2^-k, k the bit of their V codes (exact powers of two).
+template <int Bits, int D>
+__device__ __forceinline__ void scale_acc_to_codes(WarpState<D>& st, bool to_codes) {
+#pragma unroll
+  for (int cm = 0; cm < D / 16; ++cm) {
+    const int k0 = VTilePos<Bits>::k(cm, 0);
+    const int k1 = VTilePos<Bits>::k(cm, 1);
+    const float f0 = __int_as_float((127 + (to_codes ? k0 : -k0)) << 23);
+    const float f1 = __int_as_float((127 + (to_codes ? k1 : -k1)) << 23);
+    st.acc[cm][0] *= f0;
+    st.acc[cm][1] *= f0;
+    st.acc[cm][2] *= f1;
+    st.acc[cm][3] *= f1;
   }
 }
 
@@ -560,6 +576,15 @@ __device__ __forceinline__ void run_segment(const DecodeParams& p, const std::in
     }
   };
 
+  // Quantized: A of the V offset MMAs, half2(-1024, -1024), made once per
+  // segment by a shuffle so that ptxas cannot see a constant: as one it
+  // copied the value into several register quads in every block.
+  uint32_t minus1024[4];
+  if constexpr (P != Precision::FP16) {
+    scale_acc_to_codes<bits_of(P)>(st, true);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) minus1024[i] = __shfl_sync(0xffffffffu, 0xE400E400u, 0);
+  }
 #pragma unroll
   for (int stage = 0; stage < kStages; ++stage) {
     if (stage < count) issue(stage, stage);
@@ -575,7 +600,7 @@ __device__ __forceinline__ void run_segment(const DecodeParams& p, const std::in
       const int rows = unit_rows(k, block, sub);
       compute_fp16_unit<D>(unit, rows, qf, p.scale_log2, st, lane);
     } else {
-      compute_quant_block<D, S, bits_of(P)>(unit, qf, p.scale_log2, st, lane);
+      compute_quant_block<D, S, bits_of(P)>(unit, qf, minus1024, p.scale_log2, st, lane);
     }
     __syncwarp();
     if (k + kStages < count) issue(k + kStages, stage);
@@ -583,6 +608,7 @@ __device__ __forceinline__ void run_segment(const DecodeParams& p, const std::in
   }
   cp_async_wait<0>();
   __syncwarp();
+  if constexpr (P != Precision::FP16) scale_acc_to_codes<bits_of(P)>(st, false);
 }
 
 // ---------------------------------------------------------------- kernel --
