@@ -92,7 +92,9 @@ __device__ __forceinline__ int v_swizzle(int chunk, int row) {
   return chunk ^ ((((row >> 1) & 1) * 5) ^ (((row >> 2) & 1) * 2));
 }
 
-template <int D>
+// kFinite: every score of the tile is finite (a quantized block has no
+// masked rows), so the new running max is too and needs no -inf guard.
+template <bool kFinite, int D>
 __device__ __forceinline__ void online_softmax_rescale(float& bm0, float& bm1, WarpState<D>& st, float& base0,
                                                        float& base1) {
 #pragma unroll
@@ -103,8 +105,8 @@ __device__ __forceinline__ void online_softmax_rescale(float& bm0, float& bm1, W
   const float m0 = fmaxf(st.m[0], bm0);
   const float m1 = fmaxf(st.m[1], bm1);
   // A head with no valid score yet keeps base 0, so -inf - -inf never occurs.
-  base0 = m0 == -INFINITY ? 0.0f : m0;
-  base1 = m1 == -INFINITY ? 0.0f : m1;
+  base0 = !kFinite && m0 == -INFINITY ? 0.0f : m0;
+  base1 = !kFinite && m1 == -INFINITY ? 0.0f : m1;
   // Once the running max has settled it rarely moves: when it moved for no
   // head of the warp, every alpha is 1 and the rescale is skipped.
   const bool moved = __any_sync(0xffffffffu, m0 != st.m[0] || m1 != st.m[1]);
@@ -127,24 +129,29 @@ __device__ __forceinline__ void online_softmax_rescale(float& bm0, float& bm1, W
   st.m[1] = m1;
 }
 
-// Scores (base 2) of MT m-tiles -> probabilities relative to the new running
-// max; the state is rescaled and the sums updated.
-template <int MT, int D>
-__device__ __forceinline__ void online_softmax(float (&s)[MT][4], WarpState<D>& st) {
+// Unscaled scores of MT m-tiles -> probabilities relative to the new running
+// max (base 2, scores times scale_log2); the state is rescaled and the sums
+// updated. The scale goes into the exponent's fma and, since scale_log2 > 0
+// and rounding is monotonic, into the block max once: fl(max x * scale) is
+// max fl(x * scale), so the running max is the one of scaled scores.
+template <int MT, bool kFinite, int D>
+__device__ __forceinline__ void online_softmax(float (&s)[MT][4], float scale_log2, WarpState<D>& st) {
   float bm0 = -INFINITY, bm1 = -INFINITY;
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
     bm0 = fmaxf(bm0, fmaxf(s[mt][0], s[mt][2]));
     bm1 = fmaxf(bm1, fmaxf(s[mt][1], s[mt][3]));
   }
+  bm0 *= scale_log2;
+  bm1 *= scale_log2;
   float base0, base1;
-  online_softmax_rescale(bm0, bm1, st, base0, base1);
+  online_softmax_rescale<kFinite>(bm0, bm1, st, base0, base1);
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
-    s[mt][0] = exp2_ftz(s[mt][0] - base0);
-    s[mt][1] = exp2_ftz(s[mt][1] - base1);
-    s[mt][2] = exp2_ftz(s[mt][2] - base0);
-    s[mt][3] = exp2_ftz(s[mt][3] - base1);
+    s[mt][0] = exp2_ftz(fmaf(s[mt][0], scale_log2, -base0));
+    s[mt][1] = exp2_ftz(fmaf(s[mt][1], scale_log2, -base1));
+    s[mt][2] = exp2_ftz(fmaf(s[mt][2], scale_log2, -base0));
+    s[mt][3] = exp2_ftz(fmaf(s[mt][3], scale_log2, -base1));
     st.l[0] += s[mt][0] + s[mt][2];
     st.l[1] += s[mt][1] + s[mt][3];
   }
@@ -171,10 +178,21 @@ __device__ __forceinline__ void load_fp16_unit(char* slot, const char* head, int
   }
 }
 
+// Chunks lane + 32 j of a quantized head: one shared and one global address
+// per lane, each round's 512 j an immediate of the copy (a register per
+// round and two 64-bit adds per copy otherwise).
+template <int Bytes, int J = 0>
+__device__ __forceinline__ void load_quant_chunks(uint32_t dst, const char* src, int lane) {
+  constexpr int kChunks = Bytes / 16;
+  if constexpr (32 * J < kChunks) {
+    if (32 * (J + 1) <= kChunks || lane + 32 * J < kChunks) cp_async_16_at<512 * J>(dst, src);
+    load_quant_chunks<Bytes, J + 1>(dst, src, lane);
+  }
+}
+
 template <int Bytes>
 __device__ __forceinline__ void load_quant_head(char* slot, const char* head, int lane) {
-#pragma unroll
-  for (int i = lane; i < Bytes / 16; i += 32) cp_async_16(slot + 16 * i, head + 16 * i);
+  load_quant_chunks<Bytes>(static_cast<uint32_t>(__cvta_generic_to_shared(slot)) + 16 * lane, head + 16 * lane, lane);
 }
 
 // -------------------------------------------------------------- compute --
@@ -196,11 +214,11 @@ __device__ __forceinline__ void compute_fp16_unit(const char* slot, int valid_ro
       mma_16816(s[0], a, qf[ks][0], qf[ks][1]);
     }
   }
-  s[0][0] = g < valid_rows ? s[0][0] * scale_log2 : -INFINITY;
-  s[0][1] = g < valid_rows ? s[0][1] * scale_log2 : -INFINITY;
-  s[0][2] = g + 8 < valid_rows ? s[0][2] * scale_log2 : -INFINITY;
-  s[0][3] = g + 8 < valid_rows ? s[0][3] * scale_log2 : -INFINITY;
-  online_softmax<1>(s, st);
+  s[0][0] = g < valid_rows ? s[0][0] : -INFINITY;
+  s[0][1] = g < valid_rows ? s[0][1] : -INFINITY;
+  s[0][2] = g + 8 < valid_rows ? s[0][2] : -INFINITY;
+  s[0][3] = g + 8 < valid_rows ? s[0][3] : -INFINITY;
+  online_softmax<1, false>(s, scale_log2, st);
   const uint32_t b0 = movmatrix_trans(pack_half2(s[0][0], s[0][1]));
   const uint32_t b1 = movmatrix_trans(pack_half2(s[0][2], s[0][3]));
 
@@ -304,6 +322,20 @@ __device__ __forceinline__ uint32_t v_codes_at(uint32_t x, int bit) {
   return biased_codes_at<Bits>(VFieldPos<Bits>::shifted(bit) ? x >> 8 : x, VFieldPos<Bits>::k(bit));
 }
 
+// The V codes of channel tile cm in the thread's run (channels 2 cm, 2 cm + 1
+// of it: O^T rows g and g + 8): their word of the run, the prmt selector
+// that pairs that word's half of two tokens, the bit of row g's field in
+// the half (row g + 8 at shift + Bits) and the bit k each code lands at.
+template <int Bits>
+struct VTilePos {
+  static constexpr int kChannelsPerWord = 32 / Bits;
+  static constexpr int word(int cm) { return 2 * cm / kChannelsPerWord; }
+  static constexpr int in_word(int cm) { return 2 * cm % kChannelsPerWord; }
+  static constexpr uint32_t sel(int cm) { return in_word(cm) / (16 / Bits) ? 0x7632 : 0x5410; }
+  static constexpr int shift(int cm) { return in_word(cm) % (16 / Bits) * Bits; }
+  static constexpr int k(int cm, int half) { return VFieldPos<Bits>::k(shift(cm) + half * Bits); }
+};
+
 template <int Bits>
 __device__ __forceinline__ uint32_t k_codes_of(const uint32_t (&x)[2], int i) {
   const uint32_t h = x[KRunPos<Bits>::half(i)];
@@ -353,34 +385,38 @@ __device__ __forceinline__ void load_k_pairs(const char* k_codes, uint32_t (&x)[
 //   K: 1024 + 2^k x (k fixed per token row), so
 //      S^T[t] = 2^-k_t (sum_c q'_c (1024 + 2^k x_tc) - 1024 sum_c q'_c) + sum_c q_c m_c,
 //      with sum_c q'_c and sum_c q_c m_c from two rank-1 MMAs per k-step;
-//   V: 1024 + 2^k x (k fixed per channel row) into a block accumulator that
-//      starts at -1024 sum_t p'_t (a rank-1 MMA over the same FP16 p'), then
-//      scaled by 2^-k into the running one.
-// Both offsets live in accumulators of one block only, so the 1024 costs
-// about 10 of their 24 bits on sums of a few units: noise far below FP16
+//   V: 1024 + 2^k x (k fixed per channel row) straight into the running
+//      O^T, which a quantized segment keeps times 2^k (scale_acc_to_codes:
+//      exact, once per segment); each m-tile's code MMA follows a rank-1 MMA
+//      of -1024 sum_t p'_t over the same FP16 p', so the offset cancels
+//      within the m-tile.
+// The offsets never outlive one block (K) or one m-tile (V), so the 1024
+// costs about 10 of 24 bits on sums of a few units: noise far below FP16
 // rounding. (The running V accumulator must never carry the offset: a long
 // average is ~1e4 times smaller than 1024 sum p', v2 in kernel-notes-log.md.)
 template <int D, int S, int Bits>
 __device__ __forceinline__ void compute_quant_block(const char* slot, const uint32_t (&qf)[D / 16][2],
-                                                    float scale_log2, WarpState<D>& st, int lane) {
+                                                    const uint32_t (&minus1024)[4], float scale_log2,
+                                                    WarpState<D>& st, int lane) {
   constexpr Precision P = Bits == 4 ? Precision::INT4 : Precision::INT2;
   constexpr BlockFormat F{P, 1, D, S};
   constexpr int MT = S / 16;
   constexpr int kRunTokens = S / 8;
-  constexpr int kCodesPer16 = 16 / Bits;
   constexpr uint32_t kOnes = 0x3C003C00u;      // half2(1, 1)
   const int g = lane >> 2;
   const int r = lane & 3;
 
   // ---- S^T = K Q'^T, plus the rank-1 terms
-  // Even and odd k-steps accumulate apart: two MMA dependency chains.
-  float s[MT][4], s_odd[MT][4];
+  // One MMA chain per m-tile, D/16 deep: as deep as the two rank-1 chains,
+  // so splitting it (even and odd k-steps) would not shorten the block's
+  // critical path and would cost a 4-FADD merge per m-tile.
+  float s[MT][4];
 #pragma unroll
-  for (int mt = 0; mt < MT; ++mt) {
-    s[mt][0] = s[mt][1] = s[mt][2] = s[mt][3] = 0.0f;
-    s_odd[mt][0] = s_odd[mt][1] = s_odd[mt][2] = s_odd[mt][3] = 0.0f;
-  }
-  float bias[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // sum_c q_c m_c (every row alike)
+  for (int mt = 0; mt < MT; ++mt) s[mt][0] = s[mt][1] = s[mt][2] = s[mt][3] = 0.0f;
+  // The two rank-1 products are read from rows g only ([0], [1]): rows
+  // g + 8 of their A operands are left undefined, which saves the register
+  // copies that duplicating the mins and ones into a 4-register A would cost.
+  float bias[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // sum_c q_c m_c
   float qsum[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // sum_c q'_c
   uint32_t kx[D / 16][2][2];
   load_k_pairs<D, S, Bits>(slot + F.k_offset(), kx, lane);
@@ -394,30 +430,28 @@ __device__ __forceinline__ void compute_quant_block(const char* slot, const uint
     const uint32_t qb1 = hmul2_u32(qf[ks][1], prmt(p8.x, p8.y, 0x5410));
     const uint32_t min0 = prmt(p0.x, p0.y, 0x7632);
     const uint32_t min8 = prmt(p8.x, p8.y, 0x7632);
-    const uint32_t am[4] = {min0, min0, min8, min8};
+    const uint32_t am[4] = {min0, undefined_u32(), min8, undefined_u32()};
     mma_16816(bias, am, qf[ks][0], qf[ks][1]);
-    const uint32_t ones[4] = {kOnes, kOnes, kOnes, kOnes};
+    const uint32_t ones[4] = {kOnes, undefined_u32(), kOnes, undefined_u32()};
     mma_16816(qsum, ones, qb0, qb1);
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
       const uint32_t a[4] = {k_codes_of<Bits>(kx[ks][0], 2 * mt), k_codes_of<Bits>(kx[ks][0], 2 * mt + 1),
                              k_codes_of<Bits>(kx[ks][1], 2 * mt), k_codes_of<Bits>(kx[ks][1], 2 * mt + 1)};
-      mma_16816(ks % 2 ? s_odd[mt] : s[mt], a, qb0, qb1);
+      mma_16816(s[mt], a, qb0, qb1);
     }
   }
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) s[mt][e] += s_odd[mt][e];
     // rows g: run token 2mt; rows g + 8: run token 2mt + 1
     const float f0 = __int_as_float((127 - KRunPos<Bits>::k(2 * mt)) << 23);
     const float f1 = __int_as_float((127 - KRunPos<Bits>::k(2 * mt + 1)) << 23);
-    s[mt][0] = ((s[mt][0] - 1024.0f * qsum[0]) * f0 + bias[0]) * scale_log2;
-    s[mt][1] = ((s[mt][1] - 1024.0f * qsum[1]) * f0 + bias[1]) * scale_log2;
-    s[mt][2] = ((s[mt][2] - 1024.0f * qsum[2]) * f1 + bias[2]) * scale_log2;
-    s[mt][3] = ((s[mt][3] - 1024.0f * qsum[3]) * f1 + bias[3]) * scale_log2;
+    s[mt][0] = (s[mt][0] - 1024.0f * qsum[0]) * f0 + bias[0];
+    s[mt][1] = (s[mt][1] - 1024.0f * qsum[1]) * f0 + bias[1];
+    s[mt][2] = (s[mt][2] - 1024.0f * qsum[0]) * f1 + bias[0];
+    s[mt][3] = (s[mt][3] - 1024.0f * qsum[1]) * f1 + bias[1];
   }
-  online_softmax<MT>(s, st);
+  online_softmax<MT, true>(s, scale_log2, st);
 
   // ---- fold the per-token V parameters of the thread's tokens into P
   float vscale[kRunTokens];
@@ -436,8 +470,8 @@ __device__ __forceinline__ void compute_quant_block(const char* slot, const uint
   for (int mt = 0; mt < MT; ++mt) {
     const int i0 = 2 * mt;
     const int i1 = 2 * mt + 1;
-    st.vb[0] += s[mt][0] * vmin[i0] + s[mt][2] * vmin[i1];
-    st.vb[1] += s[mt][1] * vmin[i0] + s[mt][3] * vmin[i1];
+    st.vb[0] = fmaf(s[mt][2], vmin[i1], fmaf(s[mt][0], vmin[i0], st.vb[0]));
+    st.vb[1] = fmaf(s[mt][3], vmin[i1], fmaf(s[mt][1], vmin[i0], st.vb[1]));
     s[mt][0] *= vscale[i0];
     s[mt][1] *= vscale[i0];
     s[mt][2] *= vscale[i1];
@@ -451,17 +485,8 @@ __device__ __forceinline__ void compute_quant_block(const char* slot, const uint
     pb[mt][0] = movmatrix_trans(pack_half2(s[mt][0], s[mt][1]));
     pb[mt][1] = movmatrix_trans(pack_half2(s[mt][2], s[mt][3]));
   }
-  // -1024 sum_t p'_t per head (every row alike), from the FP16 p' the MMAs use.
-  float offset[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  {
-    constexpr uint32_t kMinus1024 = 0xE400E400u;  // half2(-1024, -1024)
-    const uint32_t a[4] = {kMinus1024, kMinus1024, kMinus1024, kMinus1024};
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) mma_16816(offset, a, pb[mt][0], pb[mt][1]);
-  }
   const char* v_codes = slot + F.v_offset();
   constexpr int kRowBytes = D * Bits / 8;
-  constexpr int kChannelsPerWord = 32 / Bits;
   // k = 2r, 2r+1, 2r+8, 2r+9 of m-tile mt: tokens ta, tb, ta + 1, tb + 1
   constexpr int kVBytes = kVRunBytes<D, Bits>;
   SmemRun<kVBytes> v[MT][4];
@@ -477,26 +502,35 @@ __device__ __forceinline__ void compute_quant_block(const char* slot, const uint
   }
 #pragma unroll
   for (int cm = 0; cm < D / 16; ++cm) {
-    const int e0 = 2 * cm;  // first of the tile's two channels within the thread's run
-    const int word = e0 / kChannelsPerWord;
-    const int in_word = e0 % kChannelsPerWord;
-    const uint32_t sel = in_word / kCodesPer16 ? 0x7632 : 0x5410;
-    const int shift = (in_word % kCodesPer16) * Bits;  // row g; row g + 8 at shift + Bits
-    float blk[4] = {offset[0], offset[1], offset[2], offset[3]};
+    const int word = VTilePos<Bits>::word(cm);
+    const uint32_t sel = VTilePos<Bits>::sel(cm);
+    const int shift = VTilePos<Bits>::shift(cm);  // row g; row g + 8 at shift + Bits
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
       const uint32_t xab = prmt(v[mt][0].w[word], v[mt][1].w[word], sel);
       const uint32_t xcd = prmt(v[mt][2].w[word], v[mt][3].w[word], sel);
       const uint32_t a[4] = {v_codes_at<Bits>(xab, shift), v_codes_at<Bits>(xab, shift + Bits),
                              v_codes_at<Bits>(xcd, shift), v_codes_at<Bits>(xcd, shift + Bits)};
-      mma_16816(blk, a, pb[mt][0], pb[mt][1]);
+      mma_16816(st.acc[cm], minus1024, pb[mt][0], pb[mt][1]);
+      mma_16816(st.acc[cm], a, pb[mt][0], pb[mt][1]);
     }
-    const float f0 = __int_as_float((127 - VFieldPos<Bits>::k(shift)) << 23);         // 2^-k, row g
-    const float f1 = __int_as_float((127 - VFieldPos<Bits>::k(shift + Bits)) << 23);  // row g + 8
-    st.acc[cm][0] = fmaf(blk[0], f0, st.acc[cm][0]);
-    st.acc[cm][1] = fmaf(blk[1], f0, st.acc[cm][1]);
-    st.acc[cm][2] = fmaf(blk[2], f1, st.acc[cm][2]);
-    st.acc[cm][3] = fmaf(blk[3], f1, st.acc[cm][3]);
+  }
+}
+
+// Entering (to_codes) or leaving a quantized segment of `Bits`: O^T rows
+// times 2^k or 2^-k, k the bit of their V codes (exact powers of two).
+template <int Bits, int D>
+__device__ __forceinline__ void scale_acc_to_codes(WarpState<D>& st, bool to_codes) {
+#pragma unroll
+  for (int cm = 0; cm < D / 16; ++cm) {
+    const int k0 = VTilePos<Bits>::k(cm, 0);
+    const int k1 = VTilePos<Bits>::k(cm, 1);
+    const float f0 = __int_as_float((127 + (to_codes ? k0 : -k0)) << 23);
+    const float f1 = __int_as_float((127 + (to_codes ? k1 : -k1)) << 23);
+    st.acc[cm][0] *= f0;
+    st.acc[cm][1] *= f0;
+    st.acc[cm][2] *= f1;
+    st.acc[cm][3] *= f1;
   }
 }
 
@@ -542,6 +576,15 @@ __device__ __forceinline__ void run_segment(const DecodeParams& p, const std::in
     }
   };
 
+  // Quantized: A of the V offset MMAs, half2(-1024, -1024), made once per
+  // segment by a shuffle so that ptxas cannot see a constant: as one it
+  // copied the value into several register quads in every block.
+  uint32_t minus1024[4];
+  if constexpr (P != Precision::FP16) {
+    scale_acc_to_codes<bits_of(P)>(st, true);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) minus1024[i] = __shfl_sync(0xffffffffu, 0xE400E400u, 0);
+  }
 #pragma unroll
   for (int stage = 0; stage < kStages; ++stage) {
     if (stage < count) issue(stage, stage);
@@ -557,7 +600,7 @@ __device__ __forceinline__ void run_segment(const DecodeParams& p, const std::in
       const int rows = unit_rows(k, block, sub);
       compute_fp16_unit<D>(unit, rows, qf, p.scale_log2, st, lane);
     } else {
-      compute_quant_block<D, S, bits_of(P)>(unit, qf, p.scale_log2, st, lane);
+      compute_quant_block<D, S, bits_of(P)>(unit, qf, minus1024, p.scale_log2, st, lane);
     }
     __syncwarp();
     if (k + kStages < count) issue(k + kStages, stage);
@@ -565,6 +608,7 @@ __device__ __forceinline__ void run_segment(const DecodeParams& p, const std::in
   }
   cp_async_wait<0>();
   __syncwarp();
+  if constexpr (P != Precision::FP16) scale_acc_to_codes<bits_of(P)>(st, false);
 }
 
 // ---------------------------------------------------------------- kernel --

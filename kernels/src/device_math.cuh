@@ -51,6 +51,12 @@ __device__ __forceinline__ void cp_async_16(void* smem_dst, const void* gmem_src
   const auto addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem_dst));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(addr), "l"(gmem_src), "r"(src_bytes));
 }
+// cp_async_16 of the 16 bytes at byte offset Off from both addresses (a
+// shared-space address here), the offset folded into the instruction.
+template <int Off>
+__device__ __forceinline__ void cp_async_16_at(uint32_t smem_addr, const void* gmem_src) {
+  asm volatile("cp.async.cg.shared.global [%0+%2], [%1+%2], 16;\n" ::"r"(smem_addr), "l"(gmem_src), "n"(Off));
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
@@ -79,6 +85,14 @@ __device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
 __device__ __forceinline__ uint32_t hmul2_u32(uint32_t a, uint32_t b) {
   __half2 r = __hmul2(*reinterpret_cast<const __half2*>(&a), *reinterpret_cast<const __half2*>(&b));
   return *reinterpret_cast<uint32_t*>(&r);
+}
+
+// A register value that no instruction defines: for MMA operand elements
+// whose products land only in result rows the caller never reads.
+__device__ __forceinline__ uint32_t undefined_u32() {
+  uint32_t x;
+  asm("" : "=r"(x));
+  return x;
 }
 
 // (a & b) | c in one instruction.
