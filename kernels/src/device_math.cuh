@@ -62,6 +62,8 @@ template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
+// Waits for every cp.async of the thread, committed to a group or not.
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 
 // 2^x in one MUFU: results below 2^-126 flush to zero (exp2f adds a
 // subnormal fix-up of three instructions, pointless for softmax weights).

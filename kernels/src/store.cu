@@ -7,6 +7,7 @@
 
 #include "cuda_check.cuh"
 #include "device_buffer.cuh"
+#include "device_math.cuh"
 #include "device_pool.cuh"
 #include "quantize.cuh"
 
@@ -90,8 +91,8 @@ __device__ __forceinline__ void load_window(const uint4* k, const uint4* v, std:
   const std::uint32_t at_wrap = pitch_bytes - 16 * chunks_per_row;
   for (; i.row < S; i.row += i.row_step, i.col += i.col_step, src += src_step, at += at_step) {
     // .cg: the input is read once, so it bypasses L1.
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(at), "l"(src));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(at + v_tile), "l"(src + v_minus_k));
+    detail::cp_async_16_at<0>(at, reinterpret_cast<const void*>(src));
+    detail::cp_async_16_at<0>(at + v_tile, reinterpret_cast<const void*>(src + v_minus_k));
     if (i.col_step != 0 && i.col + i.col_step >= chunks_per_row) {  // as in StridedIndex::next
       i.col -= chunks_per_row;
       ++i.row;
@@ -238,7 +239,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) store_prefill_kernel(
   }
   copy_fp16_rows(p, row_dst);
   for (int i = 0; j < tiles; ++i, j += G) {
-    asm volatile("cp.async.wait_all;\n" ::: "memory");  // tile i: the only copies in flight
+    detail::cp_async_wait_all();  // tile i: the only copies in flight
     // Publishes tile i; every thread is past tile i - 1's codes, so its
     // stage and the scratch may be overwritten.
     __syncthreads();
