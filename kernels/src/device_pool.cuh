@@ -18,9 +18,13 @@ struct DevicePool {
       : view(v), per_slab(static_cast<std::uint32_t>(v.blocks_per_slab)) {}
 
   // PoolView::block(block_id) for a live block id (0 <= id < 2^31).
-  __device__ std::byte* block(std::int32_t block_id) const {
+  __device__ std::byte* block(std::int32_t block_id) const { return block(block_id, view.format); }
+  // The same with the pool's format given by the caller: a kernel built for
+  // one tile shape passes a format of constant sizes, so that the block size
+  // in the address is a constant.
+  __device__ std::byte* block(std::int32_t block_id, const BlockFormat& format) const {
     const int slab = per_slab.div(block_id);
-    return view.block_at(slab, block_id - slab * view.blocks_per_slab);
+    return view.block_at(slab, block_id - slab * view.blocks_per_slab, format.block_bytes());
   }
 };
 

@@ -123,10 +123,7 @@ __device__ __forceinline__ void quantize_into(const DevicePool& pool, std::int32
   static_assert(kHeadDim != 0 && kBlockSize != 0, "for the instances built for one shape");
   const BlockFormat& format = pool.view.format;
   const BlockFormat layout{kBits == 4 ? Precision::INT4 : Precision::INT2, format.num_kv_heads, kHeadDim, kBlockSize};
-  const PoolView view{pool.view.base, pool.view.slab_bytes, pool.view.blocks_per_slab, layout};
-  const int slab = pool.per_slab.div(block_id);
-  char* out = reinterpret_cast<char*>(view.block_at(slab, block_id - slab * view.blocks_per_slab)) +
-              layout.head_offset(head);
+  char* out = reinterpret_cast<char*>(pool.block(block_id, layout)) + layout.head_offset(head);
   detail::quantize_tile_bits<__half, kThreads, kBits, kHeadDim, kBlockSize>(format, tile, scratch, out);
 }
 

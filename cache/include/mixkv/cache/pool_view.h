@@ -26,8 +26,13 @@ struct PoolView {
   // they are zero-extended: on the GPU a sign extension costs a shift and a
   // multiply-add per 64-bit product, in every block of the decode loop.
   MIXKV_HOST_DEVICE std::byte* block_at(std::int32_t slab, std::int32_t index) const {
+    return block_at(slab, index, format.block_bytes());
+  }
+  // With format.block_bytes() given by the caller (a constant where a kernel
+  // is built for one block shape).
+  MIXKV_HOST_DEVICE std::byte* block_at(std::int32_t slab, std::int32_t index, std::size_t block_bytes) const {
     return base + static_cast<std::size_t>(static_cast<std::uint32_t>(slab)) * slab_bytes +
-           static_cast<std::size_t>(static_cast<std::uint32_t>(index)) * format.block_bytes();
+           static_cast<std::size_t>(static_cast<std::uint32_t>(index)) * block_bytes;
   }
 };
 
