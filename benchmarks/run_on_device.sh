@@ -13,9 +13,12 @@
 #          [--flush read|write] (how the decode and SDPA benches evict L2; default read)
 #          [--ncu]   (Nsight Compute sections of the decode kernel: batch 64 x 19,600 INT2
 #                     and batch 1 x 19,600 mixed, into ncu.log)
-# Boost (headers) and GoogleTest are taken from the system when present,
-# else from .devdeps/ (a header subset and the googletest sources carried
-# along: see docs/benchmarks/kernel-notes-log.md).
+# Boost, GoogleTest and Google Benchmark are taken from the system when
+# present, else from .devdeps/, carried along and made on the build machine:
+#   Google Benchmark: /usr/include/benchmark -> .devdeps/include/, and
+#     /usr/lib/x86_64-linux-gnu/{libbenchmark*,cmake/benchmark} -> .devdeps/lib/x86_64-linux-gnu/
+#     (its CMake config finds the prefix four levels up);
+#   GoogleTest: /usr/src/googletest -> .devdeps/googletest (built here).
 set -uo pipefail
 OUT=${OUT:-$PWD/device-out}
 mkdir -p "$OUT"
@@ -61,7 +64,7 @@ if [ ! -f /usr/include/boost/unordered/unordered_flat_map.hpp ]; then
   CMAKE_ARGS+=("-DBoost_DIR=$ROOT/.devdeps/lib/cmake/Boost")
 fi
 if ! ls /usr/lib/x86_64-linux-gnu/cmake/benchmark /usr/lib/cmake/benchmark /usr/local/lib/cmake/benchmark >/dev/null 2>&1; then
-  CMAKE_ARGS+=("-Dbenchmark_DIR=$ROOT/.devdeps/lib/cmake/benchmark")
+  CMAKE_ARGS+=("-Dbenchmark_DIR=$ROOT/.devdeps/lib/x86_64-linux-gnu/cmake/benchmark")
 fi
 if ! ls /usr/lib/x86_64-linux-gnu/cmake/GTest/GTestConfig.cmake /usr/lib/cmake/GTest/GTestConfig.cmake >/dev/null 2>&1; then
   if [ ! -f /tmp/gtest/lib/cmake/GTest/GTestConfig.cmake ]; then

@@ -682,7 +682,10 @@ __global__ void __launch_bounds__(kDecodeThreads, DecodeTile<D, S>::kMinCtasPerS
     st.vb[1] += __shfl_xor_sync(0xffffffffu, st.vb[1], offset);
   }
   __syncthreads();  // every ring is drained; shared memory is reused
-  float* so = reinterpret_cast<float*>(smem);         // [warp][head][D]
+  // so: [warp][head][D] with the 4-channel groups of heads 2r, 2r + 1 XORed
+  // by r, so that a quad's float2 stores fall in distinct banks (2-way
+  // conflicts instead of 8-way) while 16-byte reads stay contiguous.
+  float* so = reinterpret_cast<float*>(smem);
   float* sm = so + kDecodeWarps * kMaxGroup * D;      // [warp][head]
   float* sl = sm + kDecodeWarps * kMaxGroup;          // [warp][head]
   {
@@ -690,7 +693,7 @@ __global__ void __launch_bounds__(kDecodeThreads, DecodeTile<D, S>::kMinCtasPerS
     float* o1 = o0 + D;
 #pragma unroll
     for (int cm = 0; cm < D / 16; ++cm) {
-      const int ch = (D / 8) * g + 2 * cm;
+      const int ch = ((D / 8) * g + 2 * cm) ^ (4 * r);
       const float add0 = st.vb[0];
       const float add1 = st.vb[1];
       *reinterpret_cast<float2*>(o0 + ch) = make_float2(st.acc[cm][0] + add0, st.acc[cm][2] + add0);
@@ -704,35 +707,52 @@ __global__ void __launch_bounds__(kDecodeThreads, DecodeTile<D, S>::kMinCtasPerS
     }
   }
   __syncthreads();
+  // Each thread combines 16-byte vectors (4 channels of one head); the
+  // per-head weights are recomputed per vector (4 exp2) rather than shared
+  // through another barrier, and the loop stays short: this code runs once
+  // per CTA, cold in the instruction cache, on batch 1's critical path.
   constexpr float kLn2 = 0.6931471805599453f;
-  for (int idx = threadIdx.x; idx < group * D; idx += kDecodeThreads) {
-    const int head = idx / D;
-    const int ch = idx % D;
+  constexpr int kVecsPerHead = D / 4;
+  for (int v = threadIdx.x; v < group * kVecsPerHead; v += kDecodeThreads) {
+    const int head = v / kVecsPerHead;
+    const int c4 = v % kVecsPerHead;
+    float m[kDecodeWarps];
     float mx = -INFINITY;
 #pragma unroll
-    for (int w = 0; w < kDecodeWarps; ++w) mx = fmaxf(mx, sm[w * kMaxGroup + head]);
-    float o = 0.0f, sum = 0.0f;
+    for (int w = 0; w < kDecodeWarps; ++w) {
+      m[w] = sm[w * kMaxGroup + head];
+      mx = fmaxf(mx, m[w]);
+    }
+    float4 o = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    float sum = 0.0f;
     if (mx != -INFINITY) {
 #pragma unroll
       for (int w = 0; w < kDecodeWarps; ++w) {
-        const float f = exp2f(sm[w * kMaxGroup + head] - mx);
-        o += f * so[(w * kMaxGroup + head) * D + ch];
+        const float f = exp2f(m[w] - mx);
+        const float4 x = reinterpret_cast<const float4*>(so + (w * kMaxGroup + head) * D)[c4 ^ ((head >> 1) & 3)];
         sum += f * sl[w * kMaxGroup + head];
+        o.x += f * x.x;
+        o.y += f * x.y;
+        o.z += f * x.z;
+        o.w += f * x.w;
       }
     }
-    const float value = sum > 0.0f ? o / sum : 0.0f;
-    const float lse = sum > 0.0f ? (mx + log2f(sum)) * kLn2 : -INFINITY;
-    if (item.partial < 0) {
-      const std::size_t row = static_cast<std::size_t>(item.seq) * p.num_q_heads + item.kv_head * group + head;
-      p.out[row * D + ch] = __float2half_rn(value);
-      if (p.lse != nullptr && ch == 0) p.lse[row] = lse;
+    const float inv = sum > 0.0f ? __frcp_rn(sum) : 0.0f;
+    const float4 value = make_float4(o.x * inv, o.y * inv, o.z * inv, o.w * inv);
+    const bool split = item.partial >= 0;
+    const std::size_t row = split ? static_cast<std::size_t>(item.partial) * group + head
+                                   : static_cast<std::size_t>(item.seq) * p.num_q_heads + item.kv_head * group + head;
+    if (split) {
+      reinterpret_cast<float4*>(p.partial_out + row * D)[c4] = value;
     } else {
-      const std::size_t row = static_cast<std::size_t>(item.partial) * group + head;
-      p.partial_out[row * D + ch] = value;
-      if (ch == 0) p.partial_lse[row] = lse;
+      __half2* dst = reinterpret_cast<__half2*>(p.out + row * D + 4 * c4);
+      dst[0] = __floats2half2_rn(value.x, value.y);
+      dst[1] = __floats2half2_rn(value.z, value.w);
     }
+    float* lse = split ? p.partial_lse : p.lse;
+    if (c4 == 0 && lse != nullptr) lse[row] = sum > 0.0f ? (mx + log2f(sum)) * kLn2 : -INFINITY;
   }
-  if (item.partial >= 0) merge_split_item<D, kDecodeThreads, kMaxGroup>(p, item, so);
+  if (item.partial >= 0) merge_split_item<D, kDecodeThreads, kMaxGroup>(p, item, reinterpret_cast<int*>(so));
 }
 
 }  // namespace mixkv::gpu::detail

@@ -164,29 +164,24 @@ INSTANTIATE_TEST_SUITE_P(Shapes, CudaPlannerShapes,
                                            Shape{ElementType::F32, 520, 48, 4}),
                          shape_name);
 
-// The shapes above give every block of the row kernel a single row. Here
-// (7,360 window rows) each block takes several, a warp more than one, and
-// block shares cross request boundaries, on both load paths.
-TEST_F(CudaPlannerTest, ManyRowsAcrossRequestsMatchTheCpuPlanner) {
-  std::vector<TokenLayout> layouts;
-  for (std::int32_t r = 0; r < 5; ++r) {
-    layouts.push_back(
-        TokenLayout({{TokenKind::Text, 3 + 7 * r}, {TokenKind::Visual, (40 + 3 * r) * 32 + r}, {TokenKind::Text, 2}}));
-  }
+// Plans `layouts` (random embeddings, seeds from `seed`) on the GPU for each
+// shape and checks every score and decision against the CPU planner.
+void expect_gpu_plans_match_cpu(const std::vector<TokenLayout>& layouts, const std::vector<Shape>& shapes, int seed,
+                                cudaStream_t stream) {
   const PlannerConfig config = config_for(32, 3);
   const WindowPlanner cpu_planner(config);
   gpu::CudaWindowPlanner gpu_planner(config);
-  for (const Shape s : {Shape{ElementType::F16, 256, 32, 0}, Shape{ElementType::BF16, 72, 32, 2}}) {
+  for (const Shape s : shapes) {
     std::vector<test::Matrix> host;
     std::vector<DeviceMatrix> device;
     std::vector<EmbeddingsView> views;
     device.reserve(layouts.size());
     for (std::size_t r = 0; r < layouts.size(); ++r) {
-      host.push_back(test::random_embeddings(s.type, layouts[r].num_tokens(), s.hidden, 700 + static_cast<int>(r)));
+      host.push_back(test::random_embeddings(s.type, layouts[r].num_tokens(), s.hidden, seed + static_cast<int>(r)));
       device.emplace_back(host.back(), s.offset_bytes);
       views.push_back(device.back().view());
     }
-    const std::vector<PrecisionPlan> plans = gpu_planner.plan(layouts, views, stream_);
+    const std::vector<PrecisionPlan> plans = gpu_planner.plan(layouts, views, stream);
     ASSERT_EQ(plans.size(), layouts.size());
     for (std::size_t r = 0; r < plans.size(); ++r) {
       const std::vector<float> cpu = window_similarity(layouts[r], host[r].view(), 32);
@@ -200,6 +195,33 @@ TEST_F(CudaPlannerTest, ManyRowsAcrossRequestsMatchTheCpuPlanner) {
       EXPECT_EQ(plans[r], cpu_planner.plan_from_scores(scores)) << "request " << r;
     }
   }
+}
+
+// The shapes above give every block of the row kernel a single row. Here
+// (7,360 window rows) each block takes several, a warp more than one, and
+// block shares cross request boundaries, on both load paths.
+TEST_F(CudaPlannerTest, ManyRowsAcrossRequestsMatchTheCpuPlanner) {
+  std::vector<TokenLayout> layouts;
+  for (std::int32_t r = 0; r < 5; ++r) {
+    layouts.push_back(
+        TokenLayout({{TokenKind::Text, 3 + 7 * r}, {TokenKind::Visual, (40 + 3 * r) * 32 + r}, {TokenKind::Text, 2}}));
+  }
+  expect_gpu_plans_match_cpu(layouts, {Shape{ElementType::F16, 256, 32, 0}, Shape{ElementType::BF16, 72, 32, 2}}, 700,
+                             stream_);
+}
+
+// Prompts longer than the text kernels' rounds (8 rows a warp, 8 warps a
+// block: 64 rows) and rows wider than a round of 16-byte loads (F16 5,000
+// channels; F32 1,001 channels on the scalar path) take every text loop more
+// than once.
+TEST_F(CudaPlannerTest, LongPromptsAndWideRowsMatchTheCpuPlanner) {
+  const std::vector<TokenLayout> layouts = {
+      TokenLayout({{TokenKind::Text, 300}, {TokenKind::Visual, 4 * 32}, {TokenKind::Text, 7}}),
+      TokenLayout({{TokenKind::Visual, 3 * 32}, {TokenKind::Text, 600}}),
+      TokenLayout({{TokenKind::Text, 1}, {TokenKind::Visual, 2 * 32}}),
+  };
+  expect_gpu_plans_match_cpu(layouts, {Shape{ElementType::F16, 5000, 32, 0}, Shape{ElementType::F32, 1001, 32, 0}}, 900,
+                             stream_);
 }
 
 TEST_F(CudaPlannerTest, ResultsAreReproducibleAndStepsCanBeSplit) {
