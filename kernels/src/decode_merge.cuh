@@ -52,8 +52,17 @@ __device__ __forceinline__ void merge_rows(const DecodeParams& p, const DecodeWo
   constexpr int kBatch = kVecs > 2 ? 4 : 8;  // <= 16 vectors in flight per thread
   const int group = p.group;
   const int vecs = group * kVecsPerHead;
-  const std::size_t row_vecs = static_cast<std::size_t>(group) * kVecsPerHead;
-  const float4* rows = reinterpret_cast<const float4*>(p.partial_out);
+  // Per-thread bases, offset by one product per row. A thread's vectors past
+  // the row (i >= vecs) read its last vector instead and discard it, so no
+  // load needs a predicate.
+  const float4* vec_base[kVecs];
+  const float* lse_base[kVecs];
+#pragma unroll
+  for (int j = 0; j < kVecs; ++j) {
+    const int i = min(static_cast<int>(threadIdx.x) + j * Threads, vecs - 1);
+    vec_base[j] = reinterpret_cast<const float4*>(p.partial_out) + i;
+    lse_base[j] = p.partial_lse + i / kVecsPerHead;
+  }
   float4 o[kVecs];
   float mx[kVecs], sum[kVecs];
 #pragma unroll
@@ -67,13 +76,14 @@ __device__ __forceinline__ void merge_rows(const DecodeParams& p, const DecodeWo
     float4 x[kBatch][kVecs];
 #pragma unroll
     for (int b = 0; b < kBatch; ++b) {
-      const std::size_t row = static_cast<std::size_t>(first + (k0 + b) * stride);
+      // Past the last row: load the last row again (an L2 hit) and weigh it 0.
+      const bool real = k0 + b < count;
+      const std::size_t row = static_cast<std::size_t>(first + min(k0 + b, count - 1) * stride);
 #pragma unroll
       for (int j = 0; j < kVecs; ++j) {
-        const int i = threadIdx.x + j * Threads;
-        const bool valid = k0 + b < count && i < vecs;
-        lse[b][j] = valid ? __ldcg(p.partial_lse + row * group + i / kVecsPerHead) : -INFINITY;
-        x[b][j] = valid ? __ldcg(rows + row * row_vecs + i) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        x[b][j] = __ldcg(vec_base[j] + row * vecs);
+        const float l = __ldcg(lse_base[j] + row * group);
+        lse[b][j] = real ? l : -INFINITY;
       }
     }
 #pragma unroll
@@ -81,8 +91,11 @@ __device__ __forceinline__ void merge_rows(const DecodeParams& p, const DecodeWo
       float m = mx[j];
 #pragma unroll
       for (int b = 0; b < kBatch; ++b) m = fmaxf(m, lse[b][j]);
-      if (m == -INFINITY) continue;  // every state so far is empty
-      const float rescale = __expf(mx[j] - m);  // 0 while mx is -inf
+      // Branch-free (a branch here lets the compiler sink vector j's loads
+      // into it, behind vector j - 1's arithmetic): while every state so far
+      // is empty, m_ref = 0 makes every weight exp(-inf) = 0.
+      const float m_ref = m == -INFINITY ? 0.0f : m;
+      const float rescale = __expf(mx[j] - m_ref);  // 0 while mx is -inf
       sum[j] *= rescale;
       o[j].x *= rescale;
       o[j].y *= rescale;
@@ -90,7 +103,7 @@ __device__ __forceinline__ void merge_rows(const DecodeParams& p, const DecodeWo
       o[j].w *= rescale;
 #pragma unroll
       for (int b = 0; b < kBatch; ++b) {
-        const float w = __expf(lse[b][j] - m);
+        const float w = __expf(lse[b][j] - m_ref);
         sum[j] += w;
         o[j].x += w * x[b][j].x;
         o[j].y += w * x[b][j].y;
@@ -112,7 +125,7 @@ __device__ __forceinline__ void merge_rows(const DecodeParams& p, const DecodeWo
     std::size_t lse_at;
     float* lse;
     if (dst_row >= 0) {
-      reinterpret_cast<float4*>(p.partial_out)[static_cast<std::size_t>(dst_row) * row_vecs + i] = value;
+      reinterpret_cast<float4*>(p.partial_out)[static_cast<std::size_t>(dst_row) * vecs + i] = value;
       lse = p.partial_lse;
       lse_at = static_cast<std::size_t>(dst_row) * group + h;
     } else {
