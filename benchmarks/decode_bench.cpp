@@ -11,8 +11,9 @@
 // as FlashInfer's benchmarks do; --flush write uses a memset, which leaves
 // dirty lines behind); median of N CUDA-event timings. The launch floor (a
 // 4-byte memset timed the same way) is printed for scale. --chunk-sweep
-// also times every plan of batch <= 8 at fixed split-KV chunk counts and
-// at the plan's own choice, with L2 flushed and with L2 warm.
+// also times every plan at fixed split-KV chunk counts (1..128 up to batch
+// 8, 2..16 above: whole waves of CTAs) and at the plan's own choice, with
+// L2 flushed and with L2 warm.
 // Prints a table and writes JSON (--out).
 #include <cuda_runtime_api.h>
 
@@ -289,8 +290,10 @@ int main(int argc, char** argv) {
             std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
         gpu::DecodeRunArgs run{0, d_q, d_out, nullptr, 1.0f / std::sqrt(128.0f), pools, stream, false};
         const double us = median_us(reps, flusher, stream, [&] { dplan.run(run); });
-        if (chunk_sweep && batch <= 8) {
-          for (int chunks : {0, 1, 2, 4, 8, 12, 16, 32, 64, 93, 128}) {  // 0: the plan's own choice
+        if (chunk_sweep) {
+          const std::vector<int> small{0, 1, 2, 4, 8, 12, 16, 32, 64, 93, 128};  // 0: the plan's own choice
+          const std::vector<int> large{0, 2, 3, 4, 5, 6, 8, 12, 16};
+          for (int chunks : batch <= 8 ? small : large) {
             gpu::DecodePlanConfig swept = config;
             swept.chunks_per_sequence = chunks;
             gpu::DecodePlan sweep_plan(swept, tables);
