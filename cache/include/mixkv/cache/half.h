@@ -1,4 +1,5 @@
 #pragma once
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 
@@ -66,5 +67,10 @@ inline float half_to_float(Half h) {
   std::memcpy(&value, &x, sizeof value);
   return value;
 }
+
+// half_to_float over `count` packed halves at `halves` (any alignment): the
+// same exact values, with F16C conversions when the CPU has them (the CPU
+// backend reads every FP16 block row through this).
+void halves_to_floats(const std::byte* halves, float* out, std::size_t count);
 
 }  // namespace mixkv
