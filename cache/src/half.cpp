@@ -1,5 +1,9 @@
 #include "mixkv/cache/half.h"
 
+#include <string>
+
+#include "mixkv/cache/errors.h"
+
 #if defined(__x86_64__) || defined(__i386__)
 #define MIXKV_HALF_X86 1
 #include <cpuid.h>
@@ -48,6 +52,12 @@ const ConvertFn convert = pick_conversion();
 
 }  // namespace
 
-void halves_to_floats(const std::byte* halves, float* out, std::size_t count) { convert(halves, out, count); }
+void halves_to_floats(const std::byte* halves, float* out, std::size_t count) {
+  if (count > 0 && (halves == nullptr || out == nullptr)) {
+    throw InvalidArgument(std::string("halves_to_floats: ") + (halves == nullptr ? "halves" : "out") +
+                          " is null: expected " + std::to_string(count) + " values");
+  }
+  convert(halves, out, count);
+}
 
 }  // namespace mixkv

@@ -8,8 +8,10 @@
 #include <cstring>
 #include <limits>
 #include <random>
+#include <string>
 #include <vector>
 
+#include "cpu_test_util.h"
 #include "mixkv/cache/half.h"
 
 namespace mixkv {
@@ -125,6 +127,11 @@ TEST(Half, BulkConversionMatchesHalfToFloat) {
     }
     EXPECT_EQ(out[count], -1.0f) << "wrote past count = " << count;
   }
+  float one = -1.0f;
+  MIXKV_EXPECT_INVALID(halves_to_floats(nullptr, &one, 1), "halves is null");
+  MIXKV_EXPECT_INVALID(halves_to_floats(packed.data(), nullptr, 1), "out is null");
+  EXPECT_EQ(one, -1.0f);
+  halves_to_floats(nullptr, nullptr, 0);  // nothing to convert: no error
 }
 
 #if defined(__FLT16_MAX__)

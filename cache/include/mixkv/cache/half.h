@@ -70,7 +70,8 @@ inline float half_to_float(Half h) {
 
 // half_to_float over `count` packed halves at `halves` (any alignment): the
 // same exact values, with F16C conversions when the CPU has them (the CPU
-// backend reads every FP16 block row through this).
+// backend reads every FP16 block row through this). Throws InvalidArgument
+// naming the pointer if either is null while count > 0.
 void halves_to_floats(const std::byte* halves, float* out, std::size_t count);
 
 }  // namespace mixkv
