@@ -709,8 +709,9 @@ __global__ void __launch_bounds__(kDecodeThreads, DecodeTile<D, S>::kMinCtasPerS
   __syncthreads();
   // Each thread combines 16-byte vectors (4 channels of one head); the
   // per-head weights are recomputed per vector (4 exp2) rather than shared
-  // through another barrier, and the loop stays short: this code runs once
-  // per CTA, cold in the instruction cache, on batch 1's critical path.
+  // through another barrier. This runs once per CTA on batch 1's critical
+  // path: per element with a division and a log it took ~3 us (timeline,
+  // kernel-notes-log.md v15), per vector ~1 us.
   constexpr float kLn2 = 0.6931471805599453f;
   constexpr int kVecsPerHead = D / 4;
   for (int v = threadIdx.x; v < group * kVecsPerHead; v += kDecodeThreads) {
