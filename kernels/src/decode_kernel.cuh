@@ -14,7 +14,7 @@
 // scales multiply P and the V minimums a per-head scalar sum_t p_t m_t
 // added once at the end. The tensor cores see the integer codes biased by
 // 1024 (one lop3 into the mantissa of 1024.0, 0x6400); the bias is removed
-// from the sums, not from each element (compute_quant_block).
+// from the sums, not from each element (quant_block_scores / _accumulate).
 //
 // Memory: each warp streams its own blocks through a private cp.async ring
 // (16-byte copies, several blocks in flight; FP16 blocks go in 16-token
@@ -92,16 +92,35 @@ __device__ __forceinline__ int v_swizzle(int chunk, int row) {
   return chunk ^ ((((row >> 1) & 1) * 5) ^ (((row >> 2) & 1) * 2));
 }
 
-// kFinite: every score of the tile is finite (a quantized block has no
-// masked rows), so the new running max is too and needs no -inf guard.
-template <bool kFinite, int D>
-__device__ __forceinline__ void online_softmax_rescale(float& bm0, float& bm1, WarpState<D>& st, float& base0,
-                                                       float& base1) {
+// The maxima of MT m-tiles' scores for heads 2r, 2r + 1 over all the
+// warp's tokens (reduced across the g lanes), times scale_log2. The scale
+// goes in once since scale_log2 > 0 and rounding is monotonic:
+// fl(max x * scale) is max fl(x * scale).
+template <int MT>
+__device__ __forceinline__ void block_max(const float (&s)[MT][4], float scale_log2, float& bm0, float& bm1) {
+  bm0 = -INFINITY;
+  bm1 = -INFINITY;
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    bm0 = fmaxf(bm0, fmaxf(s[mt][0], s[mt][2]));
+    bm1 = fmaxf(bm1, fmaxf(s[mt][1], s[mt][3]));
+  }
+  bm0 *= scale_log2;
+  bm1 *= scale_log2;
 #pragma unroll
   for (int offset = 4; offset < 32; offset <<= 1) {
     bm0 = fmaxf(bm0, __shfl_xor_sync(0xffffffffu, bm0, offset));
     bm1 = fmaxf(bm1, __shfl_xor_sync(0xffffffffu, bm1, offset));
   }
+}
+
+// The running state moved to the new maximum (bm0, bm1: a block's, from
+// block_max); base0/1 are what the block's exponents subtract.
+// kFinite: every score of the block is finite (a quantized block has no
+// masked rows), so the new running max is too and needs no -inf guard.
+template <bool kFinite, int D>
+__device__ __forceinline__ void online_softmax_rescale(float bm0, float bm1, WarpState<D>& st, float& base0,
+                                                       float& base1) {
   const float m0 = fmaxf(st.m[0], bm0);
   const float m1 = fmaxf(st.m[1], bm1);
   // A head with no valid score yet keeps base 0, so -inf - -inf never occurs.
@@ -129,23 +148,12 @@ __device__ __forceinline__ void online_softmax_rescale(float& bm0, float& bm1, W
   st.m[1] = m1;
 }
 
-// Unscaled scores of MT m-tiles -> probabilities relative to the new running
-// max (base 2, scores times scale_log2); the state is rescaled and the sums
-// updated. The scale goes into the exponent's fma and, since scale_log2 > 0
-// and rounding is monotonic, into the block max once: fl(max x * scale) is
-// max fl(x * scale), so the running max is the one of scaled scores.
-template <int MT, bool kFinite, int D>
-__device__ __forceinline__ void online_softmax(float (&s)[MT][4], float scale_log2, WarpState<D>& st) {
-  float bm0 = -INFINITY, bm1 = -INFINITY;
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt) {
-    bm0 = fmaxf(bm0, fmaxf(s[mt][0], s[mt][2]));
-    bm1 = fmaxf(bm1, fmaxf(s[mt][1], s[mt][3]));
-  }
-  bm0 *= scale_log2;
-  bm1 *= scale_log2;
-  float base0, base1;
-  online_softmax_rescale<kFinite>(bm0, bm1, st, base0, base1);
+// Unscaled scores -> probabilities relative to the running max (base 2,
+// scores times scale_log2, the scale inside the exponent's fma); the
+// softmax sums updated.
+template <int MT, int D>
+__device__ __forceinline__ void exponentiate(float (&s)[MT][4], float scale_log2, float base0, float base1,
+                                             WarpState<D>& st) {
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
     s[mt][0] = exp2_ftz(fmaf(s[mt][0], scale_log2, -base0));
@@ -155,6 +163,14 @@ __device__ __forceinline__ void online_softmax(float (&s)[MT][4], float scale_lo
     st.l[0] += s[mt][0] + s[mt][2];
     st.l[1] += s[mt][1] + s[mt][3];
   }
+}
+
+template <int MT, bool kFinite, int D>
+__device__ __forceinline__ void online_softmax(float (&s)[MT][4], float scale_log2, WarpState<D>& st) {
+  float bm0, bm1, base0, base1;
+  block_max<MT>(s, scale_log2, bm0, bm1);
+  online_softmax_rescale<kFinite>(bm0, bm1, st, base0, base1);
+  exponentiate<MT>(s, scale_log2, base0, base1, st);
 }
 
 // ---------------------------------------------------------------- loads --
@@ -395,9 +411,8 @@ __device__ __forceinline__ void load_k_pairs(const char* k_codes, uint32_t (&x)[
 // rounding. (The running V accumulator must never carry the offset: a long
 // average is ~1e4 times smaller than 1024 sum p', v2 in kernel-notes-log.md.)
 template <int D, int S, int Bits>
-__device__ __forceinline__ void compute_quant_block(const char* slot, const uint32_t (&qf)[D / 16][2],
-                                                    const uint32_t (&minus1024)[4], float scale_log2,
-                                                    WarpState<D>& st, int lane) {
+__device__ __forceinline__ void quant_block_scores(const char* slot, const uint32_t (&qf)[D / 16][2],
+                                                   float (&s)[S / 16][4], int lane) {
   constexpr Precision P = Bits == 4 ? Precision::INT4 : Precision::INT2;
   constexpr BlockFormat F{P, 1, D, S};
   constexpr int MT = S / 16;
@@ -410,7 +425,6 @@ __device__ __forceinline__ void compute_quant_block(const char* slot, const uint
   // One MMA chain per m-tile, D/16 deep: as deep as the two rank-1 chains,
   // so splitting it (even and odd k-steps) would not shorten the block's
   // critical path and would cost a 4-FADD merge per m-tile.
-  float s[MT][4];
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) s[mt][0] = s[mt][1] = s[mt][2] = s[mt][3] = 0.0f;
   // The two rank-1 products are read from rows g only ([0], [1]): rows
@@ -451,7 +465,18 @@ __device__ __forceinline__ void compute_quant_block(const char* slot, const uint
     s[mt][2] = (s[mt][2] - 1024.0f * qsum[0]) * f1 + bias[0];
     s[mt][3] = (s[mt][3] - 1024.0f * qsum[1]) * f1 + bias[1];
   }
-  online_softmax<MT, true>(s, scale_log2, st);
+}
+
+// O^T += V^T P^T of one quantized block, P (s) its probabilities.
+template <int D, int S, int Bits>
+__device__ __forceinline__ void quant_block_accumulate(const char* slot, float (&s)[S / 16][4],
+                                                       const uint32_t (&minus1024)[4], WarpState<D>& st, int lane) {
+  constexpr Precision P = Bits == 4 ? Precision::INT4 : Precision::INT2;
+  constexpr BlockFormat F{P, 1, D, S};
+  constexpr int MT = S / 16;
+  constexpr int kRunTokens = S / 8;
+  const int g = lane >> 2;
+  const int r = lane & 3;
 
   // ---- fold the per-token V parameters of the thread's tokens into P
   float vscale[kRunTokens];
@@ -564,12 +589,23 @@ __device__ __forceinline__ void run_segment(const DecodeParams& p, const std::in
     const int rows = tokens - 16 * sub;
     return rows < 16 ? rows : 16;
   };
+  // Lane l holds the head address of the warp's unit 32 w + l of the
+  // current window w of 32 units, found together: one page-table load and
+  // one slab division per 32 units, instead of a dependent global load and
+  // ~30 address instructions in front of every unit's copies.
+  const char* lane_head = nullptr;
   auto issue = [&](int k, int stage) {
-    int block, sub;
-    const int rows = unit_rows(k, block, sub);
-    const char* head = reinterpret_cast<const char*>(pool.block(ids[block])) + head_offset;
+    if ((k & 31) == 0) {  // units are issued in order: a new window
+      int block, sub;
+      unit_rows(k + lane, block, sub);
+      lane_head = k + lane < count ? reinterpret_cast<const char*>(pool.block(ids[block])) + head_offset : nullptr;
+    }
+    const char* head = reinterpret_cast<const char*>(
+        __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(lane_head), k & 31));
     char* dst = ring + stage * kUnitBytes;
     if constexpr (P == Precision::FP16) {
+      int block, sub;
+      const int rows = unit_rows(k, block, sub);
       load_fp16_unit<D, S>(dst, head, sub, rows, lane);
     } else {
       load_quant_head<kUnitBytes>(dst, head, lane);
@@ -590,21 +626,68 @@ __device__ __forceinline__ void run_segment(const DecodeParams& p, const std::in
     if (stage < count) issue(stage, stage);
     cp_async_commit();
   }
-  for (int k = 0; k < count; ++k) {
-    cp_async_wait<kStages - 1>();
-    __syncwarp();
-    const int stage = k % kStages;
-    const char* unit = ring + stage * kUnitBytes;
-    if constexpr (P == Precision::FP16) {
+  if constexpr (P == Precision::FP16) {
+    for (int k = 0; k < count; ++k) {
+      cp_async_wait<kStages - 1>();
+      __syncwarp();
+      const int stage = k % kStages;
       int block, sub;
       const int rows = unit_rows(k, block, sub);
-      compute_fp16_unit<D>(unit, rows, qf, p.scale_log2, st, lane);
-    } else {
-      compute_quant_block<D, S, bits_of(P)>(unit, qf, minus1024, p.scale_log2, st, lane);
+      compute_fp16_unit<D>(ring + stage * kUnitBytes, rows, qf, p.scale_log2, st, lane);
+      __syncwarp();
+      if (k + kStages < count) issue(k + kStages, stage);
+      cp_async_commit();
     }
+  } else if (count > 0) {
+    // Software-pipelined by one block: iteration k exponentiates block k's
+    // scores, then computes block k + 1's scores (K side, block max) beside
+    // block k's V side, so that the warp has two independent MMA chains in
+    // flight where one block alone is a serial chain (K MMAs -> max
+    // shuffles -> exp2 -> V MMAs) that its latency, not the issue rate,
+    // sets. Block k + 1 must have landed: one ring stage less of prefetch.
+    static_assert(kStages >= 2, "the pipelined loop holds two blocks in the ring");
+    constexpr int MT = S / 16;
+    constexpr int kBits = bits_of(P);
+    float s[MT][4];
+    float bm0, bm1;
+    cp_async_wait<kStages - 1>();
     __syncwarp();
-    if (k + kStages < count) issue(k + kStages, stage);
-    cp_async_commit();
+    quant_block_scores<D, S, kBits>(ring, qf, s, lane);
+    block_max<MT>(s, p.scale_log2, bm0, bm1);
+    // The last block is peeled off, so the loop body has no branch between
+    // block k + 1's K side and block k's V side that ptxas would not
+    // schedule across.
+    // Ring stages of blocks k and k + 1 as counters (a modulo by the
+    // stage count costs a multiply-high chain per block).
+    int stage = 0;
+    int next_stage = 1 % kStages;
+    for (int k = 0; k + 1 < count; ++k) {
+      float base0, base1;
+      online_softmax_rescale<true>(bm0, bm1, st, base0, base1);
+      cp_async_wait<kStages - 2>();
+      __syncwarp();
+      exponentiate<MT>(s, p.scale_log2, base0, base1, st);
+      float next[MT][4];
+      quant_block_scores<D, S, kBits>(ring + next_stage * kUnitBytes, qf, next, lane);
+      quant_block_accumulate<D, S, kBits>(ring + stage * kUnitBytes, s, minus1024, st, lane);
+      block_max<MT>(next, p.scale_log2, bm0, bm1);
+      __syncwarp();
+      if (k + kStages < count) issue(k + kStages, stage);
+      cp_async_commit();
+      stage = next_stage;
+      next_stage = next_stage + 1 == kStages ? 0 : next_stage + 1;
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        s[mt][0] = next[mt][0];
+        s[mt][1] = next[mt][1];
+        s[mt][2] = next[mt][2];
+        s[mt][3] = next[mt][3];
+      }
+    }
+    float base0, base1;
+    online_softmax_rescale<true>(bm0, bm1, st, base0, base1);
+    exponentiate<MT>(s, p.scale_log2, base0, base1, st);
+    quant_block_accumulate<D, S, kBits>(ring + stage * kUnitBytes, s, minus1024, st, lane);
   }
   cp_async_wait<0>();
   __syncwarp();

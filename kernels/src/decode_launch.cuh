@@ -11,14 +11,11 @@ namespace mixkv::gpu::detail {
 template <int D, int S>
 int launch_decode_kernel(const DecodeParams& params, int grid, cudaStream_t stream) {
   using Tile = DecodeTile<D, S>;
-  // Above 48 KiB of dynamic shared memory needs an opt-in, once per process.
-  static const bool configured = [] {
+  if (grid == 0) {  // configuration only (DecodePlan does this before any capture)
+    // Above 48 KiB of dynamic shared memory needs an opt-in, which is
+    // per device: made by every plan, on the device it is built on.
     MIXKV_CUDA_CHECK(cudaFuncSetAttribute(paged_decode_kernel<D, S>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                           Tile::kSmemBytes));
-    return true;
-  }();
-  (void)configured;
-  if (grid == 0) {  // configuration only (DecodePlan does this before any capture)
     int ctas = 0;
     MIXKV_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, paged_decode_kernel<D, S>, kDecodeThreads,
                                                                    Tile::kSmemBytes));
