@@ -416,9 +416,7 @@ __device__ __forceinline__ void quant_block_scores(const char* slot, const uint3
   constexpr Precision P = Bits == 4 ? Precision::INT4 : Precision::INT2;
   constexpr BlockFormat F{P, 1, D, S};
   constexpr int MT = S / 16;
-  constexpr int kRunTokens = S / 8;
   constexpr uint32_t kOnes = 0x3C003C00u;      // half2(1, 1)
-  const int g = lane >> 2;
   const int r = lane & 3;
 
   // ---- S^T = K Q'^T, plus the rank-1 terms
@@ -428,23 +426,26 @@ __device__ __forceinline__ void quant_block_scores(const char* slot, const uint3
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) s[mt][0] = s[mt][1] = s[mt][2] = s[mt][3] = 0.0f;
   // The two rank-1 products are read from rows g only ([0], [1]): rows
-  // g + 8 of their A operands are left undefined, which saves the register
-  // copies that duplicating the mins and ones into a 4-register A would cost.
+  // g + 8 of their A operands are whatever costs no register copy.
   float bias[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // sum_c q_c m_c
   float qsum[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // sum_c q'_c
   uint32_t kx[D / 16][2][2];
   load_k_pairs<D, S, Bits>(slot + F.k_offset(), kx, lane);
-  const uint32_t* k_params = reinterpret_cast<const uint32_t*>(slot + F.k_params_offset());
 #pragma unroll
   for (int ks = 0; ks < D / 16; ++ks) {
+    // The K params of the channel pairs c0, c0 + 1 and c0 + 8, c0 + 9 (the
+    // thread's B fragments), as stored (block_format.h): each pair's mins
+    // word then its scales word. The two 8-byte loads are the bias MMA's A
+    // quad as it is: mins in a[0], a[2] (rows g); the scales in a[1], a[3]
+    // only reach rows g + 8, which are never read.
     const int c0 = 16 * ks + 2 * r;
-    const uint2 p0 = *reinterpret_cast<const uint2*>(k_params + c0);
-    const uint2 p8 = *reinterpret_cast<const uint2*>(k_params + c0 + 8);
-    const uint32_t qb0 = hmul2_u32(qf[ks][0], prmt(p0.x, p0.y, 0x5410));
-    const uint32_t qb1 = hmul2_u32(qf[ks][1], prmt(p8.x, p8.y, 0x5410));
-    const uint32_t min0 = prmt(p0.x, p0.y, 0x7632);
-    const uint32_t min8 = prmt(p8.x, p8.y, 0x7632);
-    const uint32_t am[4] = {min0, undefined_u32(), min8, undefined_u32()};
+    static_assert(F.k_scale_offset(0) == F.k_min_offset(0) + 4 && F.k_min_offset(1) == F.k_min_offset(0) + 2,
+                  "a channel pair's K params: its two minimums, then its two scales");
+    const uint2 p0 = *reinterpret_cast<const uint2*>(slot + F.k_min_offset(c0));
+    const uint2 p8 = *reinterpret_cast<const uint2*>(slot + F.k_min_offset(c0 + 8));
+    const uint32_t qb0 = hmul2_u32(qf[ks][0], p0.y);
+    const uint32_t qb1 = hmul2_u32(qf[ks][1], p8.y);
+    const uint32_t am[4] = {p0.x, p0.y, p8.x, p8.y};
     mma_16816(bias, am, qf[ks][0], qf[ks][1]);
     const uint32_t ones[4] = {kOnes, undefined_u32(), kOnes, undefined_u32()};
     mma_16816(qsum, ones, qb0, qb1);
@@ -482,8 +483,10 @@ __device__ __forceinline__ void quant_block_accumulate(const char* slot, float (
   float vscale[kRunTokens];
   float vmin[kRunTokens];
   {
+    static_assert(F.v_scale_offset(1) == F.v_scale_offset(0) + 4 && F.v_min_offset(0) == F.v_scale_offset(0) + 2,
+                  "V params: one (scale, min) word per token");
     SmemRun<4 * kRunTokens> v_params;  // (scale, min) of each of the thread's tokens
-    v_params.load(slot + F.v_params_offset() + 4 * kRunTokens * g);
+    v_params.load(slot + F.v_scale_offset(kRunTokens * g));
 #pragma unroll
     for (int i = 0; i < kRunTokens; ++i) {
       const uint32_t sm = v_params.w[i];

@@ -36,8 +36,7 @@ __global__ void __launch_bounds__(kThreads) demote_kernel(const BlockCopy* moves
   } else {
     const int bits = f.bits();
     const uint32_t mask = (1u << bits) - 1u;
-    const uint32_t* k_params = reinterpret_cast<const uint32_t*>(in + f.k_params_offset());
-    const uint32_t* v_params = reinterpret_cast<const uint32_t*>(in + f.v_params_offset());
+    auto half_at = [&](std::size_t offset) { return __half2float(*reinterpret_cast<const __half*>(in + offset)); };
     const auto* bytes = reinterpret_cast<const unsigned char*>(in);
     for (int i = threadIdx.x; i < S * D; i += blockDim.x) {
       const int t = i / D;
@@ -46,12 +45,8 @@ __global__ void __launch_bounds__(kThreads) demote_kernel(const BlockCopy* moves
       const BlockFormat::CodeLocation vl = f.v_code_location(t, c);
       const uint32_t kc = (bytes[kl.byte] >> kl.shift) & mask;
       const uint32_t vc = (bytes[vl.byte] >> vl.shift) & mask;
-      const uint32_t kp = k_params[c];
-      const uint32_t vp = v_params[t];
-      k[t * P + c] = detail::dequant_device(kc, __half2float(__ushort_as_half(kp & 0xffffu)),
-                                    __half2float(__ushort_as_half(kp >> 16)));
-      v[t * P + c] = detail::dequant_device(vc, __half2float(__ushort_as_half(vp & 0xffffu)),
-                                    __half2float(__ushort_as_half(vp >> 16)));
+      k[t * P + c] = detail::dequant_device(kc, half_at(f.k_scale_offset(c)), half_at(f.k_min_offset(c)));
+      v[t * P + c] = detail::dequant_device(vc, half_at(f.v_scale_offset(t)), half_at(f.v_min_offset(t)));
     }
   }
   __syncthreads();

@@ -262,8 +262,16 @@ __device__ void quantize_tile_bits(const BlockFormat& format, const T* tile, flo
   float* k_bias = k_inverse + D;
   float* v_inverse = k_bias + D;
   float* v_bias = v_inverse + S;
+  // One word per K channel and per V token (block_format.h): K by channel
+  // pair, the pair's mins word then its scales word; V (scale, min).
   uint32_t* k_params = reinterpret_cast<uint32_t*>(out + layout.k_params_offset());
   uint32_t* v_params = reinterpret_cast<uint32_t*>(out + layout.v_params_offset());
+  constexpr BlockFormat kLayout{Precision::INT4, 1, 64, 16};
+  static_assert(kLayout.k_min_offset(2) == kLayout.k_params_offset() + 4 * 2 &&
+                    kLayout.k_scale_offset(2) == kLayout.k_params_offset() + 4 * 3 &&
+                    kLayout.v_scale_offset(3) == kLayout.v_params_offset() + 4 * 3 &&
+                    kLayout.v_min_offset(3) == kLayout.v_params_offset() + 4 * 3 + 2,
+                "the parameter words as written below");
 
   // Statistics: a warp takes a group of 8 K channel quads or 8 V tokens; the
   // lane's slot picks the item and its part (lane / 8) a quarter of the
@@ -296,12 +304,18 @@ __device__ void quantize_tile_bits(const BlockFormat& format, const T* tile, flo
       lo = vmin(lo, shfl_xor(lo, offset));
       hi = vmax(hi, shfl_xor(hi, offset));
     }
-    if (q < quads) {  // every part now holds the quad's range; part p sets channel 4q + p
-      const int c = 4 * q + part;
-      const GroupParamsDevice gp = group_params<kMaxCode>(component(lo, part), component(hi, part));
+    // Every part now holds the quad's range; part p sets channel 4q + p.
+    // Parts 2j and 2j + 1 (lanes 8 apart) hold a channel pair: with the
+    // partner's (scale, min), the even part writes the pair's mins word and
+    // the odd part its scales word, both at word c.
+    const int c = 4 * q + part;
+    const GroupParamsDevice gp = group_params<kMaxCode>(component(lo, part), component(hi, part));
+    const uint32_t partner = __shfl_xor_sync(0xffffffffu, gp.packed, 8);
+    if (q < quads) {
       k_inverse[c] = gp.inverse_step;
       k_bias[c] = gp.bias;
-      k_params[c] = gp.packed;
+      const bool even = (part & 1) == 0;
+      k_params[c] = even ? __byte_perm(gp.packed, partner, 0x7632) : __byte_perm(partner, gp.packed, 0x5410);
       subnormal_scale |= has_subnormal_scale(gp.packed);
     }
   }

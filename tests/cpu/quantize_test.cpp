@@ -84,10 +84,11 @@ TEST_P(HeadFormat, WriteReadMatchesReferenceQuantizer) {
       lo = std::min(lo, kf[t * stride + c]);
       hi = std::max(hi, kf[t * stride + c]);
     }
-    Half params[2];
-    std::memcpy(params, region.data() + f.k_params_offset() + c * 4, 4);
-    EXPECT_EQ(params[0], float_to_half(quant_step(lo, hi, max_code(f.precision)))) << "channel " << c;
-    EXPECT_EQ(params[1], float_to_half(lo)) << "channel " << c;
+    Half scale, min;
+    std::memcpy(&scale, region.data() + f.k_scale_offset(c), 2);
+    std::memcpy(&min, region.data() + f.k_min_offset(c), 2);
+    EXPECT_EQ(scale, float_to_half(quant_step(lo, hi, max_code(f.precision)))) << "channel " << c;
+    EXPECT_EQ(min, float_to_half(lo)) << "channel " << c;
   }
 }
 
@@ -106,10 +107,11 @@ TEST_P(HeadFormat, RoundTripWithinHalfStep) {
     cpu::write_head(f, k.data(), v.data(), stride, region.data());
     std::vector<float> k_out(k.size()), v_out(v.size());
     cpu::read_head(f, region.data(), k_out.data(), v_out.data());
-    auto params = [&](std::size_t offset, int group) {
-      Half p[2];
-      std::memcpy(p, region.data() + offset + group * 4, 4);
-      return std::pair{half_to_float(p[0]), half_to_float(p[1])};
+    auto params = [&](std::size_t scale_at, std::size_t min_at) {
+      Half scale, min;
+      std::memcpy(&scale, region.data() + scale_at, 2);
+      std::memcpy(&min, region.data() + min_at, 2);
+      return std::pair{half_to_float(scale), half_to_float(min)};
     };
     for (int t = 0; t < f.block_size; ++t) {
       for (int c = 0; c < f.head_dim; ++c) {
@@ -117,7 +119,8 @@ TEST_P(HeadFormat, RoundTripWithinHalfStep) {
         for (bool is_k : {true, false}) {
           const float x = half_to_float(is_k ? k[i] : v[i]);
           const float got = is_k ? k_out[i] : v_out[i];
-          const auto [scale, min] = is_k ? params(f.k_params_offset(), c) : params(f.v_params_offset(), t);
+          const auto [scale, min] = is_k ? params(f.k_scale_offset(c), f.k_min_offset(c))
+                                             : params(f.v_scale_offset(t), f.v_min_offset(t));
           float lo = x;
           if (is_k) {
             for (int s = 0; s < f.block_size; ++s) lo = std::min(lo, half_to_float(k[s * stride + c]));
@@ -196,6 +199,32 @@ TEST(Quantize, CodesSitWhereBlockFormatDocumentsThem) {
   cpu::pack_codes(f2, k2.data(), v2.data(), region2.data());
   EXPECT_EQ(region2[1 * 8 + 1], std::byte{0xc0});
   EXPECT_EQ(region2[f2.v_offset() + 1], std::byte{0x08});
+}
+
+// The parameter halves, by hand: K by channel pair (mins, then scales), V
+// per token (scale, min); together they tile the two regions exactly.
+TEST(Quantize, ParamsSitWhereBlockFormatDocumentsThem) {
+  for (const Precision p : {Precision::INT4, Precision::INT2}) {
+    for (const int d : {64, 128, 256}) {
+      const BlockFormat f{p, 1, d, 32};
+      const std::size_t k0 = f.k_params_offset();
+      EXPECT_EQ(f.k_min_offset(0), k0);
+      EXPECT_EQ(f.k_min_offset(1), k0 + 2);
+      EXPECT_EQ(f.k_scale_offset(0), k0 + 4);
+      EXPECT_EQ(f.k_scale_offset(1), k0 + 6);
+      EXPECT_EQ(f.k_min_offset(6), k0 + 24);
+      EXPECT_EQ(f.k_scale_offset(7), k0 + 30);
+      EXPECT_EQ(f.v_scale_offset(3), f.v_params_offset() + 12);
+      EXPECT_EQ(f.v_min_offset(3), f.v_params_offset() + 14);
+      std::vector<int> uses(f.head_bytes() - k0, 0);
+      for (int c = 0; c < d; ++c) ++uses[f.k_scale_offset(c) - k0], ++uses[f.k_min_offset(c) - k0];
+      for (int t = 0; t < f.block_size; ++t) ++uses[f.v_scale_offset(t) - k0], ++uses[f.v_min_offset(t) - k0];
+      for (std::size_t i = 0; i < uses.size(); i += 2) {
+        ASSERT_EQ(uses[i], 1) << "byte " << i << " of the params, head_dim " << d;
+        ASSERT_EQ(uses[i + 1], 0) << "byte " << i + 1 << " of the params, head_dim " << d;
+      }
+    }
+  }
 }
 
 TEST(Quantize, ConstantGroupsAreExact) {

@@ -57,24 +57,24 @@ TEST(MergeStatesCuda, MatchesCpuWithEmptyStates) {
 void quantize_floats(const BlockFormat& f, const float* k, const float* v, std::byte* region) {
   const int S = f.block_size, D = f.head_dim, qmax = max_code(f.precision);
   std::vector<std::uint8_t> kc(S * D), vc(S * D);
-  auto params = [&](float lo, float hi, std::byte* at) {
+  auto params = [&](float lo, float hi, std::size_t scale_at, std::size_t min_at) {
     const Half scale = float_to_half(quant_step(lo, hi, qmax));
     const Half min = float_to_half(lo);
-    std::memcpy(at, &scale, 2);
-    std::memcpy(at + 2, &min, 2);
+    std::memcpy(region + scale_at, &scale, 2);
+    std::memcpy(region + min_at, &min, 2);
     return std::pair<float, float>(half_to_float(scale), half_to_float(min));
   };
   for (int c = 0; c < D; ++c) {
     float lo = k[c], hi = k[c];
     for (int t = 0; t < S; ++t) lo = std::min(lo, k[t * D + c]), hi = std::max(hi, k[t * D + c]);
-    const auto [s, m] = params(lo, hi, region + f.k_params_offset() + 4 * c);
+    const auto [s, m] = params(lo, hi, f.k_scale_offset(c), f.k_min_offset(c));
     const float inverse = quant_inverse_step(s), bias = quant_bias(m, inverse);
     for (int t = 0; t < S; ++t) kc[t * D + c] = static_cast<std::uint8_t>(quant_code(k[t * D + c], inverse, bias, qmax));
   }
   for (int t = 0; t < S; ++t) {
     const float lo = *std::min_element(v + t * D, v + t * D + D);
     const float hi = *std::max_element(v + t * D, v + t * D + D);
-    const auto [s, m] = params(lo, hi, region + f.v_params_offset() + 4 * t);
+    const auto [s, m] = params(lo, hi, f.v_scale_offset(t), f.v_min_offset(t));
     const float inverse = quant_inverse_step(s), bias = quant_bias(m, inverse);
     for (int c = 0; c < D; ++c) vc[t * D + c] = static_cast<std::uint8_t>(quant_code(v[t * D + c], inverse, bias, qmax));
   }

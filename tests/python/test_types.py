@@ -43,6 +43,16 @@ def test_block_format_bytes_match_the_design():
     int4 = mixkv.BlockFormat(P.INT4, 1, 128, 32)
     assert (int4.k_channel_bytes, int4.v_token_bytes, int4.bits) == (16, 64, 4)
     assert int4.v_offset == 16 * 128 and int4.k_params_offset == int4.v_offset + 64 * 32
+    k0 = int4.k_params_offset
+    assert [int4.k_min_offset(c) - k0 for c in (0, 1, 2)] == [0, 2, 8]
+    assert [int4.k_scale_offset(c) - k0 for c in (0, 1, 127)] == [4, 6, 63 * 8 + 6]
+    assert (int4.v_scale_offset(2), int4.v_min_offset(2)) == (int4.v_params_offset + 8, int4.v_params_offset + 10)
+    with pytest.raises(ValueError, match="k_scale_offset: channel = 128: expected in \\[0, 128\\)"):
+        int4.k_scale_offset(128)
+    with pytest.raises(ValueError, match="v_min_offset: token = -1"):
+        int4.v_min_offset(-1)
+    with pytest.raises(ValueError, match="k_min_offset: precision FP16: expected INT4 or INT2"):
+        mixkv.BlockFormat(P.FP16, 1, 128, 32).k_min_offset(0)
 
 
 def test_token_layout_windows():

@@ -24,15 +24,17 @@ GroupParams group_params(float lo, float hi, int max_code) {
   return {float_to_half(quant_step(lo, hi, max_code)), float_to_half(lo)};
 }
 
-void store_params(std::byte* at, GroupParams params) {
-  std::memcpy(at, &params.scale, sizeof(Half));
-  std::memcpy(at + sizeof(Half), &params.min, sizeof(Half));
+// The (scale, min) halves at the given offsets of a head region
+// (BlockFormat::k_scale_offset and friends).
+void store_params(std::byte* region, std::size_t scale_at, std::size_t min_at, GroupParams params) {
+  std::memcpy(region + scale_at, &params.scale, sizeof(Half));
+  std::memcpy(region + min_at, &params.min, sizeof(Half));
 }
 
-GroupParams load_params(const std::byte* at) {
+GroupParams load_params(const std::byte* region, std::size_t scale_at, std::size_t min_at) {
   GroupParams params;
-  std::memcpy(&params.scale, at, sizeof(Half));
-  std::memcpy(&params.min, at + sizeof(Half), sizeof(Half));
+  std::memcpy(&params.scale, region + scale_at, sizeof(Half));
+  std::memcpy(&params.min, region + min_at, sizeof(Half));
   return params;
 }
 
@@ -86,7 +88,7 @@ void quantize_head(const BlockFormat& format, const T* k, const T* v, std::size_
     for (int t = 0; t < tokens; ++t) {
       put_code(head_region, format.k_code_location(t, c), quant_code(group[t], inverse_step, bias, max_code), bits);
     }
-    store_params(head_region + format.k_params_offset() + static_cast<std::size_t>(c) * 2 * sizeof(Half), params);
+    store_params(head_region, format.k_scale_offset(c), format.k_min_offset(c), params);
   }
   // V: one group per token, over the channels.
   for (int t = 0; t < tokens; ++t) {
@@ -98,7 +100,7 @@ void quantize_head(const BlockFormat& format, const T* k, const T* v, std::size_
     for (int c = 0; c < dim; ++c) {
       put_code(head_region, format.v_code_location(t, c), quant_code(group[c], inverse_step, bias, max_code), bits);
     }
-    store_params(head_region + format.v_params_offset() + static_cast<std::size_t>(t) * 2 * sizeof(Half), params);
+    store_params(head_region, format.v_scale_offset(t), format.v_min_offset(t), params);
   }
 }
 
@@ -115,15 +117,15 @@ void read_quantized_head(const BlockFormat& format, const std::byte* head_region
   constexpr unsigned kMask = kCodes - 1u;
   const std::size_t dim = static_cast<std::size_t>(format.head_dim);
   float table[kCodes];
-  auto fill_table = [&](std::size_t params_offset) {
-    const GroupParams params = load_params(head_region + params_offset);
+  auto fill_table = [&](std::size_t scale_at, std::size_t min_at) {
+    const GroupParams params = load_params(head_region, scale_at, min_at);
     const float scale = half_to_float(params.scale);
     const float min = half_to_float(params.min);
     for (int code = 0; code < kCodes; ++code) table[code] = dequant(code, scale, min);
   };
   const std::size_t k_bytes = format.k_channel_bytes();
   for (std::size_t c = 0; c < dim; ++c) {  // K: per-channel groups, a channel's codes contiguous
-    fill_table(format.k_params_offset() + c * 2 * sizeof(Half));
+    fill_table(format.k_scale_offset(static_cast<int>(c)), format.k_min_offset(static_cast<int>(c)));
     const std::byte* codes = head_region + format.k_offset() + k_bytes * c;
     float* out = k_out + c;
     for (std::size_t i = 0; i < k_bytes; ++i) {
@@ -133,7 +135,7 @@ void read_quantized_head(const BlockFormat& format, const std::byte* head_region
   }
   const std::size_t v_bytes = format.v_token_bytes();
   for (int t = 0; t < format.block_size; ++t) {  // V: per-token groups, a token's codes contiguous
-    fill_table(format.v_params_offset() + static_cast<std::size_t>(t) * 2 * sizeof(Half));
+    fill_table(format.v_scale_offset(t), format.v_min_offset(t));
     const std::byte* codes = head_region + format.v_offset() + v_bytes * t;
     float* out = v_out + t * dim;
     for (std::size_t i = 0; i < v_bytes; ++i) {

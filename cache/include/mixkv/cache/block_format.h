@@ -23,8 +23,12 @@ namespace mixkv {
 //               16-byte load).
 //     V codes   token-major, packed along channels the same way: token t
 //               owns head_dim * bits / 8 bytes.
-//     K params  per channel (scale, min) as two halves: K is quantized per
-//               channel over the block's tokens (keys have outlier channels).
+//     K params  per channel (scale, min) halves, stored by channel pair:
+//               channels c, c + 1 (c even) as min_c, min_c+1, scale_c,
+//               scale_c+1, so that a pair's minimums and its scales are each
+//               one 32-bit word: the decode kernel's MMAs take them as they
+//               are (see paged_decode_kernel). K is quantized per channel
+//               over the block's tokens (keys have outlier channels).
 //     V params  per token (scale, min) as two halves: V is per token over the
 //               channels.
 //   Dequantized value = min + scale * code (eqs. 14-16 with the zero point
@@ -53,13 +57,24 @@ struct BlockFormat {
                ? static_cast<std::size_t>(block_size) * head_dim * 2
                : k_channel_bytes() * head_dim;
   }
-  // (scale, min) half pairs; quantized formats only.
+  // The parameter regions (quantized formats only): 4 bytes per channel
+  // (K) and per token (V); where each half lies in them is below.
   MIXKV_HOST_DEVICE constexpr std::size_t k_params_offset() const {
     return v_offset() + v_token_bytes() * block_size;
   }
   MIXKV_HOST_DEVICE constexpr std::size_t v_params_offset() const {
     return k_params_offset() + static_cast<std::size_t>(head_dim) * 4;
   }
+  // The halves of channel c's K (scale, min) and token t's V (scale, min).
+  MIXKV_HOST_DEVICE constexpr std::size_t k_min_offset(int channel) const {
+    const auto c = static_cast<std::size_t>(channel);  // unsigned: shifts, no sign fix-up
+    return k_params_offset() + c / 2 * 8 + c % 2 * 2;
+  }
+  MIXKV_HOST_DEVICE constexpr std::size_t k_scale_offset(int channel) const { return k_min_offset(channel) + 4; }
+  MIXKV_HOST_DEVICE constexpr std::size_t v_scale_offset(int token) const {
+    return v_params_offset() + static_cast<std::size_t>(token) * 4;
+  }
+  MIXKV_HOST_DEVICE constexpr std::size_t v_min_offset(int token) const { return v_scale_offset(token) + 2; }
 
   MIXKV_HOST_DEVICE constexpr std::size_t head_bytes() const {
     return precision == Precision::FP16
