@@ -1,7 +1,6 @@
 // Precision, CacheShape, CacheConfig, BlockFormat, PoolStats: the value types
 // that describe a cache.
 #include <string>
-#include <string_view>
 
 #include <pybind11/native_enum.h>
 #include <pybind11/operators.h>
@@ -20,17 +19,17 @@ namespace mixkv::python {
 namespace {
 
 // A BlockFormat parameter accessor for Python: quantized formats only, the
-// index checked against head_dim (channel) or block_size (token).
-auto param_offset(std::size_t (BlockFormat::*offset)(int) const, const char* fn, const char* index) {
+// index (a channel or a token) checked against its count in the format.
+auto param_offset(std::size_t (BlockFormat::*offset)(int) const, const char* fn, const char* index,
+                  std::int32_t BlockFormat::*count) {
   return [=](const BlockFormat& f, std::int32_t i) {
     if (!is_quantized(f.precision)) {
       throw InvalidArgument(std::string(fn) + ": precision " + std::string(to_string(f.precision)) +
                             ": expected INT4 or INT2 (FP16 blocks have no params)");
     }
-    const std::int32_t n = std::string_view(index) == "channel" ? f.head_dim : f.block_size;
-    if (i < 0 || i >= n) {
+    if (i < 0 || i >= f.*count) {
       throw InvalidArgument(std::string(fn) + ": " + index + " = " + std::to_string(i) + ": expected in [0, " +
-                            std::to_string(n) + ")");
+                            std::to_string(f.*count) + ")");
     }
     return (f.*offset)(i);
   };
@@ -104,14 +103,17 @@ void bind_cache_shape(py::module_& m) {
       .def_property_readonly("v_offset", &BlockFormat::v_offset)
       .def_property_readonly("k_params_offset", &BlockFormat::k_params_offset)
       .def_property_readonly("v_params_offset", &BlockFormat::v_params_offset)
-      .def("k_scale_offset", param_offset(&BlockFormat::k_scale_offset, "k_scale_offset", "channel"), py::arg("channel"),
+      .def("k_scale_offset",
+           param_offset(&BlockFormat::k_scale_offset, "k_scale_offset", "channel", &BlockFormat::head_dim),
+           py::arg("channel"),
            "Byte offset in a head of channel's K scale (a half); K params go by channel pair: mins, then scales.")
-      .def("k_min_offset", param_offset(&BlockFormat::k_min_offset, "k_min_offset", "channel"), py::arg("channel"),
-           "Byte offset in a head of channel's K minimum (a half).")
-      .def("v_scale_offset", param_offset(&BlockFormat::v_scale_offset, "v_scale_offset", "token"), py::arg("token"),
-           "Byte offset in a head of token's V scale (a half); V params are (scale, min) per token.")
-      .def("v_min_offset", param_offset(&BlockFormat::v_min_offset, "v_min_offset", "token"), py::arg("token"),
-           "Byte offset in a head of token's V minimum (a half).")
+      .def("k_min_offset", param_offset(&BlockFormat::k_min_offset, "k_min_offset", "channel", &BlockFormat::head_dim),
+           py::arg("channel"), "Byte offset in a head of channel's K minimum (a half).")
+      .def("v_scale_offset",
+           param_offset(&BlockFormat::v_scale_offset, "v_scale_offset", "token", &BlockFormat::block_size),
+           py::arg("token"), "Byte offset in a head of token's V scale (a half); V params are (scale, min) per token.")
+      .def("v_min_offset", param_offset(&BlockFormat::v_min_offset, "v_min_offset", "token", &BlockFormat::block_size),
+           py::arg("token"), "Byte offset in a head of token's V minimum (a half).")
       .def_property_readonly("head_bytes", &BlockFormat::head_bytes)
       .def_property_readonly("block_bytes", &BlockFormat::block_bytes)
       .def("__repr__", [](const BlockFormat& f) {
