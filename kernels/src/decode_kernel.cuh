@@ -657,13 +657,13 @@ __device__ __forceinline__ void run_segment(const DecodeParams& p, const std::in
     __syncwarp();
     quant_block_scores<D, S, kBits>(ring, qf, s, lane);
     block_max<MT>(s, p.scale_log2, bm0, bm1);
-    // The last block is peeled off, so the loop body has no branch between
-    // block k + 1's K side and block k's V side that ptxas would not
-    // schedule across.
     // Ring stages of blocks k and k + 1 as counters (a modulo by the
     // stage count costs a multiply-high chain per block).
     int stage = 0;
     int next_stage = 1 % kStages;
+    // The last block is peeled off, so the loop body has no branch between
+    // block k + 1's K side and block k's V side that ptxas would not
+    // schedule across.
     for (int k = 0; k + 1 < count; ++k) {
       float base0, base1;
       online_softmax_rescale<true>(bm0, bm1, st, base0, base1);
