@@ -84,13 +84,13 @@ __device__ __forceinline__ uint32_t biased_code(float x, float inverse_step, flo
   return __float_as_uint(__fadd_rd(y, 8388608.0f));
 }
 
-// What a word of 32 / kBits biased codes, each shifted to its place and
-// summed, holds beyond the codes themselves (mod 2^32): subtracting it once
-// per word leaves exactly the packed codes.
-template <int kBits>
+// What a run of kCodes biased codes (a word's 32 / kBits by default), each
+// shifted to its place and summed, holds beyond the codes themselves (mod
+// 2^32): subtracting it once per run leaves exactly the packed codes.
+template <int kBits, int kCodes = 32 / kBits>
 constexpr uint32_t word_bias() {
   uint32_t bias = 0;
-  for (int i = 0; i < 32 / kBits; ++i) bias += kCodeBias << (i * kBits);
+  for (int i = 0; i < kCodes; ++i) bias += kCodeBias << (i * kBits);
   return bias;
 }
 

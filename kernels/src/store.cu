@@ -10,6 +10,7 @@
 #include "device_math.cuh"
 #include "device_pool.cuh"
 #include "quantize.cuh"
+#include "quantize_warp.cuh"
 
 namespace mixkv::gpu {
 namespace {
@@ -48,6 +49,7 @@ struct StoreParams {
   std::int32_t num_windows[2];
   std::int32_t stages;  // tile_stages of the shape
   FastDivisor heads;    // num_kv_heads
+  std::int32_t tiles;       // (num_windows[0] + num_windows[1]) * num_kv_heads
   std::int32_t int4_tiles;  // num_windows[0] * num_kv_heads
   DevicePool pools[kNumPrecisions];
 };
@@ -127,6 +129,18 @@ __device__ __forceinline__ void quantize_into(const DevicePool& pool, std::int32
   detail::quantize_tile_bits<__half, kThreads, kBits, kHeadDim, kBlockSize>(format, tile, scratch, out);
 }
 
+// Rows of this CTA, in 32 bits: rows < 2^31 and blockIdx.x < gridDim.x, so
+// no term wraps (the 64-bit division was a ~70-instruction call per CTA).
+__device__ __forceinline__ unsigned cta_rows(const StoreParams& p) {
+  return (static_cast<unsigned>(p.rows) - blockIdx.x + gridDim.x - 1) / gridDim.x;
+}
+
+// The thread's slot in the first round of copy_fp16_rows: that of the
+// CTA's row threadIdx.x, or -1 past its rows.
+__device__ __forceinline__ std::int32_t first_round_slot(const StoreParams& p) {
+  return threadIdx.x < cta_rows(p) ? __ldg(p.fp16_slots + blockIdx.x + threadIdx.x * gridDim.x) : -1;
+}
+
 // The FP16 rows of CTA b: rows b, b + G, b + 2G, ... (G = gridDim.x).
 // Interleaved rather than contiguous, so that FP16 rows bunched in windows
 // spread over all CTAs. Slots are read first, kThreads rows at a time, and
@@ -135,22 +149,22 @@ __device__ __forceinline__ void quantize_into(const DevicePool& pool, std::int32
 // through L2 for an all-INT4 plan). Each row's destination is resolved once,
 // by the thread that read its slot.
 // row_dst: kThreads entries of shared memory.
-__device__ void copy_fp16_rows(const StoreParams& p, long long* row_dst) {
+// first_slot: the thread's slot of the first round, read early by
+// first_round_slot so that its latency hides behind the caller's loads.
+__device__ void copy_fp16_rows(const StoreParams& p, long long* row_dst, std::int32_t first_slot) {
   const DevicePool& pool = p.pools[0];
   const BlockFormat& f = pool.view.format;
   const int chunks_per_head = f.head_dim / 8;
   const int chunks_per_row = f.num_kv_heads * chunks_per_head;
   const std::size_t head_bytes = f.head_bytes();
   const std::size_t v_offset = f.v_offset();
-  const unsigned G = gridDim.x;
-  // Rows of this CTA, in 32 bits: rows < 2^31 and blockIdx.x < G, so no
-  // term wraps (the 64-bit division was a ~70-instruction call per CTA).
-  const unsigned mine = (static_cast<unsigned>(p.rows) - blockIdx.x + G - 1) / G;
+  const unsigned b = blockIdx.x, G = gridDim.x;
+  const unsigned mine = cta_rows(p);
   for (unsigned first = 0; first < mine; first += kThreads) {
     const int n = static_cast<int>(min(static_cast<unsigned>(kThreads), mine - first));
     long long dst = -1;
     if (static_cast<int>(threadIdx.x) < n) {
-      const std::int32_t slot = __ldg(p.fp16_slots + blockIdx.x + (first + threadIdx.x) * G);
+      const std::int32_t slot = first == 0 ? first_slot : __ldg(p.fp16_slots + b + (first + threadIdx.x) * G);
       if (slot >= 0) {
         dst = reinterpret_cast<const char*>(pool.block(slot / f.block_size)) -
               reinterpret_cast<const char*>(pool.view.base) +
@@ -175,7 +189,7 @@ __device__ void copy_fp16_rows(const StoreParams& p, long long* row_dst) {
           if (row_dst[at.row] >= 0) {
             chunk[u] = at.col << 7 | at.row;
             const std::size_t src =
-                static_cast<std::size_t>(blockIdx.x + (first + at.row) * G) * chunks_per_row + at.col;
+                static_cast<std::size_t>(b + (first + at.row) * G) * chunks_per_row + at.col;
             kx[u] = __ldg(p.k + src);
             vx[u] = __ldg(p.v + src);
           }
@@ -218,7 +232,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) store_prefill_kernel(
   const int D = detail::fixed_or(kHeadDim, f16.head_dim);
   const int S = detail::fixed_or(kBlockSize, f16.block_size);
   const int stages = kHeadDim != 0 ? tile_stages(kHeadDim, kBlockSize) : p.stages;
-  const int tiles = (p.num_windows[0] + p.num_windows[1]) * heads;
+  const int tiles = p.tiles;
   const int G = static_cast<int>(gridDim.x);
   const std::size_t stage_bytes = detail::QuantTile<__half>::tile_bytes(D, S);
   auto stage = [&](int i) { return reinterpret_cast<__half*>(smem_bytes + (i & (stages - 1)) * stage_bytes); };
@@ -234,7 +248,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) store_prefill_kernel(
     if (j + G < tiles) next = tile_window(p, j + G);
     load_window(p.k, p.v, current.first_row, tile_head(p, j), heads, D, S, stage(0));
   }
-  copy_fp16_rows(p, row_dst);
+  copy_fp16_rows(p, row_dst, first_round_slot(p));
   for (int i = 0; j < tiles; ++i, j += G) {
     detail::cp_async_wait_all();  // tile i: the only copies in flight
     // Publishes tile i; every thread is past tile i - 1's codes, so its
@@ -275,6 +289,51 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) store_prefill_kernel(
   }
 }
 
+// Tiles by warp units (quantize_warp.cuh), for the shapes WarpTileUnits
+// applies to: warp w takes unit w % kPerTile of tile w / kPerTile, one unit
+// a warp, so that every warp's loads are in flight from its start and the
+// hardware fills an SM with the next CTAs as warps finish (the persistent
+// CTAs of store_prefill_kernel took ~4 tiles each in sequence at 19,600
+// tokens, a load's latency exposed at each). Then the CTA copies its share
+// of the FP16 rows (copy_fp16_rows), whose first slots were read before
+// the unit's loads.
+template <int kHeadDim, int kBlockSize>
+__global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
+    store_prefill_units_kernel(const __grid_constant__ StoreParams p) {
+  using Units = detail::WarpTileUnits<kHeadDim, kBlockSize>;
+  static_assert(Units::kApplies);
+  __shared__ long long row_dst[kThreads];
+  const std::int32_t first_slot = first_round_slot(p);
+  const int unit = static_cast<int>(blockIdx.x) * (kThreads / 32) + static_cast<int>(threadIdx.x) / 32;
+  const int j = unit / Units::kPerTile;
+  if (j < p.tiles) {  // the whole warp
+    const int part = unit % Units::kPerTile;
+    const WindowSlot window = tile_window(p, j);
+    const int head = tile_head(p, j);
+    const int heads = p.pools[0].view.format.num_kv_heads;
+    const std::size_t row_halves = static_cast<std::size_t>(heads) * kHeadDim;
+    const std::size_t tile_first = (static_cast<std::size_t>(window.first_row) * heads + head) * kHeadDim;
+    const auto* k = reinterpret_cast<const __half*>(p.k) + tile_first;
+    const auto* v = reinterpret_cast<const __half*>(p.v) + tile_first;
+    auto quantize = [&]<int kBits>(const DevicePool& pool) {
+      const BlockFormat layout{kBits == 4 ? Precision::INT4 : Precision::INT2, heads, kHeadDim, kBlockSize};
+      char* out = reinterpret_cast<char*>(pool.block(window.block_id, layout)) + layout.head_offset(head);
+      if (part < Units::kKUnits) {
+        detail::quantize_k_unit<kBits, kHeadDim, kBlockSize>(k, row_halves, part * Units::kKChannels, out);
+      } else {
+        detail::quantize_v_unit<kBits, kHeadDim, kBlockSize>(v, row_halves,
+                                                             (part - Units::kKUnits) * Units::kVTokens, out);
+      }
+    };
+    if (tile_is_int2(p, j)) {
+      quantize.template operator()<2>(p.pools[2]);
+    } else {
+      quantize.template operator()<4>(p.pools[1]);
+    }
+  }
+  copy_fp16_rows(p, row_dst, first_slot);
+}
+
 struct AppendParams {
   const uint4* k;
   const uint4* v;
@@ -307,37 +366,52 @@ __global__ void copy_blocks_kernel(const BlockCopy* copies, PoolView pool) {
 #define MIXKV_STORE_ALL_SHAPES 0
 #endif
 
-using StoreKernel = void (*)(StoreParams);
+// A kernel of store_prefill: store_prefill_units_kernel (units_per_tile
+// warps a tile, no shared memory for tiles) or store_prefill_kernel
+// (units_per_tile 0: persistent CTAs, tiles staged in shared memory).
+struct StoreKernel {
+  void (*kernel)(StoreParams);
+  int units_per_tile;
+};
+
+template <int kHeadDim, int kBlockSize>
+StoreKernel store_instance() {
+  using Units = detail::WarpTileUnits<kHeadDim, kBlockSize>;
+  if constexpr (Units::kApplies) {
+    return {store_prefill_units_kernel<kHeadDim, kBlockSize>, Units::kPerTile};
+  } else {
+    return {store_prefill_kernel<kHeadDim, kBlockSize>, 0};
+  }
+}
 
 // THE dispatch point of store_prefill: (head_dim, block_size) -> the
 // instance built for that shape, else the generic one (every shape
 // check_pool accepts). Built by default: the decode kernels' default shapes,
 // {64, 128, 256} x {32} plus {128} x {16, 64}; MIXKV_ALL_KERNEL_INSTANCES
-// adds the rest of {64, 128, 256} x {16, 32, 64}. (nvcc on this file: 4.8 s
-// with the generic kernel alone, 6.8 s with the default set, 8.3 s with all.)
+// adds the rest of {64, 128, 256} x {16, 32, 64}.
 StoreKernel store_kernel(int head_dim, int block_size) {
   switch (head_dim) {
     case 64:
-      if (block_size == 32) return store_prefill_kernel<64, 32>;
+      if (block_size == 32) return store_instance<64, 32>();
 #if MIXKV_STORE_ALL_SHAPES
-      if (block_size == 16) return store_prefill_kernel<64, 16>;
-      if (block_size == 64) return store_prefill_kernel<64, 64>;
+      if (block_size == 16) return store_instance<64, 16>();
+      if (block_size == 64) return store_instance<64, 64>();
 #endif
       break;
     case 128:
-      if (block_size == 16) return store_prefill_kernel<128, 16>;
-      if (block_size == 32) return store_prefill_kernel<128, 32>;
-      if (block_size == 64) return store_prefill_kernel<128, 64>;
+      if (block_size == 16) return store_instance<128, 16>();
+      if (block_size == 32) return store_instance<128, 32>();
+      if (block_size == 64) return store_instance<128, 64>();
       break;
     case 256:
-      if (block_size == 32) return store_prefill_kernel<256, 32>;
+      if (block_size == 32) return store_instance<256, 32>();
 #if MIXKV_STORE_ALL_SHAPES
-      if (block_size == 16) return store_prefill_kernel<256, 16>;
-      if (block_size == 64) return store_prefill_kernel<256, 64>;
+      if (block_size == 16) return store_instance<256, 16>();
+      if (block_size == 64) return store_instance<256, 64>();
 #endif
       break;
   }
-  return store_prefill_kernel<0, 0>;
+  return {store_prefill_kernel<0, 0>, 0};
 }
 
 void check_pool(const char* fn, const char* name, const PoolView& pool, Precision expected) {
@@ -396,38 +470,53 @@ void store_prefill(const StorePrefillArgs& a) {
               ": expected < 2^27 (16-byte chunks of a row counted in 24 bits)");
   const std::int64_t windows = static_cast<std::int64_t>(a.num_int4_windows) + a.num_int2_windows;
   const std::int64_t tiles = windows * f.num_kv_heads;
-  require(tiles < (std::int64_t{1} << 30),  // the kernel's tile indices run to tiles + 2 * grid
-          std::string(fn) + ": (num_int4_windows + num_int2_windows) * num_kv_heads: expected < 2^30");
-  // Two tile stages where they fit, else one; no shared memory without
-  // tiles (then the FP16 copy alone decides the occupancy).
+  const StoreKernel launch = store_kernel(f.head_dim, f.block_size);
+  // Indices in 32 bits: store_prefill_kernel's tiles run to tiles + 2 * grid,
+  // the units kernel's units to tiles * units_per_tile + 3.
+  const std::int64_t units = tiles * std::max(launch.units_per_tile, 1);
+  require(units < (std::int64_t{1} << 30),
+          std::string(fn) + ": (num_int4_windows + num_int2_windows) * num_kv_heads = " + std::to_string(tiles) +
+              ": expected < 2^30 / " + std::to_string(std::max(launch.units_per_tile, 1)) +
+              " (work items a tile at this shape)");
+  p.tiles = static_cast<std::int32_t>(tiles);
+  p.int4_tiles = a.num_int4_windows * f.num_kv_heads;
+  p.heads = FastDivisor(static_cast<std::uint32_t>(f.num_kv_heads));
+  // Two tile stages where they fit, else one, for store_prefill_kernel; no
+  // shared memory without tiles (then the FP16 copy alone decides the
+  // occupancy), nor for the units kernel.
   const std::size_t tile_bytes = detail::QuantTile<__half>::tile_bytes(f.head_dim, f.block_size);
   const std::size_t scratch_bytes = detail::QuantTile<__half>::scratch_bytes(f.head_dim, f.block_size);
   p.stages = tile_stages(f.head_dim, f.block_size);
-  p.int4_tiles = a.num_int4_windows * f.num_kv_heads;
-  p.heads = FastDivisor(static_cast<std::uint32_t>(f.num_kv_heads));
-  const std::size_t smem = tiles > 0 ? p.stages * tile_bytes + scratch_bytes : 0;
+  const std::size_t smem = tiles > 0 && launch.units_per_tile == 0 ? p.stages * tile_bytes + scratch_bytes : 0;
   require(smem <= kMaxSmem, std::string(fn) + ": head_dim * block_size too large for one tile in shared memory");
-  const StoreKernel kernel = store_kernel(f.head_dim, f.block_size);
   if (smem > 48 * 1024) {
-    MIXKV_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    MIXKV_CUDA_CHECK(cudaFuncSetAttribute(launch.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                           static_cast<int>(smem)));
   }
   int device = 0, sms = 0, per_sm = 0;
   MIXKV_CUDA_CHECK(cudaGetDevice(&device));
   MIXKV_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  MIXKV_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem));
+  MIXKV_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, launch.kernel, kThreads, smem));
   const std::int64_t resident = static_cast<std::int64_t>(sms) * std::max(per_sm, 1);
-  // Tiles: as many rounds as the resident CTAs need, then as few CTAs as
-  // give every CTA that many tiles (or one fewer): no last round that a few
-  // CTAs run alone. FP16 rows (those no window covers, when the mapping is
-  // valid) widen the grid up to the resident CTAs, kMinFp16RowsPerCta each.
-  const std::int64_t rounds = (tiles + resident - 1) / resident;
-  const std::int64_t tile_ctas = rounds > 0 ? (tiles + rounds - 1) / rounds : 0;
+  // Every CTA copies its share of the FP16 rows (those no window covers,
+  // when the mapping is valid): they widen the grid up to the resident
+  // CTAs, kMinFp16RowsPerCta each.
   const std::int64_t fp16_rows = std::max<std::int64_t>(a.rows - windows * f.block_size, 0);
   const std::int64_t fp16_ctas =
       std::min(resident, (fp16_rows + kMinFp16RowsPerCta - 1) / kMinFp16RowsPerCta);
-  const std::int64_t grid = std::max<std::int64_t>({tile_ctas, fp16_ctas, 1});
-  kernel<<<static_cast<unsigned>(grid), kThreads, smem, a.stream>>>(p);
+  std::int64_t grid = 0;
+  if (launch.units_per_tile > 0) {
+    constexpr int kWarps = kThreads / 32;  // one a unit
+    grid = std::max((units + kWarps - 1) / kWarps, fp16_ctas);
+  } else {
+    // Tiles: as many rounds as the resident CTAs need, then as few CTAs as
+    // give every CTA that many tiles (or one fewer): no last round that a
+    // few CTAs run alone.
+    const std::int64_t rounds = (tiles + resident - 1) / resident;
+    const std::int64_t tile_ctas = rounds > 0 ? (tiles + rounds - 1) / rounds : 0;
+    grid = std::max(tile_ctas, fp16_ctas);
+  }
+  launch.kernel<<<static_cast<unsigned>(std::max<std::int64_t>(grid, 1)), kThreads, smem, a.stream>>>(p);
   MIXKV_CUDA_CHECK_LAUNCH("store_prefill_kernel");
 }
 

@@ -1,0 +1,244 @@
+#pragma once
+// Quantization of a (block, KV head) tile by independent warps, straight
+// from global memory through registers: store_prefill's path at the shapes
+// built for it. The CTA-wide quantizer of quantize.cuh stages a whole tile
+// in shared memory and runs a statistics pass and a code pass with barriers
+// between them; with a few tiles per CTA taken in sequence, its SMs spent
+// most of the time of a 19,600-token layer waiting on tile loads and
+// barriers (0.68 eligible warps a scheduler, DRAM 48%). Here a warp owns a
+// fixed share of one tile, loads it with all its loads in flight at once,
+// and needs no barrier: the groups a share holds are whole, or complete
+// within the warp by shuffles. Codes and (scale, min) are those of
+// quantize.cuh bit for bit (the same group_params and biased_code).
+#include <cuda_fp16.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "mixkv/cache/block_format.h"
+#include "quantize.cuh"
+
+namespace mixkv::gpu::detail {
+
+// A warp's share of a tile, its unit: 2,048 values, each lane 8 rows of 8
+// adjacent halves (one 16-byte load a row).
+//   K unit: every token of kKChannels adjacent channels. Lane: channel
+//     octet g = lane % (kKChannels / 8), token octet s = lane /
+//     (kKChannels / 8). A channel's 8 codes of octet s are one packed run
+//     of the channel-major K codes (a word at INT4, a half word at INT2).
+//   V unit: kVTokens adjacent tokens of every channel. Lane: channel octet
+//     g = lane % (D / 8), token octet r = lane / (D / 8). A token's 8 codes
+//     of octet g are one packed run of the token-major V codes.
+// A K group (a channel over S tokens) spans the S / 8 lanes of one channel
+// octet, a V group (a token over D channels) the D / 8 lanes of one token
+// octet: each range completes by shuffles within the warp. Shapes of
+// powers of two with D in [64, 256] and D * S >= 2048.
+template <int kHeadDim, int kBlockSize>
+struct WarpTileUnits {
+  static constexpr bool power_of_two(int x) { return x > 0 && (x & (x - 1)) == 0; }
+  static constexpr bool kApplies = power_of_two(kHeadDim) && power_of_two(kBlockSize) && kHeadDim >= 64 &&
+                                   kHeadDim <= 256 && kBlockSize >= 16 && kBlockSize <= 256 &&
+                                   kHeadDim * kBlockSize >= 2048;
+  static constexpr int kKChannels = kApplies ? 2048 / kBlockSize : 8;
+  static constexpr int kVTokens = kApplies ? 2048 / kHeadDim : 8;
+  static constexpr int kKUnits = kHeadDim / kKChannels;
+  static constexpr int kVUnits = kBlockSize / kVTokens;
+  static constexpr int kPerTile = kKUnits + kVUnits;
+};
+
+// Run of 8 packed codes as stored: a word at INT4, a half word at INT2.
+template <int kBits>
+using CodeRun = std::conditional_t<kBits == 4, uint32_t, uint16_t>;
+
+// The tile's input is read once: streaming loads (evict first).
+__device__ __forceinline__ uint4 load_streaming(const __half* at) {
+  return __ldcs(reinterpret_cast<const uint4*>(at));
+}
+
+// Word j (channels 2j, 2j + 1 of the octet) of a row.
+__device__ __forceinline__ __half2 half_pair(const uint4& row, int j) {
+  return as_half2(j == 0 ? row.x : j == 1 ? row.y : j == 2 ? row.z : row.w);
+}
+
+// The element of `values` at runtime index i (< N), by selects: indexing a
+// register array at run time would put it in local memory.
+template <typename T, int N>
+__device__ __forceinline__ T element_at(const T (&values)[N], int i) {
+  T picked = values[0];
+#pragma unroll
+  for (int j = 1; j < N; ++j) picked = i == j ? values[j] : picked;
+  return picked;
+}
+
+// Quantizes K unit `channel0 / kKChannels` of a tile: `k` points at the
+// tile's token 0, channel 0; rows are `row_halves` apart. `out` is the
+// head's region in the kBits pool.
+template <int kBits, int kHeadDim, int kBlockSize>
+__device__ __forceinline__ void quantize_k_unit(const __half* k, std::size_t row_halves, int channel0, char* out) {
+  using Units = WarpTileUnits<kHeadDim, kBlockSize>;
+  static_assert(Units::kApplies);
+  constexpr uint32_t kMaxCode = (1u << kBits) - 1u;
+  constexpr int kOctets = Units::kKChannels / 8;  // lanes a token row
+  constexpr int kSlices = kBlockSize / 8;         // lanes a channel octet
+  constexpr BlockFormat layout{kBits == 4 ? Precision::INT4 : Precision::INT2, 1, kHeadDim, kBlockSize};
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  const int g = lane % kOctets;
+  const int s = lane / kOctets;
+  const int c0 = channel0 + 8 * g;  // the lane's first channel
+
+  uint4 x[8];
+  const __half* at = k + static_cast<std::size_t>(8 * s) * row_halves + c0;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) x[i] = load_streaming(at + i * row_halves);
+
+  // Ranges of the lane's channel pairs over its 8 tokens, then over the
+  // channel octet's kSlices lanes.
+  __half2 lo[4], hi[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    lo[j] = hi[j] = half_pair(x[0], j);
+#pragma unroll
+    for (int i = 1; i < 8; ++i) {
+      lo[j] = __hmin2(lo[j], half_pair(x[i], j));
+      hi[j] = __hmax2(hi[j], half_pair(x[i], j));
+    }
+#pragma unroll
+    for (int offset = kOctets; offset < 32; offset <<= 1) {
+      lo[j] = __hmin2(lo[j], __shfl_xor_sync(0xffffffffu, lo[j], offset));
+      hi[j] = __hmax2(hi[j], __shfl_xor_sync(0xffffffffu, hi[j], offset));
+    }
+  }
+
+  // Parameters: of the octet's 4 channel pairs, the lane of slice s takes
+  // pairs s % kTakers + kTakers m. The first kTakers slices store theirs
+  // (one 8-byte run: the pair's mins word, then its scales word) and every
+  // lane gathers the 8 channels' (inverse step, bias) by shuffles.
+  constexpr int kTakers = kSlices < 4 ? kSlices : 4;
+  constexpr int kTaken = 4 / kTakers;  // pairs a lane takes
+  float inverse_taken[kTaken][2], bias_taken[kTaken][2];
+  bool subnormal_scale = false;
+#pragma unroll
+  for (int m = 0; m < kTaken; ++m) {
+    const int pair = s % kTakers + kTakers * m;
+    const float2 l = __half22float2(element_at(lo, pair));
+    const float2 h = __half22float2(element_at(hi, pair));
+    const GroupParamsDevice a = group_params<kMaxCode>(l.x, h.x);
+    const GroupParamsDevice b = group_params<kMaxCode>(l.y, h.y);
+    inverse_taken[m][0] = a.inverse_step, inverse_taken[m][1] = b.inverse_step;
+    bias_taken[m][0] = a.bias, bias_taken[m][1] = b.bias;
+    subnormal_scale |= has_subnormal_scale(a.packed) || has_subnormal_scale(b.packed);
+    if (s < kTakers) {
+      const int c = c0 + 2 * pair;
+      *reinterpret_cast<uint2*>(out + layout.k_min_offset(c)) =
+          make_uint2(__byte_perm(a.packed, b.packed, 0x7632), __byte_perm(a.packed, b.packed, 0x5410));
+    }
+  }
+  // Codes: channel c's run of octet s, token i at bits i * kBits; by half
+  // octets, each gathering its 4 channels' (inverse step, bias) first
+  // (the 8 channels' at once spilled at 64 registers).
+  auto write_codes = [&]<bool kClampHigh>() {
+    auto* runs = reinterpret_cast<CodeRun<kBits>*>(out + layout.k_offset());
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      float inverse[4], bias[4];
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int pair = 2 * half + c / 2;
+        const int from = g + pair % kTakers * kOctets;
+        inverse[c] = __shfl_sync(0xffffffffu, inverse_taken[pair / kTakers][c % 2], from);
+        bias[c] = __shfl_sync(0xffffffffu, bias_taken[pair / kTakers][c % 2], from);
+      }
+      uint32_t run[4] = {0, 0, 0, 0};
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const float2 f = __half22float2(half_pair(x[i], 2 * half + j));
+          run[2 * j] += biased_code<kMaxCode, false, kClampHigh>(f.x, inverse[2 * j], bias[2 * j]) << (i * kBits);
+          run[2 * j + 1] += biased_code<kMaxCode, false, kClampHigh>(f.y, inverse[2 * j + 1], bias[2 * j + 1])
+                            << (i * kBits);
+        }
+      }
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        runs[(c0 + 4 * half + c) * kSlices + s] = static_cast<CodeRun<kBits>>(run[c] - word_bias<kBits, 8>());
+      }
+    }
+  };
+  if (__any_sync(0xffffffffu, subnormal_scale)) {
+    write_codes.template operator()<true>();
+  } else {
+    write_codes.template operator()<false>();
+  }
+}
+
+// Quantizes V unit `token0 / kVTokens` of a tile: `v` points at the tile's
+// token 0, channel 0; rows are `row_halves` apart.
+template <int kBits, int kHeadDim, int kBlockSize>
+__device__ __forceinline__ void quantize_v_unit(const __half* v, std::size_t row_halves, int token0, char* out) {
+  static_assert(WarpTileUnits<kHeadDim, kBlockSize>::kApplies);
+  constexpr uint32_t kMaxCode = (1u << kBits) - 1u;
+  constexpr int kOctets = kHeadDim / 8;  // lanes a token row
+  constexpr BlockFormat layout{kBits == 4 ? Precision::INT4 : Precision::INT2, 1, kHeadDim, kBlockSize};
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  const int g = lane % kOctets;
+  const int t0 = token0 + 8 * (lane / kOctets);  // the lane's first token
+
+  uint4 x[8];
+  const __half* at = v + static_cast<std::size_t>(t0) * row_halves + 8 * g;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) x[i] = load_streaming(at + i * row_halves);
+
+  // Range of token t0 + i as (min, -max), so that one minimum a shuffle
+  // step combines both; over the lane's 8 channels, then the row's lanes.
+  // The negation and the pairing as bit operations (through __hneg2 and
+  // __lows2half2 they compiled to HADD2s and PRMTs that spilled).
+  __half2 range[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const __half2 lo = __hmin2(__hmin2(as_half2(x[i].x), as_half2(x[i].y)), __hmin2(as_half2(x[i].z), as_half2(x[i].w)));
+    const __half2 hi = __hmax2(__hmax2(as_half2(x[i].x), as_half2(x[i].y)), __hmax2(as_half2(x[i].z), as_half2(x[i].w)));
+    const uint32_t lo_bits = *reinterpret_cast<const uint32_t*>(&lo);
+    const uint32_t negated_hi_bits = *reinterpret_cast<const uint32_t*>(&hi) ^ 0x80008000u;
+    range[i] = __hmin2(as_half2(__byte_perm(lo_bits, negated_hi_bits, 0x5410)),
+                       as_half2(__byte_perm(lo_bits, negated_hi_bits, 0x7632)));
+#pragma unroll
+    for (int offset = 1; offset < kOctets; offset <<= 1) {
+      range[i] = __hmin2(range[i], __shfl_xor_sync(0xffffffffu, range[i], offset));
+    }
+  }
+
+  // Parameters: lane g < 8 of a row takes token t0 + g and stores its
+  // word; each token's (inverse step, bias) reaches the row's lanes by
+  // shuffles just before its codes.
+  const float2 r = __half22float2(element_at(range, g % 8));
+  const GroupParamsDevice gp = group_params<kMaxCode>(r.x, -r.y);
+  if (g < 8) *reinterpret_cast<uint32_t*>(out + layout.v_scale_offset(t0 + g)) = gp.packed;
+  const int row_lane0 = lane - g;
+
+  // Codes: token t0 + i's run of octet g, channel 8g + c at bits c * kBits.
+  auto write_codes = [&]<bool kClampHigh>() {
+    auto* runs = reinterpret_cast<CodeRun<kBits>*>(out + layout.v_offset());
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const float inverse = __shfl_sync(0xffffffffu, gp.inverse_step, row_lane0 + i);
+      const float bias = __shfl_sync(0xffffffffu, gp.bias, row_lane0 + i);
+      uint32_t run = 0;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float2 f = __half22float2(half_pair(x[i], j));
+        run += biased_code<kMaxCode, false, kClampHigh>(f.x, inverse, bias) << (2 * j * kBits);
+        run += biased_code<kMaxCode, false, kClampHigh>(f.y, inverse, bias) << ((2 * j + 1) * kBits);
+      }
+      runs[(t0 + i) * kOctets + g] = static_cast<CodeRun<kBits>>(run - word_bias<kBits, 8>());
+    }
+  };
+  const bool subnormal_scale = g < 8 && has_subnormal_scale(gp.packed);
+  if (__any_sync(0xffffffffu, subnormal_scale)) {
+    write_codes.template operator()<true>();
+  } else {
+    write_codes.template operator()<false>();
+  }
+}
+
+}  // namespace mixkv::gpu::detail
