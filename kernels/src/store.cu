@@ -22,10 +22,11 @@ using detail::require;
 constexpr int kThreads = 128;
 // FP16 rows a CTA needs at least before the grid is widened for them.
 constexpr int kMinFp16RowsPerCta = 16;
-// Caps store_prefill_kernel at 64 registers: 8 CTAs per SM for FP16-only
-// plans (no dynamic shared memory); with two tile stages (36 KB at D 128,
-// S 32) shared memory allows 6 anyway. (Without the cap the FP16 copy's
-// loads in flight took 95.)
+// Caps both store kernels at 64 registers: 8 CTAs (32 warps) per SM for
+// the units kernel and FP16-only plans (no dynamic shared memory); with two
+// tile stages (36 KB at D 128, S 32) shared memory allows store_prefill_kernel
+// 6 anyway. (Without the cap the FP16 copy's loads in flight took 95; the
+// units kernel at 56 registers, 9 CTAs, was no faster.)
 constexpr int kMinCtasPerSm = 8;
 
 // Tile buffers in shared memory: two where they fit, else one. Shared by
