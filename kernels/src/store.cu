@@ -1,6 +1,7 @@
 #include "mixkv/kernels/store.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <limits>
 #include <string>
 #include <vector>
@@ -415,6 +416,14 @@ StoreKernel store_kernel(int head_dim, int block_size) {
   return {store_prefill_kernel<0, 0>, 0};
 }
 
+// K/V rows are read in 16-byte chunks (head_dim is a multiple of 16).
+void check_rows_aligned(const char* fn, const void* k, const void* v) {
+  const auto misaligned = [](const void* x) { return reinterpret_cast<std::uintptr_t>(x) % 16 != 0; };
+  require(!misaligned(k) && !misaligned(v), std::string(fn) + ": k, v: expected 16-byte aligned device pointers (k " +
+                                                (misaligned(k) ? "is not" : "is") + ", v " +
+                                                (misaligned(v) ? "is not" : "is") + ")");
+}
+
 void check_pool(const char* fn, const char* name, const PoolView& pool, Precision expected) {
   const std::string prefix = std::string(fn) + ": " + name;
   require(pool.base != nullptr, prefix + ".base is null: expected the device arena");
@@ -451,6 +460,7 @@ void store_prefill(const StorePrefillArgs& a) {
   if (a.rows == 0) return;
   require(a.k != nullptr && a.v != nullptr,
           std::string(fn) + ": k, v: expected device [rows][num_kv_heads][head_dim] halves");
+  check_rows_aligned(fn, a.k, a.v);
   require(a.fp16_slots != nullptr, std::string(fn) + ": fp16_slots is null: expected device [rows] slots");
   require(a.num_int4_windows == 0 || a.int4_windows != nullptr, std::string(fn) + ": int4_windows is null");
   require(a.num_int2_windows == 0 || a.int2_windows != nullptr, std::string(fn) + ": int2_windows is null");
@@ -596,6 +606,7 @@ void append(const AppendArgs& a) {
   require(a.batch >= 0, "append: batch = " + std::to_string(a.batch) + ": expected >= 0");
   if (a.batch == 0) return;
   require(a.k != nullptr && a.v != nullptr, "append: k, v: expected device [batch][num_kv_heads][head_dim] halves");
+  check_rows_aligned("append", a.k, a.v);
   require(a.fp16_slots != nullptr, "append: fp16_slots is null: expected device [batch] slots");
   AppendParams p{reinterpret_cast<const uint4*>(a.k), reinterpret_cast<const uint4*>(a.v), a.fp16_slots,
                  a.fp16_pool};

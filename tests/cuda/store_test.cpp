@@ -171,17 +171,26 @@ TEST(StoreCudaBadInput, NamesTheArgument) {
   MIXKV_EXPECT_INVALID(gpu::store_prefill(args), "pools[FP16]");
   gpu::AppendArgs append_args;
   MIXKV_EXPECT_INVALID(gpu::append(append_args), "fp16_pool");
+  std::byte arena[16];
+  alignas(16) const Half values[8] = {};
+  const std::int32_t slots[1] = {0};
+  append_args.fp16_pool = {arena, sizeof(arena), 1, {Precision::FP16, 1, 64, 16}};
+  append_args.batch = 1;
+  append_args.k = values + 1;
+  append_args.v = values;
+  append_args.fp16_slots = slots;
+  MIXKV_EXPECT_INVALID(gpu::append(append_args), "append: k, v: expected 16-byte aligned device pointers (k is not");
   StoreMapping bad;
   bad.fp16_slots = {0, -2};
   gpu::DeviceStoreMapping dmap;
   MIXKV_EXPECT_INVALID(dmap.upload(bad, 32, nullptr), "fp16_slots[1]");
 }
 
-// Shapes the persistent kernel cannot index or fit, rejected on the host
+// Shapes and inputs the store kernels cannot index, fit or read, rejected on the host
 // before any CUDA call (the pointers are never dereferenced).
 TEST(StoreCudaBadInput, RejectsShapesTheKernelCannotHold) {
   std::byte arena[16];
-  const Half values[1] = {};
+  alignas(16) const Half values[8] = {};
   const std::int32_t slots[1] = {-1};
   const WindowSlot windows[1] = {};
   auto args_for = [&](std::int32_t heads, std::int32_t dim, std::int32_t block) {
@@ -198,6 +207,13 @@ TEST(StoreCudaBadInput, RejectsShapesTheKernelCannotHold) {
   gpu::StorePrefillArgs many_tiles = args_for(1, 64, 16);
   many_tiles.num_int4_windows = 1 << 30;
   MIXKV_EXPECT_INVALID(gpu::store_prefill(many_tiles), "num_int4_windows + num_int2_windows");
+  // The units kernel's shapes count 4 work items a tile at D 128, S 32.
+  gpu::StorePrefillArgs many_units = args_for(1, 128, 32);
+  many_units.num_int4_windows = 1 << 28;
+  MIXKV_EXPECT_INVALID(gpu::store_prefill(many_units), "expected < 2^30 / 4");
+  gpu::StorePrefillArgs misaligned = args_for(1, 128, 32);
+  misaligned.v = values + 1;
+  MIXKV_EXPECT_INVALID(gpu::store_prefill(misaligned), "k, v: expected 16-byte aligned device pointers (k is, v is not)");
   MIXKV_EXPECT_INVALID(gpu::store_prefill(args_for(1, 512, 256)), "too large for one tile");
 }
 

@@ -16,7 +16,7 @@ namespace mixkv::gpu {
 // the rounding of quant_math.h) and packed. Codes and (scale, min) are
 // bit-identical to cpu::store_prefill. All pointers are device memory.
 struct StorePrefillArgs {
-  const Half* k = nullptr;  // [rows][num_kv_heads][head_dim]
+  const Half* k = nullptr;  // [rows][num_kv_heads][head_dim], 16-byte aligned (as v)
   const Half* v = nullptr;  // [rows][num_kv_heads][head_dim]
   std::int32_t rows = 0;
   const std::int32_t* fp16_slots = nullptr;  // [rows]: block_id * block_size + offset, or -1
@@ -51,7 +51,7 @@ class DeviceStoreMapping {
 
 // One decode token per sequence into its FP16 tail slot.
 struct AppendArgs {
-  const Half* k = nullptr;  // [batch][num_kv_heads][head_dim]
+  const Half* k = nullptr;  // [batch][num_kv_heads][head_dim], 16-byte aligned (as v)
   const Half* v = nullptr;
   const std::int32_t* fp16_slots = nullptr;  // [batch] (AppendResult::slots of one layer)
   std::int32_t batch = 0;
