@@ -275,7 +275,9 @@ int main(int argc, char** argv) {
             for (int p = 0; p < 3; ++p) written += lists[p].size() * formats[p].block_bytes();
             if (!lists[0].empty()) written -= (kBlock - (fp16_tokens - (lists[0].size() - 1) * kBlock)) *
                                                kKVHeads * kDim * 4;  // tail rows not written
-            store_bytes = static_cast<double>(ctx) * kKVHeads * kDim * 2 * 2 + written + ctx * 4.0;
+            // K/V rows read, blocks written, and the mapping's FP16 RowSlots and WindowSlots read.
+            store_bytes = static_cast<double>(ctx) * kKVHeads * kDim * 2 * 2 + written +
+                          8.0 * (fp16_tokens + m.int4_windows.size() + m.int2_windows.size());
           } else {
             gpu::store_prefill(args);
           }

@@ -21,19 +21,22 @@ using detail::FastDivisor;
 using detail::require;
 
 constexpr int kThreads = 128;
-// FP16 rows a CTA needs at least before the grid is widened for them.
-constexpr int kMinFp16RowsPerCta = 16;
+// K/V chunk pairs (16 bytes of K and the V at the same place) a lane of a
+// copy unit loads before it stores any: 4 KB a warp in flight, as a
+// quantizing unit has.
+constexpr int kCopyPairs = 4;
 // Caps both store kernels at 64 registers: 8 CTAs (32 warps) per SM for
 // the units kernel and FP16-only plans (no dynamic shared memory); with two
 // tile stages (36 KB at D 128, S 32) shared memory allows store_prefill_kernel
-// 6 anyway. (Without the cap the FP16 copy's loads in flight took 95; the
-// units kernel at 56 registers, 9 CTAs, was no faster.)
+// 6 anyway. (Without the cap the CTA-wide FP16 copy of stop 12 took 95 for
+// its loads in flight; the units kernel at 56 registers, 9 CTAs, was no
+// faster.)
 constexpr int kMinCtasPerSm = 8;
 
 // Tile buffers in shared memory: two where they fit, else one. Shared by
 // the host, which sizes the launch, and the instances built for one shape,
 // for which it is a constant.
-constexpr std::size_t kMaxSmem = 227 * 1024 - kThreads * sizeof(long long);  // less the kernel's row_dst
+constexpr std::size_t kMaxSmem = 227 * 1024;
 __host__ __device__ constexpr int tile_stages(int head_dim, int block_size) {
   return 2 * detail::QuantTile<__half>::tile_bytes(head_dim, block_size) +
                      detail::QuantTile<__half>::scratch_bytes(head_dim, block_size) <=
@@ -45,8 +48,10 @@ __host__ __device__ constexpr int tile_stages(int head_dim, int block_size) {
 struct StoreParams {
   const uint4* k;  // rows of num_kv_heads * head_dim halves, as 16-byte chunks
   const uint4* v;
-  std::int32_t rows;
-  const std::int32_t* fp16_slots;
+  const RowSlot* fp16_rows;
+  std::int32_t num_fp16_rows;
+  std::int32_t rows_per_copy_unit;  // FP16 rows a copy unit takes
+  std::int32_t copy_units;
   const WindowSlot* windows[2];  // INT4, INT2
   std::int32_t num_windows[2];
   std::int32_t stages;  // tile_stages of the shape
@@ -131,91 +136,62 @@ __device__ __forceinline__ void quantize_into(const DevicePool& pool, std::int32
   detail::quantize_tile_bits<__half, kThreads, kBits, kHeadDim, kBlockSize>(format, tile, scratch, out);
 }
 
-// Rows of this CTA, in 32 bits: rows < 2^31 and blockIdx.x < gridDim.x, so
-// no term wraps (the 64-bit division was a ~70-instruction call per CTA).
-__device__ __forceinline__ unsigned cta_rows(const StoreParams& p) {
-  return (static_cast<unsigned>(p.rows) - blockIdx.x + gridDim.x - 1) / gridDim.x;
-}
-
-// The thread's slot in the first round of copy_fp16_rows: that of the
-// CTA's row threadIdx.x, or -1 past its rows.
-__device__ __forceinline__ std::int32_t first_round_slot(const StoreParams& p) {
-  return threadIdx.x < cta_rows(p) ? __ldg(p.fp16_slots + blockIdx.x + threadIdx.x * gridDim.x) : -1;
-}
-
-// The FP16 rows of CTA b: rows b, b + G, b + 2G, ... (G = gridDim.x).
-// Interleaved rather than contiguous, so that FP16 rows bunched in windows
-// spread over all CTAs. Slots are read first, kThreads rows at a time, and
-// only rows with a slot are read: quantized rows (slot -1) are read by the
-// tiles alone (the previous kernel read every row here too, twice the input
-// through L2 for an all-INT4 plan). Each row's destination is resolved once,
-// by the thread that read its slot.
-// row_dst: kThreads entries of shared memory.
-// first_slot: the thread's slot of the first round, read early by
-// first_round_slot so that its latency hides behind the caller's loads.
-__device__ void copy_fp16_rows(const StoreParams& p, long long* row_dst, std::int32_t first_slot) {
+// Copy unit `unit` of a warp: FP16 rows [R unit, R unit + R) of
+// p.fp16_rows (R = p.rows_per_copy_unit), as K/V chunk pairs (16 bytes of
+// a row's K and the V at the same place) that the lanes take in turn,
+// kCopyPairs a lane loaded before any is stored. The list holds only the
+// rows to copy: no barrier, no scan over the quantized rows' slots (the
+// CTA-wide copy it replaces read every row's slot, which added a barrier
+// and a dependent round trip to every CTA of a quantized plan).
+template <int kHeadDim, int kBlockSize>
+__device__ __forceinline__ void copy_unit(const StoreParams& p, int unit) {
   const DevicePool& pool = p.pools[0];
   const BlockFormat& f = pool.view.format;
-  const int chunks_per_head = f.head_dim / 8;
-  const int chunks_per_row = f.num_kv_heads * chunks_per_head;
-  const std::size_t head_bytes = f.head_bytes();
-  const std::size_t v_offset = f.v_offset();
-  const unsigned b = blockIdx.x, G = gridDim.x;
-  const unsigned mine = cta_rows(p);
-  for (unsigned first = 0; first < mine; first += kThreads) {
-    const int n = static_cast<int>(min(static_cast<unsigned>(kThreads), mine - first));
-    long long dst = -1;
-    if (static_cast<int>(threadIdx.x) < n) {
-      const std::int32_t slot = first == 0 ? first_slot : __ldg(p.fp16_slots + b + (first + threadIdx.x) * G);
-      if (slot >= 0) {
-        dst = reinterpret_cast<const char*>(pool.block(slot / f.block_size)) -
-              reinterpret_cast<const char*>(pool.view.base) +
-              static_cast<long long>(slot % f.block_size) * f.head_dim * 2;
+  const int D = detail::fixed_or(kHeadDim, f.head_dim);
+  const int S = detail::fixed_or(kBlockSize, f.block_size);
+  const int heads = f.num_kv_heads;
+  const BlockFormat layout{Precision::FP16, heads, D, S};
+  const int chunks_per_head = D / 8;
+  const int first = unit * p.rows_per_copy_unit;
+  const int pairs = min(p.rows_per_copy_unit, p.num_fp16_rows - first) * heads * chunks_per_head;
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  // Pair c: chunk c % chunks_per_head of head h of the unit's row r, where
+  // c / chunks_per_head = r * heads + h.
+  for (int base = lane; base < pairs; base += 32 * kCopyPairs) {
+    uint4 kx[kCopyPairs], vx[kCopyPairs];
+    std::int32_t slot[kCopyPairs];
+#pragma unroll
+    for (int u = 0; u < kCopyPairs; ++u) {
+      const int c = base + 32 * u;
+      if (c < pairs) {
+        const int rh = c / chunks_per_head;
+        const int r = p.heads.div(rh);
+        const RowSlot at = p.fp16_rows[first + r];
+        const std::size_t src =
+            (static_cast<std::size_t>(at.row) * heads + (rh - r * heads)) * chunks_per_head + c % chunks_per_head;
+        kx[u] = __ldcs(p.k + src);
+        vx[u] = __ldcs(p.v + src);
+        slot[u] = at.slot;
       }
     }
-    row_dst[threadIdx.x] = dst;
-    if (!__syncthreads_or(dst >= 0)) continue;  // also publishes row_dst
-    // Chunks loaded before the first store. A loaded chunk is remembered as
-    // (col << 7 | row) (row < kThreads = 2^7), one register instead of a
-    // destination pointer's two: 3 in flight then fit the kernel's 64
-    // registers without spills (4 spill).
-    constexpr int kBatch = 3;
-    static_assert(kThreads == 1 << 7);
-    for (detail::StridedIndex at(chunks_per_row, kThreads); at.row < n;) {
-      uint4 kx[kBatch], vx[kBatch];
-      int chunk[kBatch];
 #pragma unroll
-      for (int u = 0; u < kBatch; ++u) {
-        chunk[u] = -1;
-        if (at.row < n) {
-          if (row_dst[at.row] >= 0) {
-            chunk[u] = at.col << 7 | at.row;
-            const std::size_t src =
-                static_cast<std::size_t>(b + (first + at.row) * G) * chunks_per_row + at.col;
-            kx[u] = __ldg(p.k + src);
-            vx[u] = __ldg(p.v + src);
-          }
-          at.next();
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < kBatch; ++u) {
-        if (chunk[u] < 0) continue;
-        const int col = chunk[u] >> 7;
-        const int head = col / chunks_per_head;
-        char* to = reinterpret_cast<char*>(pool.view.base) + row_dst[chunk[u] & (kThreads - 1)] + head * head_bytes +
-                   16 * (col - head * chunks_per_head);
-        *reinterpret_cast<uint4*>(to) = kx[u];
-        *reinterpret_cast<uint4*>(to + v_offset) = vx[u];
+    for (int u = 0; u < kCopyPairs; ++u) {
+      const int c = base + 32 * u;
+      if (c < pairs) {
+        const int head = p.heads.mod(c / chunks_per_head);
+        char* row = reinterpret_cast<char*>(pool.block(slot[u] / S, layout)) + layout.head_offset(head) +
+                    static_cast<std::size_t>(slot[u] % S) * D * 2 + 16 * (c % chunks_per_head);
+        *reinterpret_cast<uint4*>(row + layout.k_offset()) = kx[u];
+        *reinterpret_cast<uint4*>(row + layout.v_offset()) = vx[u];
       }
     }
-    __syncthreads();  // row_dst is rewritten next round
   }
 }
 
 // Persistent CTAs: CTA b quantizes tiles b, b + G, b + 2G, ... (G =
 // gridDim.x, sized on the host so that every CTA gets the same number of
-// tiles, give or take one) and copies its share of the FP16 rows. Tiles go
+// tiles, give or take one); its warps first take the copy units w, w + W,
+// ... (W = the grid's warps) while its first tile loads. Tiles go
 // through two shared-memory stages: tile i + 1 is loaded while tile i is
 // quantized, so a CTA's loads no longer wait behind its own math (one tile
 // per CTA serialized load -> stats -> codes -> exit). Tiles too large for
@@ -228,7 +204,6 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) store_prefill_kernel(
   static_assert((kHeadDim == 0) == (kBlockSize == 0), "a shape is fixed whole or not at all");
   __builtin_assume(threadIdx.x < kThreads);  // bounds the threads' strided loops: at a fixed shape they unroll
   extern __shared__ __align__(16) unsigned char smem_bytes[];
-  __shared__ long long row_dst[kThreads];  // per FP16 row: byte offset of its head-0 K chunk from the pool base, or -1
   const BlockFormat& f16 = p.pools[0].view.format;
   const int heads = f16.num_kv_heads;
   const int D = detail::fixed_or(kHeadDim, f16.head_dim);
@@ -250,7 +225,11 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) store_prefill_kernel(
     if (j + G < tiles) next = tile_window(p, j + G);
     load_window(p.k, p.v, current.first_row, tile_head(p, j), heads, D, S, stage(0));
   }
-  copy_fp16_rows(p, row_dst, first_round_slot(p));
+  constexpr int kWarps = kThreads / 32;
+  for (int u = static_cast<int>(blockIdx.x * kWarps + threadIdx.x / 32); u < p.copy_units;
+       u += static_cast<int>(gridDim.x) * kWarps) {
+    copy_unit<kHeadDim, kBlockSize>(p, u);
+  }
   for (int i = 0; j < tiles; ++i, j += G) {
     detail::cp_async_wait_all();  // tile i: the only copies in flight
     // Publishes tile i; every thread is past tile i - 1's codes, so its
@@ -292,21 +271,23 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) store_prefill_kernel(
 }
 
 // Tiles by warp units (quantize_warp.cuh), for the shapes WarpTileUnits
-// applies to: warp w takes unit w % kPerTile of tile w / kPerTile, one unit
-// a warp, so that every warp's loads are in flight from its start and the
-// hardware fills an SM with the next CTAs as warps finish (the persistent
-// CTAs of store_prefill_kernel took ~4 tiles each in sequence at 19,600
-// tokens, a load's latency exposed at each). Then the CTA copies its share
-// of the FP16 rows (copy_fp16_rows), whose first slots were read before
-// the unit's loads.
+// applies to: one unit a warp, the copy units first (copy_unit), then unit
+// w % kPerTile of tile w / kPerTile for the warps after them, so that every
+// warp's loads are in flight from its start and the hardware fills an SM
+// with the next CTAs as warps finish (the persistent CTAs of
+// store_prefill_kernel took ~4 tiles each in sequence at 19,600 tokens, a
+// load's latency exposed at each).
 template <int kHeadDim, int kBlockSize>
 __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
     store_prefill_units_kernel(const __grid_constant__ StoreParams p) {
   using Units = detail::WarpTileUnits<kHeadDim, kBlockSize>;
   static_assert(Units::kApplies);
-  __shared__ long long row_dst[kThreads];
-  const std::int32_t first_slot = first_round_slot(p);
-  const int unit = static_cast<int>(blockIdx.x) * (kThreads / 32) + static_cast<int>(threadIdx.x) / 32;
+  const int warp_unit = static_cast<int>(blockIdx.x) * (kThreads / 32) + static_cast<int>(threadIdx.x) / 32;
+  if (warp_unit < p.copy_units) {  // the whole warp
+    copy_unit<kHeadDim, kBlockSize>(p, warp_unit);
+    return;
+  }
+  const int unit = warp_unit - p.copy_units;
   const int j = unit / Units::kPerTile;
   if (j < p.tiles) {  // the whole warp
     const int part = unit % Units::kPerTile;
@@ -333,7 +314,6 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
       quantize.template operator()<4>(p.pools[1]);
     }
   }
-  copy_fp16_rows(p, row_dst, first_slot);
 }
 
 struct AppendParams {
@@ -457,19 +437,23 @@ void store_prefill(const StorePrefillArgs& a) {
   require(a.rows >= 0, std::string(fn) + ": rows = " + std::to_string(a.rows) + ": expected >= 0");
   require(a.num_int4_windows >= 0 && a.num_int2_windows >= 0,
           std::string(fn) + ": num_int4_windows / num_int2_windows: expected >= 0");
+  require(a.num_fp16_rows >= 0 && a.num_fp16_rows <= a.rows,
+          std::string(fn) + ": num_fp16_rows = " + std::to_string(a.num_fp16_rows) + ": expected in [0, rows = " +
+              std::to_string(a.rows) + "]");
   if (a.rows == 0) return;
   require(a.k != nullptr && a.v != nullptr,
           std::string(fn) + ": k, v: expected device [rows][num_kv_heads][head_dim] halves");
   check_rows_aligned(fn, a.k, a.v);
-  require(a.fp16_slots != nullptr, std::string(fn) + ": fp16_slots is null: expected device [rows] slots");
+  require(a.num_fp16_rows == 0 || a.fp16_rows != nullptr,
+          std::string(fn) + ": fp16_rows is null: expected device [num_fp16_rows] RowSlots");
   require(a.num_int4_windows == 0 || a.int4_windows != nullptr, std::string(fn) + ": int4_windows is null");
   require(a.num_int2_windows == 0 || a.int2_windows != nullptr, std::string(fn) + ": int2_windows is null");
 
   StoreParams p;
   p.k = reinterpret_cast<const uint4*>(a.k);
   p.v = reinterpret_cast<const uint4*>(a.v);
-  p.rows = a.rows;
-  p.fp16_slots = a.fp16_slots;
+  p.fp16_rows = a.fp16_rows;
+  p.num_fp16_rows = a.num_fp16_rows;
   p.windows[0] = a.int4_windows;
   p.windows[1] = a.int2_windows;
   p.num_windows[0] = a.num_int4_windows;
@@ -483,12 +467,17 @@ void store_prefill(const StorePrefillArgs& a) {
   const std::int64_t tiles = windows * f.num_kv_heads;
   const StoreKernel launch = store_kernel(f.head_dim, f.block_size);
   // Indices in 32 bits: store_prefill_kernel's tiles run to tiles + 2 * grid,
-  // the units kernel's units to tiles * units_per_tile + 3.
+  // the units kernel's units to copy_units + tiles * units_per_tile + 3.
   const std::int64_t units = tiles * std::max(launch.units_per_tile, 1);
   require(units < (std::int64_t{1} << 30),
           std::string(fn) + ": (num_int4_windows + num_int2_windows) * num_kv_heads = " + std::to_string(tiles) +
               ": expected < 2^30 / " + std::to_string(std::max(launch.units_per_tile, 1)) +
               " (work items a tile at this shape)");
+  // Copy units of ~4 KB: whole rows, as many as give a warp's lanes
+  // kCopyPairs K/V chunk pairs each.
+  const std::int64_t pairs_per_row = static_cast<std::int64_t>(f.num_kv_heads) * (f.head_dim / 8);
+  p.rows_per_copy_unit = static_cast<std::int32_t>(std::max<std::int64_t>(1, 32 * kCopyPairs / pairs_per_row));
+  p.copy_units = (a.num_fp16_rows + p.rows_per_copy_unit - 1) / p.rows_per_copy_unit;
   p.tiles = static_cast<std::int32_t>(tiles);
   p.int4_tiles = a.num_int4_windows * f.num_kv_heads;
   p.heads = FastDivisor(static_cast<std::uint32_t>(f.num_kv_heads));
@@ -509,23 +498,18 @@ void store_prefill(const StorePrefillArgs& a) {
   MIXKV_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   MIXKV_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, launch.kernel, kThreads, smem));
   const std::int64_t resident = static_cast<std::int64_t>(sms) * std::max(per_sm, 1);
-  // Every CTA copies its share of the FP16 rows (those no window covers,
-  // when the mapping is valid): they widen the grid up to the resident
-  // CTAs, kMinFp16RowsPerCta each.
-  const std::int64_t fp16_rows = std::max<std::int64_t>(a.rows - windows * f.block_size, 0);
-  const std::int64_t fp16_ctas =
-      std::min(resident, (fp16_rows + kMinFp16RowsPerCta - 1) / kMinFp16RowsPerCta);
+  constexpr int kWarps = kThreads / 32;
   std::int64_t grid = 0;
   if (launch.units_per_tile > 0) {
-    constexpr int kWarps = kThreads / 32;  // one a unit
-    grid = std::max((units + kWarps - 1) / kWarps, fp16_ctas);
+    grid = (p.copy_units + units + kWarps - 1) / kWarps;  // one unit a warp
   } else {
     // Tiles: as many rounds as the resident CTAs need, then as few CTAs as
     // give every CTA that many tiles (or one fewer): no last round that a
-    // few CTAs run alone.
+    // few CTAs run alone. The copy units widen the grid up to the resident
+    // CTAs.
     const std::int64_t rounds = (tiles + resident - 1) / resident;
     const std::int64_t tile_ctas = rounds > 0 ? (tiles + rounds - 1) / rounds : 0;
-    grid = std::max(tile_ctas, fp16_ctas);
+    grid = std::max(tile_ctas, std::min<std::int64_t>(resident, (p.copy_units + kWarps - 1) / kWarps));
   }
   launch.kernel<<<static_cast<unsigned>(std::max<std::int64_t>(grid, 1)), kThreads, smem, a.stream>>>(p);
   MIXKV_CUDA_CHECK_LAUNCH("store_prefill_kernel");
@@ -533,8 +517,10 @@ void store_prefill(const StorePrefillArgs& a) {
 
 struct DeviceStoreMapping::Impl {
   std::int32_t rows = 0;
+  std::int32_t num_fp16_rows = 0;
   std::int32_t num_windows[2] = {0, 0};
-  detail::DeviceBuffer<std::int32_t> slots;
+  std::vector<RowSlot> staged_rows;  // the host side of fp16_rows, reused
+  detail::DeviceBuffer<RowSlot> fp16_rows;
   detail::DeviceBuffer<WindowSlot> windows[2];
 };
 
@@ -572,9 +558,14 @@ void DeviceStoreMapping::upload(const StoreMapping& mapping, std::int32_t block_
                 std::to_string(r));
   }
   Impl& s = *impl_;
-  s.slots.reserve(std::max(rows, 1));
-  if (rows > 0) {
-    MIXKV_CUDA_CHECK(cudaMemcpyAsync(s.slots.get(), mapping.fp16_slots.data(), rows * sizeof(std::int32_t),
+  s.staged_rows.clear();
+  for (std::int32_t r = 0; r < rows; ++r) {
+    if (mapping.fp16_slots[r] >= 0) s.staged_rows.push_back({r, mapping.fp16_slots[r]});
+  }
+  const auto fp16_rows = static_cast<std::int32_t>(s.staged_rows.size());
+  s.fp16_rows.reserve(std::max(fp16_rows, 1));
+  if (fp16_rows > 0) {
+    MIXKV_CUDA_CHECK(cudaMemcpyAsync(s.fp16_rows.get(), s.staged_rows.data(), fp16_rows * sizeof(RowSlot),
                                      cudaMemcpyHostToDevice, stream));
   }
   for (int which = 0; which < 2; ++which) {
@@ -587,14 +578,17 @@ void DeviceStoreMapping::upload(const StoreMapping& mapping, std::int32_t block_
     s.num_windows[which] = n;
   }
   s.rows = rows;
+  s.num_fp16_rows = fp16_rows;
   // Pageable source memory: cudaMemcpyAsync returns once it is staged, so
-  // `mapping` may be released right after this call.
+  // `mapping` may be released right after this call, and staged_rows
+  // rewritten by the next upload.
 }
 
 void DeviceStoreMapping::fill(StorePrefillArgs& args) const {
   const Impl& s = *impl_;
   args.rows = s.rows;
-  args.fp16_slots = s.slots.get();
+  args.fp16_rows = s.fp16_rows.get();
+  args.num_fp16_rows = s.num_fp16_rows;
   args.int4_windows = s.windows[0].get();
   args.num_int4_windows = s.num_windows[0];
   args.int2_windows = s.windows[1].get();

@@ -125,7 +125,9 @@ INSTANTIATE_TEST_SUITE_P(
                       StoreCase{4, 64, 16, 40000}, StoreCase{1, 256, 128, 40000},
                       // Shapes with no instance of their own, through the generic one: 10 row
                       // chunks per head (the load's column wrap), odd INT2 words per channel.
-                      StoreCase{2, 80, 48, 200}, StoreCase{3, 96, 32, 97}),
+                      StoreCase{2, 80, 48, 200}, StoreCase{3, 96, 32, 97},
+                      // FP16 rows of 256 K/V chunk pairs: two rounds of a copy unit's lanes.
+                      StoreCase{8, 256, 32, 70}),
     [](const auto& info) {
       const StoreCase& c = info.param;
       return "H" + std::to_string(c.heads) + "_D" + std::to_string(c.dim) + "_S" + std::to_string(c.block) + "_rows" +
@@ -191,14 +193,12 @@ TEST(StoreCudaBadInput, NamesTheArgument) {
 TEST(StoreCudaBadInput, RejectsShapesTheKernelCannotHold) {
   std::byte arena[16];
   alignas(16) const Half values[8] = {};
-  const std::int32_t slots[1] = {-1};
   const WindowSlot windows[1] = {};
   auto args_for = [&](std::int32_t heads, std::int32_t dim, std::int32_t block) {
     gpu::StorePrefillArgs args;
     for (Precision p : kAllPrecisions) args.pools[pool_index(p)] = {arena, sizeof(arena), 1, {p, heads, dim, block}};
     args.k = args.v = values;
     args.rows = 1;
-    args.fp16_slots = slots;
     args.int4_windows = windows;
     args.num_int4_windows = 1;
     return args;
@@ -215,6 +215,12 @@ TEST(StoreCudaBadInput, RejectsShapesTheKernelCannotHold) {
   misaligned.v = values + 1;
   MIXKV_EXPECT_INVALID(gpu::store_prefill(misaligned), "k, v: expected 16-byte aligned device pointers (k is, v is not)");
   MIXKV_EXPECT_INVALID(gpu::store_prefill(args_for(1, 512, 256)), "too large for one tile");
+  gpu::StorePrefillArgs extra_fp16_rows = args_for(1, 128, 32);
+  extra_fp16_rows.num_fp16_rows = 2;
+  MIXKV_EXPECT_INVALID(gpu::store_prefill(extra_fp16_rows), "num_fp16_rows = 2: expected in [0, rows = 1]");
+  gpu::StorePrefillArgs null_fp16_rows = args_for(1, 128, 32);
+  null_fp16_rows.num_fp16_rows = 1;
+  MIXKV_EXPECT_INVALID(gpu::store_prefill(null_fp16_rows), "fp16_rows is null");
 }
 
 }  // namespace

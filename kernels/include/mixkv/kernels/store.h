@@ -10,6 +10,13 @@
 
 namespace mixkv::gpu {
 
+// An FP16 row of a prefill and the slot it is copied to (block_id *
+// block_size + offset in the FP16 pool).
+struct RowSlot {
+  std::int32_t row = 0;
+  std::int32_t slot = 0;
+};
+
 // One layer's prefill K/V into the pools, in ONE launch: FP16 rows are
 // copied to their slots; every INT4/INT2 window is quantized (K per channel
 // over the window's tokens, V per token over the channels, min-max RTN with
@@ -19,7 +26,8 @@ struct StorePrefillArgs {
   const Half* k = nullptr;  // [rows][num_kv_heads][head_dim], 16-byte aligned (as v)
   const Half* v = nullptr;  // [rows][num_kv_heads][head_dim]
   std::int32_t rows = 0;
-  const std::int32_t* fp16_slots = nullptr;  // [rows]: block_id * block_size + offset, or -1
+  const RowSlot* fp16_rows = nullptr;  // [num_fp16_rows]: the rows copied as they are, rows ascending
+  std::int32_t num_fp16_rows = 0;
   const WindowSlot* int4_windows = nullptr;  // [num_int4_windows]
   std::int32_t num_int4_windows = 0;
   const WindowSlot* int2_windows = nullptr;  // [num_int2_windows]
@@ -40,7 +48,8 @@ class DeviceStoreMapping {
   DeviceStoreMapping& operator=(const DeviceStoreMapping&) = delete;
 
   // Validates `mapping` for `rows` rows (slots >= -1, windows inside the
-  // rows and covering exactly the -1 rows) and copies it on `stream`.
+  // rows and covering exactly the -1 rows) and copies it on `stream`: its
+  // windows, and its rows with a slot as RowSlots.
   void upload(const StoreMapping& mapping, std::int32_t block_size, cudaStream_t stream);
   void fill(StorePrefillArgs& args) const;
 
