@@ -266,12 +266,11 @@ __device__ __forceinline__ uint32_t load_k_run(const char* k_codes, int channel,
   constexpr int kChannelBytes = S * Bits / 8;
   constexpr int kRunBits = S / 8 * Bits;
   const char* base = k_codes + channel * kChannelBytes;
+  static_assert(kRunBits != 8, "one-byte runs are stored run-major: load_k_pairs reads them as words");
   if constexpr (kRunBits == 32) {
     return *reinterpret_cast<const uint32_t*>(base + 4 * g);
   } else if constexpr (kRunBits == 16) {
     return *reinterpret_cast<const uint16_t*>(base + 2 * g);
-  } else if constexpr (kRunBits == 8) {
-    return *reinterpret_cast<const uint8_t*>(base + g);
   } else {  // 4 bits: half a byte; bits above the run are ignored by the extraction
     return static_cast<uint32_t>(*reinterpret_cast<const uint8_t*>(base + (g >> 1))) >> (4 * (g & 1));
   }
@@ -366,7 +365,25 @@ template <int D, int S, int Bits>
 __device__ __forceinline__ void load_k_pairs(const char* k_codes, uint32_t (&x)[D / 16][2][2], int lane) {
   const int g = lane >> 2;
   const int r = lane & 3;
-  if constexpr (S * Bits / 8 == 16) {
+  constexpr BlockFormat F{Bits == 4 ? Precision::INT4 : Precision::INT2, 1, D, S};
+  if constexpr (F.k_runs_are_bytes()) {
+    // One-byte runs, stored run-major (block_format.h): the thread's word of
+    // a k-step holds run g of channels c0, c0 + 8, c0 + 1, c0 + 9 (c0 =
+    // 16 ks + 2r), so its bytes 0 and 2 are x[ks][0]'s halves and bytes 1
+    // and 3 x[ks][1]'s; the byte above each run is masked off by the code
+    // extraction (a one-byte run's fields sit in bits 0..7 of its half).
+    static_assert(F.k_code_byte(2, 1) - F.k_code_byte(0, 0) == 4 * 5 &&
+                      F.k_code_byte(8, 0) == F.k_code_byte(0, 0) + 1 && F.k_code_byte(1, 0) == F.k_code_byte(0, 0) + 2 &&
+                      F.k_code_byte(9, 0) == F.k_code_byte(0, 0) + 3 && F.k_code_byte(16, 0) == F.k_code_byte(0, 0) + 128,
+                  "thread (g, r) of k-step ks reads the word at 128 ks + 4 (4 g + r)");
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+      const uint32_t w = *reinterpret_cast<const uint32_t*>(k_codes + 128 * ks + 4 * lane);
+      x[ks][0][0] = w;
+      x[ks][1][0] = w >> 8;
+      x[ks][0][1] = x[ks][1][1] = 0u;  // 8-bit runs
+    }
+  } else if constexpr (S * Bits / 8 == 16) {
     // 16-byte channel rows: a transposing ldmatrix of 8 channel rows gives
     // thread (g, r) the 16-bit run g of channels 2r (low) and 2r + 1 (high),
     // so one x4 load covers two k-steps; lane l names channel 32 h + l.

@@ -365,7 +365,16 @@ __device__ void quantize_tile_bits(const BlockFormat& format, const T* tile, flo
     const int quads_per_unit = 32 / lanes_per_quad;
     const int quad_units = (quads + quads_per_unit - 1) / quads_per_unit;
     const int units = quad_units * (k_words / lanes_per_quad);
-    uint32_t* k_codes = reinterpret_cast<uint32_t*>(out + layout.k_offset());
+    // Word j of channel c: its bytes 4j..4j+3, one store where the channel's
+    // bytes are contiguous, four where its runs are bytes stored run-major.
+    auto store_k_word = [&](int c, int j, uint32_t w) {
+      if (layout.k_runs_are_bytes()) {
+#pragma unroll
+        for (int b = 0; b < 4; ++b) out[layout.k_code_byte(c, 4 * j + b)] = static_cast<char>(w >> (8 * b));
+      } else {
+        *reinterpret_cast<uint32_t*>(out + layout.k_code_byte(c, 4 * j)) = w;
+      }
+    };
     for (int unit = warp; unit < units; unit += warps) {
       const int q = unit % quad_units * quads_per_unit + lane % quads_per_unit;
       const int j = unit / quad_units * lanes_per_quad + lane / quads_per_unit;
@@ -382,11 +391,10 @@ __device__ void quantize_tile_bits(const BlockFormat& format, const T* tile, flo
         w2 += biased_code<kMaxCode, !kFp16, kClampHigh>(x.z, inverse.z, bias.z) << (r * kBits);
         w3 += biased_code<kMaxCode, !kFp16, kClampHigh>(x.w, inverse.w, bias.w) << (r * kBits);
       }
-      uint32_t* to = k_codes + 4 * q * k_words + j;
-      to[0] = w0 - kWordBias;
-      to[k_words] = w1 - kWordBias;
-      to[2 * k_words] = w2 - kWordBias;
-      to[3 * k_words] = w3 - kWordBias;
+      store_k_word(4 * q, j, w0 - kWordBias);
+      store_k_word(4 * q + 1, j, w1 - kWordBias);
+      store_k_word(4 * q + 2, j, w2 - kWordBias);
+      store_k_word(4 * q + 3, j, w3 - kWordBias);
     }
     // V codes, token-major packed along channels: a lane packs a piece of 16
     // channels of token t (two INT4 words, one 8-byte store; or one INT2

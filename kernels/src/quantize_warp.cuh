@@ -81,6 +81,7 @@ __device__ __forceinline__ void quantize_k_unit(const __half* k, std::size_t row
   constexpr int kOctets = Units::kKChannels / 8;  // lanes a token row
   constexpr int kSlices = kBlockSize / 8;         // lanes a channel octet
   constexpr BlockFormat layout{kBits == 4 ? Precision::INT4 : Precision::INT2, 1, kHeadDim, kBlockSize};
+  constexpr bool kRunMajor = layout.k_runs_are_bytes();
   const int lane = static_cast<int>(threadIdx.x % 32);
   const int g = lane % kOctets;
   const int s = lane / kOctets;
@@ -137,7 +138,6 @@ __device__ __forceinline__ void quantize_k_unit(const __half* k, std::size_t row
   // octets, each gathering its 4 channels' (inverse step, bias) first
   // (the 8 channels' at once spilled at 64 registers).
   auto write_codes = [&]<bool kClampHigh>() {
-    auto* runs = reinterpret_cast<CodeRun<kBits>*>(out + layout.k_offset());
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       float inverse[4], bias[4];
@@ -159,9 +159,20 @@ __device__ __forceinline__ void quantize_k_unit(const __half* k, std::size_t row
                             << (i * kBits);
         }
       }
+      // The lane's 8 codes of a channel are its bytes sizeof(run) * s ..:
+      // one store where the channel's bytes are contiguous, one a byte
+      // where its runs are bytes stored run-major (block_format.h).
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
-        runs[(c0 + 4 * half + c) * kSlices + s] = static_cast<CodeRun<kBits>>(run[c] - word_bias<kBits, 8>());
+        const int channel = c0 + 4 * half + c;
+        const auto packed = static_cast<CodeRun<kBits>>(run[c] - word_bias<kBits, 8>());
+        constexpr int kBytes = static_cast<int>(sizeof(packed));
+        if constexpr (kRunMajor) {
+#pragma unroll
+          for (int b = 0; b < kBytes; ++b) out[layout.k_code_byte(channel, kBytes * s + b)] = static_cast<char>(packed >> (8 * b));
+        } else {
+          *reinterpret_cast<CodeRun<kBits>*>(out + layout.k_code_byte(channel, kBytes * s)) = packed;
+        }
       }
     }
   };

@@ -193,12 +193,26 @@ TEST(Quantize, CodesSitWhereBlockFormatDocumentsThem) {
 
   const BlockFormat f2{Precision::INT2, 1, 64, 32};
   std::vector<std::uint8_t> k2(n, 0), v2(n, 0);
-  k2[7 * 64 + 1] = 3;  // token 7, channel 1: channel 1's 8-byte run, byte 1, bits 6..7
-  v2[0 * 64 + 5] = 2;  // token 0, channel 5: byte 1, bits 2..3
+  // K runs of one byte (4 tokens): stored run-major by groups of 16 channels.
+  k2[7 * 64 + 1] = 3;   // token 7, channel 1: run 1, bits 6..7; pair 0, 3rd byte: 16 + 2
+  k2[0 * 64 + 26] = 1;  // token 0, channel 26: group 1, run 0; pair 1, 2nd byte: 128 + 4 + 1
+  v2[0 * 64 + 5] = 2;   // token 0, channel 5: byte 1, bits 2..3
   std::vector<std::byte> region2(f2.head_bytes(), std::byte{0});
   cpu::pack_codes(f2, k2.data(), v2.data(), region2.data());
-  EXPECT_EQ(region2[1 * 8 + 1], std::byte{0xc0});
+  EXPECT_EQ(region2[18], std::byte{0xc0});
+  EXPECT_EQ(region2[133], std::byte{0x01});
   EXPECT_EQ(region2[f2.v_offset() + 1], std::byte{0x08});
+  EXPECT_EQ(std::count(region2.begin(), region2.end(), std::byte{0}), static_cast<long>(region2.size()) - 3);
+
+  const BlockFormat f3{Precision::INT4, 1, 64, 16};  // K runs of one byte (2 tokens) too
+  std::vector<std::uint8_t> k3(64 * 16, 0), v3(64 * 16, 0);
+  k3[3 * 64 + 9] = 0x7;    // token 3, channel 9: run 1, high nibble; pair 0, 4th byte: 16 + 3
+  k3[15 * 64 + 20] = 0xf;  // token 15, channel 20: group 1, run 7, high nibble; pair 2, 1st byte: 128 + 112 + 8
+  std::vector<std::byte> region3(f3.head_bytes(), std::byte{0});
+  cpu::pack_codes(f3, k3.data(), v3.data(), region3.data());
+  EXPECT_EQ(region3[19], std::byte{0x70});
+  EXPECT_EQ(region3[248], std::byte{0xf0});
+  EXPECT_EQ(std::count(region3.begin(), region3.end(), std::byte{0}), static_cast<long>(region3.size()) - 2);
 }
 
 // The parameter halves, by hand: K by channel pair (mins, then scales), V

@@ -124,12 +124,12 @@ void read_quantized_head(const BlockFormat& format, const std::byte* head_region
     for (int code = 0; code < kCodes; ++code) table[code] = dequant(code, scale, min);
   };
   const std::size_t k_bytes = format.k_channel_bytes();
-  for (std::size_t c = 0; c < dim; ++c) {  // K: per-channel groups, a channel's codes contiguous
+  for (std::size_t c = 0; c < dim; ++c) {  // K: per-channel groups
     fill_table(format.k_scale_offset(static_cast<int>(c)), format.k_min_offset(static_cast<int>(c)));
-    const std::byte* codes = head_region + format.k_offset() + k_bytes * c;
     float* out = k_out + c;
     for (std::size_t i = 0; i < k_bytes; ++i) {
-      const unsigned byte = std::to_integer<unsigned>(codes[i]);
+      const unsigned byte =
+          std::to_integer<unsigned>(head_region[format.k_code_byte(static_cast<int>(c), static_cast<int>(i))]);
       for (int j = 0; j < kPerByte; ++j) out[(i * kPerByte + j) * dim] = table[(byte >> (j * Bits)) & kMask];
     }
   }

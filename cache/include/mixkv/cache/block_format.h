@@ -16,11 +16,15 @@ namespace mixkv {
 //
 //   FP16 head:  K[token][channel] half | V[token][channel] half
 //   INT4/INT2:  K codes | V codes | K params | V params
-//     K codes   channel-major, packed along tokens: channel c owns
+//     K codes   per channel, packed along tokens: channel c owns
 //               block_size * bits / 8 bytes; token t of it sits at bits
 //               [t * bits, (t + 1) * bits) counted little-endian from the
-//               run's first byte (at INT4 x 32 tokens one channel is one
-//               16-byte load).
+//               channel's first byte (at INT4 x 32 tokens one channel is
+//               one 16-byte load). Channel-major (channel c's bytes
+//               contiguous), except where a channel is 8 one-byte runs of
+//               block_size / 8 tokens (INT4 x 16, INT2 x 32 tokens): there
+//               byte i of every channel of a group of 16 comes together,
+//               see k_code_byte.
 //     V codes   token-major, packed along channels the same way: token t
 //               owns head_dim * bits / 8 bytes.
 //     K params  per channel (scale, min) halves, stored by channel pair:
@@ -88,6 +92,27 @@ struct BlockFormat {
     return head_bytes() * static_cast<std::size_t>(num_kv_heads);
   }
 
+  // Whether a channel's K codes are 8 bytes, one run of block_size / 8
+  // tokens each (INT4 x 16, INT2 x 32 tokens; head_dim is a multiple of 16).
+  MIXKV_HOST_DEVICE constexpr bool k_runs_are_bytes() const {
+    return precision != Precision::FP16 && block_size * bits() == 64;
+  }
+  // Byte i of channel c's K codes, from the head region's start. Where runs
+  // are bytes they are stored run-major by groups of 16 channels: group
+  // c / 16, then run i, then the 4 channel pairs (2r, 2r + 1) of the group
+  // as channels 2r, 2r + 8, 2r + 1, 2r + 9 (a 4-byte word each). The decode
+  // kernel's thread (run g, pair r) then takes the codes of its four
+  // channels of a k-step in one 4-byte load, as its MMA operands pair
+  // them: channel-major, they were four 1-byte loads from 8 bytes apart.
+  MIXKV_HOST_DEVICE constexpr std::size_t k_code_byte(int channel, int i) const {
+    if (k_runs_are_bytes()) {
+      const int c = channel % 16;
+      return k_offset() + static_cast<std::size_t>(channel / 16) * 128 + static_cast<std::size_t>(i) * 16 +
+             (c % 8) / 2 * 4 + (c % 2) * 2 + c / 8;
+    }
+    return k_offset() + k_channel_bytes() * channel + static_cast<std::size_t>(i);
+  }
+
   // Where code (token, channel) lives inside a head's region: byte offset and
   // bit shift within that byte.
   struct CodeLocation {
@@ -95,8 +120,7 @@ struct BlockFormat {
     int shift;
   };
   MIXKV_HOST_DEVICE constexpr CodeLocation k_code_location(int token, int channel) const {
-    return {k_offset() + k_channel_bytes() * channel + static_cast<std::size_t>(token) / codes_per_byte(),
-            (token % codes_per_byte()) * bits()};
+    return {k_code_byte(channel, token / codes_per_byte()), (token % codes_per_byte()) * bits()};
   }
   MIXKV_HOST_DEVICE constexpr CodeLocation v_code_location(int token, int channel) const {
     return {v_offset() + v_token_bytes() * token + static_cast<std::size_t>(channel) / codes_per_byte(),
