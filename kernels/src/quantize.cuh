@@ -351,7 +351,7 @@ __device__ void quantize_tile_bits(const BlockFormat& format, const T* tile, flo
   // it (one instruction of ~5 a code; the code passes are built twice).
   const bool clamp_high = __syncthreads_or(subnormal_scale) != 0 || !kFp16;
   auto write_codes = [&]<bool kClampHigh>() {
-    // K codes, channel-major packed along tokens (block_format.h): a lane packs
+    // K codes, per channel packed along tokens (block_format.h): a lane packs
     // word j of the four channels of quad q from kPerWord rows. A warp takes
     // two consecutive words (one if the words per channel are odd) of 16 (32)
     // adjacent quads: each of the four stores then writes 8-byte runs of

@@ -24,8 +24,9 @@ namespace mixkv::gpu::detail {
 // adjacent halves (one 16-byte load a row).
 //   K unit: every token of kKChannels adjacent channels. Lane: channel
 //     octet g = lane % (kKChannels / 8), token octet s = lane /
-//     (kKChannels / 8). A channel's 8 codes of octet s are one packed run
-//     of the channel-major K codes (a word at INT4, a half word at INT2).
+//     (kKChannels / 8). A channel's 8 codes of octet s are bytes of its
+//     packed K codes (a word at INT4, a half word at INT2; bytes apart
+//     where the format stores one-byte runs run-major, block_format.h).
 //   V unit: kVTokens adjacent tokens of every channel. Lane: channel octet
 //     g = lane % (D / 8), token octet r = lane / (D / 8). A token's 8 codes
 //     of octet g are one packed run of the token-major V codes.
