@@ -114,6 +114,29 @@ void bind_cache_shape(py::module_& m) {
            py::arg("token"), "Byte offset in a head of token's V scale (a half); V params are (scale, min) per token.")
       .def("v_min_offset", param_offset(&BlockFormat::v_min_offset, "v_min_offset", "token", &BlockFormat::block_size),
            py::arg("token"), "Byte offset in a head of token's V minimum (a half).")
+      .def_property_readonly("k_runs_are_bytes", &BlockFormat::k_runs_are_bytes,
+                             "Whether a channel's K codes are 8 one-byte runs, stored run-major (INT4 x 16, INT2 x 32).")
+      .def(
+          "k_code_byte",
+          [](const BlockFormat& f, std::int32_t channel, std::int32_t i) {
+            constexpr const char* fn = "k_code_byte";
+            if (!is_quantized(f.precision)) {
+              throw InvalidArgument(std::string(fn) + ": precision " + std::string(to_string(f.precision)) +
+                                    ": expected INT4 or INT2 (FP16 blocks hold no codes)");
+            }
+            if (channel < 0 || channel >= f.head_dim) {
+              throw InvalidArgument(std::string(fn) + ": channel = " + std::to_string(channel) + ": expected in [0, " +
+                                    std::to_string(f.head_dim) + ")");
+            }
+            const auto bytes = static_cast<std::int64_t>(f.k_channel_bytes());
+            if (i < 0 || i >= bytes) {
+              throw InvalidArgument(std::string(fn) + ": i = " + std::to_string(i) + ": expected in [0, k_channel_bytes = " +
+                                    std::to_string(bytes) + ")");
+            }
+            return f.k_code_byte(channel, i);
+          },
+          py::arg("channel"), py::arg("i"),
+          "Byte offset in a head of byte i of channel's K codes (tokens i * 8 / bits ..., low bits first).")
       .def_property_readonly("head_bytes", &BlockFormat::head_bytes)
       .def_property_readonly("block_bytes", &BlockFormat::block_bytes)
       .def("__repr__", [](const BlockFormat& f) {

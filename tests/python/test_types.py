@@ -55,6 +55,26 @@ def test_block_format_bytes_match_the_design():
         mixkv.BlockFormat(P.FP16, 1, 128, 32).k_min_offset(0)
 
 
+def test_block_format_k_code_bytes():
+    P = mixkv.Precision
+    int4 = mixkv.BlockFormat(P.INT4, 1, 128, 32)  # 16-byte channels, contiguous
+    assert not int4.k_runs_are_bytes
+    assert [int4.k_code_byte(c, i) for c, i in ((0, 0), (0, 15), (3, 2))] == [0, 15, 50]
+    int2 = mixkv.BlockFormat(P.INT2, 1, 128, 32)  # one-byte runs, run-major by 16 channels
+    assert int2.k_runs_are_bytes
+    # channels 0, 8, 1, 9 of run 0 are one word; run 1 starts 16 bytes on; channel 16 opens group 1
+    assert [int2.k_code_byte(c, 0) for c in (0, 8, 1, 9, 2)] == [0, 1, 2, 3, 4]
+    assert (int2.k_code_byte(0, 1), int2.k_code_byte(16, 0), int2.k_code_byte(127, 7)) == (16, 128, 7 * 128 + 7 * 16 + 15)
+    offsets = {int2.k_code_byte(c, i) for c in range(128) for i in range(int2.k_channel_bytes)}
+    assert offsets == set(range(int2.v_offset))  # the layout tiles the K codes exactly
+    with pytest.raises(ValueError, match="k_code_byte: i = 8: expected in \\[0, k_channel_bytes = 8\\)"):
+        int2.k_code_byte(0, 8)
+    with pytest.raises(ValueError, match="k_code_byte: channel = -1"):
+        int2.k_code_byte(-1, 0)
+    with pytest.raises(ValueError, match="k_code_byte: precision FP16"):
+        mixkv.BlockFormat(P.FP16, 1, 128, 32).k_code_byte(0, 0)
+
+
 def test_token_layout_windows():
     lay = layout(("text", 10), ("visual", 100), ("text", 6))
     assert lay.num_tokens == 116
