@@ -120,20 +120,25 @@ __device__ __forceinline__ WindowSlot tile_window(const StoreParams& p, int j) {
 }
 __device__ __forceinline__ int tile_head(const StoreParams& p, int j) { return p.heads.mod(j); }
 
-// Quantizes `tile` into head `head` of block `block_id` of `pool`, the
-// INT4 or INT2 pool as kBits says, in an instance built for one shape. The
-// block is addressed through a view whose format takes its precision from
-// kBits and its sizes from the template: the head size is then a constant
-// (through the pool's own format the precision was read and branched on at
-// run time, ~60 instructions a tile).
+// Head `head` (of `heads`) of block `block_id` of `pool`, the INT4 or INT2
+// pool as kBits says, in an instance built for one shape. The block is addressed through
+// a view whose format takes its precision from kBits and its sizes from the
+// template: the head size is then a constant (through the pool's own format
+// the precision was read and branched on at run time, ~60 instructions a
+// tile).
+template <int kBits, int kHeadDim, int kBlockSize>
+__device__ __forceinline__ char* head_region(const DevicePool& pool, std::int32_t block_id, int head, int heads) {
+  static_assert(kHeadDim != 0 && kBlockSize != 0, "for the instances built for one shape");
+  const BlockFormat layout{kBits == 4 ? Precision::INT4 : Precision::INT2, heads, kHeadDim, kBlockSize};
+  return reinterpret_cast<char*>(pool.block(block_id, layout)) + layout.head_offset(head);
+}
+
+// Quantizes `tile` into that head region (store_prefill_kernel's tiles).
 template <int kBits, int kHeadDim, int kBlockSize>
 __device__ __forceinline__ void quantize_into(const DevicePool& pool, std::int32_t block_id, int head,
                                               const __half* tile, float* scratch) {
-  static_assert(kHeadDim != 0 && kBlockSize != 0, "for the instances built for one shape");
-  const BlockFormat& format = pool.view.format;
-  const BlockFormat layout{kBits == 4 ? Precision::INT4 : Precision::INT2, format.num_kv_heads, kHeadDim, kBlockSize};
-  char* out = reinterpret_cast<char*>(pool.block(block_id, layout)) + layout.head_offset(head);
-  detail::quantize_tile_bits<__half, kThreads, kBits, kHeadDim, kBlockSize>(format, tile, scratch, out);
+  detail::quantize_tile_bits<__half, kThreads, kBits, kHeadDim, kBlockSize>(
+      pool.view.format, tile, scratch, head_region<kBits, kHeadDim, kBlockSize>(pool, block_id, head, pool.view.format.num_kv_heads));
 }
 
 // Copy unit `unit` of a warp: FP16 rows [R unit, R unit + R) of
@@ -299,8 +304,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
     const auto* k = reinterpret_cast<const __half*>(p.k) + tile_first;
     const auto* v = reinterpret_cast<const __half*>(p.v) + tile_first;
     auto quantize = [&]<int kBits>(const DevicePool& pool) {
-      const BlockFormat layout{kBits == 4 ? Precision::INT4 : Precision::INT2, heads, kHeadDim, kBlockSize};
-      char* out = reinterpret_cast<char*>(pool.block(window.block_id, layout)) + layout.head_offset(head);
+      char* out = head_region<kBits, kHeadDim, kBlockSize>(pool, window.block_id, head, heads);
       if (part < Units::kKUnits) {
         detail::quantize_k_unit<kBits, kHeadDim, kBlockSize>(k, row_halves, part * Units::kKChannels, out);
       } else {
@@ -466,8 +470,9 @@ void store_prefill(const StorePrefillArgs& a) {
   const std::int64_t windows = static_cast<std::int64_t>(a.num_int4_windows) + a.num_int2_windows;
   const std::int64_t tiles = windows * f.num_kv_heads;
   const StoreKernel launch = store_kernel(f.head_dim, f.block_size);
-  // Indices in 32 bits: store_prefill_kernel's tiles run to tiles + 2 * grid,
-  // the units kernel's units to copy_units + tiles * units_per_tile + 3.
+  // Indices in 32 bits: store_prefill_kernel's tiles run to tiles + 2 * grid
+  // and its copy units to copy_units + 4 * grid, the units kernel's work
+  // items to copy_units + tiles * units_per_tile + 3.
   const std::int64_t units = tiles * std::max(launch.units_per_tile, 1);
   require(units < (std::int64_t{1} << 30),
           std::string(fn) + ": (num_int4_windows + num_int2_windows) * num_kv_heads = " + std::to_string(tiles) +
@@ -477,7 +482,12 @@ void store_prefill(const StorePrefillArgs& a) {
   // kCopyPairs K/V chunk pairs each.
   const std::int64_t pairs_per_row = static_cast<std::int64_t>(f.num_kv_heads) * (f.head_dim / 8);
   p.rows_per_copy_unit = static_cast<std::int32_t>(std::max<std::int64_t>(1, 32 * kCopyPairs / pairs_per_row));
-  p.copy_units = (a.num_fp16_rows + p.rows_per_copy_unit - 1) / p.rows_per_copy_unit;
+  const std::int64_t copy_units = (std::int64_t{a.num_fp16_rows} + p.rows_per_copy_unit - 1) / p.rows_per_copy_unit;
+  require(copy_units + units < (std::int64_t{1} << 30),
+          std::string(fn) + ": num_fp16_rows = " + std::to_string(a.num_fp16_rows) + ": expected < 2^30 work items with " +
+              std::to_string(units) + " of the windows (" + std::to_string(p.rows_per_copy_unit) +
+              " FP16 rows a work item at this shape)");
+  p.copy_units = static_cast<std::int32_t>(copy_units);
   p.tiles = static_cast<std::int32_t>(tiles);
   p.int4_tiles = a.num_int4_windows * f.num_kv_heads;
   p.heads = FastDivisor(static_cast<std::uint32_t>(f.num_kv_heads));

@@ -221,6 +221,12 @@ TEST(StoreCudaBadInput, RejectsShapesTheKernelCannotHold) {
   gpu::StorePrefillArgs null_fp16_rows = args_for(1, 128, 32);
   null_fp16_rows.num_fp16_rows = 1;
   MIXKV_EXPECT_INVALID(gpu::store_prefill(null_fp16_rows), "fp16_rows is null");
+  // One FP16 row a copy work item at 2 heads x D 512: 2^30 rows are too many.
+  const gpu::RowSlot row_slots[1] = {};
+  gpu::StorePrefillArgs many_fp16_rows = args_for(2, 512, 16);
+  many_fp16_rows.rows = many_fp16_rows.num_fp16_rows = 1 << 30;
+  many_fp16_rows.fp16_rows = row_slots;
+  MIXKV_EXPECT_INVALID(gpu::store_prefill(many_fp16_rows), "num_fp16_rows = 1073741824: expected < 2^30 work items");
 }
 
 }  // namespace
