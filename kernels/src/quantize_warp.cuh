@@ -139,6 +139,14 @@ __device__ __forceinline__ void quantize_k_unit(const __half* k, std::size_t row
   // octets, each gathering its 4 channels' (inverse step, bias) first
   // (the 8 channels' at once spilled at 64 registers).
   auto write_codes = [&]<bool kClampHigh>() {
+    // INT2 x 32: the lane's two bytes of a channel are runs 2s and 2s + 1,
+    // which the format keeps 16 bytes apart, each in a word shared with the
+    // partner channel octet (lane ^ 1). The two lanes trade the run they do
+    // not store, so each stores its run of the 16-channel group whole: one
+    // 16-byte store instead of 16 byte stores.
+    constexpr bool kTradeRuns = kRunMajor && sizeof(CodeRun<kBits>) == 2;
+    [[maybe_unused]] const bool odd_octet = (g & 1) != 0;
+    [[maybe_unused]] uint32_t group_run[4];
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       float inverse[4], bias[4];
@@ -160,21 +168,43 @@ __device__ __forceinline__ void quantize_k_unit(const __half* k, std::size_t row
                             << (i * kBits);
         }
       }
-      // The lane's 8 codes of a channel are its bytes sizeof(run) * s ..:
-      // one store where the channel's bytes are contiguous, one a byte
-      // where its runs are bytes stored run-major (block_format.h).
+      CodeRun<kBits> packed[4];
 #pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        const int channel = c0 + 4 * half + c;
-        const auto packed = static_cast<CodeRun<kBits>>(run[c] - word_bias<kBits, 8>());
-        constexpr int kBytes = static_cast<int>(sizeof(packed));
-        if constexpr (kRunMajor) {
+      for (int c = 0; c < 4; ++c) packed[c] = static_cast<CodeRun<kBits>>(run[c] - word_bias<kBits, 8>());
+      if constexpr (kTradeRuns) {
+        // Byte 2c of `low` / `high` is channel 4 half + c's run 2s, byte
+        // 2c + 1 its run 2s + 1; a group word is ordered (own channel 2w,
+        // partner's 2w, own 2w + 1, partner's 2w + 1), even octet first.
+        const uint32_t low = packed[0] | static_cast<uint32_t>(packed[1]) << 16;
+        const uint32_t high = packed[2] | static_cast<uint32_t>(packed[3]) << 16;
+        const uint32_t kept = __byte_perm(low, high, odd_octet ? 0x7531 : 0x6420);
+        const uint32_t sent = __byte_perm(low, high, odd_octet ? 0x6420 : 0x7531);
+        const uint32_t received = __shfl_xor_sync(0xffffffffu, sent, 1);
+        group_run[2 * half] = __byte_perm(kept, received, odd_octet ? 0x1504 : 0x5140);
+        group_run[2 * half + 1] = __byte_perm(kept, received, odd_octet ? 0x3726 : 0x7362);
+      } else {
+        // The lane's 8 codes of a channel are its bytes sizeof(run) * s ..:
+        // one store where the channel's bytes are contiguous, one a byte
+        // where its runs are bytes stored run-major (block_format.h).
 #pragma unroll
-          for (int b = 0; b < kBytes; ++b) out[layout.k_code_byte(channel, kBytes * s + b)] = static_cast<char>(packed >> (8 * b));
-        } else {
-          *reinterpret_cast<CodeRun<kBits>*>(out + layout.k_code_byte(channel, kBytes * s)) = packed;
+        for (int c = 0; c < 4; ++c) {
+          const int channel = c0 + 4 * half + c;
+          constexpr int kBytes = static_cast<int>(sizeof(CodeRun<kBits>));
+          if constexpr (kRunMajor) {
+#pragma unroll
+            for (int b = 0; b < kBytes; ++b) {
+              out[layout.k_code_byte(channel, kBytes * s + b)] = static_cast<char>(packed[c] >> (8 * b));
+            }
+          } else {
+            *reinterpret_cast<CodeRun<kBits>*>(out + layout.k_code_byte(channel, kBytes * s)) = packed[c];
+          }
         }
       }
+    }
+    if constexpr (kTradeRuns) {
+      const int group_channel0 = c0 - (odd_octet ? 8 : 0);
+      *reinterpret_cast<uint4*>(out + layout.k_code_byte(group_channel0, 2 * s + (odd_octet ? 1 : 0))) =
+          make_uint4(group_run[0], group_run[1], group_run[2], group_run[3]);
     }
   };
   if (__any_sync(0xffffffffu, subnormal_scale)) {
