@@ -39,8 +39,10 @@ def main():
         print(f"{r['batch']:5d} {r['context']:6d} {r['plan']:>18} {r['time_us']:9.1f} {r['gbps']:7.0f} "
               f"{r['pct_bw']:5.1f}% {r['ratio_dense']:8.3f} {s:>7}")
     for r in bench.get("store_prefill", []):
+        read_us = r.get("read_same_bytes_us")
+        same = f"; a read of its bytes {read_us:.1f} us, store at {100.0 * read_us / r['time_us']:.0f}%" if read_us else ""
         print(f"store_prefill ctx {r['context']:6d} {r['plan']:>6}: {r['time_us']:8.1f} us "
-              f"{r['gbps']:6.0f} GB/s {r['pct_bw']:5.1f}%")
+              f"{r['gbps']:6.0f} GB/s {r['pct_bw']:5.1f}%{same}")
 
 
 if __name__ == "__main__":

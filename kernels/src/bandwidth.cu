@@ -1,6 +1,8 @@
 #include "mixkv/kernels/bandwidth.h"
 
 #include <algorithm>
+#include <cstdint>
+#include <string>
 #include <vector>
 
 #include "cuda_check.cuh"
@@ -39,7 +41,24 @@ __global__ void fill_kernel(uint4* data, std::size_t chunks) {
   }
 }
 
+void launch_read_reduce(const uint4* data, std::size_t chunks, unsigned* sink, cudaStream_t stream) {
+  int device = 0, sms = 0;
+  MIXKV_CUDA_CHECK(cudaGetDevice(&device));
+  MIXKV_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  read_reduce_kernel<false><<<sms * 8, 512, 0, stream>>>(data, chunks, sink);
+  MIXKV_CUDA_CHECK_LAUNCH("read_reduce_kernel");
+}
+
 }  // namespace
+
+void launch_streaming_read(const void* data, std::size_t bytes, unsigned* sink, cudaStream_t stream) {
+  detail::require(data != nullptr && reinterpret_cast<std::uintptr_t>(data) % 16 == 0,
+                  "launch_streaming_read: data: expected a 16-byte aligned device pointer");
+  detail::require(bytes > 0 && bytes % 16 == 0, "launch_streaming_read: bytes = " + std::to_string(bytes) +
+                                                    ": expected a positive multiple of 16");
+  detail::require(sink != nullptr, "launch_streaming_read: sink: expected a device pointer to one unsigned");
+  launch_read_reduce(static_cast<const uint4*>(data), bytes / 16, sink, stream);
+}
 
 double measure_read_bandwidth(std::size_t bytes, int repetitions, cudaStream_t stream) {
   detail::require(bytes >= (1u << 20), "measure_read_bandwidth: bytes: expected >= 1 MiB");
@@ -58,8 +77,7 @@ double measure_read_bandwidth(std::size_t bytes, int repetitions, cudaStream_t s
   std::vector<float> ms;
   for (int rep = -2; rep < repetitions; ++rep) {
     MIXKV_CUDA_CHECK(cudaEventRecord(start, stream));
-    read_reduce_kernel<false><<<sms * 8, 512, 0, stream>>>(data.get(), chunks, sink.get());
-    MIXKV_CUDA_CHECK_LAUNCH("read_reduce_kernel");
+    launch_read_reduce(data.get(), chunks, sink.get(), stream);
     MIXKV_CUDA_CHECK(cudaEventRecord(stop, stream));
     MIXKV_CUDA_CHECK(cudaEventSynchronize(stop));
     float t = 0.0f;
