@@ -98,10 +98,10 @@ __device__ __forceinline__ int v_swizzle(int chunk, int row) {
 // fl(max x * scale) is max fl(x * scale).
 template <int MT>
 __device__ __forceinline__ void block_max(const float (&s)[MT][4], float scale_log2, float& bm0, float& bm1) {
-  bm0 = -INFINITY;
-  bm1 = -INFINITY;
+  bm0 = fmaxf(s[0][0], s[0][2]);
+  bm1 = fmaxf(s[0][1], s[0][3]);
 #pragma unroll
-  for (int mt = 0; mt < MT; ++mt) {
+  for (int mt = 1; mt < MT; ++mt) {
     bm0 = fmaxf(bm0, fmaxf(s[mt][0], s[mt][2]));
     bm1 = fmaxf(bm1, fmaxf(s[mt][1], s[mt][3]));
   }
@@ -496,40 +496,32 @@ __device__ __forceinline__ void quant_block_accumulate(const char* slot, float (
   const int g = lane >> 2;
   const int r = lane & 3;
 
-  // ---- fold the per-token V parameters of the thread's tokens into P
-  float vscale[kRunTokens];
-  float vmin[kRunTokens];
-  {
-    static_assert(F.v_scale_offset(1) == F.v_scale_offset(0) + 4 && F.v_min_offset(0) == F.v_scale_offset(0) + 2,
-                  "V params: one (scale, min) word per token");
-    SmemRun<4 * kRunTokens> v_params;  // (scale, min) of each of the thread's tokens
-    v_params.load(slot + F.v_scale_offset(kRunTokens * g));
-#pragma unroll
-    for (int i = 0; i < kRunTokens; ++i) {
-      const uint32_t sm = v_params.w[i];
-      vscale[i] = __half2float(__ushort_as_half(static_cast<unsigned short>(sm & 0xffffu)));
-      vmin[i] = __half2float(__ushort_as_half(static_cast<unsigned short>(sm >> 16)));
-    }
-  }
+  // ---- fold the per-token V parameters of the thread's tokens into P:
+  // the minimums into the running sum_t p_t vmin_t (FP32), the scales into
+  // P once it is FP16, one HMUL2 a token with the scale broadcast from the
+  // params word (two FMULs and a conversion in FP32; P' rounds twice).
+  static_assert(F.v_scale_offset(1) == F.v_scale_offset(0) + 4 && F.v_min_offset(0) == F.v_scale_offset(0) + 2,
+                "V params: one (scale, min) word per token");
+  SmemRun<4 * kRunTokens> v_params;  // (scale, min) of each of the thread's tokens
+  v_params.load(slot + F.v_scale_offset(kRunTokens * g));
+  auto vmin = [&](int i) { return __half2float(__ushort_as_half(static_cast<unsigned short>(v_params.w[i] >> 16))); };
+  auto times_vscale = [&](uint32_t p2, int i) {
+    const __half2 r = __hmul2(*reinterpret_cast<const __half2*>(&p2),
+                              __low2half2(*reinterpret_cast<const __half2*>(&v_params.w[i])));
+    return *reinterpret_cast<const uint32_t*>(&r);
+  };
+  uint32_t pb[MT][2];  // P'^T as B fragments
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
     const int i0 = 2 * mt;
     const int i1 = 2 * mt + 1;
-    st.vb[0] = fmaf(s[mt][2], vmin[i1], fmaf(s[mt][0], vmin[i0], st.vb[0]));
-    st.vb[1] = fmaf(s[mt][3], vmin[i1], fmaf(s[mt][1], vmin[i0], st.vb[1]));
-    s[mt][0] *= vscale[i0];
-    s[mt][1] *= vscale[i0];
-    s[mt][2] *= vscale[i1];
-    s[mt][3] *= vscale[i1];
+    st.vb[0] = fmaf(s[mt][2], vmin(i1), fmaf(s[mt][0], vmin(i0), st.vb[0]));
+    st.vb[1] = fmaf(s[mt][3], vmin(i1), fmaf(s[mt][1], vmin(i0), st.vb[1]));
+    pb[mt][0] = movmatrix_trans(times_vscale(pack_half2(s[mt][0], s[mt][1]), i0));
+    pb[mt][1] = movmatrix_trans(times_vscale(pack_half2(s[mt][2], s[mt][3]), i1));
   }
 
   // ---- O^T += V^T P'^T, one k-step per m-tile of 16 tokens
-  uint32_t pb[MT][2];  // P'^T as B fragments
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt) {
-    pb[mt][0] = movmatrix_trans(pack_half2(s[mt][0], s[mt][1]));
-    pb[mt][1] = movmatrix_trans(pack_half2(s[mt][2], s[mt][3]));
-  }
   const char* v_codes = slot + F.v_offset();
   constexpr int kRowBytes = D * Bits / 8;
   // k = 2r, 2r+1, 2r+8, 2r+9 of m-tile mt: tokens ta, tb, ta + 1, tb + 1
