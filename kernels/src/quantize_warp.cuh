@@ -145,6 +145,12 @@ __device__ __forceinline__ void quantize_k_unit(const __half* k, std::size_t row
     // not store, so each stores its run of the 16-channel group whole: one
     // 16-byte store instead of 16 byte stores.
     constexpr bool kTradeRuns = kRunMajor && sizeof(CodeRun<kBits>) == 2;
+    static_assert(!kTradeRuns || (layout.k_code_byte(8, 0) == layout.k_code_byte(0, 0) + 1 &&
+                                  layout.k_code_byte(1, 0) == layout.k_code_byte(0, 0) + 2 &&
+                                  layout.k_code_byte(2, 0) == layout.k_code_byte(0, 0) + 4 &&
+                                  layout.k_code_byte(0, 1) == layout.k_code_byte(0, 0) + 16 &&
+                                  layout.k_code_byte(16, 0) == layout.k_code_byte(0, 0) + 128),
+                  "a group's run: 16 bytes, word w = channels 2w, 2w + 8, 2w + 1, 2w + 9");
     [[maybe_unused]] const bool odd_octet = (g & 1) != 0;
     [[maybe_unused]] uint32_t group_run[4];
 #pragma unroll
