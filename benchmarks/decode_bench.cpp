@@ -344,7 +344,8 @@ int main(int argc, char** argv) {
           so << "\"context\": " << ctx << ", \"plan\": \"" << mix.name << "\", \"time_us\": " << store_us
              << ", \"bytes\": " << store_bytes << ", \"gbps\": " << store_bytes / store_us / 1e3
              << ", \"pct_bw\": " << 100.0 * store_bytes / store_us * 1e6 / bw << ", \"host_us\": " << store_host_us
-             << ", \"read_same_bytes_us\": " << read_same_us << ", \"ratio_read_same_bytes\": " << read_same_us / store_us;
+             << ", \"read_same_bytes_us\": " << read_same_us
+             << ", \"ratio_read_same_bytes\": " << read_same_us / store_us;
           store_json.item(so.str());
           std::printf("       store_prefill %-6s ctx %-6d %9.1f us %9.1f GB/s %6.1f%%  host %.2f us a call;"
                       " a read of its bytes %.1f us (%.1f%% of BW), store at %.0f%% of its rate\n",

@@ -137,8 +137,9 @@ __device__ __forceinline__ char* head_region(const DevicePool& pool, std::int32_
 template <int kBits, int kHeadDim, int kBlockSize>
 __device__ __forceinline__ void quantize_into(const DevicePool& pool, std::int32_t block_id, int head,
                                               const __half* tile, float* scratch) {
-  detail::quantize_tile_bits<__half, kThreads, kBits, kHeadDim, kBlockSize>(
-      pool.view.format, tile, scratch, head_region<kBits, kHeadDim, kBlockSize>(pool, block_id, head, pool.view.format.num_kv_heads));
+  const BlockFormat& format = pool.view.format;
+  char* out = head_region<kBits, kHeadDim, kBlockSize>(pool, block_id, head, format.num_kv_heads);
+  detail::quantize_tile_bits<__half, kThreads, kBits, kHeadDim, kBlockSize>(format, tile, scratch, out);
 }
 
 // Copy unit `unit` of a warp: FP16 rows [R unit, R unit + R) of
