@@ -450,19 +450,20 @@ __device__ __forceinline__ void quant_block_scores(const char* slot, const uint3
   load_k_pairs<D, S, Bits>(slot + F.k_offset(), kx, lane);
 #pragma unroll
   for (int ks = 0; ks < D / 16; ++ks) {
-    // The K params of the channel pairs c0, c0 + 1 and c0 + 8, c0 + 9 (the
-    // thread's B fragments), as stored (block_format.h): each pair's mins
-    // word then its scales word. The two 8-byte loads are the bias MMA's A
-    // quad as it is: mins in a[0], a[2] (rows g); the scales in a[1], a[3]
-    // only reach rows g + 8, which are never read.
-    const int c0 = 16 * ks + 2 * r;
-    static_assert(F.k_scale_offset(0) == F.k_min_offset(0) + 4 && F.k_min_offset(1) == F.k_min_offset(0) + 2,
-                  "a channel pair's K params: its two minimums, then its two scales");
-    const uint2 p0 = *reinterpret_cast<const uint2*>(slot + F.k_min_offset(c0));
-    const uint2 p8 = *reinterpret_cast<const uint2*>(slot + F.k_min_offset(c0 + 8));
-    const uint32_t qb0 = hmul2_u32(qf[ks][0], p0.y);
-    const uint32_t qb1 = hmul2_u32(qf[ks][1], p8.y);
-    const uint32_t am[4] = {p0.x, p0.y, p8.x, p8.y};
+    // The K params of the channel pairs c0, c0 + 1 and c0 + 8, c0 + 9 (c0 =
+    // 16 ks + 2r, the thread's B fragments), as stored (block_format.h):
+    // each pair's mins word then its scales word, the two pairs adjacent.
+    // The 16-byte load is the bias MMA's A quad as it is: mins in a[0],
+    // a[2] (rows g); the scales in a[1], a[3] only reach rows g + 8, which
+    // are never read.
+    static_assert(F.k_scale_offset(0) == F.k_min_offset(0) + 4 && F.k_min_offset(1) == F.k_min_offset(0) + 2 &&
+                      F.k_min_offset(8) == F.k_min_offset(0) + 8 && F.k_min_offset(2) == F.k_min_offset(0) + 16 &&
+                      F.k_min_offset(16) == F.k_min_offset(0) + 64,
+                  "a channel pair's K params: its two minimums, then its two scales; pairs r, r + 4 adjacent");
+    const uint4 params = *reinterpret_cast<const uint4*>(slot + F.k_min_offset(16 * ks + 2 * r));
+    const uint32_t qb0 = hmul2_u32(qf[ks][0], params.y);
+    const uint32_t qb1 = hmul2_u32(qf[ks][1], params.w);
+    const uint32_t am[4] = {params.x, params.y, params.z, params.w};
     mma_16816(bias, am, qf[ks][0], qf[ks][1]);
     const uint32_t ones[4] = {kOnes, undefined_u32(), kOnes, undefined_u32()};
     mma_16816(qsum, ones, qb0, qb1);

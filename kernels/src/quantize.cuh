@@ -263,12 +263,15 @@ __device__ void quantize_tile_bits(const BlockFormat& format, const T* tile, flo
   float* v_inverse = k_bias + D;
   float* v_bias = v_inverse + S;
   // One word per K channel and per V token (block_format.h): K by channel
-  // pair, the pair's mins word then its scales word; V (scale, min).
+  // pair, the pair's mins word then its scales word (k_param_word); V
+  // (scale, min).
   uint32_t* k_params = reinterpret_cast<uint32_t*>(out + layout.k_params_offset());
   uint32_t* v_params = reinterpret_cast<uint32_t*>(out + layout.v_params_offset());
+  const auto k_param_word = [&](int c) {  // channel c even: the pair's mins word; odd: its scales word
+    return static_cast<int>((layout.k_min_offset(c & ~1) - layout.k_params_offset()) / 4) + (c & 1);
+  };
   constexpr BlockFormat kLayout{Precision::INT4, 1, 64, 16};
-  static_assert(kLayout.k_min_offset(2) == kLayout.k_params_offset() + 4 * 2 &&
-                    kLayout.k_scale_offset(2) == kLayout.k_params_offset() + 4 * 3 &&
+  static_assert(kLayout.k_scale_offset(2) == kLayout.k_min_offset(2) + 4 &&
                     kLayout.v_scale_offset(3) == kLayout.v_params_offset() + 4 * 3 &&
                     kLayout.v_min_offset(3) == kLayout.v_params_offset() + 4 * 3 + 2,
                 "the parameter words as written below");
@@ -307,7 +310,7 @@ __device__ void quantize_tile_bits(const BlockFormat& format, const T* tile, flo
     // Every part now holds the quad's range; part p sets channel 4q + p.
     // Parts 2j and 2j + 1 (lanes 8 apart) hold a channel pair: with the
     // partner's (scale, min), the even part writes the pair's mins word and
-    // the odd part its scales word, both at word c.
+    // the odd part its scales word.
     const int c = 4 * q + part;
     const GroupParamsDevice gp = group_params<kMaxCode>(component(lo, part), component(hi, part));
     const uint32_t partner = __shfl_xor_sync(0xffffffffu, gp.packed, 8);
@@ -315,7 +318,8 @@ __device__ void quantize_tile_bits(const BlockFormat& format, const T* tile, flo
       k_inverse[c] = gp.inverse_step;
       k_bias[c] = gp.bias;
       const bool even = (part & 1) == 0;
-      k_params[c] = even ? __byte_perm(gp.packed, partner, 0x7632) : __byte_perm(partner, gp.packed, 0x5410);
+      k_params[k_param_word(c)] =
+          even ? __byte_perm(gp.packed, partner, 0x7632) : __byte_perm(partner, gp.packed, 0x5410);
       subnormal_scale |= has_subnormal_scale(gp.packed);
     }
   }

@@ -215,8 +215,9 @@ TEST(Quantize, CodesSitWhereBlockFormatDocumentsThem) {
   EXPECT_EQ(std::count(region3.begin(), region3.end(), std::byte{0}), static_cast<long>(region3.size()) - 2);
 }
 
-// The parameter halves, by hand: K by channel pair (mins, then scales), V
-// per token (scale, min); together they tile the two regions exactly.
+// The parameter halves, by hand: K by channel pair (mins, then scales),
+// each 16-channel group's pairs in the order 0, 4, 1, 5, 2, 6, 3, 7; V per
+// token (scale, min); together they tile the two regions exactly.
 TEST(Quantize, ParamsSitWhereBlockFormatDocumentsThem) {
   for (const Precision p : {Precision::INT4, Precision::INT2}) {
     for (const int d : {64, 128, 256}) {
@@ -226,8 +227,14 @@ TEST(Quantize, ParamsSitWhereBlockFormatDocumentsThem) {
       EXPECT_EQ(f.k_min_offset(1), k0 + 2);
       EXPECT_EQ(f.k_scale_offset(0), k0 + 4);
       EXPECT_EQ(f.k_scale_offset(1), k0 + 6);
-      EXPECT_EQ(f.k_min_offset(6), k0 + 24);
-      EXPECT_EQ(f.k_scale_offset(7), k0 + 30);
+      EXPECT_EQ(f.k_min_offset(8), k0 + 8);    // pair 4 follows pair 0
+      EXPECT_EQ(f.k_scale_offset(9), k0 + 14);
+      EXPECT_EQ(f.k_min_offset(2), k0 + 16);   // pair 1
+      EXPECT_EQ(f.k_min_offset(6), k0 + 48);   // pair 3
+      EXPECT_EQ(f.k_scale_offset(7), k0 + 54);
+      EXPECT_EQ(f.k_min_offset(14), k0 + 56);  // pair 7, the group's last
+      EXPECT_EQ(f.k_min_offset(16), k0 + 64);  // the next group
+      EXPECT_EQ(f.k_scale_offset(25), k0 + 78);
       EXPECT_EQ(f.v_scale_offset(3), f.v_params_offset() + 12);
       EXPECT_EQ(f.v_min_offset(3), f.v_params_offset() + 14);
       std::vector<int> uses(f.head_bytes() - k0, 0);

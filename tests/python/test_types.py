@@ -44,7 +44,7 @@ def test_block_format_bytes_match_the_design():
     assert (int4.k_channel_bytes, int4.v_token_bytes, int4.bits) == (16, 64, 4)
     assert int4.v_offset == 16 * 128 and int4.k_params_offset == int4.v_offset + 64 * 32
     k0 = int4.k_params_offset
-    assert [int4.k_min_offset(c) - k0 for c in (0, 1, 2)] == [0, 2, 8]
+    assert [int4.k_min_offset(c) - k0 for c in (0, 1, 8, 2, 16)] == [0, 2, 8, 16, 64]
     assert [int4.k_scale_offset(c) - k0 for c in (0, 1, 127)] == [4, 6, 63 * 8 + 6]
     assert (int4.v_scale_offset(2), int4.v_min_offset(2)) == (int4.v_params_offset + 8, int4.v_params_offset + 10)
     with pytest.raises(ValueError, match="k_scale_offset: channel = 128: expected in \\[0, 128\\)"):

@@ -31,8 +31,12 @@ namespace mixkv {
 //               channels c, c + 1 (c even) as min_c, min_c+1, scale_c,
 //               scale_c+1, so that a pair's minimums and its scales are each
 //               one 32-bit word: the decode kernel's MMAs take them as they
-//               are (see paged_decode_kernel). K is quantized per channel
-//               over the block's tokens (keys have outlier channels).
+//               are (see paged_decode_kernel). Within each group of 16
+//               channels the 8 pairs go in the order 0, 4, 1, 5, 2, 6, 3, 7,
+//               so that pairs r and r + 4, which one decode thread needs
+//               together, are one 16-byte load (see k_min_offset). K is
+//               quantized per channel over the block's tokens (keys have
+//               outlier channels).
 //     V params  per token (scale, min) as two halves: V is per token over the
 //               channels.
 //   Dequantized value = min + scale * code (eqs. 14-16 with the zero point
@@ -72,7 +76,8 @@ struct BlockFormat {
   // The halves of channel c's K (scale, min) and token t's V (scale, min).
   MIXKV_HOST_DEVICE constexpr std::size_t k_min_offset(int channel) const {
     const auto c = static_cast<std::size_t>(channel);  // unsigned: shifts, no sign fix-up
-    return k_params_offset() + c / 2 * 8 + c % 2 * 2;
+    const std::size_t pair = c % 16 / 2;                // pair of the 16-channel group
+    return k_params_offset() + c / 16 * 64 + (pair % 4 * 2 + pair / 4) * 8 + c % 2 * 2;
   }
   MIXKV_HOST_DEVICE constexpr std::size_t k_scale_offset(int channel) const { return k_min_offset(channel) + 4; }
   MIXKV_HOST_DEVICE constexpr std::size_t v_scale_offset(int token) const {
