@@ -114,24 +114,29 @@ __device__ __forceinline__ void block_max(const float (&s)[MT][4], float scale_l
   }
 }
 
-// The running state moved to the new maximum (bm0, bm1: a block's, from
+// The running max (base 2) moves only when a block's max exceeds it by more
+// than this, so the exponents are taken against a stale max and p <= 2^0.5.
+// The softmax is unchanged (O, l and the merge share the one base); a
+// rescale (alpha for l, vb and all of O^T) happens a few times a sequence
+// instead of at every new maximum, which random scores set in ~40% of a
+// warp's blocks. 0.5 keeps P' = p * vscale finite for every FP16 V:
+// sqrt(2) * (2 * 65504 / 3) < 65504.
+inline constexpr float kRescaleSlack = 0.5f;
+
+// The running state after a block whose max is (bm0, bm1) (from
 // block_max); base0/1 are what the block's exponents subtract.
 // kFinite: every score of the block is finite (a quantized block has no
-// masked rows), so the new running max is too and needs no -inf guard.
+// masked rows), so a moved max is too and needs no -inf guard.
 template <bool kFinite, int D>
 __device__ __forceinline__ void online_softmax_rescale(float bm0, float bm1, WarpState<D>& st, float& base0,
                                                        float& base1) {
-  const float m0 = fmaxf(st.m[0], bm0);
-  const float m1 = fmaxf(st.m[1], bm1);
-  // A head with no valid score yet keeps base 0, so -inf - -inf never occurs.
-  base0 = !kFinite && m0 == -INFINITY ? 0.0f : m0;
-  base1 = !kFinite && m1 == -INFINITY ? 0.0f : m1;
-  // Once the running max has settled it rarely moves: when it moved for no
-  // head of the warp, every alpha is 1 and the rescale is skipped.
-  const bool moved = __any_sync(0xffffffffu, m0 != st.m[0] || m1 != st.m[1]);
-  if (moved) {
-    const float alpha0 = exp2_ftz(st.m[0] - base0);
-    const float alpha1 = exp2_ftz(st.m[1] - base1);
+  // -inf + slack is -inf: a head's first finite block always moves it.
+  if (__any_sync(0xffffffffu, bm0 > st.m[0] + kRescaleSlack || bm1 > st.m[1] + kRescaleSlack)) {
+    const float m0 = fmaxf(st.m[0], bm0);
+    const float m1 = fmaxf(st.m[1], bm1);
+    // A head with no valid score yet keeps base 0, so -inf - -inf never occurs.
+    const float alpha0 = exp2_ftz(st.m[0] - (!kFinite && m0 == -INFINITY ? 0.0f : m0));
+    const float alpha1 = exp2_ftz(st.m[1] - (!kFinite && m1 == -INFINITY ? 0.0f : m1));
     st.l[0] *= alpha0;
     st.l[1] *= alpha1;
     st.vb[0] *= alpha0;
@@ -143,9 +148,11 @@ __device__ __forceinline__ void online_softmax_rescale(float bm0, float bm1, War
       st.acc[cm][2] *= alpha0;
       st.acc[cm][3] *= alpha1;
     }
+    st.m[0] = m0;
+    st.m[1] = m1;
   }
-  st.m[0] = m0;
-  st.m[1] = m1;
+  base0 = !kFinite && st.m[0] == -INFINITY ? 0.0f : st.m[0];
+  base1 = !kFinite && st.m[1] == -INFINITY ? 0.0f : st.m[1];
 }
 
 // Unscaled scores -> probabilities relative to the running max (base 2,

@@ -177,6 +177,39 @@ INSTANTIATE_TEST_SUITE_P(
         DecodeCase{{19600, 97, 19600}, 9, 3, 128, 32, kMixed, "b3_ctx19600_gqa3"}),
     [](const auto& info) { return std::string(info.param.name); });
 
+// Scores that climb along the context, in small steps (a block's max a
+// fraction of a bit above the last, under the kernel's rescale slack) and
+// in jumps of 3 bits every 10 blocks, over 25 bits in all; the blocks are
+// visited in shuffled page order, so the running max meets both kinds of
+// rise in every order. V is large (sd 100), so P' = p * vscale is too.
+TEST(DecodeCudaSoftmax, ClimbingScoresMatchCpuReference) {
+  MIXKV_REQUIRE_CUDA();
+  const int kvh = 4, qh = 28, dim = 128, block = 32;
+  Rng rng(11);
+  const std::vector<int> contexts = {1500, 700, 2000};
+  TestArena arena(kvh, dim, block, blocks_needed(contexts, block), 6);
+  std::vector<SequenceData> seqs = make_sequences(contexts, kvh, dim, block, kMixed, rng);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(dim));
+  // q ~ 0.5 in every channel, so a score is about scale * 64 * (K's level).
+  const double bits_per_level = scale * 0.5 * dim / std::log(2.0);
+  for (SequenceData& s : seqs) {
+    for (int t = 0; t < s.tokens; ++t) {
+      const double bits = 0.3 * (t / block) + 3.0 * (t / (10 * block));
+      for (int i = 0; i < kvh * dim; ++i) {
+        s.k[static_cast<std::size_t>(t) * kvh * dim + i] =
+            float_to_half(static_cast<float>(bits / bits_per_level + normal(rng, 0.0, 0.1)));
+      }
+    }
+    s.v = random_halves(rng, s.v.size(), 100.0);
+  }
+  const PlacedBatch placed = place_batch(arena, seqs);
+  std::vector<Half> q(contexts.size() * qh * dim);
+  for (Half& h : q) h = float_to_half(static_cast<float>(normal(rng, 0.5, 0.05)));
+  const DecodeResult ref = cpu_decode(arena, placed, q, qh, scale);
+  expect_close(run_gpu(arena, placed, q, qh, scale), ref, dim, "auto split");
+  expect_close(run_gpu(arena, placed, q, qh, scale, /*chunks=*/1), ref, dim, "1 chunk");
+}
+
 // A sequence with no tokens at all, and one whose quantized pools are empty
 // and one with only INT2: outputs finite, the empty one (0, -inf).
 TEST(DecodeCudaEmpty, EmptySequencesAndPoolsMakeNoNaN) {
