@@ -26,11 +26,12 @@ void check_decode_supported(int head_dim, int block_size) {
   if (!supported) throw InvalidArgument("Unsupported block_size: " + std::to_string(block_size));
 }
 
-int launch_decode(const DecodeParams& params, int head_dim, int block_size, int grid, cudaStream_t stream) {
+int launch_decode(const DecodeParams& params, int head_dim, int block_size, int grid, bool chained,
+                  cudaStream_t stream) {
   switch (head_dim) {
-    case 64: return launch_decode_d64(params, block_size, grid, stream);
-    case 128: return launch_decode_d128(params, block_size, grid, stream);
-    case 256: return launch_decode_d256(params, block_size, grid, stream);
+    case 64: return launch_decode_d64(params, block_size, grid, chained, stream);
+    case 128: return launch_decode_d128(params, block_size, grid, chained, stream);
+    case 256: return launch_decode_d256(params, block_size, grid, chained, stream);
     default: throw InvalidArgument("Unsupported head_dim: " + std::to_string(head_dim));
   }
 }
@@ -67,6 +68,7 @@ struct DecodePlan::Impl {
   std::vector<std::int32_t> slots;
   std::vector<std::vector<DecodeWorkItem>> items;  // [layer]
   std::vector<std::int32_t> partials;              // [layer]
+  std::vector<std::int32_t> ctas;                  // [layer] CTAs of the launch: its first items
   std::vector<std::int64_t> bytes;                 // [layer]
 
   // Device blob: header ints | slots | items (compact)
@@ -80,11 +82,11 @@ struct DecodePlan::Impl {
   detail::PinnedBuffer<DecodeWorkItem> h_items;
   detail::Event staging_free;
 
-  // Per layer {item offset, item count}, 8-byte aligned (the kernel reads the pair in one load).
+  // Per layer {item offset, CTAs (their first items)}, 8-byte aligned (the kernel reads the pair in one load).
   std::int32_t* item_range_at(std::int32_t* base, int layer) const { return base + 2 + 2 * layer; }
   std::int32_t* slots_at(std::int32_t* base) const { return base + header_ints; }
 
-  void plan_layer(int layer, int chunks_auto_target);
+  void plan_layer(int layer, int chunks_auto_target, std::int32_t balanced_ctas);
 };
 
 DecodePlan::DecodePlan(const DecodePlanConfig& config, const DevicePageTables& tables)
@@ -139,22 +141,22 @@ DecodePlan::DecodePlan(const DecodePlanConfig& config, const DevicePageTables& t
   MIXKV_CUDA_CHECK(cudaMemset(s.d_counters.get(), 0, 2 * static_cast<std::size_t>(s.max_partials) * sizeof(std::int32_t)));
   // Set the kernel's shared-memory limit now (run() may be under graph
   // capture) and learn how many of its CTAs share an SM.
-  s.ctas_per_sm = std::max(1, detail::launch_decode(detail::DecodeParams{}, config.head_dim, config.block_size, 0,
+  s.ctas_per_sm = std::max(1, detail::launch_decode(detail::DecodeParams{}, config.head_dim, config.block_size, 0, false,
                                                     nullptr));
   s.items.resize(config.num_layers);
   s.partials.assign(config.num_layers, 0);
+  s.ctas.assign(config.num_layers, 0);
   s.bytes.assign(config.num_layers, 0);
 }
 
 DecodePlan::~DecodePlan() = default;
 
-void DecodePlan::Impl::plan_layer(int layer, int target_items) {
+void DecodePlan::Impl::plan_layer(int layer, int target_items, std::int32_t balanced_ctas) {
   const DecodePlanConfig& c = config;
   const int kvh = c.num_kv_heads;
   const int S = c.block_size;
   auto& out = items[layer];
   out.clear();
-  std::int32_t next_partial = 0;
   std::int64_t total_bytes = static_cast<std::int64_t>(batch) * c.num_q_heads * c.head_dim * 2;  // q
 
   // Work of one block (per KV head) of each pool, in bytes: what it reads
@@ -191,39 +193,34 @@ void DecodePlan::Impl::plan_layer(int layer, int target_items) {
   }
   bytes[layer] = total_bytes;
 
-  for (int b = 0; b < batch; ++b) {
-    const std::int32_t n_total = counts[b][0] + counts[b][1] + counts[b][2];
-    int chunks = 1;
-    if (c.chunks_per_sequence > 0) {
-      chunks = c.chunks_per_sequence;
-    } else if (total_cost > 0) {
-      chunks = static_cast<int>(std::llround(static_cast<double>(cost[b]) * kvh / total_cost * target_items / kvh));
+  // Work of a sequence's blocks [0, block) and the first block whose
+  // cumulative work reaches `target` (blocks in FP16 | INT4 | INT2 order).
+  auto work_before = [&](int b, std::int32_t block) {
+    std::int64_t w = 0;
+    for (int p = 0, first = 0; p < kNumPrecisions; first += counts[b][p], ++p) {
+      w += std::clamp(block - first, 0, counts[b][p]) * work[p];
     }
-    // A chunk pays a fixed latency (item, page table, first data, merge)
-    // that a warp with one block cannot hide: at batch 1 x 4,096 the split
-    // into 16 chunks (8 blocks) beat 93 (1.4 blocks) by 5 us
-    // (decode_bench --chunk-sweep on the H200, kernel-notes-log.md v9).
-    if (c.chunks_per_sequence == 0) chunks = std::min(chunks, std::max(1, n_total / kMinBlocksPerChunk));
-    chunks = std::clamp(chunks, 1, std::min(detail::kMaxMergePieces, std::max(1, n_total)));
-    // Chunk boundaries at equal work along FP16 | INT4 | INT2.
-    std::vector<std::int32_t> cuts{0};
-    for (int k = 1; k < chunks; ++k) {
-      std::int64_t target = cost[b] * k / chunks;
-      std::int32_t first = 0;
-      std::int32_t cut = n_total;
-      for (int p = 0; p < kNumPrecisions; ++p) {
-        const std::int64_t pool_cost = counts[b][p] * work[p];
-        if (target < pool_cost) {
-          cut = first + static_cast<std::int32_t>((target + work[p] - 1) / work[p]);
-          break;
-        }
-        target -= pool_cost;
-        first += counts[b][p];
-      }
-      cut = std::clamp(cut, cuts.back(), n_total);
-      if (cut > cuts.back() && cut < n_total) cuts.push_back(cut);
+    return w;
+  };
+  auto block_at = [&](int b, std::int64_t target) {
+    std::int32_t first = 0;
+    for (int p = 0; p < kNumPrecisions; ++p) {
+      const std::int64_t pool_work = counts[b][p] * work[p];
+      if (target < pool_work) return first + static_cast<std::int32_t>((target + work[p] - 1) / work[p]);
+      target -= pool_work;
+      first += counts[b][p];
     }
-    cuts.push_back(n_total);
+    return first;
+  };
+  // The items of one (sequence, KV head) cut at `cuts` (first 0, last its
+  // block count) into `into`, piece k run by CTA ctas[k] (-1: a CTA of its
+  // own); partial rows numbered from `partial`.
+  struct Piece {
+    DecodeWorkItem item;
+    std::int32_t cta;
+  };
+  auto emit = [&](int b, int h, const std::vector<std::int32_t>& cuts, const std::vector<std::int32_t>& ctas,
+                  std::vector<Piece>& into, std::int32_t& partial) {
     const int pieces = static_cast<int>(cuts.size()) - 1;
     // The in-kernel merge: one level up to 16 pieces, else two levels of
     // ceil(sqrt(pieces)) rows (<= 32 each at kMaxMergePieces = 1024).
@@ -237,24 +234,101 @@ void DecodePlan::Impl::plan_layer(int layer, int target_items) {
     item.slot = slots[b];
     for (int p = 0; p < kNumPrecisions; ++p) item.counts[p] = counts[b][p];
     item.fill = fills[b];
-    for (int h = 0; h < kvh; ++h) {
-      item.kv_head = h;
-      if (pieces == 1) {
-        item.begin = 0;
-        item.end = n_total;
-        item.partial = -1;
-        out.push_back(item);
-        continue;
-      }
-      item.first = next_partial;
+    item.kv_head = h;
+    if (pieces > 1) {
+      item.first = partial;
       item.pieces = pieces;
       item.fan_in = fan_in;
-      for (int k = 0; k < pieces; ++k) {
-        item.begin = cuts[k];
-        item.end = cuts[k + 1];
-        item.partial = next_partial++;
-        out.push_back(item);
+    }
+    for (int k = 0; k < pieces; ++k) {
+      item.begin = cuts[k];
+      item.end = cuts[k + 1];
+      item.partial = pieces > 1 ? partial++ : -1;
+      into.push_back({item, ctas[k]});
+    }
+  };
+  std::vector<Piece> pieces_out;
+  std::int32_t next_partial = 0;
+  if (balanced_ctas > 0 && total_cost > 0) {
+    // Shares: the layer's work laid end to end over the pairs (b, h) and
+    // cut at balanced_ctas equal shares, one a CTA: a pair may be cut where
+    // a share ends, and a CTA runs the pieces of its share one after
+    // another. Pieces under kMinBlocksPerChunk are not cut off (a CTA's
+    // share moves by less than that); a piece goes to the share holding
+    // its midpoint.
+    const double share = static_cast<double>(total_cost) / balanced_ctas;
+    std::int64_t start = 0;  // work before the pair
+    for (int b = 0; b < batch; ++b) {
+      const std::int32_t n_total = counts[b][0] + counts[b][1] + counts[b][2];
+      for (int h = 0; h < kvh; ++h, start += cost[b]) {
+        std::vector<std::int32_t> cuts{0};
+        for (auto k = static_cast<std::int64_t>(start / share) + 1; k < balanced_ctas && k * share < start + cost[b]; ++k) {
+          const std::int32_t cut = block_at(b, std::llround(k * share) - start);
+          if (cut - cuts.back() >= kMinBlocksPerChunk && n_total - cut >= kMinBlocksPerChunk) cuts.push_back(cut);
+        }
+        cuts.push_back(n_total);
+        std::vector<std::int32_t> ctas;
+        for (std::size_t k = 0; k + 1 < cuts.size(); ++k) {
+          const double mid = start + 0.5 * static_cast<double>(work_before(b, cuts[k]) + work_before(b, cuts[k + 1]));
+          ctas.push_back(std::min(balanced_ctas - 1, static_cast<std::int32_t>(mid / share)));
+        }
+        emit(b, h, cuts, ctas, pieces_out, next_partial);
       }
+    }
+  } else {
+    // Chunks: each (sequence, KV head) cut into chunks of equal work, a
+    // CTA an item.
+    for (int b = 0; b < batch; ++b) {
+      const std::int32_t n_total = counts[b][0] + counts[b][1] + counts[b][2];
+      int chunks = 1;
+      if (c.chunks_per_sequence > 0) {
+        chunks = c.chunks_per_sequence;
+      } else if (total_cost > 0) {
+        chunks = static_cast<int>(std::llround(static_cast<double>(cost[b]) * kvh / total_cost * target_items / kvh));
+      }
+      // A chunk pays a fixed latency (item, page table, first data, merge)
+      // that a warp with one block cannot hide: at batch 1 x 4,096 the split
+      // into 16 chunks (8 blocks) beat 93 (1.4 blocks) by 5 us
+      // (decode_bench --chunk-sweep on the H200, kernel-notes-log.md v9).
+      if (c.chunks_per_sequence == 0) chunks = std::min(chunks, std::max(1, n_total / kMinBlocksPerChunk));
+      chunks = std::clamp(chunks, 1, std::min(detail::kMaxMergePieces, std::max(1, n_total)));
+      // Chunk boundaries at equal work along FP16 | INT4 | INT2.
+      std::vector<std::int32_t> cuts{0};
+      for (int k = 1; k < chunks; ++k) {
+        const std::int32_t cut = std::clamp(block_at(b, cost[b] * k / chunks), cuts.back(), n_total);
+        if (cut > cuts.back() && cut < n_total) cuts.push_back(cut);
+      }
+      cuts.push_back(n_total);
+      const std::vector<std::int32_t> own(cuts.size() - 1, -1);
+      for (int h = 0; h < kvh; ++h) emit(b, h, cuts, own, pieces_out, next_partial);
+    }
+  }
+
+  // The CTAs' first items, then the rest, each linked from the one its CTA
+  // runs before it.
+  out.reserve(pieces_out.size());
+  std::vector<std::size_t> rest;
+  std::int32_t last_cta = -1;
+  for (std::size_t i = 0; i < pieces_out.size(); ++i) {
+    const std::int32_t cta = pieces_out[i].cta;
+    if (cta < 0 || cta != last_cta) {
+      out.push_back(pieces_out[i].item);
+    } else {
+      rest.push_back(i);
+    }
+    last_cta = cta;
+  }
+  ctas[layer] = static_cast<std::int32_t>(out.size());
+  std::int32_t tail = -1;  // the item of the current CTA that links to the next one
+  std::size_t next_rest = 0;
+  for (std::size_t i = 0, head = 0; i < pieces_out.size(); ++i) {
+    if (next_rest < rest.size() && rest[next_rest] == i) {
+      out[tail].next = static_cast<std::int32_t>(out.size());
+      tail = static_cast<std::int32_t>(out.size());
+      out.push_back(pieces_out[i].item);
+      ++next_rest;
+    } else {
+      tail = static_cast<std::int32_t>(head++);
     }
   }
   if (static_cast<std::int32_t>(out.size()) > max_items || next_partial > max_partials) {
@@ -305,13 +379,26 @@ void DecodePlan::plan(std::span<const std::int32_t> slots, cudaStream_t stream) 
     }
   }
   target = std::min(target, s.max_items);
+  // With a pair for every SM, one wave of CTAs takes equal shares of the
+  // work instead, a CTA running pieces of several pairs in turn: chunks of
+  // unequal pairs leave the last wave ragged (b64 x 19,600 mixed, 3 chunks
+  // a pair in 2 waves: 203.6 us, shares 188.8), and a short context pays
+  // a start and a merge per chunk (b64 x 4,096 INT4 55.2 -> 50.4 us). The
+  // chained kernel costs ~1% where chunks of equal pairs already filled
+  // the waves (b64 x 19,600 INT2 152.8 -> 154.5 us; kernel-notes-log v23).
+  const std::int32_t balanced_ctas =
+      c.chunks_per_sequence == 0 && pairs >= c.num_sms && pairs + wave <= s.max_items && wave < detail::kMaxMergePieces
+          ? wave
+          : 0;
   auto items_backup = s.items;
+  auto ctas_backup = s.ctas;
   try {
-    for (int layer = 0; layer < c.num_layers; ++layer) s.plan_layer(layer, target);
+    for (int layer = 0; layer < c.num_layers; ++layer) s.plan_layer(layer, target, balanced_ctas);
   } catch (...) {
     s.batch = old_batch;
     s.slots = std::move(old_slots);
     s.items = std::move(items_backup);
+    s.ctas = std::move(ctas_backup);
     throw;
   }
 
@@ -322,7 +409,7 @@ void DecodePlan::plan(std::span<const std::int32_t> slots, cudaStream_t stream) 
   std::size_t item_total = 0;
   for (int layer = 0; layer < c.num_layers; ++layer) {
     s.item_range_at(header, layer)[0] = static_cast<std::int32_t>(item_total);
-    s.item_range_at(header, layer)[1] = static_cast<std::int32_t>(s.items[layer].size());
+    s.item_range_at(header, layer)[1] = s.ctas[layer];
     std::copy(s.items[layer].begin(), s.items[layer].end(), s.h_items.get() + item_total);
     item_total += s.items[layer].size();
   }
@@ -391,8 +478,10 @@ void DecodePlan::run(const DecodeRunArgs& args) const {
   p.group = s.group;
   p.scale_log2 = args.sm_scale * 1.4426950408889634f;
 
-  const int grid = args.fixed_grid ? s.max_items : static_cast<int>(s.items[args.layer].size());
-  if (grid > 0) detail::launch_decode(p, c.head_dim, c.block_size, grid, args.stream);
+  const int grid = args.fixed_grid ? s.max_items : s.ctas[args.layer];
+  // A captured launch must follow whatever plan it replays under.
+  const bool chained = args.fixed_grid || s.ctas[args.layer] < static_cast<std::int32_t>(s.items[args.layer].size());
+  if (grid > 0) detail::launch_decode(p, c.head_dim, c.block_size, grid, chained, args.stream);
 }
 
 const DecodePlanConfig& DecodePlan::config() const { return impl_->config; }
@@ -400,6 +489,7 @@ std::int32_t DecodePlan::batch_size() const { return impl_->batch; }
 std::int32_t DecodePlan::num_items(std::int32_t layer) const {
   return static_cast<std::int32_t>(impl_->items.at(layer).size());
 }
+std::int32_t DecodePlan::num_ctas(std::int32_t layer) const { return impl_->ctas.at(layer); }
 std::int32_t DecodePlan::num_split_items(std::int32_t layer) const { return impl_->partials.at(layer); }
 std::int64_t DecodePlan::bytes_read(std::int32_t layer) const { return impl_->bytes.at(layer); }
 

@@ -77,7 +77,8 @@ std::int32_t longest_list(const PlacedBatch& placed) {
 
 // Runs the CUDA decode for one layer of `placed` (stored in `arena`).
 DecodeResult run_gpu(TestArena& arena, const PlacedBatch& placed, const std::vector<Half>& q, int q_heads, float sm_scale,
-                  int chunks = 0, int layers = 1, int layer = 0) {
+                  int chunks = 0, int layers = 1, int layer = 0, int num_sms = 0,
+                  std::pair<std::int32_t, std::int32_t>* items_and_ctas = nullptr) {
   const BlockFormat f = arena.format(Precision::FP16);
   const auto batch = static_cast<std::int32_t>(placed.tables[0].indptr.size() - 1);
   DeviceArenaCopy device(arena);
@@ -92,6 +93,7 @@ DecodeResult run_gpu(TestArena& arena, const PlacedBatch& placed, const std::vec
   config.block_size = f.block_size;
   config.max_batch = batch;
   config.chunks_per_sequence = chunks;
+  config.num_sms = num_sms;
   gpu::DecodePlan plan(config, tables);
   std::vector<std::int32_t> slots(batch);
   std::iota(slots.begin(), slots.end(), 0);
@@ -109,6 +111,7 @@ DecodeResult run_gpu(TestArena& arena, const PlacedBatch& placed, const std::vec
   run.sm_scale = sm_scale;
   run.pools = device.pools;
   plan.run(run);
+  if (items_and_ctas != nullptr) *items_and_ctas = {plan.num_items(layer), plan.num_ctas(layer)};
   DecodeResult r;
   r.out = halves_to_floats(dout.to_host());
   r.lse = dlse.to_host();
@@ -208,6 +211,31 @@ TEST(DecodeCudaSoftmax, ClimbingScoresMatchCpuReference) {
   const DecodeResult ref = cpu_decode(arena, placed, q, qh, scale);
   expect_close(run_gpu(arena, placed, q, qh, scale), ref, dim, "auto split");
   expect_close(run_gpu(arena, placed, q, qh, scale, /*chunks=*/1), ref, dim, "1 chunk");
+}
+
+// With a (sequence, KV head) pair for every SM the plan cuts the layer's
+// work into one equal share per resident CTA, so a CTA runs several items
+// (pieces of pairs, whole short pairs, an empty sequence) one after another
+// and pairs are cut where shares end. Planned for 8 and for 40 SMs (24 and
+// 120 CTAs for 57 pairs) so that both the chains and the cuts are long.
+TEST(DecodeCudaBalanced, OneWaveOfSharesMatchesCpuReference) {
+  MIXKV_REQUIRE_CUDA();
+  const int kvh = 3, qh = 9, dim = 128, block = 32;
+  Rng rng(12);
+  std::vector<int> contexts = cycle({1, 97, 500, 1000, 33, 2000, 31, 0, 64}, 19);
+  TestArena arena(kvh, dim, block, blocks_needed(contexts, block), 9);
+  const PlacedBatch placed = place_batch(arena, make_sequences(contexts, kvh, dim, block, kMixed, rng));
+  const auto q = random_halves(rng, contexts.size() * qh * dim);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(dim));
+  const DecodeResult ref = cpu_decode(arena, placed, q, qh, scale);
+  for (int sms : {8, 40}) {
+    std::pair<std::int32_t, std::int32_t> items_and_ctas;
+    expect_close(run_gpu(arena, placed, q, qh, scale, 0, 1, 0, sms, &items_and_ctas), ref, dim,
+                 std::to_string(sms) + " SMs");
+    // Lengths from 0 to 2,000 make chunks of one pair a CTA uneven: the
+    // plan deals shares, so some CTA runs more than one item.
+    if (sms == 8) EXPECT_LT(items_and_ctas.second, items_and_ctas.first);
+  }
 }
 
 // A sequence with no tokens at all, and one whose quantized pools are empty
