@@ -336,8 +336,7 @@ int main(int argc, char** argv) {
         o << "\"batch\": " << batch << ", \"context\": " << ctx << ", \"plan\": \"" << mix.name
           << "\", \"time_us\": " << us << ", \"bytes\": " << bytes << ", \"gbps\": " << gbps
           << ", \"pct_bw\": " << 100.0 * gbps * 1e9 / bw << ", \"ratio_dense\": " << us / dense_us
-          << ", \"items\": " << dplan.num_items(0) << ", \"ctas\": " << dplan.num_ctas(0)
-          << ", \"split_items\": " << dplan.num_split_items(0)
+          << ", \"items\": " << dplan.num_items(0) << ", \"split_items\": " << dplan.num_split_items(0)
           << ", \"plan_host_us\": " << plan_us << ", \"finite\": " << (finite ? "true" : "false");
         json.item(o.str());
         if (batch == batches.front()) {

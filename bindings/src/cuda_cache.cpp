@@ -141,9 +141,6 @@ void bind_cuda_cache(py::module_& cuda) {
       .def_property_readonly("config", &gpu::DecodePlan::config)
       .def_property_readonly("batch_size", &gpu::DecodePlan::batch_size)
       .def("num_items", &gpu::DecodePlan::num_items, py::arg("layer"))
-      .def("num_ctas", &gpu::DecodePlan::num_ctas, py::arg("layer"),
-           "CTAs a run of `layer` launches: one an item, or fewer when a large batch's items are dealt out as equal "
-           "shares of the work (a CTA then runs several items in turn).")
       .def("num_split_items", &gpu::DecodePlan::num_split_items, py::arg("layer"))
       .def("bytes_read", &gpu::DecodePlan::bytes_read, py::arg("layer"),
            "Bytes one run of `layer` must read from HBM (codes, parameters, FP16 rows, tables, queries).");

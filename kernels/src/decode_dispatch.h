@@ -19,16 +19,14 @@ inline constexpr int kMaxMergePieces = 1024;
 // Throws for a shape with no built instance; launches nothing.
 void check_decode_supported(int head_dim, int block_size);
 // grid == 0: configures the instance and returns its CTAs per SM.
-// chained: the plan has CTAs that run several items (DecodeWorkItem::next).
-int launch_decode(const DecodeParams& params, int head_dim, int block_size, int grid, bool chained,
-                  cudaStream_t stream);
+int launch_decode(const DecodeParams& params, int head_dim, int block_size, int grid, cudaStream_t stream);
 
 // Per head_dim (decode_instances_d*.cu): switch on block_size.
 bool decode_d64_supports(int block_size);
 bool decode_d128_supports(int block_size);
 bool decode_d256_supports(int block_size);
-int launch_decode_d64(const DecodeParams& params, int block_size, int grid, bool chained, cudaStream_t stream);
-int launch_decode_d128(const DecodeParams& params, int block_size, int grid, bool chained, cudaStream_t stream);
-int launch_decode_d256(const DecodeParams& params, int block_size, int grid, bool chained, cudaStream_t stream);
+int launch_decode_d64(const DecodeParams& params, int block_size, int grid, cudaStream_t stream);
+int launch_decode_d128(const DecodeParams& params, int block_size, int grid, cudaStream_t stream);
+int launch_decode_d256(const DecodeParams& params, int block_size, int grid, cudaStream_t stream);
 
 }  // namespace mixkv::gpu::detail

@@ -12,12 +12,12 @@ bool decode_d128_supports(int block_size) {
   return block_size == 32 || (MIXKV_D128_SMALL_AND_LARGE_BLOCKS && (block_size == 16 || block_size == 64));
 }
 
-int launch_decode_d128(const DecodeParams& params, int block_size, int grid, bool chained, cudaStream_t stream) {
+int launch_decode_d128(const DecodeParams& params, int block_size, int grid, cudaStream_t stream) {
   switch (block_size) {
-    case 32: return launch_decode_kernel<128, 32>(params, grid, chained, stream);
+    case 32: return launch_decode_kernel<128, 32>(params, grid, stream);
 #if MIXKV_D128_SMALL_AND_LARGE_BLOCKS
-    case 16: return launch_decode_kernel<128, 16>(params, grid, chained, stream);
-    case 64: return launch_decode_kernel<128, 64>(params, grid, chained, stream);
+    case 16: return launch_decode_kernel<128, 16>(params, grid, stream);
+    case 64: return launch_decode_kernel<128, 64>(params, grid, stream);
 #endif
     default: check_decode_supported(128, block_size);  // throws
   }

@@ -716,12 +716,16 @@ __device__ __forceinline__ void run_segment(const DecodeParams& p, const std::in
 
 // ---------------------------------------------------------------- kernel --
 
-// One work item: its blocks through the four warps, their states combined,
-// then the output (or a partial state, merged by the pair's last piece).
 template <int D, int S>
-__device__ __forceinline__ void decode_item(const DecodeParams& p, const DecodeWorkItem& item, char* smem, int warp,
-                                            int lane) {
+__global__ void __launch_bounds__(kDecodeThreads, DecodeTile<D, S>::kMinCtasPerSm)
+    paged_decode_kernel(const __grid_constant__ DecodeParams p) {
   using Tile = DecodeTile<D, S>;
+  extern __shared__ __align__(128) char smem[];
+  const int2 range = p.item_range != nullptr ? *p.item_range : p.launch_range;
+  if (static_cast<int>(blockIdx.x) >= range.y) return;
+  const DecodeWorkItem item = p.items[range.x + blockIdx.x];
+  const int warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31;
   const int g = lane >> 2;
   const int r = lane & 3;
   const int group = p.group;
@@ -853,43 +857,6 @@ __device__ __forceinline__ void decode_item(const DecodeParams& p, const DecodeW
     if (c4 == 0 && lse != nullptr) lse[row] = sum > 0.0f ? (mx + log2f(sum)) * kLn2 : -INFINITY;
   }
   if (item.partial >= 0) merge_split_item<D, kDecodeThreads, kMaxGroup>(p, item, reinterpret_cast<int*>(so));
-}
-
-// kChained: CTA i runs item range.x + i and then the items its `next`
-// links name (a plan of equal shares a CTA); otherwise that one item alone.
-// Two instances because the item loop costs the block loops ~10
-// instructions a block (lane-derived addresses rematerialized, 160
-// registers instead of 162): a plan of one item a CTA keeps the loop-free
-// code.
-template <int D, int S, bool kChained>
-__global__ void __launch_bounds__(kDecodeThreads, DecodeTile<D, S>::kMinCtasPerSm)
-    paged_decode_kernel(const __grid_constant__ DecodeParams p) {
-  extern __shared__ __align__(128) char smem[];
-  const int2 range = p.item_range != nullptr ? *p.item_range : p.launch_range;
-  if (static_cast<int>(blockIdx.x) >= range.y) return;
-  if constexpr (!kChained) {
-    const DecodeWorkItem item = p.items[range.x + blockIdx.x];
-    decode_item<D, S>(p, item, smem, threadIdx.x >> 5, threadIdx.x & 31);
-  } else {
-    const DecodeWorkItem* item = p.items + range.x + blockIdx.x;
-    for (;;) {
-      const DecodeWorkItem here = *item;
-      // The next item waits in L2 when this one ends: one memory latency
-      // less between the two.
-      if (here.next >= 0 && threadIdx.x == 0) prefetch_l2(p.items + range.x + here.next);
-      // The thread index read afresh for every item (volatile): values
-      // derived from it and hoisted out of the item loop stayed live
-      // through the block loops (168 registers instead of 160).
-      unsigned tid;
-      asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
-      __builtin_assume(tid < kDecodeThreads);
-      decode_item<D, S>(p, here, smem, static_cast<int>(tid >> 5), static_cast<int>(tid & 31));
-      const int next = item->next;  // reloaded: here.next kept live cost as much
-      if (next < 0) break;
-      item = p.items + range.x + next;
-      __syncthreads();  // the item's epilogue has read shared memory before the next one's copies land there
-    }
-  }
 }
 
 }  // namespace mixkv::gpu::detail

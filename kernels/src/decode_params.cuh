@@ -30,9 +30,6 @@ struct DecodeWorkItem {
   std::int32_t first = 0;
   std::int32_t pieces = 0;
   std::int32_t fan_in = 0;
-  // The item its CTA runs after this one (an index into the layer's
-  // items), or -1. A layer's first range.y items start the CTAs' runs.
-  std::int32_t next = -1;
 };
 
 struct DecodeParams {
@@ -46,8 +43,7 @@ struct DecodeParams {
   std::int32_t max_sequences = 0;
   std::int32_t max_blocks = 0;
 
-  // The plan: this layer's items start at items[range.x]; CTA i runs item
-  // range.x + i, then follows its `next` links (range.y CTAs).
+  // The plan: this layer's items are items[range.x .. range.x + range.y).
   // A graph-capturable launch reads the range on the device (item_range),
   // so a replay sees the latest plan; a direct launch passes it by value
   // (item_range null), which takes one dependent global load (~1 us with

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <numeric>
 #include <string>
 #include <vector>
 
@@ -26,12 +27,11 @@ void check_decode_supported(int head_dim, int block_size) {
   if (!supported) throw InvalidArgument("Unsupported block_size: " + std::to_string(block_size));
 }
 
-int launch_decode(const DecodeParams& params, int head_dim, int block_size, int grid, bool chained,
-                  cudaStream_t stream) {
+int launch_decode(const DecodeParams& params, int head_dim, int block_size, int grid, cudaStream_t stream) {
   switch (head_dim) {
-    case 64: return launch_decode_d64(params, block_size, grid, chained, stream);
-    case 128: return launch_decode_d128(params, block_size, grid, chained, stream);
-    case 256: return launch_decode_d256(params, block_size, grid, chained, stream);
+    case 64: return launch_decode_d64(params, block_size, grid, stream);
+    case 128: return launch_decode_d128(params, block_size, grid, stream);
+    case 256: return launch_decode_d256(params, block_size, grid, stream);
     default: throw InvalidArgument("Unsupported head_dim: " + std::to_string(head_dim));
   }
 }
@@ -68,7 +68,6 @@ struct DecodePlan::Impl {
   std::vector<std::int32_t> slots;
   std::vector<std::vector<DecodeWorkItem>> items;  // [layer]
   std::vector<std::int32_t> partials;              // [layer]
-  std::vector<std::int32_t> ctas;                  // [layer] CTAs of the launch: its first items
   std::vector<std::int64_t> bytes;                 // [layer]
 
   // Device blob: header ints | slots | items (compact)
@@ -82,11 +81,11 @@ struct DecodePlan::Impl {
   detail::PinnedBuffer<DecodeWorkItem> h_items;
   detail::Event staging_free;
 
-  // Per layer {item offset, CTAs (their first items)}, 8-byte aligned (the kernel reads the pair in one load).
+  // Per layer {item offset, item count}, 8-byte aligned (the kernel reads the pair in one load).
   std::int32_t* item_range_at(std::int32_t* base, int layer) const { return base + 2 + 2 * layer; }
   std::int32_t* slots_at(std::int32_t* base) const { return base + header_ints; }
 
-  void plan_layer(int layer, int chunks_auto_target, std::int32_t balanced_ctas);
+  void plan_layer(int layer, int chunks_auto_target, std::int32_t shares);
 };
 
 DecodePlan::DecodePlan(const DecodePlanConfig& config, const DevicePageTables& tables)
@@ -141,17 +140,16 @@ DecodePlan::DecodePlan(const DecodePlanConfig& config, const DevicePageTables& t
   MIXKV_CUDA_CHECK(cudaMemset(s.d_counters.get(), 0, 2 * static_cast<std::size_t>(s.max_partials) * sizeof(std::int32_t)));
   // Set the kernel's shared-memory limit now (run() may be under graph
   // capture) and learn how many of its CTAs share an SM.
-  s.ctas_per_sm = std::max(1, detail::launch_decode(detail::DecodeParams{}, config.head_dim, config.block_size, 0, false,
+  s.ctas_per_sm = std::max(1, detail::launch_decode(detail::DecodeParams{}, config.head_dim, config.block_size, 0,
                                                     nullptr));
   s.items.resize(config.num_layers);
   s.partials.assign(config.num_layers, 0);
-  s.ctas.assign(config.num_layers, 0);
   s.bytes.assign(config.num_layers, 0);
 }
 
 DecodePlan::~DecodePlan() = default;
 
-void DecodePlan::Impl::plan_layer(int layer, int target_items, std::int32_t balanced_ctas) {
+void DecodePlan::Impl::plan_layer(int layer, int target_items, std::int32_t shares) {
   const DecodePlanConfig& c = config;
   const int kvh = c.num_kv_heads;
   const int S = c.block_size;
@@ -213,14 +211,14 @@ void DecodePlan::Impl::plan_layer(int layer, int target_items, std::int32_t bala
     return first;
   };
   // The items of one (sequence, KV head) cut at `cuts` (first 0, last its
-  // block count) into `into`, piece k run by CTA ctas[k] (-1: a CTA of its
-  // own); partial rows numbered from `partial`.
+  // block count), piece k in share shares_of[k] (-1: none).
   struct Piece {
     DecodeWorkItem item;
-    std::int32_t cta;
+    std::int32_t share;
   };
-  auto emit = [&](int b, int h, const std::vector<std::int32_t>& cuts, const std::vector<std::int32_t>& ctas,
-                  std::vector<Piece>& into, std::int32_t& partial) {
+  std::vector<Piece> pieces_out;
+  std::int32_t next_partial = 0;
+  auto emit = [&](int b, int h, const std::vector<std::int32_t>& cuts, const std::vector<std::int32_t>& shares_of) {
     const int pieces = static_cast<int>(cuts.size()) - 1;
     // The in-kernel merge: one level up to 16 pieces, else two levels of
     // ceil(sqrt(pieces)) rows (<= 32 each at kMaxMergePieces = 1024).
@@ -236,48 +234,44 @@ void DecodePlan::Impl::plan_layer(int layer, int target_items, std::int32_t bala
     item.fill = fills[b];
     item.kv_head = h;
     if (pieces > 1) {
-      item.first = partial;
+      item.first = next_partial;
       item.pieces = pieces;
       item.fan_in = fan_in;
     }
     for (int k = 0; k < pieces; ++k) {
       item.begin = cuts[k];
       item.end = cuts[k + 1];
-      item.partial = pieces > 1 ? partial++ : -1;
-      into.push_back({item, ctas[k]});
+      item.partial = pieces > 1 ? next_partial++ : -1;
+      pieces_out.push_back({item, shares_of[k]});
     }
   };
-  std::vector<Piece> pieces_out;
-  std::int32_t next_partial = 0;
-  if (balanced_ctas > 0 && total_cost > 0) {
+  if (shares > 0 && total_cost > 0) {
     // Shares: the layer's work laid end to end over the pairs (b, h) and
-    // cut at balanced_ctas equal shares, one a CTA: a pair may be cut where
-    // a share ends, and a CTA runs the pieces of its share one after
-    // another. Pieces under kMinBlocksPerChunk are not cut off (a CTA's
-    // share moves by less than that); a piece goes to the share holding
-    // its midpoint.
-    const double share = static_cast<double>(total_cost) / balanced_ctas;
+    // cut into `shares` equal shares, one per resident CTA: a pair may be
+    // cut where a share ends. Pieces under kMinBlocksPerChunk are not cut
+    // off (a share moves by less than that); a piece belongs to the share
+    // holding its midpoint.
+    const double share = static_cast<double>(total_cost) / shares;
     std::int64_t start = 0;  // work before the pair
     for (int b = 0; b < batch; ++b) {
       const std::int32_t n_total = counts[b][0] + counts[b][1] + counts[b][2];
       for (int h = 0; h < kvh; ++h, start += cost[b]) {
         std::vector<std::int32_t> cuts{0};
-        for (auto k = static_cast<std::int64_t>(start / share) + 1; k < balanced_ctas && k * share < start + cost[b]; ++k) {
+        for (auto k = static_cast<std::int64_t>(start / share) + 1; k < shares && k * share < start + cost[b]; ++k) {
           const std::int32_t cut = block_at(b, std::llround(k * share) - start);
           if (cut - cuts.back() >= kMinBlocksPerChunk && n_total - cut >= kMinBlocksPerChunk) cuts.push_back(cut);
         }
         cuts.push_back(n_total);
-        std::vector<std::int32_t> ctas;
+        std::vector<std::int32_t> shares_of;
         for (std::size_t k = 0; k + 1 < cuts.size(); ++k) {
           const double mid = start + 0.5 * static_cast<double>(work_before(b, cuts[k]) + work_before(b, cuts[k + 1]));
-          ctas.push_back(std::min(balanced_ctas - 1, static_cast<std::int32_t>(mid / share)));
+          shares_of.push_back(std::min(shares - 1, static_cast<std::int32_t>(mid / share)));
         }
-        emit(b, h, cuts, ctas, pieces_out, next_partial);
+        emit(b, h, cuts, shares_of);
       }
     }
   } else {
-    // Chunks: each (sequence, KV head) cut into chunks of equal work, a
-    // CTA an item.
+    // Chunks: each (sequence, KV head) cut into chunks of equal work.
     for (int b = 0; b < batch; ++b) {
       const std::int32_t n_total = counts[b][0] + counts[b][1] + counts[b][2];
       int chunks = 1;
@@ -299,38 +293,28 @@ void DecodePlan::Impl::plan_layer(int layer, int target_items, std::int32_t bala
         if (cut > cuts.back() && cut < n_total) cuts.push_back(cut);
       }
       cuts.push_back(n_total);
-      const std::vector<std::int32_t> own(cuts.size() - 1, -1);
-      for (int h = 0; h < kvh; ++h) emit(b, h, cuts, own, pieces_out, next_partial);
+      const std::vector<std::int32_t> none(cuts.size() - 1, -1);
+      for (int h = 0; h < kvh; ++h) emit(b, h, cuts, none);
     }
   }
 
-  // The CTAs' first items, then the rest, each linked from the one its CTA
-  // runs before it.
+  // A CTA an item, launched in the order of the work before the item in its
+  // share: the block scheduler starts the shares' first pieces as the first
+  // wave and then hands each freed CTA slot the next item, so the slot freed
+  // first (the shortest first piece) takes the longest second piece, the
+  // one that completes that share, and every slot ends with its share.
+  std::vector<std::int64_t> start_of(pieces_out.size(), 0);
+  for (std::size_t i = 1; i < pieces_out.size(); ++i) {
+    if (pieces_out[i].share >= 0 && pieces_out[i].share == pieces_out[i - 1].share) {
+      const DecodeWorkItem& before = pieces_out[i - 1].item;
+      start_of[i] = start_of[i - 1] + work_before(before.seq, before.end) - work_before(before.seq, before.begin);
+    }
+  }
+  std::vector<std::size_t> order(pieces_out.size());
+  std::iota(order.begin(), order.end(), std::size_t{0});
+  std::stable_sort(order.begin(), order.end(), [&](std::size_t x, std::size_t y) { return start_of[x] < start_of[y]; });
   out.reserve(pieces_out.size());
-  std::vector<std::size_t> rest;
-  std::int32_t last_cta = -1;
-  for (std::size_t i = 0; i < pieces_out.size(); ++i) {
-    const std::int32_t cta = pieces_out[i].cta;
-    if (cta < 0 || cta != last_cta) {
-      out.push_back(pieces_out[i].item);
-    } else {
-      rest.push_back(i);
-    }
-    last_cta = cta;
-  }
-  ctas[layer] = static_cast<std::int32_t>(out.size());
-  std::int32_t tail = -1;  // the item of the current CTA that links to the next one
-  std::size_t next_rest = 0;
-  for (std::size_t i = 0, head = 0; i < pieces_out.size(); ++i) {
-    if (next_rest < rest.size() && rest[next_rest] == i) {
-      out[tail].next = static_cast<std::int32_t>(out.size());
-      tail = static_cast<std::int32_t>(out.size());
-      out.push_back(pieces_out[i].item);
-      ++next_rest;
-    } else {
-      tail = static_cast<std::int32_t>(head++);
-    }
-  }
+  for (std::size_t i : order) out.push_back(pieces_out[i].item);
   if (static_cast<std::int32_t>(out.size()) > max_items || next_partial > max_partials) {
     throw OutOfMemory("DecodePlan::plan: layer " + std::to_string(layer) + " needs " + std::to_string(out.size()) +
                       " work items: expected <= max_items_per_layer = " + std::to_string(max_items));
@@ -379,26 +363,22 @@ void DecodePlan::plan(std::span<const std::int32_t> slots, cudaStream_t stream) 
     }
   }
   target = std::min(target, s.max_items);
-  // With a pair for every SM, one wave of CTAs takes equal shares of the
-  // work instead, a CTA running pieces of several pairs in turn: chunks of
-  // unequal pairs leave the last wave ragged (b64 x 19,600 mixed, 3 chunks
-  // a pair in 2 waves: 203.6 us, shares 188.8), and a short context pays
-  // a start and a merge per chunk (b64 x 4,096 INT4 55.2 -> 50.4 us). The
-  // chained kernel costs ~1% where chunks of equal pairs already filled
-  // the waves (b64 x 19,600 INT2 152.8 -> 154.5 us; kernel-notes-log v23).
-  const std::int32_t balanced_ctas =
+  // With a pair for every SM, the work is cut into one equal share per
+  // resident CTA instead (a pair cut where a share ends; plan_layer): 3
+  // chunks of unequal pairs left the last of 2 waves ragged (b64 x 19,600
+  // mixed 203.6 us, shares 188.8), and short contexts paid a start and a
+  // merge per chunk (b64 x 4,096 INT4 55.2 -> 50.4 us; kernel-notes-log v23).
+  const std::int32_t shares =
       c.chunks_per_sequence == 0 && pairs >= c.num_sms && pairs + wave <= s.max_items && wave < detail::kMaxMergePieces
           ? wave
           : 0;
   auto items_backup = s.items;
-  auto ctas_backup = s.ctas;
   try {
-    for (int layer = 0; layer < c.num_layers; ++layer) s.plan_layer(layer, target, balanced_ctas);
+    for (int layer = 0; layer < c.num_layers; ++layer) s.plan_layer(layer, target, shares);
   } catch (...) {
     s.batch = old_batch;
     s.slots = std::move(old_slots);
     s.items = std::move(items_backup);
-    s.ctas = std::move(ctas_backup);
     throw;
   }
 
@@ -409,7 +389,7 @@ void DecodePlan::plan(std::span<const std::int32_t> slots, cudaStream_t stream) 
   std::size_t item_total = 0;
   for (int layer = 0; layer < c.num_layers; ++layer) {
     s.item_range_at(header, layer)[0] = static_cast<std::int32_t>(item_total);
-    s.item_range_at(header, layer)[1] = s.ctas[layer];
+    s.item_range_at(header, layer)[1] = static_cast<std::int32_t>(s.items[layer].size());
     std::copy(s.items[layer].begin(), s.items[layer].end(), s.h_items.get() + item_total);
     item_total += s.items[layer].size();
   }
@@ -478,10 +458,8 @@ void DecodePlan::run(const DecodeRunArgs& args) const {
   p.group = s.group;
   p.scale_log2 = args.sm_scale * 1.4426950408889634f;
 
-  const int grid = args.fixed_grid ? s.max_items : s.ctas[args.layer];
-  // A captured launch must follow whatever plan it replays under.
-  const bool chained = args.fixed_grid || s.ctas[args.layer] < static_cast<std::int32_t>(s.items[args.layer].size());
-  if (grid > 0) detail::launch_decode(p, c.head_dim, c.block_size, grid, chained, args.stream);
+  const int grid = args.fixed_grid ? s.max_items : static_cast<int>(s.items[args.layer].size());
+  if (grid > 0) detail::launch_decode(p, c.head_dim, c.block_size, grid, args.stream);
 }
 
 const DecodePlanConfig& DecodePlan::config() const { return impl_->config; }
@@ -489,7 +467,6 @@ std::int32_t DecodePlan::batch_size() const { return impl_->batch; }
 std::int32_t DecodePlan::num_items(std::int32_t layer) const {
   return static_cast<std::int32_t>(impl_->items.at(layer).size());
 }
-std::int32_t DecodePlan::num_ctas(std::int32_t layer) const { return impl_->ctas.at(layer); }
 std::int32_t DecodePlan::num_split_items(std::int32_t layer) const { return impl_->partials.at(layer); }
 std::int64_t DecodePlan::bytes_read(std::int32_t layer) const { return impl_->bytes.at(layer); }
 

@@ -57,9 +57,6 @@ template <int Off>
 __device__ __forceinline__ void cp_async_16_at(uint32_t smem_addr, const void* gmem_src) {
   asm volatile("cp.async.cg.shared.global [%0+%2], [%1+%2], 16;\n" ::"r"(smem_addr), "l"(gmem_src), "n"(Off));
 }
-__device__ __forceinline__ void prefetch_l2(const void* gmem) {
-  asm volatile("prefetch.global.L2 [%0];\n" ::"l"(gmem));
-}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {

@@ -93,8 +93,6 @@ def test_paged_decode_attention_matches_the_cpu_reference(rng, q_heads):
     q = rng.standard_normal((3, q_heads, SHAPE.head_dim)).astype(np.float16)
     md = host.decode_metadata([0, 1, 2])
     for layer in range(SHAPE.num_layers):
-        # 3 sequences: fewer pairs than SMs, so one item a CTA.
-        assert plan.num_ctas(layer) == plan.num_items(layer) >= 1
         out = torch.empty((3, q_heads, SHAPE.head_dim), dtype=torch.float16, device="cuda")
         lse = torch.empty((3, q_heads), dtype=torch.float32, device="cuda")
         ops.paged_decode_attention(device, plan, layer, cuda(q), out=out, lse=lse)

@@ -74,10 +74,6 @@ class DecodePlan {
   const DecodePlanConfig& config() const;
   std::int32_t batch_size() const;
   std::int32_t num_items(std::int32_t layer) const;
-  // CTAs run() launches for `layer`: one an item, or (a large batch whose
-  // items the plan deals out as equal shares of the work) fewer, each
-  // running several items in turn.
-  std::int32_t num_ctas(std::int32_t layer) const;
   std::int32_t num_split_items(std::int32_t layer) const;
   // Bytes one run() of `layer` must read from HBM: K/V codes, parameters
   // and FP16 rows actually visited, plus page-table entries and queries.
