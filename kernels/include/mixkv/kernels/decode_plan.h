@@ -24,9 +24,10 @@ struct DecodePlanConfig {
   // Multiprocessors to plan for; 0 = those of the current device.
   std::int32_t num_sms = 0;
   // Split-KV chunks per (sequence, KV head); 0 = chosen from the batch:
-  // whole waves of resident CTAs (2 per SM when there are fewer
-  // (sequence, KV head) pairs than SMs), at least 8 blocks a chunk
-  // (tests force other splits).
+  // with fewer (sequence, KV head) pairs than SMs, chunks filling whole
+  // waves of 2 resident CTAs an SM; with more, the layer's work cut into
+  // one equal share per resident CTA, pairs cut where a share ends. At
+  // least 8 blocks a piece either way (tests force other splits).
   std::int32_t chunks_per_sequence = 0;
 };
 
