@@ -3,8 +3,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <numeric>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cuda_check.cuh"
@@ -217,7 +217,10 @@ void DecodePlan::Impl::plan_layer(int layer, int target_items, std::int32_t shar
     std::int32_t share;
   };
   std::vector<Piece> pieces_out;
+  pieces_out.reserve(static_cast<std::size_t>(batch) * kvh + std::max(shares, target_items));
   std::int32_t next_partial = 0;
+  std::vector<std::int32_t> cuts;       // of the current pair
+  std::vector<std::int32_t> shares_of;  // of its pieces
   auto emit = [&](int b, int h, const std::vector<std::int32_t>& cuts, const std::vector<std::int32_t>& shares_of) {
     const int pieces = static_cast<int>(cuts.size()) - 1;
     // The in-kernel merge: one level up to 16 pieces, else two levels of
@@ -256,13 +259,13 @@ void DecodePlan::Impl::plan_layer(int layer, int target_items, std::int32_t shar
     for (int b = 0; b < batch; ++b) {
       const std::int32_t n_total = counts[b][0] + counts[b][1] + counts[b][2];
       for (int h = 0; h < kvh; ++h, start += cost[b]) {
-        std::vector<std::int32_t> cuts{0};
+        cuts.assign(1, 0);
         for (auto k = static_cast<std::int64_t>(start / share) + 1; k < shares && k * share < start + cost[b]; ++k) {
           const std::int32_t cut = block_at(b, std::llround(k * share) - start);
           if (cut - cuts.back() >= kMinBlocksPerChunk && n_total - cut >= kMinBlocksPerChunk) cuts.push_back(cut);
         }
         cuts.push_back(n_total);
-        std::vector<std::int32_t> shares_of;
+        shares_of.clear();
         for (std::size_t k = 0; k + 1 < cuts.size(); ++k) {
           const double mid = start + 0.5 * static_cast<double>(work_before(b, cuts[k]) + work_before(b, cuts[k + 1]));
           shares_of.push_back(std::min(shares - 1, static_cast<std::int32_t>(mid / share)));
@@ -287,14 +290,14 @@ void DecodePlan::Impl::plan_layer(int layer, int target_items, std::int32_t shar
       if (c.chunks_per_sequence == 0) chunks = std::min(chunks, std::max(1, n_total / kMinBlocksPerChunk));
       chunks = std::clamp(chunks, 1, std::min(detail::kMaxMergePieces, std::max(1, n_total)));
       // Chunk boundaries at equal work along FP16 | INT4 | INT2.
-      std::vector<std::int32_t> cuts{0};
+      cuts.assign(1, 0);
       for (int k = 1; k < chunks; ++k) {
         const std::int32_t cut = std::clamp(block_at(b, cost[b] * k / chunks), cuts.back(), n_total);
         if (cut > cuts.back() && cut < n_total) cuts.push_back(cut);
       }
       cuts.push_back(n_total);
-      const std::vector<std::int32_t> none(cuts.size() - 1, -1);
-      for (int h = 0; h < kvh; ++h) emit(b, h, cuts, none);
+      shares_of.assign(cuts.size() - 1, -1);
+      for (int h = 0; h < kvh; ++h) emit(b, h, cuts, shares_of);
     }
   }
 
@@ -303,18 +306,23 @@ void DecodePlan::Impl::plan_layer(int layer, int target_items, std::int32_t shar
   // wave and then hands each freed CTA slot the next item, so the slot freed
   // first (the shortest first piece) takes the longest second piece, the
   // one that completes that share, and every slot ends with its share.
-  std::vector<std::int64_t> start_of(pieces_out.size(), 0);
-  for (std::size_t i = 1; i < pieces_out.size(); ++i) {
-    if (pieces_out[i].share >= 0 && pieces_out[i].share == pieces_out[i - 1].share) {
-      const DecodeWorkItem& before = pieces_out[i - 1].item;
-      start_of[i] = start_of[i - 1] + work_before(before.seq, before.end) - work_before(before.seq, before.begin);
-    }
-  }
-  std::vector<std::size_t> order(pieces_out.size());
-  std::iota(order.begin(), order.end(), std::size_t{0});
-  std::stable_sort(order.begin(), order.end(), [&](std::size_t x, std::size_t y) { return start_of[x] < start_of[y]; });
+  // (Chunks keep their order: pair by pair.)
   out.reserve(pieces_out.size());
-  for (std::size_t i : order) out.push_back(pieces_out[i].item);
+  if (shares > 0 && total_cost > 0) {
+    std::vector<std::pair<std::int64_t, std::int32_t>> order(pieces_out.size());  // (start, index)
+    for (std::size_t i = 0; i < pieces_out.size(); ++i) {
+      std::int64_t start = 0;
+      if (i > 0 && pieces_out[i].share == pieces_out[i - 1].share) {
+        const DecodeWorkItem& before = pieces_out[i - 1].item;
+        start = order[i - 1].first + work_before(before.seq, before.end) - work_before(before.seq, before.begin);
+      }
+      order[i] = {start, static_cast<std::int32_t>(i)};
+    }
+    std::sort(order.begin(), order.end());
+    for (const auto& [start, i] : order) out.push_back(pieces_out[i].item);
+  } else {
+    for (const Piece& piece : pieces_out) out.push_back(piece.item);
+  }
   if (static_cast<std::int32_t>(out.size()) > max_items || next_partial > max_partials) {
     throw OutOfMemory("DecodePlan::plan: layer " + std::to_string(layer) + " needs " + std::to_string(out.size()) +
                       " work items: expected <= max_items_per_layer = " + std::to_string(max_items));
@@ -367,7 +375,7 @@ void DecodePlan::plan(std::span<const std::int32_t> slots, cudaStream_t stream) 
   // resident CTA instead (a pair cut where a share ends; plan_layer): 3
   // chunks of unequal pairs left the last of 2 waves ragged (b64 x 19,600
   // mixed 203.6 us, shares 188.8), and short contexts paid a start and a
-  // merge per chunk (b64 x 4,096 INT4 55.2 -> 50.4 us; kernel-notes-log v23).
+  // merge per chunk (b64 x 4,096 INT4 55.2 -> 50.4 us; kernel-notes-log v23-v24).
   const std::int32_t shares =
       c.chunks_per_sequence == 0 && pairs >= c.num_sms && pairs + wave <= s.max_items && wave < detail::kMaxMergePieces
           ? wave
