@@ -4,7 +4,6 @@
 #include <cmath>
 #include <cstring>
 #include <string>
-#include <utility>
 #include <vector>
 
 #include "cuda_check.cuh"
@@ -211,17 +210,18 @@ void DecodePlan::Impl::plan_layer(int layer, int target_items, std::int32_t shar
     return first;
   };
   // The items of one (sequence, KV head) cut at `cuts` (first 0, last its
-  // block count), piece k in share shares_of[k] (-1: none).
+  // block count); piece k starts after starts[k] of work in its share (0
+  // for chunks), the key of the launch order below.
   struct Piece {
     DecodeWorkItem item;
-    std::int32_t share;
+    std::int64_t start;
   };
   std::vector<Piece> pieces_out;
   pieces_out.reserve(static_cast<std::size_t>(batch) * kvh + std::max(shares, target_items));
   std::int32_t next_partial = 0;
-  std::vector<std::int32_t> cuts;       // of the current pair
-  std::vector<std::int32_t> shares_of;  // of its pieces
-  auto emit = [&](int b, int h, const std::vector<std::int32_t>& cuts, const std::vector<std::int32_t>& shares_of) {
+  std::vector<std::int32_t> cuts;     // of the current pair
+  std::vector<std::int64_t> starts;   // of its pieces
+  auto emit = [&](int b, int h) {
     const int pieces = static_cast<int>(cuts.size()) - 1;
     // The in-kernel merge: one level up to 16 pieces, else two levels of
     // ceil(sqrt(pieces)) rows (<= 32 each at kMaxMergePieces = 1024).
@@ -245,7 +245,7 @@ void DecodePlan::Impl::plan_layer(int layer, int target_items, std::int32_t shar
       item.begin = cuts[k];
       item.end = cuts[k + 1];
       item.partial = pieces > 1 ? next_partial++ : -1;
-      pieces_out.push_back({item, shares_of[k]});
+      pieces_out.push_back({item, starts[k]});
     }
   };
   if (shares > 0 && total_cost > 0) {
@@ -256,6 +256,8 @@ void DecodePlan::Impl::plan_layer(int layer, int target_items, std::int32_t shar
     // holding its midpoint.
     const double share = static_cast<double>(total_cost) / shares;
     std::int64_t start = 0;  // work before the pair
+    std::int32_t current_share = -1;
+    std::int64_t share_work = 0;  // of the current share's pieces so far
     for (int b = 0; b < batch; ++b) {
       const std::int32_t n_total = counts[b][0] + counts[b][1] + counts[b][2];
       for (int h = 0; h < kvh; ++h, start += cost[b]) {
@@ -265,12 +267,19 @@ void DecodePlan::Impl::plan_layer(int layer, int target_items, std::int32_t shar
           if (cut - cuts.back() >= kMinBlocksPerChunk && n_total - cut >= kMinBlocksPerChunk) cuts.push_back(cut);
         }
         cuts.push_back(n_total);
-        shares_of.clear();
+        starts.clear();
         for (std::size_t k = 0; k + 1 < cuts.size(); ++k) {
-          const double mid = start + 0.5 * static_cast<double>(work_before(b, cuts[k]) + work_before(b, cuts[k + 1]));
-          shares_of.push_back(std::min(shares - 1, static_cast<std::int32_t>(mid / share)));
+          const std::int64_t lo = work_before(b, cuts[k]);
+          const std::int64_t hi = work_before(b, cuts[k + 1]);
+          const auto in_share = std::min(shares - 1, static_cast<std::int32_t>((start + 0.5 * (lo + hi)) / share));
+          if (in_share != current_share) {
+            current_share = in_share;
+            share_work = 0;
+          }
+          starts.push_back(share_work);
+          share_work += hi - lo;
         }
-        emit(b, h, cuts, shares_of);
+        emit(b, h);
       }
     }
   } else {
@@ -296,8 +305,8 @@ void DecodePlan::Impl::plan_layer(int layer, int target_items, std::int32_t shar
         if (cut > cuts.back() && cut < n_total) cuts.push_back(cut);
       }
       cuts.push_back(n_total);
-      shares_of.assign(cuts.size() - 1, -1);
-      for (int h = 0; h < kvh; ++h) emit(b, h, cuts, shares_of);
+      starts.assign(cuts.size() - 1, 0);
+      for (int h = 0; h < kvh; ++h) emit(b, h);
     }
   }
 
@@ -306,23 +315,11 @@ void DecodePlan::Impl::plan_layer(int layer, int target_items, std::int32_t shar
   // wave and then hands each freed CTA slot the next item, so the slot freed
   // first (the shortest first piece) takes the longest second piece, the
   // one that completes that share, and every slot ends with its share.
-  // (Chunks keep their order: pair by pair.)
+  // (Chunks, all starting at 0, keep their order: pair by pair.)
+  std::stable_sort(pieces_out.begin(), pieces_out.end(),
+                   [](const Piece& x, const Piece& y) { return x.start < y.start; });
   out.reserve(pieces_out.size());
-  if (shares > 0 && total_cost > 0) {
-    std::vector<std::pair<std::int64_t, std::int32_t>> order(pieces_out.size());  // (start, index)
-    for (std::size_t i = 0; i < pieces_out.size(); ++i) {
-      std::int64_t start = 0;
-      if (i > 0 && pieces_out[i].share == pieces_out[i - 1].share) {
-        const DecodeWorkItem& before = pieces_out[i - 1].item;
-        start = order[i - 1].first + work_before(before.seq, before.end) - work_before(before.seq, before.begin);
-      }
-      order[i] = {start, static_cast<std::int32_t>(i)};
-    }
-    std::sort(order.begin(), order.end());
-    for (const auto& [start, i] : order) out.push_back(pieces_out[i].item);
-  } else {
-    for (const Piece& piece : pieces_out) out.push_back(piece.item);
-  }
+  for (const Piece& piece : pieces_out) out.push_back(piece.item);
   if (static_cast<std::int32_t>(out.size()) > max_items || next_partial > max_partials) {
     throw OutOfMemory("DecodePlan::plan: layer " + std::to_string(layer) + " needs " + std::to_string(out.size()) +
                       " work items: expected <= max_items_per_layer = " + std::to_string(max_items));
