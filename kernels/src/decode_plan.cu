@@ -1,9 +1,11 @@
 #include "mixkv/kernels/decode_plan.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cuda_check.cuh"
@@ -62,12 +64,27 @@ struct DecodePlan::Impl {
   std::int32_t ctas_per_sm = 3;   // of the decode instance
   std::int64_t fp16_block_bytes = 0, int4_block_bytes = 0, int2_block_bytes = 0;  // per head
 
-  // Host state of the current plan.
+  struct LayerPlan {
+    std::vector<DecodeWorkItem> items;  // in launch order
+    std::int32_t partials = 0;          // rows of the partial-state workspace
+    std::int64_t bytes = 0;             // the kernel reads
+  };
+  // Host state of the current plan, and the one plan() builds: swapped in
+  // only when every layer is planned (a failed call changes nothing), and
+  // both keep their capacity from call to call.
   std::int32_t batch = 0;
   std::vector<std::int32_t> slots;
-  std::vector<std::vector<DecodeWorkItem>> items;  // [layer]
-  std::vector<std::int32_t> partials;              // [layer]
-  std::vector<std::int64_t> bytes;                 // [layer]
+  std::vector<LayerPlan> layers;
+  std::vector<LayerPlan> next_layers;
+
+  // plan_layer's scratch, kept for its capacity.
+  std::vector<std::int64_t> cost;                       // [sequence]
+  std::vector<std::array<std::int32_t, 3>> counts;      // [sequence]
+  std::vector<std::int32_t> fills;                      // [sequence]
+  std::vector<DecodeWorkItem> emitted;                  // pair by pair
+  std::vector<std::pair<std::int64_t, std::int32_t>> launch_keys;  // (start in share, emitted index)
+  std::vector<std::int32_t> cuts;                       // of the current pair
+  std::vector<std::int64_t> starts;                     // of its pieces
 
   // Device blob: header ints | slots | items (compact)
   std::size_t header_ints = 0;
@@ -84,6 +101,7 @@ struct DecodePlan::Impl {
   std::int32_t* item_range_at(std::int32_t* base, int layer) const { return base + 2 + 2 * layer; }
   std::int32_t* slots_at(std::int32_t* base) const { return base + header_ints; }
 
+  // Plans `layer` of the batch in (batch, slots) into next_layers[layer].
   void plan_layer(int layer, int chunks_auto_target, std::int32_t shares);
 };
 
@@ -141,9 +159,8 @@ DecodePlan::DecodePlan(const DecodePlanConfig& config, const DevicePageTables& t
   // capture) and learn how many of its CTAs share an SM.
   s.ctas_per_sm = std::max(1, detail::launch_decode(detail::DecodeParams{}, config.head_dim, config.block_size, 0,
                                                     nullptr));
-  s.items.resize(config.num_layers);
-  s.partials.assign(config.num_layers, 0);
-  s.bytes.assign(config.num_layers, 0);
+  s.layers.resize(config.num_layers);
+  s.next_layers.resize(config.num_layers);
 }
 
 DecodePlan::~DecodePlan() = default;
@@ -152,8 +169,7 @@ void DecodePlan::Impl::plan_layer(int layer, int target_items, std::int32_t shar
   const DecodePlanConfig& c = config;
   const int kvh = c.num_kv_heads;
   const int S = c.block_size;
-  auto& out = items[layer];
-  out.clear();
+  LayerPlan& out = next_layers[layer];
   std::int64_t total_bytes = static_cast<std::int64_t>(batch) * c.num_q_heads * c.head_dim * 2;  // q
 
   // Work of one block (per KV head) of each pool, in bytes: what it reads
@@ -173,9 +189,9 @@ void DecodePlan::Impl::plan_layer(int layer, int target_items, std::int32_t shar
                                 int2_block_bytes + kBytesPerInstruction * quant_instructions};
 
   // Work per KV head of each sequence.
-  std::vector<std::int64_t> cost(batch);
-  std::vector<std::array<std::int32_t, 3>> counts(batch);
-  std::vector<std::int32_t> fills(batch);
+  cost.resize(batch);
+  counts.resize(batch);
+  fills.resize(batch);
   std::int64_t total_cost = 0;
   for (int b = 0; b < batch; ++b) {
     for (int p = 0; p < kNumPrecisions; ++p) counts[b][p] = tables->num_blocks(slots[b], layer, kAllPrecisions[p]);
@@ -188,7 +204,7 @@ void DecodePlan::Impl::plan_layer(int layer, int target_items, std::int32_t shar
     const std::int64_t blocks = counts[b][0] + counts[b][1] + counts[b][2];
     total_bytes += (data + blocks * 4) * kvh + 4 * kNumPrecisions + 4;  // data + page-table entries + counts
   }
-  bytes[layer] = total_bytes;
+  out.bytes = total_bytes;
 
   // Work of a sequence's blocks [0, block) and the first block whose
   // cumulative work reaches `target` (blocks in FP16 | INT4 | INT2 order).
@@ -212,15 +228,9 @@ void DecodePlan::Impl::plan_layer(int layer, int target_items, std::int32_t shar
   // The items of one (sequence, KV head) cut at `cuts` (first 0, last its
   // block count); piece k starts after starts[k] of work in its share (0
   // for chunks), the key of the launch order below.
-  struct Piece {
-    DecodeWorkItem item;
-    std::int64_t start;
-  };
-  std::vector<Piece> pieces_out;
-  pieces_out.reserve(static_cast<std::size_t>(batch) * kvh + std::max(shares, target_items));
+  emitted.clear();
+  launch_keys.clear();
   std::int32_t next_partial = 0;
-  std::vector<std::int32_t> cuts;     // of the current pair
-  std::vector<std::int64_t> starts;   // of its pieces
   auto emit = [&](int b, int h) {
     const int pieces = static_cast<int>(cuts.size()) - 1;
     // The in-kernel merge: one level up to 16 pieces, else two levels of
@@ -245,7 +255,8 @@ void DecodePlan::Impl::plan_layer(int layer, int target_items, std::int32_t shar
       item.begin = cuts[k];
       item.end = cuts[k + 1];
       item.partial = pieces > 1 ? next_partial++ : -1;
-      pieces_out.push_back({item, starts[k]});
+      launch_keys.emplace_back(starts[k], static_cast<std::int32_t>(emitted.size()));
+      emitted.push_back(item);
     }
   };
   if (shares > 0 && total_cost > 0) {
@@ -310,21 +321,22 @@ void DecodePlan::Impl::plan_layer(int layer, int target_items, std::int32_t shar
     }
   }
 
+  if (static_cast<std::int32_t>(emitted.size()) > max_items || next_partial > max_partials) {
+    throw OutOfMemory("DecodePlan::plan: layer " + std::to_string(layer) + " needs " + std::to_string(emitted.size()) +
+                      " work items: expected <= max_items_per_layer = " + std::to_string(max_items));
+  }
   // A CTA an item, launched in the order of the work before the item in its
   // share: the block scheduler starts the shares' first pieces as the first
   // wave and then hands each freed CTA slot the next item, so the slot freed
   // first (the shortest first piece) takes the longest second piece, the
   // one that completes that share, and every slot ends with its share.
-  // (Chunks, all starting at 0, keep their order: pair by pair.)
-  std::stable_sort(pieces_out.begin(), pieces_out.end(),
-                   [](const Piece& x, const Piece& y) { return x.start < y.start; });
-  out.reserve(pieces_out.size());
-  for (const Piece& piece : pieces_out) out.push_back(piece.item);
-  if (static_cast<std::int32_t>(out.size()) > max_items || next_partial > max_partials) {
-    throw OutOfMemory("DecodePlan::plan: layer " + std::to_string(layer) + " needs " + std::to_string(out.size()) +
-                      " work items: expected <= max_items_per_layer = " + std::to_string(max_items));
-  }
-  partials[layer] = next_partial;
+  // Chunks, all starting at 0, keep their order: pair by pair. The keys are
+  // unique by their index, so a plain sort keeps the emission order among
+  // equal starts (and moves 16-byte keys, not 56-byte items).
+  if (shares > 0) std::sort(launch_keys.begin(), launch_keys.end());
+  out.items.resize(emitted.size());
+  for (std::size_t i = 0; i < launch_keys.size(); ++i) out.items[i] = emitted[launch_keys[i].second];
+  out.partials = next_partial;
 }
 
 void DecodePlan::plan(std::span<const std::int32_t> slots, cudaStream_t stream) {
@@ -377,15 +389,14 @@ void DecodePlan::plan(std::span<const std::int32_t> slots, cudaStream_t stream) 
       c.chunks_per_sequence == 0 && pairs >= c.num_sms && pairs + wave <= s.max_items && wave < detail::kMaxMergePieces
           ? wave
           : 0;
-  auto items_backup = s.items;
   try {
     for (int layer = 0; layer < c.num_layers; ++layer) s.plan_layer(layer, target, shares);
   } catch (...) {
     s.batch = old_batch;
     s.slots = std::move(old_slots);
-    s.items = std::move(items_backup);
     throw;
   }
+  std::swap(s.layers, s.next_layers);
 
   // Stage and upload: header + slots, then the compact items.
   s.staging_free.synchronize();
@@ -394,9 +405,10 @@ void DecodePlan::plan(std::span<const std::int32_t> slots, cudaStream_t stream) 
   std::size_t item_total = 0;
   for (int layer = 0; layer < c.num_layers; ++layer) {
     s.item_range_at(header, layer)[0] = static_cast<std::int32_t>(item_total);
-    s.item_range_at(header, layer)[1] = static_cast<std::int32_t>(s.items[layer].size());
-    std::copy(s.items[layer].begin(), s.items[layer].end(), s.h_items.get() + item_total);
-    item_total += s.items[layer].size();
+    const std::vector<DecodeWorkItem>& items = s.layers[layer].items;
+    s.item_range_at(header, layer)[1] = static_cast<std::int32_t>(items.size());
+    std::copy(items.begin(), items.end(), s.h_items.get() + item_total);
+    item_total += items.size();
   }
   std::copy(s.slots.begin(), s.slots.end(), s.slots_at(header));
   MIXKV_CUDA_CHECK(cudaMemcpyAsync(s.d_header.get(), header, (s.header_ints + s.batch) * sizeof(std::int32_t),
@@ -463,16 +475,16 @@ void DecodePlan::run(const DecodeRunArgs& args) const {
   p.group = s.group;
   p.scale_log2 = args.sm_scale * 1.4426950408889634f;
 
-  const int grid = args.fixed_grid ? s.max_items : static_cast<int>(s.items[args.layer].size());
+  const int grid = args.fixed_grid ? s.max_items : static_cast<int>(s.layers[args.layer].items.size());
   if (grid > 0) detail::launch_decode(p, c.head_dim, c.block_size, grid, args.stream);
 }
 
 const DecodePlanConfig& DecodePlan::config() const { return impl_->config; }
 std::int32_t DecodePlan::batch_size() const { return impl_->batch; }
 std::int32_t DecodePlan::num_items(std::int32_t layer) const {
-  return static_cast<std::int32_t>(impl_->items.at(layer).size());
+  return static_cast<std::int32_t>(impl_->layers.at(layer).items.size());
 }
-std::int32_t DecodePlan::num_split_items(std::int32_t layer) const { return impl_->partials.at(layer); }
-std::int64_t DecodePlan::bytes_read(std::int32_t layer) const { return impl_->bytes.at(layer); }
+std::int32_t DecodePlan::num_split_items(std::int32_t layer) const { return impl_->layers.at(layer).partials; }
+std::int64_t DecodePlan::bytes_read(std::int32_t layer) const { return impl_->layers.at(layer).bytes; }
 
 }  // namespace mixkv::gpu

@@ -9,6 +9,7 @@
 #include <numeric>
 
 #include "cuda_test_util.h"
+#include "mixkv/cache/errors.h"
 #include "mixkv/cpu/decode_attention.h"
 #include "mixkv/kernels/decode_plan.h"
 #include "mixkv/kernels/dense_reference.h"
@@ -380,6 +381,35 @@ TEST(DecodeCudaDense, LargeBatchMatchesCublasReference) {
   EXPECT_TRUE(e.finite);
   EXPECT_LE(e.mean, 1e-3);
   EXPECT_LE(e.max, 5e-3);
+}
+
+// A plan() that fails on a later layer leaves every layer's plan as it was.
+TEST(DecodeCudaPlan, FailedPlanChangesNothing) {
+  MIXKV_REQUIRE_CUDA();  // DevicePageTables allocates device memory
+  gpu::DevicePageTables tables({2, 2, 8});
+  const std::vector<std::int32_t> one = {0};
+  const std::vector<std::int32_t> eight = {0, 1, 2, 3, 4, 5, 6, 7};
+  for (std::int32_t slot = 0; slot < 2; ++slot) {
+    tables.set_blocks(slot, 0, Precision::INT4, one);    // layer 0: one block, never split
+    tables.set_blocks(slot, 1, Precision::INT4, eight);  // layer 1: two chunks a sequence
+  }
+  gpu::DecodePlanConfig config{2, 7, 1, 128, 32, 2, 3, 0, 2};  // at most 3 items a layer
+  gpu::DecodePlan plan(config, tables);
+  const std::vector<std::int32_t> first = {1};
+  plan.plan(first, nullptr);
+  auto state = [&] {
+    std::vector<std::int64_t> v = {plan.batch_size()};
+    for (int layer = 0; layer < 2; ++layer) {
+      v.insert(v.end(), {plan.num_items(layer), plan.num_split_items(layer), plan.bytes_read(layer)});
+    }
+    return v;
+  };
+  const std::vector<std::int64_t> before = state();
+  EXPECT_EQ(before[1], 1);  // layer 0: one item
+  EXPECT_EQ(before[4], 2);  // layer 1: two chunks
+  const std::vector<std::int32_t> both = {0, 1};  // layer 0 fits (2 items), layer 1 does not (4)
+  EXPECT_THROW(plan.plan(both, nullptr), OutOfMemory);
+  EXPECT_EQ(state(), before);
 }
 
 TEST(DecodeCudaBadInput, UnsupportedShapesAreNamed) {
