@@ -68,7 +68,8 @@ class DecodePlan {
 
   // `slots[i]` is the page-table slot of batch entry i. Throws
   // InvalidArgument for a batch over max_batch or a slot out of range, and
-  // OutOfMemory when a layer needs more items than its capacity.
+  // OutOfMemory when a layer needs more items than its capacity; a call
+  // that throws leaves the previous plan (every layer) as it was.
   void plan(std::span<const std::int32_t> slots, cudaStream_t stream);
   void run(const DecodeRunArgs& args) const;
 
