@@ -54,8 +54,9 @@ void launch_read_reduce(const uint4* data, std::size_t chunks, unsigned* sink, c
 void launch_streaming_read(const void* data, std::size_t bytes, unsigned* sink, cudaStream_t stream) {
   detail::require(data != nullptr && reinterpret_cast<std::uintptr_t>(data) % 16 == 0,
                   "launch_streaming_read: data: expected a 16-byte aligned device pointer");
-  detail::require(bytes > 0 && bytes % 16 == 0, "launch_streaming_read: bytes = " + std::to_string(bytes) +
-                                                    ": expected a positive multiple of 16");
+  detail::require(bytes > 0 && bytes % 16 == 0, [&] {
+    return "launch_streaming_read: bytes = " + std::to_string(bytes) + ": expected a positive multiple of 16";
+  });
   detail::require(sink != nullptr, "launch_streaming_read: sink: expected a device pointer to one unsigned");
   launch_read_reduce(static_cast<const uint4*>(data), bytes / 16, sink, stream);
 }

@@ -18,13 +18,15 @@ inline void check_cuda(cudaError_t status, const char* what, const char* file, i
 }
 
 // Throws InvalidArgument with `message` unless `condition`.
-inline void require(bool condition, const std::string& message) {
+inline void require(bool condition, const char* message) {
   if (!condition) throw InvalidArgument(message);
 }
 
-// The same with the message built only on failure, for calls made every
-// step (a decode run per layer), where building it each time costs
-// microseconds of host time.
+// The same with a message that has to be built (a lambda returning it),
+// built only on failure: these checks run on every call (a decode run per
+// layer, a store per prefill, set_blocks per block), where building the
+// strings each time cost microseconds of host time. There is deliberately
+// no std::string overload, so that a built message cannot be passed eagerly.
 template <std::invocable MakeMessage>
 inline void require(bool condition, MakeMessage&& make_message) {
   if (!condition) throw InvalidArgument(make_message());

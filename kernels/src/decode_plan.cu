@@ -107,22 +107,25 @@ struct DecodePlan::Impl {
 
 DecodePlan::DecodePlan(const DecodePlanConfig& config, const DevicePageTables& tables)
     : impl_(std::make_unique<Impl>()) {
-  require(config.num_layers >= 1, field("num_layers", config.num_layers, ">= 1"));
-  require(config.num_kv_heads >= 1, field("num_kv_heads", config.num_kv_heads, ">= 1"));
+  require(config.num_layers >= 1, [&] { return field("num_layers", config.num_layers, ">= 1"); });
+  require(config.num_kv_heads >= 1, [&] { return field("num_kv_heads", config.num_kv_heads, ">= 1"); });
   require(config.num_q_heads >= 1 && config.num_q_heads % config.num_kv_heads == 0,
-          field("num_q_heads", config.num_q_heads, "a positive multiple of num_kv_heads"));
-  require(config.num_q_heads / config.num_kv_heads <= detail::kMaxGroupHost,
-          "Unsupported group size: " + std::to_string(config.num_q_heads / config.num_kv_heads) +
-              " query heads per KV head (expected <= 8)");
+          [&] { return field("num_q_heads", config.num_q_heads, "a positive multiple of num_kv_heads"); });
+  require(config.num_q_heads / config.num_kv_heads <= detail::kMaxGroupHost, [&] {
+    return "Unsupported group size: " + std::to_string(config.num_q_heads / config.num_kv_heads) +
+           " query heads per KV head (expected <= 8)";
+  });
   detail::check_decode_supported(config.head_dim, config.block_size);
-  require(config.max_batch >= 1, field("max_batch", config.max_batch, ">= 1"));
+  require(config.max_batch >= 1, [&] { return field("max_batch", config.max_batch, ">= 1"); });
   require(config.max_batch <= tables.config().max_sequences,
-          field("max_batch", config.max_batch, "<= the page tables' max_sequences"));
+          [&] { return field("max_batch", config.max_batch, "<= the page tables' max_sequences"); });
   require(config.num_layers == tables.config().num_layers,
-          field("num_layers", config.num_layers, "the page tables' num_layers"));
-  require(config.max_items_per_layer >= 0, field("max_items_per_layer", config.max_items_per_layer, ">= 0"));
-  require(config.num_sms >= 0, field("num_sms", config.num_sms, ">= 0"));
-  require(config.chunks_per_sequence >= 0, field("chunks_per_sequence", config.chunks_per_sequence, ">= 0"));
+          [&] { return field("num_layers", config.num_layers, "the page tables' num_layers"); });
+  require(config.max_items_per_layer >= 0,
+          [&] { return field("max_items_per_layer", config.max_items_per_layer, ">= 0"); });
+  require(config.num_sms >= 0, [&] { return field("num_sms", config.num_sms, ">= 0"); });
+  require(config.chunks_per_sequence >= 0,
+          [&] { return field("chunks_per_sequence", config.chunks_per_sequence, ">= 0"); });
 
   Impl& s = *impl_;
   s.config = config;
@@ -342,13 +345,15 @@ void DecodePlan::Impl::plan_layer(int layer, int target_items, std::int32_t shar
 void DecodePlan::plan(std::span<const std::int32_t> slots, cudaStream_t stream) {
   Impl& s = *impl_;
   const DecodePlanConfig& c = s.config;
-  require(!slots.empty() && slots.size() <= static_cast<std::size_t>(c.max_batch),
-          "DecodePlan::plan: slots has " + std::to_string(slots.size()) + " entries: expected 1.." +
-              std::to_string(c.max_batch) + " (max_batch)");
+  require(!slots.empty() && slots.size() <= static_cast<std::size_t>(c.max_batch), [&] {
+    return "DecodePlan::plan: slots has " + std::to_string(slots.size()) + " entries: expected 1.." +
+           std::to_string(c.max_batch) + " (max_batch)";
+  });
   for (std::size_t i = 0; i < slots.size(); ++i) {
-    require(slots[i] >= 0 && slots[i] < s.tables->config().max_sequences,
-            "DecodePlan::plan: slots[" + std::to_string(i) + "] = " + std::to_string(slots[i]) +
-                ": expected a page-table slot in [0, " + std::to_string(s.tables->config().max_sequences) + ")");
+    require(slots[i] >= 0 && slots[i] < s.tables->config().max_sequences, [&] {
+      return "DecodePlan::plan: slots[" + std::to_string(i) + "] = " + std::to_string(slots[i]) +
+             ": expected a page-table slot in [0, " + std::to_string(s.tables->config().max_sequences) + ")";
+    });
   }
   // A throw below restores the previous plan.
   const std::int32_t old_batch = s.batch;

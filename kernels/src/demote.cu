@@ -60,25 +60,31 @@ void demote(const DemoteArgs& a) {
   constexpr const char* fn = "demote";
   const Precision sp = a.src_pool.format.precision;
   const Precision dp = a.dst_pool.format.precision;
-  require((sp == Precision::FP16 && is_quantized(dp)) || (sp == Precision::INT4 && dp == Precision::INT2),
-          std::string(fn) + ": (src_pool, dst_pool) precisions = (" + std::string(to_string(sp)) + ", " +
-              std::string(to_string(dp)) + "): expected (FP16, INT4), (FP16, INT2) or (INT4, INT2)");
+  require((sp == Precision::FP16 && is_quantized(dp)) || (sp == Precision::INT4 && dp == Precision::INT2), [&] {
+    return std::string(fn) + ": (src_pool, dst_pool) precisions = (" + std::string(to_string(sp)) + ", " +
+           std::string(to_string(dp)) + "): expected (FP16, INT4), (FP16, INT2) or (INT4, INT2)";
+  });
   require(a.src_pool.base != nullptr && a.dst_pool.base != nullptr,
-          std::string(fn) + ": src_pool.base / dst_pool.base: expected the device arena");
+          [&] { return std::string(fn) + ": src_pool.base / dst_pool.base: expected the device arena"; });
   const BlockFormat& s = a.src_pool.format;
   const BlockFormat& d = a.dst_pool.format;
-  require(s.num_kv_heads == d.num_kv_heads && s.head_dim == d.head_dim && s.block_size == d.block_size,
-          std::string(fn) + ": dst_pool.format: expected src_pool's num_kv_heads, head_dim and block_size");
-  require(s.num_kv_heads >= 1 && s.head_dim % 16 == 0 && s.head_dim >= 16 && s.block_size % 16 == 0 &&
-              s.block_size >= 16,
-          std::string(fn) + ": src_pool.format: expected num_kv_heads >= 1 and head_dim, block_size multiples of 16");
+  require(s.num_kv_heads == d.num_kv_heads && s.head_dim == d.head_dim && s.block_size == d.block_size, [&] {
+    return std::string(fn) + ": dst_pool.format: expected src_pool's num_kv_heads, head_dim and block_size";
+  });
+  require(
+      s.num_kv_heads >= 1 && s.head_dim % 16 == 0 && s.head_dim >= 16 && s.block_size % 16 == 0 && s.block_size >= 16,
+      [&] {
+        return std::string(fn) +
+               ": src_pool.format: expected num_kv_heads >= 1 and head_dim, block_size multiples of 16";
+      });
   require(a.src_pool.blocks_per_slab >= 1 && a.dst_pool.blocks_per_slab >= 1,
-          std::string(fn) + ": blocks_per_slab: expected >= 1");
-  require(a.count >= 0, std::string(fn) + ": count = " + std::to_string(a.count) + ": expected >= 0");
+          [&] { return std::string(fn) + ": blocks_per_slab: expected >= 1"; });
+  require(a.count >= 0, [&] { return std::string(fn) + ": count = " + std::to_string(a.count) + ": expected >= 0"; });
   if (a.count == 0) return;
-  require(a.moves != nullptr, std::string(fn) + ": moves is null: expected device [count] BlockCopy");
+  require(a.moves != nullptr, [&] { return std::string(fn) + ": moves is null: expected device [count] BlockCopy"; });
   const std::size_t smem = detail::QuantTile<float>::bytes(s.head_dim, s.block_size);
-  require(smem <= 227 * 1024, std::string(fn) + ": head_dim * block_size too large for one tile in shared memory");
+  require(smem <= 227 * 1024,
+          [&] { return std::string(fn) + ": head_dim * block_size too large for one tile in shared memory"; });
   if (smem > 48 * 1024) {
     MIXKV_CUDA_CHECK(
         cudaFuncSetAttribute(demote_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));

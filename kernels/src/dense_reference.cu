@@ -74,9 +74,10 @@ __global__ void softmax_rows_kernel(T* scores, int tokens, float scale) {
 void check_shape(const DenseAttentionShape& s) {
   detail::require(s.batch >= 1 && s.num_kv_heads >= 1 && s.tokens >= 1 && s.head_dim >= 1,
                   "DenseAttention: batch, num_kv_heads, tokens, head_dim: expected >= 1");
-  detail::require(s.num_q_heads >= 1 && s.num_q_heads % s.num_kv_heads == 0,
-                  "DenseAttention: num_q_heads = " + std::to_string(s.num_q_heads) +
-                      ": expected a positive multiple of num_kv_heads");
+  detail::require(s.num_q_heads >= 1 && s.num_q_heads % s.num_kv_heads == 0, [&] {
+    return "DenseAttention: num_q_heads = " + std::to_string(s.num_q_heads) +
+           ": expected a positive multiple of num_kv_heads";
+  });
   detail::require(s.sm_scale > 0.0f, "DenseAttention: sm_scale: expected > 0");
 }
 

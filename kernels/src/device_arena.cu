@@ -41,10 +41,10 @@ DeviceArena& DeviceArena::operator=(DeviceArena&& other) noexcept {
 }
 
 DevicePools DeviceArena::pool_views(const KVCacheManager& manager) const {
-  detail::require(manager.config().arena_bytes <= bytes_,
-                  "DeviceArena::pool_views: manager.config().arena_bytes = " +
-                      std::to_string(manager.config().arena_bytes) + ": expected <= the arena's " +
-                      std::to_string(bytes_) + " bytes");
+  detail::require(manager.config().arena_bytes <= bytes_, [&] {
+    return "DeviceArena::pool_views: manager.config().arena_bytes = " + std::to_string(manager.config().arena_bytes) +
+           ": expected <= the arena's " + std::to_string(bytes_) + " bytes";
+  });
   DevicePools pools;
   for (Precision p : kAllPrecisions) pools[pool_index(p)] = manager.pool_view(p, base_);
   return pools;

@@ -75,8 +75,9 @@ struct DevicePageTables::Impl {
 
 DevicePageTables::DevicePageTables(const PageTableConfig& config) : impl_(std::make_unique<Impl>()) {
   const auto positive = [](const char* name, std::int32_t value) {
-    detail::require(value > 0, std::string("DevicePageTables: config.") + name + " = " + std::to_string(value) +
-                                   ": expected > 0");
+    detail::require(value > 0, [&] {
+      return std::string("DevicePageTables: config.") + name + " = " + std::to_string(value) + ": expected > 0";
+    });
   };
   positive("num_layers", config.num_layers);
   positive("max_sequences", config.max_sequences);
@@ -88,9 +89,11 @@ DevicePageTables::DevicePageTables(const PageTableConfig& config) : impl_(std::m
   s.count_entries = static_cast<std::size_t>(config.num_layers) * kNumPrecisions * config.max_sequences;
   s.fill_entries = static_cast<std::size_t>(config.num_layers) * config.max_sequences;
   const std::size_t total = s.table_entries + s.count_entries + s.fill_entries;
-  detail::require(total < (std::size_t{1} << 32), "DevicePageTables: num_layers * 3 * max_sequences * "
-                                                  "max_blocks_per_sequence = " + std::to_string(total) +
-                                                  " entries: expected < 2^32");
+  detail::require(total < (std::size_t{1} << 32), [&] {
+    return "DevicePageTables: num_layers * 3 * max_sequences * "
+           "max_blocks_per_sequence = " +
+           std::to_string(total) + " entries: expected < 2^32";
+  });
   s.mirror.assign(total, 0);
   s.device.allocate(total);
   MIXKV_CUDA_CHECK(cudaMemset(s.device.get(), 0, total * sizeof(std::int32_t)));
@@ -106,20 +109,24 @@ void DevicePageTables::set_blocks(std::int32_t slot, std::int32_t layer, Precisi
   Impl& s = *impl_;
   s.check_slot_layer(fn, slot, layer);
   const int p = pool_index(pool);
-  detail::require(p >= 0 && p < kNumPrecisions, std::string(fn) + ": pool: expected FP16, INT4 or INT2");
-  detail::require(blocks.size() <= static_cast<std::size_t>(s.config.max_blocks_per_sequence),
-                  std::string(fn) + ": blocks has " + std::to_string(blocks.size()) +
-                      " entries: expected <= max_blocks_per_sequence = " +
-                      std::to_string(s.config.max_blocks_per_sequence));
+  detail::require(p >= 0 && p < kNumPrecisions,
+                  [&] { return std::string(fn) + ": pool: expected FP16, INT4 or INT2"; });
+  detail::require(blocks.size() <= static_cast<std::size_t>(s.config.max_blocks_per_sequence), [&] {
+    return std::string(fn) + ": blocks has " + std::to_string(blocks.size()) +
+           " entries: expected <= max_blocks_per_sequence = " + std::to_string(s.config.max_blocks_per_sequence);
+  });
   for (std::size_t j = 0; j < blocks.size(); ++j) {
-    detail::require(blocks[j] >= 0, std::string(fn) + ": blocks[" + std::to_string(j) + "] = " +
-                                        std::to_string(blocks[j]) + ": expected a block id >= 0");
+    detail::require(blocks[j] >= 0, [&] {
+      return std::string(fn) + ": blocks[" + std::to_string(j) + "] = " + std::to_string(blocks[j]) +
+             ": expected a block id >= 0";
+    });
   }
   if (pool == Precision::FP16) {
     const bool ok = blocks.empty() ? last_block_len == 0 : last_block_len >= 1;
-    detail::require(ok, std::string(fn) + ": last_block_len = " + std::to_string(last_block_len) +
-                            (blocks.empty() ? ": expected 0 for an empty FP16 list"
-                                            : ": expected the FP16 tail fill, >= 1"));
+    detail::require(ok, [&] {
+      return std::string(fn) + ": last_block_len = " + std::to_string(last_block_len) +
+             (blocks.empty() ? ": expected 0 for an empty FP16 list" : ": expected the FP16 tail fill, >= 1");
+    });
   }
   const std::size_t row = s.table_at(slot, layer, p);
   // Only entries that differ from the mirror are recorded: appending a token
@@ -133,18 +140,19 @@ void DevicePageTables::sync(std::int32_t slot, const KVCacheManager& manager, Se
   constexpr std::string_view fn = "DevicePageTables::sync";
   Impl& s = *impl_;
   s.check_slot_layer(fn, slot, 0);
-  detail::require(manager.config().shape.num_layers == s.config.num_layers,
-                  std::string(fn) + ": manager has " + std::to_string(manager.config().shape.num_layers) +
-                      " layers: expected num_layers = " + std::to_string(s.config.num_layers));
+  detail::require(manager.config().shape.num_layers == s.config.num_layers, [&] {
+    return std::string(fn) + ": manager has " + std::to_string(manager.config().shape.num_layers) +
+           " layers: expected num_layers = " + std::to_string(s.config.num_layers);
+  });
   // Validate every list first so that a throw changes nothing.
   for (std::int32_t layer = 0; layer < s.config.num_layers; ++layer) {
     for (Precision p : kAllPrecisions) {
       const auto list = manager.blocks(id, layer, p);
-      detail::require(list.size() <= static_cast<std::size_t>(s.config.max_blocks_per_sequence),
-                      std::string(fn) + ": sequence " + std::to_string(id) + " layer " + std::to_string(layer) +
-                          " holds " + std::to_string(list.size()) + " " + std::string(to_string(p)) +
-                          " blocks: expected <= max_blocks_per_sequence = " +
-                          std::to_string(s.config.max_blocks_per_sequence));
+      detail::require(list.size() <= static_cast<std::size_t>(s.config.max_blocks_per_sequence), [&] {
+        return std::string(fn) + ": sequence " + std::to_string(id) + " layer " + std::to_string(layer) + " holds " +
+               std::to_string(list.size()) + " " + std::string(to_string(p)) +
+               " blocks: expected <= max_blocks_per_sequence = " + std::to_string(s.config.max_blocks_per_sequence);
+      });
     }
   }
   for (std::int32_t layer = 0; layer < s.config.num_layers; ++layer) {

@@ -51,8 +51,10 @@ __global__ void merge_states_kernel(MergeStatesArgs a) {
 }  // namespace
 
 void merge_states(const MergeStatesArgs& a) {
-  detail::require(a.num_states >= 0, "merge_states: num_states = " + std::to_string(a.num_states) + ": expected >= 0");
-  detail::require(a.head_dim >= 1, "merge_states: head_dim = " + std::to_string(a.head_dim) + ": expected >= 1");
+  detail::require(a.num_states >= 0,
+                  [&] { return "merge_states: num_states = " + std::to_string(a.num_states) + ": expected >= 0"; });
+  detail::require(a.head_dim >= 1,
+                  [&] { return "merge_states: head_dim = " + std::to_string(a.head_dim) + ": expected >= 1"; });
   if (a.num_states == 0) return;
   detail::require(a.out_a && a.lse_a && a.out_b && a.lse_b && a.out && a.lse,
                   "merge_states: out_a, lse_a, out_b, lse_b, out, lse: expected device pointers, got a null one");

@@ -404,25 +404,29 @@ StoreKernel store_kernel(int head_dim, int block_size) {
 // K/V rows are read in 16-byte chunks (head_dim is a multiple of 16).
 void check_rows_aligned(const char* fn, const void* k, const void* v) {
   const auto misaligned = [](const void* x) { return reinterpret_cast<std::uintptr_t>(x) % 16 != 0; };
-  require(!misaligned(k) && !misaligned(v), std::string(fn) + ": k, v: expected 16-byte aligned device pointers (k " +
-                                                (misaligned(k) ? "is not" : "is") + ", v " +
-                                                (misaligned(v) ? "is not" : "is") + ")");
+  require(!misaligned(k) && !misaligned(v), [&] {
+    return std::string(fn) + ": k, v: expected 16-byte aligned device pointers (k " +
+           (misaligned(k) ? "is not" : "is") + ", v " + (misaligned(v) ? "is not" : "is") + ")";
+  });
 }
 
 void check_pool(const char* fn, const char* name, const PoolView& pool, Precision expected) {
-  const std::string prefix = std::string(fn) + ": " + name;
-  require(pool.base != nullptr, prefix + ".base is null: expected the device arena");
-  require(pool.format.precision == expected,
-          prefix + ".format.precision = " + std::string(to_string(pool.format.precision)) + ": expected " +
-              std::string(to_string(expected)));
-  require(pool.format.head_dim % 16 == 0 && pool.format.head_dim >= 16 && pool.format.head_dim <= 512,
-          prefix + ".format.head_dim = " + std::to_string(pool.format.head_dim) +
-              ": expected a multiple of 16 in [16, 512]");
-  require(pool.format.block_size % 16 == 0 && pool.format.block_size >= 16 && pool.format.block_size <= 256,
-          prefix + ".format.block_size = " + std::to_string(pool.format.block_size) +
-              ": expected a multiple of 16 in [16, 256]");
-  require(pool.format.num_kv_heads >= 1, prefix + ".format.num_kv_heads: expected >= 1");
-  require(pool.blocks_per_slab >= 1, prefix + ".blocks_per_slab: expected >= 1");
+  const auto prefix = [&] { return std::string(fn) + ": " + name; };
+  require(pool.base != nullptr, [&] { return prefix() + ".base is null: expected the device arena"; });
+  require(pool.format.precision == expected, [&] {
+    return prefix() + ".format.precision = " + std::string(to_string(pool.format.precision)) + ": expected " +
+           std::string(to_string(expected));
+  });
+  require(pool.format.head_dim % 16 == 0 && pool.format.head_dim >= 16 && pool.format.head_dim <= 512, [&] {
+    return prefix() + ".format.head_dim = " + std::to_string(pool.format.head_dim) +
+           ": expected a multiple of 16 in [16, 512]";
+  });
+  require(pool.format.block_size % 16 == 0 && pool.format.block_size >= 16 && pool.format.block_size <= 256, [&] {
+    return prefix() + ".format.block_size = " + std::to_string(pool.format.block_size) +
+           ": expected a multiple of 16 in [16, 256]";
+  });
+  require(pool.format.num_kv_heads >= 1, [&] { return prefix() + ".format.num_kv_heads: expected >= 1"; });
+  require(pool.blocks_per_slab >= 1, [&] { return prefix() + ".blocks_per_slab: expected >= 1"; });
 }
 
 }  // namespace
@@ -435,24 +439,28 @@ void store_prefill(const StorePrefillArgs& a) {
   const BlockFormat& f = a.pools[0].format;
   for (int i = 1; i < kNumPrecisions; ++i) {
     const BlockFormat& g = a.pools[i].format;
-    require(g.num_kv_heads == f.num_kv_heads && g.head_dim == f.head_dim && g.block_size == f.block_size,
-            std::string(fn) + ": pools[" + std::string(to_string(kAllPrecisions[i])) +
-                "].format: expected the FP16 pool's num_kv_heads, head_dim and block_size");
+    require(g.num_kv_heads == f.num_kv_heads && g.head_dim == f.head_dim && g.block_size == f.block_size, [&] {
+      return std::string(fn) + ": pools[" + std::string(to_string(kAllPrecisions[i])) +
+             "].format: expected the FP16 pool's num_kv_heads, head_dim and block_size";
+    });
   }
-  require(a.rows >= 0, std::string(fn) + ": rows = " + std::to_string(a.rows) + ": expected >= 0");
+  require(a.rows >= 0, [&] { return std::string(fn) + ": rows = " + std::to_string(a.rows) + ": expected >= 0"; });
   require(a.num_int4_windows >= 0 && a.num_int2_windows >= 0,
-          std::string(fn) + ": num_int4_windows / num_int2_windows: expected >= 0");
-  require(a.num_fp16_rows >= 0 && a.num_fp16_rows <= a.rows,
-          std::string(fn) + ": num_fp16_rows = " + std::to_string(a.num_fp16_rows) + ": expected in [0, rows = " +
-              std::to_string(a.rows) + "]");
+          [&] { return std::string(fn) + ": num_int4_windows / num_int2_windows: expected >= 0"; });
+  require(a.num_fp16_rows >= 0 && a.num_fp16_rows <= a.rows, [&] {
+    return std::string(fn) + ": num_fp16_rows = " + std::to_string(a.num_fp16_rows) +
+           ": expected in [0, rows = " + std::to_string(a.rows) + "]";
+  });
   if (a.rows == 0) return;
   require(a.k != nullptr && a.v != nullptr,
-          std::string(fn) + ": k, v: expected device [rows][num_kv_heads][head_dim] halves");
+          [&] { return std::string(fn) + ": k, v: expected device [rows][num_kv_heads][head_dim] halves"; });
   check_rows_aligned(fn, a.k, a.v);
   require(a.num_fp16_rows == 0 || a.fp16_rows != nullptr,
-          std::string(fn) + ": fp16_rows is null: expected device [num_fp16_rows] RowSlots");
-  require(a.num_int4_windows == 0 || a.int4_windows != nullptr, std::string(fn) + ": int4_windows is null");
-  require(a.num_int2_windows == 0 || a.int2_windows != nullptr, std::string(fn) + ": int2_windows is null");
+          [&] { return std::string(fn) + ": fp16_rows is null: expected device [num_fp16_rows] RowSlots"; });
+  require(a.num_int4_windows == 0 || a.int4_windows != nullptr,
+          [&] { return std::string(fn) + ": int4_windows is null"; });
+  require(a.num_int2_windows == 0 || a.int2_windows != nullptr,
+          [&] { return std::string(fn) + ": int2_windows is null"; });
 
   StoreParams p;
   p.k = reinterpret_cast<const uint4*>(a.k);
@@ -464,10 +472,11 @@ void store_prefill(const StorePrefillArgs& a) {
   p.num_windows[0] = a.num_int4_windows;
   p.num_windows[1] = a.num_int2_windows;
   for (int i = 0; i < kNumPrecisions; ++i) p.pools[i] = DevicePool(a.pools[i]);
-  require(static_cast<std::int64_t>(f.num_kv_heads) * f.head_dim < (std::int64_t{1} << 27),
-          std::string(fn) + ": num_kv_heads * head_dim = " +
-              std::to_string(static_cast<std::int64_t>(f.num_kv_heads) * f.head_dim) +
-              ": expected < 2^27 (16-byte chunks of a row counted in 24 bits)");
+  require(static_cast<std::int64_t>(f.num_kv_heads) * f.head_dim < (std::int64_t{1} << 27), [&] {
+    return std::string(fn) +
+           ": num_kv_heads * head_dim = " + std::to_string(static_cast<std::int64_t>(f.num_kv_heads) * f.head_dim) +
+           ": expected < 2^27 (16-byte chunks of a row counted in 24 bits)";
+  });
   const std::int64_t windows = static_cast<std::int64_t>(a.num_int4_windows) + a.num_int2_windows;
   const std::int64_t tiles = windows * f.num_kv_heads;
   const StoreKernel launch = store_kernel(f.head_dim, f.block_size);
@@ -475,19 +484,21 @@ void store_prefill(const StorePrefillArgs& a) {
   // and its copy units to copy_units + 4 * grid, the units kernel's work
   // items to copy_units + tiles * units_per_tile + 3.
   const std::int64_t units = tiles * std::max(launch.units_per_tile, 1);
-  require(units < (std::int64_t{1} << 30),
-          std::string(fn) + ": (num_int4_windows + num_int2_windows) * num_kv_heads = " + std::to_string(tiles) +
-              ": expected < 2^30 / " + std::to_string(std::max(launch.units_per_tile, 1)) +
-              " (work items a tile at this shape)");
+  require(units < (std::int64_t{1} << 30), [&] {
+    return std::string(fn) + ": (num_int4_windows + num_int2_windows) * num_kv_heads = " + std::to_string(tiles) +
+           ": expected < 2^30 / " + std::to_string(std::max(launch.units_per_tile, 1)) +
+           " (work items a tile at this shape)";
+  });
   // Copy units of ~4 KB: whole rows, as many as give a warp's lanes
   // kCopyPairs K/V chunk pairs each.
   const std::int64_t pairs_per_row = static_cast<std::int64_t>(f.num_kv_heads) * (f.head_dim / 8);
   p.rows_per_copy_unit = static_cast<std::int32_t>(std::max<std::int64_t>(1, 32 * kCopyPairs / pairs_per_row));
   const std::int64_t copy_units = (std::int64_t{a.num_fp16_rows} + p.rows_per_copy_unit - 1) / p.rows_per_copy_unit;
-  require(copy_units + units < (std::int64_t{1} << 30),
-          std::string(fn) + ": num_fp16_rows = " + std::to_string(a.num_fp16_rows) + ": expected < 2^30 work items with " +
-              std::to_string(units) + " of the windows (" + std::to_string(p.rows_per_copy_unit) +
-              " FP16 rows a work item at this shape)");
+  require(copy_units + units < (std::int64_t{1} << 30), [&] {
+    return std::string(fn) + ": num_fp16_rows = " + std::to_string(a.num_fp16_rows) +
+           ": expected < 2^30 work items with " + std::to_string(units) + " of the windows (" +
+           std::to_string(p.rows_per_copy_unit) + " FP16 rows a work item at this shape)";
+  });
   p.copy_units = static_cast<std::int32_t>(copy_units);
   p.tiles = static_cast<std::int32_t>(tiles);
   p.int4_tiles = a.num_int4_windows * f.num_kv_heads;
@@ -499,7 +510,8 @@ void store_prefill(const StorePrefillArgs& a) {
   const std::size_t scratch_bytes = detail::QuantTile<__half>::scratch_bytes(f.head_dim, f.block_size);
   p.stages = tile_stages(f.head_dim, f.block_size);
   const std::size_t smem = tiles > 0 && launch.units_per_tile == 0 ? p.stages * tile_bytes + scratch_bytes : 0;
-  require(smem <= kMaxSmem, std::string(fn) + ": head_dim * block_size too large for one tile in shared memory");
+  require(smem <= kMaxSmem,
+          [&] { return std::string(fn) + ": head_dim * block_size too large for one tile in shared memory"; });
   if (smem > 48 * 1024) {
     MIXKV_CUDA_CHECK(cudaFuncSetAttribute(launch.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                           static_cast<int>(smem)));
@@ -540,33 +552,38 @@ DeviceStoreMapping::~DeviceStoreMapping() = default;
 
 void DeviceStoreMapping::upload(const StoreMapping& mapping, std::int32_t block_size, cudaStream_t stream) {
   constexpr const char* fn = "DeviceStoreMapping::upload";
-  require(block_size >= 16, std::string(fn) + ": block_size = " + std::to_string(block_size) + ": expected >= 16");
+  require(block_size >= 16,
+          [&] { return std::string(fn) + ": block_size = " + std::to_string(block_size) + ": expected >= 16"; });
   const auto rows = static_cast<std::int32_t>(mapping.fp16_slots.size());
   std::vector<int> covered(rows, 0);
   for (std::int32_t r = 0; r < rows; ++r) {
-    require(mapping.fp16_slots[r] >= -1, std::string(fn) + ": mapping.fp16_slots[" + std::to_string(r) + "] = " +
-                                             std::to_string(mapping.fp16_slots[r]) +
-                                             ": expected a slot >= 0, or -1 for a quantized row");
+    require(mapping.fp16_slots[r] >= -1, [&] {
+      return std::string(fn) + ": mapping.fp16_slots[" + std::to_string(r) +
+             "] = " + std::to_string(mapping.fp16_slots[r]) + ": expected a slot >= 0, or -1 for a quantized row";
+    });
   }
   const std::vector<WindowSlot>* lists[2] = {&mapping.int4_windows, &mapping.int2_windows};
   const char* names[2] = {"mapping.int4_windows", "mapping.int2_windows"};
   for (int which = 0; which < 2; ++which) {
     for (std::size_t w = 0; w < lists[which]->size(); ++w) {
       const WindowSlot& s = (*lists[which])[w];
-      const std::string at = std::string(fn) + ": " + names[which] + "[" + std::to_string(w) + "]";
-      require(s.block_id >= 0, at + ".block_id = " + std::to_string(s.block_id) + ": expected >= 0");
-      require(s.first_row >= 0 && s.first_row + block_size <= rows,
-              at + ".first_row = " + std::to_string(s.first_row) + ": expected a row in [0, rows - block_size]");
+      const auto at = [&] { return std::string(fn) + ": " + names[which] + "[" + std::to_string(w) + "]"; };
+      require(s.block_id >= 0, [&] { return at() + ".block_id = " + std::to_string(s.block_id) + ": expected >= 0"; });
+      require(s.first_row >= 0 && s.first_row + block_size <= rows, [&] {
+        return at() + ".first_row = " + std::to_string(s.first_row) + ": expected a row in [0, rows - block_size]";
+      });
       for (std::int32_t r = s.first_row; r < s.first_row + block_size; ++r) {
-        require(mapping.fp16_slots[r] == -1 && ++covered[r] == 1,
-                at + " covers row " + std::to_string(r) + ": expected rows with fp16_slots -1 covered once");
+        require(mapping.fp16_slots[r] == -1 && ++covered[r] == 1, [&] {
+          return at() + " covers row " + std::to_string(r) + ": expected rows with fp16_slots -1 covered once";
+        });
       }
     }
   }
   for (std::int32_t r = 0; r < rows; ++r) {
-    require(mapping.fp16_slots[r] != -1 || covered[r] == 1,
-            std::string(fn) + ": mapping.fp16_slots[" + std::to_string(r) + "] = -1 but no window covers row " +
-                std::to_string(r));
+    require(mapping.fp16_slots[r] != -1 || covered[r] == 1, [&] {
+      return std::string(fn) + ": mapping.fp16_slots[" + std::to_string(r) + "] = -1 but no window covers row " +
+             std::to_string(r);
+    });
   }
   Impl& s = *impl_;
   s.staged_rows.clear();
@@ -608,7 +625,7 @@ void DeviceStoreMapping::fill(StorePrefillArgs& args) const {
 
 void append(const AppendArgs& a) {
   check_pool("append", "fp16_pool", a.fp16_pool, Precision::FP16);
-  require(a.batch >= 0, "append: batch = " + std::to_string(a.batch) + ": expected >= 0");
+  require(a.batch >= 0, [&] { return "append: batch = " + std::to_string(a.batch) + ": expected >= 0"; });
   if (a.batch == 0) return;
   require(a.k != nullptr && a.v != nullptr, "append: k, v: expected device [batch][num_kv_heads][head_dim] halves");
   check_rows_aligned("append", a.k, a.v);
@@ -621,7 +638,7 @@ void append(const AppendArgs& a) {
 
 void copy_blocks(const CopyBlocksArgs& a) {
   check_pool("copy_blocks", "pool", a.pool, Precision::FP16);
-  require(a.count >= 0, "copy_blocks: count = " + std::to_string(a.count) + ": expected >= 0");
+  require(a.count >= 0, [&] { return "copy_blocks: count = " + std::to_string(a.count) + ": expected >= 0"; });
   if (a.count == 0) return;
   require(a.copies != nullptr, "copy_blocks: copies is null: expected device [count] BlockCopy");
   copy_blocks_kernel<<<a.count, 256, 0, a.stream>>>(a.copies, a.pool);

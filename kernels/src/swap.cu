@@ -65,17 +65,21 @@ bool aligned16(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 
 void check_pools(const char* fn, const char* name, const DevicePools& pools) {
   for (const Precision p : kAllPrecisions) {
     const PoolView& v = pools[pool_index(p)];
-    const std::string at = std::string(fn) + ": " + name + "[" + std::string(to_string(p)) + "]";
-    require(v.base != nullptr, at + ".base is null: expected " +
-                                   (std::string(name) == "device" ? "the device arena" : "the mapped swap buffer"));
-    require(v.format.precision == p, at + ".format.precision = " + std::string(to_string(v.format.precision)) +
-                                         ": expected " + std::string(to_string(p)));
+    const auto at = [&] { return std::string(fn) + ": " + name + "[" + std::string(to_string(p)) + "]"; };
+    require(v.base != nullptr, [&] {
+      return at() + ".base is null: expected " +
+             (std::string(name) == "device" ? "the device arena" : "the mapped swap buffer");
+    });
+    require(v.format.precision == p, [&] {
+      return at() + ".format.precision = " + std::string(to_string(v.format.precision)) + ": expected " +
+             std::string(to_string(p));
+    });
     require(v.format.num_kv_heads >= 1 && v.format.head_dim >= 1 && v.format.block_size >= 1,
-            at + ".format: expected num_kv_heads, head_dim and block_size >= 1");
-    require(v.blocks_per_slab >= 1, at + ".blocks_per_slab = " + std::to_string(v.blocks_per_slab) +
-                                        ": expected >= 1");
+            [&] { return at() + ".format: expected num_kv_heads, head_dim and block_size >= 1"; });
+    require(v.blocks_per_slab >= 1,
+            [&] { return at() + ".blocks_per_slab = " + std::to_string(v.blocks_per_slab) + ": expected >= 1"; });
     require(aligned16(v.base) && v.slab_bytes % 16 == 0 && v.format.block_bytes() % 16 == 0,
-            at + ": base, slab_bytes and block_bytes must be multiples of 16 (16-byte vector copies)");
+            [&] { return at() + ": base, slab_bytes and block_bytes must be multiples of 16 (16-byte vector copies)"; });
   }
 }
 
@@ -127,10 +131,12 @@ PinnedSwapBuffer& PinnedSwapBuffer::operator=(PinnedSwapBuffer&& other) noexcept
 
 namespace {
 DevicePools swap_views(const char* fn, const KVCacheManager& manager, std::byte* base, std::size_t bytes) {
-  require(base != nullptr, std::string(fn) + ": the buffer was moved from: expected a live PinnedSwapBuffer");
-  require(manager.swap_bytes() <= bytes, std::string(fn) + ": manager.swap_bytes() = " +
-                                             std::to_string(manager.swap_bytes()) + ": expected <= the buffer's " +
-                                             std::to_string(bytes) + " bytes");
+  require(base != nullptr,
+          [&] { return std::string(fn) + ": the buffer was moved from: expected a live PinnedSwapBuffer"; });
+  require(manager.swap_bytes() <= bytes, [&] {
+    return std::string(fn) + ": manager.swap_bytes() = " + std::to_string(manager.swap_bytes()) +
+           ": expected <= the buffer's " + std::to_string(bytes) + " bytes";
+  });
   DevicePools pools;
   for (const Precision p : kAllPrecisions) pools[pool_index(p)] = manager.swap_view(p, base);
   return pools;
@@ -149,22 +155,23 @@ DevicePools PinnedSwapBuffer::device_views(const KVCacheManager& manager) const 
 
 void swap_blocks(const SwapBlocksArgs& a) {
   constexpr const char* fn = "swap_blocks";
-  require(a.direction == SwapDirection::DeviceToHost || a.direction == SwapDirection::HostToDevice,
-          std::string(fn) + ": direction = " + std::to_string(static_cast<int>(a.direction)) +
-              ": expected DeviceToHost or HostToDevice");
+  require(a.direction == SwapDirection::DeviceToHost || a.direction == SwapDirection::HostToDevice, [&] {
+    return std::string(fn) + ": direction = " + std::to_string(static_cast<int>(a.direction)) +
+           ": expected DeviceToHost or HostToDevice";
+  });
   check_pools(fn, "device", a.device);
   check_pools(fn, "host", a.host);
   for (const Precision p : kAllPrecisions) {
     const BlockFormat& d = a.device[pool_index(p)].format;
     const BlockFormat& h = a.host[pool_index(p)].format;
-    require(d.num_kv_heads == h.num_kv_heads && d.head_dim == h.head_dim && d.block_size == h.block_size,
-            std::string(fn) + ": host[" + std::string(to_string(p)) +
-                "].format: expected device[" + std::string(to_string(p)) +
-                "]'s num_kv_heads, head_dim and block_size");
+    require(d.num_kv_heads == h.num_kv_heads && d.head_dim == h.head_dim && d.block_size == h.block_size, [&] {
+      return std::string(fn) + ": host[" + std::string(to_string(p)) + "].format: expected device[" +
+             std::string(to_string(p)) + "]'s num_kv_heads, head_dim and block_size";
+    });
   }
-  require(a.count >= 0, std::string(fn) + ": count = " + std::to_string(a.count) + ": expected >= 0");
+  require(a.count >= 0, [&] { return std::string(fn) + ": count = " + std::to_string(a.count) + ": expected >= 0"; });
   if (a.count == 0) return;
-  require(a.copies != nullptr, std::string(fn) + ": copies is null: expected device [count] SwapCopy");
+  require(a.copies != nullptr, [&] { return std::string(fn) + ": copies is null: expected device [count] SwapCopy"; });
   SwapParams p;
   p.copies = a.copies;
   p.count = a.count;
@@ -194,11 +201,13 @@ DeviceSwapList::~DeviceSwapList() = default;
 void DeviceSwapList::upload(std::span<const SwapCopy> copies, SwapDirection direction,
                             const KVCacheManager& manager, cudaStream_t stream) {
   constexpr const char* fn = "DeviceSwapList::upload";
-  require(direction == SwapDirection::DeviceToHost || direction == SwapDirection::HostToDevice,
-          std::string(fn) + ": direction = " + std::to_string(static_cast<int>(direction)) +
-              ": expected DeviceToHost or HostToDevice");
-  require(copies.size() <= static_cast<std::size_t>(INT32_MAX),
-          std::string(fn) + ": copies.size() = " + std::to_string(copies.size()) + ": expected <= 2^31 - 1");
+  require(direction == SwapDirection::DeviceToHost || direction == SwapDirection::HostToDevice, [&] {
+    return std::string(fn) + ": direction = " + std::to_string(static_cast<int>(direction)) +
+           ": expected DeviceToHost or HostToDevice";
+  });
+  require(copies.size() <= static_cast<std::size_t>(INT32_MAX), [&] {
+    return std::string(fn) + ": copies.size() = " + std::to_string(copies.size()) + ": expected <= 2^31 - 1";
+  });
   std::int64_t device_blocks[kNumPrecisions];
   std::int64_t host_slots[kNumPrecisions];
   for (const Precision p : kAllPrecisions) {
