@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <cstddef>
 #include <cstring>
 #include <string>
 #include <utility>
@@ -86,20 +87,17 @@ struct DecodePlan::Impl {
   std::vector<std::int32_t> cuts;                       // of the current pair
   std::vector<std::int64_t> starts;                     // of its pieces
 
-  // Device blob: header ints | slots | items (compact)
-  std::size_t header_ints = 0;
-  detail::DeviceBuffer<std::int32_t> d_header;  // header + slots
-  detail::DeviceBuffer<DecodeWorkItem> d_items;
+  // The plan on the device, one blob uploaded by one copy: each layer's
+  // item range {offset, count} (an int2 the kernel reads in one load), then
+  // from items_offset (16-byte aligned) the layers' items back to back.
+  std::size_t items_offset = 0;
+  detail::DeviceBuffer<std::byte> d_plan;
   detail::DeviceBuffer<float> d_partial_out;
   detail::DeviceBuffer<float> d_partial_lse;
   detail::DeviceBuffer<std::int32_t> d_counters;  // group then pair arrival counters, zeroed once
-  detail::PinnedBuffer<std::int32_t> h_header;
-  detail::PinnedBuffer<DecodeWorkItem> h_items;
+  detail::PinnedBuffer<std::byte> h_plan;  // its staging copy
   detail::Event staging_free;
-
-  // Per layer {item offset, item count}, 8-byte aligned (the kernel reads the pair in one load).
-  std::int32_t* item_range_at(std::int32_t* base, int layer) const { return base + 2 + 2 * layer; }
-  std::int32_t* slots_at(std::int32_t* base) const { return base + header_ints; }
+  std::vector<int2> ranges;  // [layer], for launches that pass the range by value
 
   // Plans `layer` of the batch in (batch, slots) into next_layers[layer].
   void plan_layer(int layer, int chunks_auto_target, std::int32_t shares);
@@ -146,14 +144,13 @@ DecodePlan::DecodePlan(const DecodePlanConfig& config, const DevicePageTables& t
   s.int4_block_bytes = static_cast<std::int64_t>(BlockFormat{Precision::INT4, 1, config.head_dim, config.block_size}.head_bytes());
   s.int2_block_bytes = static_cast<std::int64_t>(BlockFormat{Precision::INT2, 1, config.head_dim, config.block_size}.head_bytes());
 
-  s.header_ints = 2 + 2 * static_cast<std::size_t>(config.num_layers);
-  const std::size_t header_total = s.header_ints + config.max_batch;
-  s.d_header.allocate(header_total);
-  MIXKV_CUDA_CHECK(cudaMemset(s.d_header.get(), 0, header_total * sizeof(std::int32_t)));
-  s.h_header.reserve(header_total);
-  std::memset(s.h_header.get(), 0, header_total * sizeof(std::int32_t));
-  s.d_items.allocate(static_cast<std::size_t>(s.max_items) * config.num_layers);
-  s.h_items.reserve(static_cast<std::size_t>(s.max_items) * config.num_layers);
+  s.items_offset = (sizeof(int2) * config.num_layers + 15) / 16 * 16;
+  const std::size_t plan_bytes =
+      s.items_offset + sizeof(DecodeWorkItem) * static_cast<std::size_t>(s.max_items) * config.num_layers;
+  s.d_plan.allocate(plan_bytes);
+  MIXKV_CUDA_CHECK(cudaMemset(s.d_plan.get(), 0, s.items_offset));
+  s.h_plan.reserve(plan_bytes);
+  s.ranges.assign(config.num_layers, make_int2(0, 0));
   s.d_partial_out.allocate(static_cast<std::size_t>(s.max_partials) * s.group * config.head_dim);
   s.d_partial_lse.allocate(static_cast<std::size_t>(s.max_partials) * s.group);
   s.d_counters.allocate(2 * static_cast<std::size_t>(s.max_partials));
@@ -403,25 +400,20 @@ void DecodePlan::plan(std::span<const std::int32_t> slots, cudaStream_t stream) 
   }
   std::swap(s.layers, s.next_layers);
 
-  // Stage and upload: header + slots, then the compact items.
+  // Stage the ranges and the items, and upload them in one copy.
   s.staging_free.synchronize();
-  std::int32_t* header = s.h_header.get();
-  header[0] = s.batch;
+  std::byte* staged = s.h_plan.get();
   std::size_t item_total = 0;
   for (int layer = 0; layer < c.num_layers; ++layer) {
-    s.item_range_at(header, layer)[0] = static_cast<std::int32_t>(item_total);
     const std::vector<DecodeWorkItem>& items = s.layers[layer].items;
-    s.item_range_at(header, layer)[1] = static_cast<std::int32_t>(items.size());
-    std::copy(items.begin(), items.end(), s.h_items.get() + item_total);
+    s.ranges[layer] = make_int2(static_cast<std::int32_t>(item_total), static_cast<std::int32_t>(items.size()));
+    std::memcpy(staged + sizeof(int2) * layer, &s.ranges[layer], sizeof(int2));
+    std::memcpy(staged + s.items_offset + sizeof(DecodeWorkItem) * item_total, items.data(),
+                sizeof(DecodeWorkItem) * items.size());
     item_total += items.size();
   }
-  std::copy(s.slots.begin(), s.slots.end(), s.slots_at(header));
-  MIXKV_CUDA_CHECK(cudaMemcpyAsync(s.d_header.get(), header, (s.header_ints + s.batch) * sizeof(std::int32_t),
+  MIXKV_CUDA_CHECK(cudaMemcpyAsync(s.d_plan.get(), staged, s.items_offset + sizeof(DecodeWorkItem) * item_total,
                                    cudaMemcpyHostToDevice, stream));
-  if (item_total > 0) {
-    MIXKV_CUDA_CHECK(cudaMemcpyAsync(s.d_items.get(), s.h_items.get(), item_total * sizeof(DecodeWorkItem),
-                                     cudaMemcpyHostToDevice, stream));
-  }
   s.staging_free.record(stream);
 }
 
@@ -454,7 +446,6 @@ void DecodePlan::run(const DecodeRunArgs& args) const {
   }
 
   const DeviceTablesView view = s.tables->device_view();
-  std::int32_t* header = s.d_header.get();
   detail::DecodeParams p;
   p.q = reinterpret_cast<const __half*>(args.q);
   p.out = reinterpret_cast<__half*>(args.out);
@@ -463,12 +454,11 @@ void DecodePlan::run(const DecodeRunArgs& args) const {
   p.blocks = view.blocks + layer_pools * view.max_sequences * view.max_blocks;
   p.max_sequences = view.max_sequences;
   p.max_blocks = view.max_blocks;
-  p.items = s.d_items.get();
+  p.items = reinterpret_cast<const DecodeWorkItem*>(s.d_plan.get() + s.items_offset);
   if (args.fixed_grid) {
-    p.item_range = reinterpret_cast<const int2*>(s.item_range_at(header, args.layer));
+    p.item_range = reinterpret_cast<const int2*>(s.d_plan.get()) + args.layer;
   } else {
-    const std::int32_t* range = s.item_range_at(s.h_header.get(), args.layer);
-    p.launch_range = make_int2(range[0], range[1]);
+    p.launch_range = s.ranges[args.layer];
   }
   p.partial_out = s.d_partial_out.get();
   p.partial_lse = s.d_partial_lse.get();
