@@ -70,13 +70,12 @@ struct DecodePlan::Impl {
     std::int32_t partials = 0;          // rows of the partial-state workspace
     std::int64_t bytes = 0;             // the kernel reads
   };
-  // Host state of the current plan, and the one plan() builds: swapped in
-  // only when every layer is planned (a failed call changes nothing), and
-  // both keep their capacity from call to call.
-  std::int32_t batch = 0;
-  std::vector<std::int32_t> slots;
-  std::vector<LayerPlan> layers;
-  std::vector<LayerPlan> next_layers;
+  // Host state of the current plan (slots[i]: batch entry i's page-table
+  // slot), and the one plan() builds: swapped in only when every layer is
+  // planned (a failed call changes nothing); both keep their capacity from
+  // call to call.
+  std::vector<std::int32_t> slots, next_slots;
+  std::vector<LayerPlan> layers, next_layers;
 
   // plan_layer's scratch, kept for its capacity.
   std::vector<std::int64_t> cost;                       // [sequence]
@@ -99,7 +98,7 @@ struct DecodePlan::Impl {
   detail::Event staging_free;
   std::vector<int2> ranges;  // [layer], for launches that pass the range by value
 
-  // Plans `layer` of the batch in (batch, slots) into next_layers[layer].
+  // Plans `layer` of the batch in next_slots into next_layers[layer].
   void plan_layer(int layer, int chunks_auto_target, std::int32_t shares);
 };
 
@@ -170,6 +169,7 @@ void DecodePlan::Impl::plan_layer(int layer, int target_items, std::int32_t shar
   const int kvh = c.num_kv_heads;
   const int S = c.block_size;
   LayerPlan& out = next_layers[layer];
+  const auto batch = static_cast<std::int32_t>(next_slots.size());
   std::int64_t total_bytes = static_cast<std::int64_t>(batch) * c.num_q_heads * c.head_dim * 2;  // q
 
   // Work of one block (per KV head) of each pool, in bytes: what it reads
@@ -194,8 +194,8 @@ void DecodePlan::Impl::plan_layer(int layer, int target_items, std::int32_t shar
   fills.resize(batch);
   std::int64_t total_cost = 0;
   for (int b = 0; b < batch; ++b) {
-    for (int p = 0; p < kNumPrecisions; ++p) counts[b][p] = tables->num_blocks(slots[b], layer, kAllPrecisions[p]);
-    fills[b] = tables->fp16_fill(slots[b], layer);
+    for (int p = 0; p < kNumPrecisions; ++p) counts[b][p] = tables->num_blocks(next_slots[b], layer, kAllPrecisions[p]);
+    fills[b] = tables->fp16_fill(next_slots[b], layer);
     const std::int64_t fp16_rows =
         counts[b][0] == 0 ? 0 : static_cast<std::int64_t>(counts[b][0] - 1) * S + (fills[b] + 15) / 16 * 16;
     const std::int64_t data = fp16_rows * c.head_dim * 4 + counts[b][1] * int4_block_bytes + counts[b][2] * int2_block_bytes;
@@ -242,7 +242,7 @@ void DecodePlan::Impl::plan_layer(int layer, int target_items, std::int32_t shar
     }
     DecodeWorkItem item;
     item.seq = b;
-    item.slot = slots[b];
+    item.slot = next_slots[b];
     for (int p = 0; p < kNumPrecisions; ++p) item.counts[p] = counts[b][p];
     item.fill = fills[b];
     item.kv_head = h;
@@ -352,12 +352,8 @@ void DecodePlan::plan(std::span<const std::int32_t> slots, cudaStream_t stream) 
              ": expected a page-table slot in [0, " + std::to_string(s.tables->config().max_sequences) + ")";
     });
   }
-  // A throw below restores the previous plan.
-  const std::int32_t old_batch = s.batch;
-  std::vector<std::int32_t> old_slots = s.slots;
-  s.batch = static_cast<std::int32_t>(slots.size());
-  s.slots.assign(slots.begin(), slots.end());
-  const int pairs = s.batch * c.num_kv_heads;
+  s.next_slots.assign(slots.begin(), slots.end());
+  const int pairs = static_cast<int>(slots.size()) * c.num_kv_heads;
   // Items to aim for: whole waves of resident CTAs. With equal sequences,
   // c chunks per pair give pairs * c items in ceil(pairs * c / wave) waves;
   // take the smallest c that fills those waves to >= 93% (batch 64: 3
@@ -391,13 +387,8 @@ void DecodePlan::plan(std::span<const std::int32_t> slots, cudaStream_t stream) 
       c.chunks_per_sequence == 0 && pairs >= c.num_sms && pairs + wave <= s.max_items && wave < detail::kMaxMergePieces
           ? wave
           : 0;
-  try {
-    for (int layer = 0; layer < c.num_layers; ++layer) s.plan_layer(layer, target, shares);
-  } catch (...) {
-    s.batch = old_batch;
-    s.slots = std::move(old_slots);
-    throw;
-  }
+  for (int layer = 0; layer < c.num_layers; ++layer) s.plan_layer(layer, target, shares);
+  std::swap(s.slots, s.next_slots);
   std::swap(s.layers, s.next_layers);
 
   // Stage the ranges and the items, and upload them in one copy.
@@ -420,7 +411,7 @@ void DecodePlan::plan(std::span<const std::int32_t> slots, cudaStream_t stream) 
 void DecodePlan::run(const DecodeRunArgs& args) const {
   const Impl& s = *impl_;
   const DecodePlanConfig& c = s.config;
-  require(s.batch > 0, "DecodePlan::run: no plan: call plan() first");
+  require(!s.slots.empty(), "DecodePlan::run: no plan: call plan() first");
   require(args.layer >= 0 && args.layer < c.num_layers, [&] {
     return "DecodePlan::run: layer = " + std::to_string(args.layer) + ": expected [0, " +
            std::to_string(c.num_layers) + ")";
@@ -475,7 +466,7 @@ void DecodePlan::run(const DecodeRunArgs& args) const {
 }
 
 const DecodePlanConfig& DecodePlan::config() const { return impl_->config; }
-std::int32_t DecodePlan::batch_size() const { return impl_->batch; }
+std::int32_t DecodePlan::batch_size() const { return static_cast<std::int32_t>(impl_->slots.size()); }
 std::int32_t DecodePlan::num_items(std::int32_t layer) const {
   return static_cast<std::int32_t>(impl_->layers.at(layer).items.size());
 }
