@@ -12,9 +12,10 @@
 // scales multiply Q (q' = q * s_c, one half2 multiply per fragment) and the
 // K minimums become one extra MMA per k-step (sum_c q_c m_c); per-token V
 // scales multiply P and the V minimums a per-head scalar sum_t p_t m_t
-// added once at the end. The tensor cores see the integer codes biased by
-// 1024 (one lop3 into the mantissa of 1024.0, 0x6400); the bias is removed
-// from the sums, not from each element (quant_block_scores / _accumulate).
+// added once at the end. The tensor cores see the integer codes as FP16
+// subnormals: one lop3 masks a code field into the mantissa under a zero
+// exponent, the value 2^(k-24) x, so no offset has to be removed
+// (quant_block_scores / _accumulate).
 //
 // Memory: each warp streams its own blocks through a private cp.async ring
 // (16-byte copies, several blocks in flight; FP16 blocks go in 16-token
@@ -314,7 +315,7 @@ inline constexpr int kVRunBytes = D / 8 * Bits / 8;
 // Where token i of a thread's K run lies in the pair word of two channels
 // (x[0]: bits 0..15 of each run, x[1]: bits 16..31): its half, whether that
 // half is shifted right by 8 first, and the bit k of its code there, so that
-// k + Bits <= 10 and one lop3 makes 1024 + 2^k code (biased_codes_at).
+// k + Bits <= 10 and one lop3 makes the subnormal 2^(k-24) code (codes_at).
 template <int Bits>
 struct KRunPos {
   static constexpr int half(int i) { return i * Bits / 16; }
@@ -324,9 +325,8 @@ struct KRunPos {
 };
 
 template <int Bits>
-__device__ __forceinline__ uint32_t biased_codes_at(uint32_t x, int k) {
-  const uint32_t mask = (((1u << Bits) - 1u) << k) * 0x00010001u;
-  return lop3_and_or(x, mask, 0x64006400u);
+__device__ __forceinline__ uint32_t codes_at(uint32_t x, int k) {
+  return x & ((((1u << Bits) - 1u) << k) * 0x00010001u);
 }
 
 // Where a V field at bit `bit` of a 16-bit half lands after its lop3: fields
@@ -337,11 +337,11 @@ struct VFieldPos {
   static constexpr int k(int bit) { return shifted(bit) ? bit - 8 : bit; }
 };
 
-// 1024 + 2^k code (as half2) of the two `Bits`-bit fields at bit `bit` of
+// 2^(k-24) code (as half2) of the two `Bits`-bit fields at bit `bit` of
 // each 16-bit half.
 template <int Bits>
 __device__ __forceinline__ uint32_t v_codes_at(uint32_t x, int bit) {
-  return biased_codes_at<Bits>(VFieldPos<Bits>::shifted(bit) ? x >> 8 : x, VFieldPos<Bits>::k(bit));
+  return codes_at<Bits>(VFieldPos<Bits>::shifted(bit) ? x >> 8 : x, VFieldPos<Bits>::k(bit));
 }
 
 // The V codes of channel tile cm in the thread's run (channels 2 cm, 2 cm + 1
@@ -361,7 +361,7 @@ struct VTilePos {
 template <int Bits>
 __device__ __forceinline__ uint32_t k_codes_of(const uint32_t (&x)[2], int i) {
   const uint32_t h = x[KRunPos<Bits>::half(i)];
-  return biased_codes_at<Bits>(KRunPos<Bits>::shifted(i) ? h >> 8 : h, KRunPos<Bits>::k(i));
+  return codes_at<Bits>(KRunPos<Bits>::shifted(i) ? h >> 8 : h, KRunPos<Bits>::k(i));
 }
 
 // The thread's K code runs of every k-step, paired as the MMA wants them:
@@ -421,26 +421,24 @@ __device__ __forceinline__ void load_k_pairs(const char* k_codes, uint32_t (&x)[
 }
 
 // One quantized block of S tokens (permuted token order, see the top).
-// The tensor cores get biased codes straight from one lop3 each:
-//   K: 1024 + 2^k x (k fixed per token row), so
-//      S^T[t] = 2^-k_t (sum_c q'_c (1024 + 2^k x_tc) - 1024 sum_c q'_c) + sum_c q_c m_c,
-//      with sum_c q'_c and sum_c q_c m_c from two rank-1 MMAs per k-step;
-//   V: 1024 + 2^k x (k fixed per channel row) straight into the running
-//      O^T, which a quantized segment keeps times 2^k (scale_acc_to_codes:
-//      exact, once per segment); each m-tile's code MMA follows a rank-1 MMA
-//      of -1024 sum_t p'_t over the same FP16 p', so the offset cancels
-//      within the m-tile.
-// The offsets never outlive one block (K) or one m-tile (V), so the 1024
-// costs about 10 of 24 bits on sums of a few units: noise far below FP16
-// rounding. (The running V accumulator must never carry the offset: a long
-// average is ~1e4 times smaller than 1024 sum p', v2 in kernel-notes-log.md.)
+// The tensor cores get the codes as FP16 subnormals straight from one lop3
+// each (the MMA takes subnormal inputs at full precision; its FP32 products
+// and sums of 2^-24-scaled codes stay far above FP32's subnormal range):
+//   K: 2^(k-24) x (k fixed per token row), so
+//      S^T[t] = 2^(24-k_t) sum_c q'_c (2^(k_t-24) x_tc) + sum_c q_c m_c,
+//      the last term from one rank-1 MMA per k-step;
+//   V: 2^(k-24) x (k fixed per channel row) straight into the running O^T,
+//      which a quantized segment keeps times 2^(k-24) (scale_acc_to_codes:
+//      exact, once per segment).
+// An earlier form biased the codes by 1024 (the mantissa of 1024.0) and
+// removed the bias with a rank-1 MMA per k-step (K) and per m-tile and
+// channel tile (V): 24 of a 32-token block's 64 MMAs.
 template <int D, int S, int Bits>
 __device__ __forceinline__ void quant_block_scores(const char* slot, const uint32_t (&qf)[D / 16][2],
                                                    float (&s)[S / 16][4], int lane) {
   constexpr Precision P = Bits == 4 ? Precision::INT4 : Precision::INT2;
   constexpr BlockFormat F{P, 1, D, S};
   constexpr int MT = S / 16;
-  constexpr uint32_t kOnes = 0x3C003C00u;      // half2(1, 1)
   const int r = lane & 3;
 
   // ---- S^T = K Q'^T, plus the rank-1 terms
@@ -449,10 +447,9 @@ __device__ __forceinline__ void quant_block_scores(const char* slot, const uint3
   // critical path and would cost a 4-FADD merge per m-tile.
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) s[mt][0] = s[mt][1] = s[mt][2] = s[mt][3] = 0.0f;
-  // The two rank-1 products are read from rows g only ([0], [1]): rows
-  // g + 8 of their A operands are whatever costs no register copy.
+  // The rank-1 product is read from rows g only ([0], [1]): rows g + 8 of
+  // its A operand are whatever costs no register copy.
   float bias[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // sum_c q_c m_c
-  float qsum[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // sum_c q'_c
   uint32_t kx[D / 16][2][2];
   load_k_pairs<D, S, Bits>(slot + F.k_offset(), kx, lane);
 #pragma unroll
@@ -472,8 +469,6 @@ __device__ __forceinline__ void quant_block_scores(const char* slot, const uint3
     const uint32_t qb1 = hmul2_u32(qf[ks][1], params.w);
     const uint32_t am[4] = {params.x, params.y, params.z, params.w};
     mma_16816(bias, am, qf[ks][0], qf[ks][1]);
-    const uint32_t ones[4] = {kOnes, undefined_u32(), kOnes, undefined_u32()};
-    mma_16816(qsum, ones, qb0, qb1);
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
       const uint32_t a[4] = {k_codes_of<Bits>(kx[ks][0], 2 * mt), k_codes_of<Bits>(kx[ks][0], 2 * mt + 1),
@@ -484,19 +479,19 @@ __device__ __forceinline__ void quant_block_scores(const char* slot, const uint3
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
     // rows g: run token 2mt; rows g + 8: run token 2mt + 1
-    const float f0 = __int_as_float((127 - KRunPos<Bits>::k(2 * mt)) << 23);
-    const float f1 = __int_as_float((127 - KRunPos<Bits>::k(2 * mt + 1)) << 23);
-    s[mt][0] = (s[mt][0] - 1024.0f * qsum[0]) * f0 + bias[0];
-    s[mt][1] = (s[mt][1] - 1024.0f * qsum[1]) * f0 + bias[1];
-    s[mt][2] = (s[mt][2] - 1024.0f * qsum[0]) * f1 + bias[0];
-    s[mt][3] = (s[mt][3] - 1024.0f * qsum[1]) * f1 + bias[1];
+    const float f0 = __int_as_float((127 + 24 - KRunPos<Bits>::k(2 * mt)) << 23);
+    const float f1 = __int_as_float((127 + 24 - KRunPos<Bits>::k(2 * mt + 1)) << 23);
+    s[mt][0] = fmaf(s[mt][0], f0, bias[0]);
+    s[mt][1] = fmaf(s[mt][1], f0, bias[1]);
+    s[mt][2] = fmaf(s[mt][2], f1, bias[0]);
+    s[mt][3] = fmaf(s[mt][3], f1, bias[1]);
   }
 }
 
 // O^T += V^T P^T of one quantized block, P (s) its probabilities.
 template <int D, int S, int Bits>
 __device__ __forceinline__ void quant_block_accumulate(const char* slot, float (&s)[S / 16][4],
-                                                       const uint32_t (&minus1024)[4], WarpState<D>& st, int lane) {
+                                                       WarpState<D>& st, int lane) {
   constexpr Precision P = Bits == 4 ? Precision::INT4 : Precision::INT2;
   constexpr BlockFormat F{P, 1, D, S};
   constexpr int MT = S / 16;
@@ -556,22 +551,22 @@ __device__ __forceinline__ void quant_block_accumulate(const char* slot, float (
       const uint32_t xcd = prmt(v[mt][2].w[word], v[mt][3].w[word], sel);
       const uint32_t a[4] = {v_codes_at<Bits>(xab, shift), v_codes_at<Bits>(xab, shift + Bits),
                              v_codes_at<Bits>(xcd, shift), v_codes_at<Bits>(xcd, shift + Bits)};
-      mma_16816(st.acc[cm], minus1024, pb[mt][0], pb[mt][1]);
       mma_16816(st.acc[cm], a, pb[mt][0], pb[mt][1]);
     }
   }
 }
 
 // Entering (to_codes) or leaving a quantized segment of `Bits`: O^T rows
-// times 2^k or 2^-k, k the bit of their V codes (exact powers of two).
+// times 2^(k-24) or 2^(24-k), k the bit of their V codes (exact powers of
+// two: the accumulators are sums of p v, far from FP32's limits).
 template <int Bits, int D>
 __device__ __forceinline__ void scale_acc_to_codes(WarpState<D>& st, bool to_codes) {
 #pragma unroll
   for (int cm = 0; cm < D / 16; ++cm) {
     const int k0 = VTilePos<Bits>::k(cm, 0);
     const int k1 = VTilePos<Bits>::k(cm, 1);
-    const float f0 = __int_as_float((127 + (to_codes ? k0 : -k0)) << 23);
-    const float f1 = __int_as_float((127 + (to_codes ? k1 : -k1)) << 23);
+    const float f0 = __int_as_float((127 + (to_codes ? k0 - 24 : 24 - k0)) << 23);
+    const float f1 = __int_as_float((127 + (to_codes ? k1 - 24 : 24 - k1)) << 23);
     st.acc[cm][0] *= f0;
     st.acc[cm][1] *= f0;
     st.acc[cm][2] *= f1;
@@ -632,15 +627,7 @@ __device__ __forceinline__ void run_segment(const DecodeParams& p, const std::in
     }
   };
 
-  // Quantized: A of the V offset MMAs, half2(-1024, -1024), made once per
-  // segment by a shuffle so that ptxas cannot see a constant: as one it
-  // copied the value into several register quads in every block.
-  uint32_t minus1024[4];
-  if constexpr (P != Precision::FP16) {
-    scale_acc_to_codes<bits_of(P)>(st, true);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) minus1024[i] = __shfl_sync(0xffffffffu, 0xE400E400u, 0);
-  }
+  if constexpr (P != Precision::FP16) scale_acc_to_codes<bits_of(P)>(st, true);
 #pragma unroll
   for (int stage = 0; stage < kStages; ++stage) {
     if (stage < count) issue(stage, stage);
@@ -689,7 +676,7 @@ __device__ __forceinline__ void run_segment(const DecodeParams& p, const std::in
       exponentiate<MT>(s, p.scale_log2, base0, base1, st);
       float next[MT][4];
       quant_block_scores<D, S, kBits>(ring + next_stage * kUnitBytes, qf, next, lane);
-      quant_block_accumulate<D, S, kBits>(ring + stage * kUnitBytes, s, minus1024, st, lane);
+      quant_block_accumulate<D, S, kBits>(ring + stage * kUnitBytes, s, st, lane);
       block_max<MT>(next, p.scale_log2, bm0, bm1);
       __syncwarp();
       if (k + kStages < count) issue(k + kStages, stage);
@@ -707,7 +694,7 @@ __device__ __forceinline__ void run_segment(const DecodeParams& p, const std::in
     float base0, base1;
     online_softmax_rescale<true>(bm0, bm1, st, base0, base1);
     exponentiate<MT>(s, p.scale_log2, base0, base1, st);
-    quant_block_accumulate<D, S, kBits>(ring + stage * kUnitBytes, s, minus1024, st, lane);
+    quant_block_accumulate<D, S, kBits>(ring + stage * kUnitBytes, s, st, lane);
   }
   cp_async_wait<0>();
   __syncwarp();

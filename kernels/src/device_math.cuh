@@ -89,19 +89,4 @@ __device__ __forceinline__ uint32_t hmul2_u32(uint32_t a, uint32_t b) {
   return *reinterpret_cast<uint32_t*>(&r);
 }
 
-// A register value that no instruction defines: for MMA operand elements
-// whose products land only in result rows the caller never reads.
-__device__ __forceinline__ uint32_t undefined_u32() {
-  uint32_t x;
-  asm("" : "=r"(x));
-  return x;
-}
-
-// (a & b) | c in one instruction.
-__device__ __forceinline__ uint32_t lop3_and_or(uint32_t a, uint32_t b, uint32_t c) {
-  uint32_t d;
-  asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-  return d;
-}
-
 }  // namespace mixkv::gpu::detail
