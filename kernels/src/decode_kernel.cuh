@@ -422,8 +422,8 @@ __device__ __forceinline__ void load_k_pairs(const char* k_codes, uint32_t (&x)[
 
 // One quantized block of S tokens (permuted token order, see the top).
 // The tensor cores get the codes as FP16 subnormals straight from one lop3
-// each (the MMA takes subnormal inputs at full precision; its FP32 products
-// and sums of 2^-24-scaled codes stay far above FP32's subnormal range):
+// each (the MMA takes subnormal inputs exactly, and no product of two FP16
+// numbers is below 2^-48, a normal FP32 number):
 //   K: 2^(k-24) x (k fixed per token row), so
 //      S^T[t] = 2^(24-k_t) sum_c q'_c (2^(k_t-24) x_tc) + sum_c q_c m_c,
 //      the last term from one rank-1 MMA per k-step;
@@ -442,8 +442,8 @@ __device__ __forceinline__ void quant_block_scores(const char* slot, const uint3
   const int r = lane & 3;
 
   // ---- S^T = K Q'^T, plus the rank-1 terms
-  // One MMA chain per m-tile, D/16 deep: as deep as the two rank-1 chains,
-  // so splitting it (even and odd k-steps) would not shorten the block's
+  // One MMA chain per m-tile, D/16 deep: as deep as the rank-1 chain, so
+  // splitting it (even and odd k-steps) would not shorten the block's
   // critical path and would cost a 4-FADD merge per m-tile.
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) s[mt][0] = s[mt][1] = s[mt][2] = s[mt][3] = 0.0f;
