@@ -93,26 +93,23 @@ __device__ __forceinline__ int v_swizzle(int chunk, int row) {
   return chunk ^ ((((row >> 1) & 1) * 5) ^ (((row >> 2) & 1) * 2));
 }
 
-// The maxima of MT m-tiles' scores for heads 2r, 2r + 1 over all the
-// warp's tokens (reduced across the g lanes), times scale_log2. The scale
-// goes in once since scale_log2 > 0 and rounding is monotonic:
-// fl(max x * scale) is max fl(x * scale).
+// The maxima of MT m-tiles' scores for heads 2r, 2r + 1 over this
+// thread's tokens, times scale_log2. The scale goes in once since
+// scale_log2 > 0 and rounding is monotonic: fl(max x * scale) is
+// max fl(x * scale). The maxima over the warp's tokens (across the g
+// lanes) are taken only when the running max has to move
+// (online_softmax_rescale), so the shuffles leave the common path.
 template <int MT>
-__device__ __forceinline__ void block_max(const float (&s)[MT][4], float scale_log2, float& bm0, float& bm1) {
-  bm0 = fmaxf(s[0][0], s[0][2]);
-  bm1 = fmaxf(s[0][1], s[0][3]);
+__device__ __forceinline__ void thread_max(const float (&s)[MT][4], float scale_log2, float& tm0, float& tm1) {
+  tm0 = fmaxf(s[0][0], s[0][2]);
+  tm1 = fmaxf(s[0][1], s[0][3]);
 #pragma unroll
   for (int mt = 1; mt < MT; ++mt) {
-    bm0 = fmaxf(bm0, fmaxf(s[mt][0], s[mt][2]));
-    bm1 = fmaxf(bm1, fmaxf(s[mt][1], s[mt][3]));
+    tm0 = fmaxf(tm0, fmaxf(s[mt][0], s[mt][2]));
+    tm1 = fmaxf(tm1, fmaxf(s[mt][1], s[mt][3]));
   }
-  bm0 *= scale_log2;
-  bm1 *= scale_log2;
-#pragma unroll
-  for (int offset = 4; offset < 32; offset <<= 1) {
-    bm0 = fmaxf(bm0, __shfl_xor_sync(0xffffffffu, bm0, offset));
-    bm1 = fmaxf(bm1, __shfl_xor_sync(0xffffffffu, bm1, offset));
-  }
+  tm0 *= scale_log2;
+  tm1 *= scale_log2;
 }
 
 // The running max (base 2) moves only when a block's max exceeds it by more
@@ -124,15 +121,22 @@ __device__ __forceinline__ void block_max(const float (&s)[MT][4], float scale_l
 // sqrt(2) * (2 * 65504 / 3) < 65504.
 inline constexpr float kRescaleSlack = 0.5f;
 
-// The running state after a block whose max is (bm0, bm1) (from
-// block_max); base0/1 are what the block's exponents subtract.
+// The running state after a block whose thread maxima are (tm0, tm1)
+// (from thread_max); base0/1 are what the block's exponents subtract.
 // kFinite: every score of the block is finite (a quantized block has no
 // masked rows), so a moved max is too and needs no -inf guard.
 template <bool kFinite, int D>
-__device__ __forceinline__ void online_softmax_rescale(float bm0, float bm1, WarpState<D>& st, float& base0,
+__device__ __forceinline__ void online_softmax_rescale(float tm0, float tm1, WarpState<D>& st, float& base0,
                                                        float& base1) {
   // -inf + slack is -inf: a head's first finite block always moves it.
-  if (__any_sync(0xffffffffu, bm0 > st.m[0] + kRescaleSlack || bm1 > st.m[1] + kRescaleSlack)) {
+  if (__any_sync(0xffffffffu, tm0 > st.m[0] + kRescaleSlack || tm1 > st.m[1] + kRescaleSlack)) {
+    float bm0 = tm0;
+    float bm1 = tm1;
+#pragma unroll
+    for (int offset = 4; offset < 32; offset <<= 1) {
+      bm0 = fmaxf(bm0, __shfl_xor_sync(0xffffffffu, bm0, offset));
+      bm1 = fmaxf(bm1, __shfl_xor_sync(0xffffffffu, bm1, offset));
+    }
     const float m0 = fmaxf(st.m[0], bm0);
     const float m1 = fmaxf(st.m[1], bm1);
     // A head with no valid score yet keeps base 0, so -inf - -inf never occurs.
@@ -175,9 +179,9 @@ __device__ __forceinline__ void exponentiate(float (&s)[MT][4], float scale_log2
 
 template <int MT, bool kFinite, int D>
 __device__ __forceinline__ void online_softmax(float (&s)[MT][4], float scale_log2, WarpState<D>& st) {
-  float bm0, bm1, base0, base1;
-  block_max<MT>(s, scale_log2, bm0, bm1);
-  online_softmax_rescale<kFinite>(bm0, bm1, st, base0, base1);
+  float tm0, tm1, base0, base1;
+  thread_max<MT>(s, scale_log2, tm0, tm1);
+  online_softmax_rescale<kFinite>(tm0, tm1, st, base0, base1);
   exponentiate<MT>(s, scale_log2, base0, base1, st);
 }
 
@@ -647,20 +651,20 @@ __device__ __forceinline__ void run_segment(const DecodeParams& p, const std::in
     }
   } else if (count > 0) {
     // Software-pipelined by one block: iteration k exponentiates block k's
-    // scores, then computes block k + 1's scores (K side, block max) beside
-    // block k's V side, so that the warp has two independent MMA chains in
-    // flight where one block alone is a serial chain (K MMAs -> max
-    // shuffles -> exp2 -> V MMAs) that its latency, not the issue rate,
-    // sets. Block k + 1 must have landed: one ring stage less of prefetch.
+    // scores, then computes block k + 1's scores (K side, thread maxima)
+    // beside block k's V side, so that the warp has two independent MMA
+    // chains in flight where one block alone is a serial chain (K MMAs ->
+    // max -> exp2 -> V MMAs) that its latency, not the issue rate, sets.
+    // Block k + 1 must have landed: one ring stage less of prefetch.
     static_assert(kStages >= 2, "the pipelined loop holds two blocks in the ring");
     constexpr int MT = S / 16;
     constexpr int kBits = bits_of(P);
     float s[MT][4];
-    float bm0, bm1;
+    float tm0, tm1;
     cp_async_wait<kStages - 1>();
     __syncwarp();
     quant_block_scores<D, S, kBits>(ring, qf, s, lane);
-    block_max<MT>(s, p.scale_log2, bm0, bm1);
+    thread_max<MT>(s, p.scale_log2, tm0, tm1);
     // Ring stages of blocks k and k + 1 as counters (a modulo by the
     // stage count costs a multiply-high chain per block).
     int stage = 0;
@@ -670,14 +674,14 @@ __device__ __forceinline__ void run_segment(const DecodeParams& p, const std::in
     // schedule across.
     for (int k = 0; k + 1 < count; ++k) {
       float base0, base1;
-      online_softmax_rescale<true>(bm0, bm1, st, base0, base1);
+      online_softmax_rescale<true>(tm0, tm1, st, base0, base1);
       cp_async_wait<kStages - 2>();
       __syncwarp();
       exponentiate<MT>(s, p.scale_log2, base0, base1, st);
       float next[MT][4];
       quant_block_scores<D, S, kBits>(ring + next_stage * kUnitBytes, qf, next, lane);
       quant_block_accumulate<D, S, kBits>(ring + stage * kUnitBytes, s, st, lane);
-      block_max<MT>(next, p.scale_log2, bm0, bm1);
+      thread_max<MT>(next, p.scale_log2, tm0, tm1);
       __syncwarp();
       if (k + kStages < count) issue(k + kStages, stage);
       cp_async_commit();
@@ -692,7 +696,7 @@ __device__ __forceinline__ void run_segment(const DecodeParams& p, const std::in
       }
     }
     float base0, base1;
-    online_softmax_rescale<true>(bm0, bm1, st, base0, base1);
+    online_softmax_rescale<true>(tm0, tm1, st, base0, base1);
     exponentiate<MT>(s, p.scale_log2, base0, base1, st);
     quant_block_accumulate<D, S, kBits>(ring + stage * kUnitBytes, s, st, lane);
   }
