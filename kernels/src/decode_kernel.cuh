@@ -434,9 +434,9 @@ __device__ __forceinline__ void load_k_pairs(const char* k_codes, uint32_t (&x)[
 //   V: 2^(k-24) x (k fixed per channel row) straight into the running O^T,
 //      which a quantized segment keeps times 2^(k-24) (scale_acc_to_codes:
 //      exact, once per segment).
-// An earlier form biased the codes by 1024 (the mantissa of 1024.0) and
-// removed the bias with a rank-1 MMA per k-step (K) and per m-tile and
-// channel tile (V): 24 of a 32-token block's 64 MMAs.
+// Codes biased into normal FP16 numbers (1024 + code, the usual trick)
+// would need rank-1 MMAs to take the bias back out: 24 more for a 32-token
+// block than its 40.
 template <int D, int S, int Bits>
 __device__ __forceinline__ void quant_block_scores(const char* slot, const uint32_t (&qf)[D / 16][2],
                                                    float (&s)[S / 16][4], int lane) {
