@@ -516,11 +516,6 @@ void store_prefill(const StorePrefillArgs& a) {
     MIXKV_CUDA_CHECK(cudaFuncSetAttribute(launch.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                           static_cast<int>(smem)));
   }
-  int device = 0, sms = 0, per_sm = 0;
-  MIXKV_CUDA_CHECK(cudaGetDevice(&device));
-  MIXKV_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  MIXKV_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, launch.kernel, kThreads, smem));
-  const std::int64_t resident = static_cast<std::int64_t>(sms) * std::max(per_sm, 1);
   constexpr int kWarps = kThreads / 32;
   std::int64_t grid = 0;
   if (launch.units_per_tile > 0) {
@@ -529,7 +524,13 @@ void store_prefill(const StorePrefillArgs& a) {
     // Tiles: as many rounds as the resident CTAs need, then as few CTAs as
     // give every CTA that many tiles (or one fewer): no last round that a
     // few CTAs run alone. The copy units widen the grid up to the resident
-    // CTAs.
+    // CTAs. Only this kernel needs the occupancy, so the units kernel's
+    // calls skip its queries.
+    int device = 0, sms = 0, per_sm = 0;
+    MIXKV_CUDA_CHECK(cudaGetDevice(&device));
+    MIXKV_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    MIXKV_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, launch.kernel, kThreads, smem));
+    const std::int64_t resident = static_cast<std::int64_t>(sms) * std::max(per_sm, 1);
     const std::int64_t rounds = (tiles + resident - 1) / resident;
     const std::int64_t tile_ctas = rounds > 0 ? (tiles + rounds - 1) / rounds : 0;
     grid = std::max(tile_ctas, std::min<std::int64_t>(resident, (p.copy_units + kWarps - 1) / kWarps));
