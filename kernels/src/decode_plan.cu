@@ -181,11 +181,11 @@ void DecodePlan::Impl::plan_layer(int layer, int target_items, std::int32_t shar
   // 550 per 16-token FP16 unit; scaled by D and S for other shapes. At 16
   // bytes per instruction every pool's chunk of batch 1 x 19,600 (mixed
   // plan, 93 chunks) held <= 8 blocks or FP16 units with those counts: 2
-  // per warp. INT2 now counts 550: since the codes became subnormals (kernel-notes-log v26)
-  // an INT2 block takes 0.88x the time it did, and 0.88 x (its bytes +
-  // 16 x 650) is its bytes + 16 x 550; INT4 blocks wait on memory and
-  // kept their time. (Measured against the mixed plan: b64 x 19,600 1.2%
-  // faster, b1 and b8 unchanged.)
+  // per warp. INT2 now counts 550: since the codes became subnormals
+  // (kernel-notes-log v26) an INT2 block takes 0.88x the time it did, and
+  // 0.88 x (its bytes + 16 x 650) is its bytes + 16 x 550; INT4 blocks
+  // wait on memory and kept their time. (Measured against the mixed plan:
+  // b64 x 19,600 1.2% faster, b1 and b8 unchanged.)
   constexpr std::int64_t kBytesPerInstruction = 16;
   const std::int64_t int4_instructions = 650LL * c.head_dim / 128 * S / 32;
   const std::int64_t int2_instructions = 550LL * c.head_dim / 128 * S / 32;
