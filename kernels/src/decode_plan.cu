@@ -285,8 +285,8 @@ void DecodePlan::Impl::plan_layer(int layer, int target_items, std::int32_t shar
         }
         cuts.push_back(n_total);
         starts.clear();
+        std::int64_t lo = 0;  // work before piece k (cuts[0] is 0)
         for (std::size_t k = 0; k + 1 < cuts.size(); ++k) {
-          const std::int64_t lo = work_before(b, cuts[k]);
           const std::int64_t hi = work_before(b, cuts[k + 1]);
           const auto in_share = std::min(shares - 1, static_cast<std::int32_t>((start + 0.5 * (lo + hi)) / share));
           if (in_share != current_share) {
@@ -295,6 +295,7 @@ void DecodePlan::Impl::plan_layer(int layer, int target_items, std::int32_t shar
           }
           starts.push_back(share_work);
           share_work += hi - lo;
+          lo = hi;
         }
         emit(b, h);
       }
