@@ -57,16 +57,28 @@ struct DecodeTile {
   static constexpr int kFp16UnitBytes = kFp16UnitTokens * D * 2 * 2;  // K and V rows
   static constexpr int kInt4Bytes = static_cast<int>(BlockFormat{Precision::INT4, 1, D, S}.head_bytes());
   static constexpr int kInt2Bytes = static_cast<int>(BlockFormat{Precision::INT2, 1, D, S}.head_bytes());
-  // Per-warp ring: at least two units of the largest kind in flight, and
-  // 16 KiB so that small INT2 blocks go 6-8 deep.
+  // Per-warp ring: at least two units of the largest kind, and 16 KiB, so
+  // that small blocks can go up to 8 deep (stages()).
   static constexpr int kRingBytes = (cmax(16384, 2 * cmax(kFp16UnitBytes, kInt4Bytes)) + 127) / 128 * 128;
   template <Precision P>
   static constexpr int unit_bytes() {
     return P == Precision::FP16 ? kFp16UnitBytes : (P == Precision::INT4 ? kInt4Bytes : kInt2Bytes);
   }
-  template <Precision P>
+  // Ring stages of a unit kind: as many as the ring holds (<= 8), except
+  // for INT2. The quantized loop holds two blocks in the ring and keeps the
+  // rest in flight, and an INT2 warp, bound by its instructions, does not
+  // need more bytes in flight than an INT4 warp: when every CTA slot of the
+  // GPU is busy (kBusyGpu), one block, or deeper INT2 prefetches lengthen
+  // the memory latency that the INT4 and FP16 warps of a mixed plan wait
+  // on (b64 x 19,600 mixed: 184 us with 4 INT2 blocks in flight, 180 with
+  // 2, 175 with 1; INT2 alone 127-128 us in all three); otherwise as many
+  // bytes as an INT4 block (with fewer warps an SM, 1 was 5% slower at b8
+  // x 65,536 and 2 the fastest; kernel-notes-log v28).
+  template <Precision P, bool kBusyGpu = false>
   static constexpr int stages() {
-    return cmin(8, kRingBytes / unit_bytes<P>());
+    const int fit = cmin(8, kRingBytes / unit_bytes<P>());
+    if constexpr (P != Precision::INT2) return fit;
+    return cmin(fit, 2 + (kBusyGpu ? 1 : (kInt4Bytes + kInt2Bytes - 1) / kInt2Bytes));
   }
   static constexpr int kMergeBytes = kDecodeWarps * kMaxGroup * (D + 2) * 4;
   static constexpr int kSmemBytes = cmax(kDecodeWarps * kRingBytes, kMergeBytes);
@@ -582,12 +594,11 @@ __device__ __forceinline__ void scale_acc_to_codes(WarpState<D>& st, bool to_cod
 
 // The warp's share (units warp, warp + 4, ...) of blocks [lo, hi) of one
 // pool's list, streamed through the warp's ring.
-template <int D, int S, Precision P>
+template <int D, int S, Precision P, int kStages = DecodeTile<D, S>::template stages<P>()>
 __device__ __forceinline__ void run_segment(const DecodeParams& p, const std::int32_t* ids, int lo, int hi,
                                             int n_blocks, int fill, int kv_head, char* ring,
                                             const uint32_t (&qf)[D / 16][2], WarpState<D>& st, int warp, int lane) {
   using Tile = DecodeTile<D, S>;
-  constexpr int kStages = Tile::template stages<P>();
   constexpr int kUnitBytes = Tile::template unit_bytes<P>();
   constexpr int kUnitsPerBlock = P == Precision::FP16 ? S / 16 : 1;
   static_assert(kStages >= 1);
@@ -762,8 +773,13 @@ __global__ void __launch_bounds__(kDecodeThreads, DecodeTile<D, S>::kMinCtasPerS
   {
     const int lo = max(item.begin - first, 0), hi = min(item.end - first, n[2]);
     if (lo < hi) {
-      run_segment<D, S, Precision::INT2>(p, table + 2 * pool_stride, lo, hi, n[2], S, item.kv_head, ring, qf, st,
-                                         warp, lane);
+      constexpr Precision P = Precision::INT2;
+      if (range.y >= p.resident_ctas) {
+        run_segment<D, S, P, Tile::template stages<P, true>()>(p, table + 2 * pool_stride, lo, hi, n[2], S,
+                                                                 item.kv_head, ring, qf, st, warp, lane);
+      } else {
+        run_segment<D, S, P>(p, table + 2 * pool_stride, lo, hi, n[2], S, item.kv_head, ring, qf, st, warp, lane);
+      }
     }
   }
 

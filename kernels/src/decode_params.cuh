@@ -62,6 +62,9 @@ struct DecodeParams {
   std::int32_t num_q_heads = 0;
   std::int32_t num_kv_heads = 0;
   std::int32_t group = 0;
+  // CTAs the GPU holds at once: a launch of at least as many items keeps
+  // every slot busy (DecodeTile::stages' kBusyGpu).
+  std::int32_t resident_ctas = 0;
   float scale_log2 = 0.0f;  // sm_scale * log2(e): scores are kept in base 2
 };
 

@@ -466,6 +466,7 @@ void DecodePlan::run(const DecodeRunArgs& args) const {
   p.num_q_heads = c.num_q_heads;
   p.num_kv_heads = c.num_kv_heads;
   p.group = s.group;
+  p.resident_ctas = s.ctas_per_sm * c.num_sms;
   p.scale_log2 = args.sm_scale * 1.4426950408889634f;
 
   const int grid = args.fixed_grid ? s.max_items : static_cast<int>(s.layers[args.layer].items.size());
