@@ -42,7 +42,6 @@
 
 namespace mixkv::gpu::detail {
 
-inline constexpr int kDecodeWarps = 4;
 inline constexpr int kDecodeThreads = 32 * kDecodeWarps;
 inline constexpr int kMaxGroup = 8;
 
@@ -593,10 +592,12 @@ __device__ __forceinline__ void scale_acc_to_codes(WarpState<D>& st, bool to_cod
 // ------------------------------------------------------------- segments --
 
 // The warp's share (units warp, warp + 4, ...) of blocks [lo, hi) of one
-// pool's list, streamed through the warp's ring.
+// pool's list, streamed through the warp's ring. lead_id: the page id of
+// the warp's first unit's block when the plan carried it (the item's first
+// segment), else -1.
 template <int D, int S, Precision P, int kStages = DecodeTile<D, S>::template stages<P>()>
 __device__ __forceinline__ void run_segment(const DecodeParams& p, const std::int32_t* ids, int lo, int hi,
-                                            int n_blocks, int fill, int kv_head, char* ring,
+                                            int n_blocks, int fill, int kv_head, int lead_id, char* ring,
                                             const uint32_t (&qf)[D / 16][2], WarpState<D>& st, int warp, int lane) {
   using Tile = DecodeTile<D, S>;
   constexpr int kUnitBytes = Tile::template unit_bytes<P>();
@@ -624,14 +625,12 @@ __device__ __forceinline__ void run_segment(const DecodeParams& p, const std::in
   // one slab division per 32 units, instead of a dependent global load and
   // ~30 address instructions in front of every unit's copies.
   const char* lane_head = nullptr;
-  auto issue = [&](int k, int stage) {
-    if ((k & 31) == 0) {  // units are issued in order: a new window
-      int block, sub;
-      unit_rows(k + lane, block, sub);
-      lane_head = k + lane < count ? reinterpret_cast<const char*>(pool.block(ids[block])) + head_offset : nullptr;
-    }
-    const char* head = reinterpret_cast<const char*>(
-        __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(lane_head), k & 31));
+  auto look_up_window = [&](int k) {
+    int block, sub;
+    unit_rows(k + lane, block, sub);
+    lane_head = k + lane < count ? reinterpret_cast<const char*>(pool.block(ids[block])) + head_offset : nullptr;
+  };
+  auto copy = [&](int k, int stage, const char* head) {
     char* dst = ring + stage * kUnitBytes;
     if constexpr (P == Precision::FP16) {
       int block, sub;
@@ -641,11 +640,26 @@ __device__ __forceinline__ void run_segment(const DecodeParams& p, const std::in
       load_quant_head<kUnitBytes>(dst, head, lane);
     }
   };
+  auto issue = [&](int k, int stage) {
+    if ((k & 31) == 0) look_up_window(k);  // units are issued in order: a new window
+    copy(k, stage, reinterpret_cast<const char*>(
+                       __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(lane_head), k & 31)));
+  };
 
   if constexpr (P != Precision::FP16) scale_acc_to_codes<bits_of(P)>(st, true);
+  // Unit 0's copy goes out before the window's page-table loads when the
+  // plan gave its page id.
+  const bool lead = lead_id >= 0 && count > 0;
+  if (lead) copy(0, 0, reinterpret_cast<const char*>(pool.block(lead_id)) + head_offset);
 #pragma unroll
   for (int stage = 0; stage < kStages; ++stage) {
-    if (stage < count) issue(stage, stage);
+    if (stage < count) {
+      if (stage == 0 && lead) {
+        look_up_window(0);
+      } else {
+        issue(stage, stage);
+      }
+    }
     cp_async_commit();
   }
   if constexpr (P == Precision::FP16) {
@@ -757,16 +771,24 @@ __global__ void __launch_bounds__(kDecodeThreads, DecodeTile<D, S>::kMinCtasPerS
   const std::int32_t* table = p.blocks + static_cast<std::size_t>(slot) * p.max_blocks;
   const std::size_t pool_stride = static_cast<std::size_t>(p.max_sequences) * p.max_blocks;
   int first = 0;  // virtual index of the pool's first block
+  // For the item's first segment only. Read from global memory beside the
+  // item: indexing the item's copy by warp would put it in local memory.
+  int lead_id = p.items[range.x + blockIdx.x].lead_ids[warp];
   {
     const int lo = max(item.begin - first, 0), hi = min(item.end - first, n[0]);
-    if (lo < hi) run_segment<D, S, Precision::FP16>(p, table, lo, hi, n[0], fill, item.kv_head, ring, qf, st, warp, lane);
+    if (lo < hi) {
+      run_segment<D, S, Precision::FP16>(p, table, lo, hi, n[0], fill, item.kv_head, lead_id, ring, qf, st, warp,
+                                         lane);
+      lead_id = -1;
+    }
     first += n[0];
   }
   {
     const int lo = max(item.begin - first, 0), hi = min(item.end - first, n[1]);
     if (lo < hi) {
-      run_segment<D, S, Precision::INT4>(p, table + pool_stride, lo, hi, n[1], S, item.kv_head, ring, qf, st, warp,
-                                         lane);
+      run_segment<D, S, Precision::INT4>(p, table + pool_stride, lo, hi, n[1], S, item.kv_head, lead_id, ring, qf, st,
+                                         warp, lane);
+      lead_id = -1;
     }
     first += n[1];
   }
@@ -776,9 +798,10 @@ __global__ void __launch_bounds__(kDecodeThreads, DecodeTile<D, S>::kMinCtasPerS
       constexpr Precision P = Precision::INT2;
       if (range.y >= p.resident_ctas) {
         run_segment<D, S, P, Tile::template stages<P, true>()>(p, table + 2 * pool_stride, lo, hi, n[2], S,
-                                                                 item.kv_head, ring, qf, st, warp, lane);
+                                                                 item.kv_head, lead_id, ring, qf, st, warp, lane);
       } else {
-        run_segment<D, S, P>(p, table + 2 * pool_stride, lo, hi, n[2], S, item.kv_head, ring, qf, st, warp, lane);
+        run_segment<D, S, P>(p, table + 2 * pool_stride, lo, hi, n[2], S, item.kv_head, lead_id, ring, qf, st, warp,
+                             lane);
       }
     }
   }

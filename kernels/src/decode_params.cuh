@@ -9,6 +9,9 @@
 
 namespace mixkv::gpu::detail {
 
+// Warps of a decode CTA.
+inline constexpr int kDecodeWarps = 4;
+
 // A range of one (sequence, KV head)'s blocks in the concatenation of its
 // FP16, INT4 and INT2 page lists (in that order).
 // The planner copies the list lengths from the host mirror of the page
@@ -23,6 +26,10 @@ struct DecodeWorkItem {
   std::int32_t slot = 0;     // page-table slot of the sequence
   std::int32_t counts[3] = {0, 0, 0};  // FP16, INT4, INT2 list lengths
   std::int32_t fill = 0;     // valid tokens in the last FP16 block
+  // Page ids of the blocks the CTA's warps start with (warp w's first unit)
+  // in the item's first segment, -1 where a warp has none: their copies
+  // need no page-table load, a DRAM round trip off the front of every CTA.
+  std::int32_t lead_ids[kDecodeWarps] = {-1, -1, -1, -1};
   // Split items only: the (sequence, KV head)'s partial rows are
   // first .. first + pieces - 1, merged in groups of fan_in consecutive rows
   // (the last CTA of a group merges it; the last group's merger merges the

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstring>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -237,6 +238,23 @@ void DecodePlan::Impl::plan_layer(int layer, int target_items, std::int32_t shar
   emitted.clear();
   launch_keys.clear();
   std::int32_t next_partial = 0;
+  // DecodeWorkItem::lead_ids: the page id of the block of warp w's first
+  // unit (unit w) in the item's first segment, from the host mirror the
+  // counts come from too.
+  auto set_lead_ids = [&](DecodeWorkItem& item, int b) {
+    for (int p = 0, first = 0; p < kNumPrecisions; first += counts[b][p], ++p) {
+      const std::int32_t lo = std::max(item.begin - first, 0);
+      const std::int32_t hi = std::min(item.end - first, counts[b][p]);
+      if (lo >= hi) continue;
+      const int units_per_block = p == 0 ? S / 16 : 1;
+      const std::span<const std::int32_t> ids = tables->blocks(next_slots[b], layer, kAllPrecisions[p]);
+      for (int w = 0; w < detail::kDecodeWarps; ++w) {
+        const std::int32_t block = lo + w / units_per_block;
+        item.lead_ids[w] = block < hi ? ids[block] : -1;
+      }
+      return;
+    }
+  };
   auto emit = [&](int b, int h) {
     const int pieces = static_cast<int>(cuts.size()) - 1;
     // The in-kernel merge: one level up to 16 pieces, else two levels of
@@ -261,6 +279,7 @@ void DecodePlan::Impl::plan_layer(int layer, int target_items, std::int32_t shar
       item.begin = cuts[k];
       item.end = cuts[k + 1];
       item.partial = pieces > 1 ? next_partial++ : -1;
+      set_lead_ids(item, b);
       launch_keys.emplace_back(starts[k], static_cast<std::int32_t>(emitted.size()));
       emitted.push_back(item);
     }
