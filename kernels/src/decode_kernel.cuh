@@ -104,14 +104,12 @@ __device__ __forceinline__ int v_swizzle(int chunk, int row) {
   return chunk ^ ((((row >> 1) & 1) * 5) ^ (((row >> 2) & 1) * 2));
 }
 
-// The maxima of MT m-tiles' scores for heads 2r, 2r + 1 over this
-// thread's tokens, times scale_log2. The scale goes in once since
-// scale_log2 > 0 and rounding is monotonic: fl(max x * scale) is
-// max fl(x * scale). The maxima over the warp's tokens (across the g
-// lanes) are taken only when the running max has to move
-// (online_softmax_rescale), so the shuffles leave the common path.
+// The maxima of MT m-tiles' values for heads 2r, 2r + 1 over this
+// thread's tokens. The maxima over the warp's tokens (across the g lanes)
+// are taken only when the running max has to move (online_softmax_rescale,
+// quant_rescale), so the shuffles leave the common path.
 template <int MT>
-__device__ __forceinline__ void thread_max(const float (&s)[MT][4], float scale_log2, float& tm0, float& tm1) {
+__device__ __forceinline__ void thread_max(const float (&s)[MT][4], float& tm0, float& tm1) {
   tm0 = fmaxf(s[0][0], s[0][2]);
   tm1 = fmaxf(s[0][1], s[0][3]);
 #pragma unroll
@@ -119,8 +117,6 @@ __device__ __forceinline__ void thread_max(const float (&s)[MT][4], float scale_
     tm0 = fmaxf(tm0, fmaxf(s[mt][0], s[mt][2]));
     tm1 = fmaxf(tm1, fmaxf(s[mt][1], s[mt][3]));
   }
-  tm0 *= scale_log2;
-  tm1 *= scale_log2;
 }
 
 // The running max (base 2) moves only when a block's max exceeds it by more
@@ -133,7 +129,8 @@ __device__ __forceinline__ void thread_max(const float (&s)[MT][4], float scale_
 inline constexpr float kRescaleSlack = 0.5f;
 
 // The running state after a block whose thread maxima are (tm0, tm1)
-// (from thread_max); base0/1 are what the block's exponents subtract.
+// (scores times scale_log2); base0/1 are what the block's exponents
+// subtract.
 // kFinite: every score of the block is finite (a quantized block has no
 // masked rows), so a moved max is too and needs no -inf guard.
 template <bool kFinite, int D>
@@ -171,29 +168,83 @@ __device__ __forceinline__ void online_softmax_rescale(float tm0, float tm1, War
   base1 = !kFinite && st.m[1] == -INFINITY ? 0.0f : st.m[1];
 }
 
-// Unscaled scores -> probabilities relative to the running max (base 2,
-// scores times scale_log2, the scale inside the exponent's fma); the
-// softmax sums updated.
+// Exponent arguments (base 2, relative to the running max) ->
+// probabilities; the softmax sums updated.
 template <int MT, int D>
-__device__ __forceinline__ void exponentiate(float (&s)[MT][4], float scale_log2, float base0, float base1,
-                                             WarpState<D>& st) {
+__device__ __forceinline__ void exponentiate(float (&e)[MT][4], WarpState<D>& st) {
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
-    s[mt][0] = exp2_ftz(fmaf(s[mt][0], scale_log2, -base0));
-    s[mt][1] = exp2_ftz(fmaf(s[mt][1], scale_log2, -base1));
-    s[mt][2] = exp2_ftz(fmaf(s[mt][2], scale_log2, -base0));
-    s[mt][3] = exp2_ftz(fmaf(s[mt][3], scale_log2, -base1));
-    st.l[0] += s[mt][0] + s[mt][2];
-    st.l[1] += s[mt][1] + s[mt][3];
+    e[mt][0] = exp2_ftz(e[mt][0]);
+    e[mt][1] = exp2_ftz(e[mt][1]);
+    e[mt][2] = exp2_ftz(e[mt][2]);
+    e[mt][3] = exp2_ftz(e[mt][3]);
+    st.l[0] += e[mt][0] + e[mt][2];
+    st.l[1] += e[mt][1] + e[mt][3];
   }
 }
 
+// Unscaled scores -> probabilities (the scale inside the exponent's fma).
 template <int MT, bool kFinite, int D>
 __device__ __forceinline__ void online_softmax(float (&s)[MT][4], float scale_log2, WarpState<D>& st) {
   float tm0, tm1, base0, base1;
-  thread_max<MT>(s, scale_log2, tm0, tm1);
-  online_softmax_rescale<kFinite>(tm0, tm1, st, base0, base1);
-  exponentiate<MT>(s, scale_log2, base0, base1, st);
+  thread_max<MT>(s, tm0, tm1);
+  // fl(max x * scale) is max fl(x * scale): scale_log2 > 0 and rounding is
+  // monotonic.
+  online_softmax_rescale<kFinite>(tm0 * scale_log2, tm1 * scale_log2, st, base0, base1);
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    s[mt][0] = fmaf(s[mt][0], scale_log2, -base0);
+    s[mt][1] = fmaf(s[mt][1], scale_log2, -base1);
+    s[mt][2] = fmaf(s[mt][2], scale_log2, -base0);
+    s[mt][3] = fmaf(s[mt][3], scale_log2, -base1);
+  }
+  exponentiate<MT>(s, st);
+}
+
+// The quantized loop takes its blocks' exponent arguments e straight from
+// the scores (quant_block_scores, relative to st.m), so a block's common
+// path has no separate scaling of its scores or of their maxima. (tm0, tm1):
+// the thread maxima of e. lim: kRescaleSlack, or -inf before the warp's
+// first block, when st.m holds 0 in place of -inf (the exponents of that
+// block are then its scaled scores) and the block must set the max. -inf
+// is per warp: every head of a warp sees the same tokens.
+template <int MT, int D>
+__device__ __forceinline__ void quant_rescale(float tm0, float tm1, float& lim, WarpState<D>& st, float (&e)[MT][4]) {
+  if (__any_sync(0xffffffffu, tm0 > lim || tm1 > lim)) {
+    float bm0 = tm0;
+    float bm1 = tm1;
+#pragma unroll
+    for (int offset = 4; offset < 32; offset <<= 1) {
+      bm0 = fmaxf(bm0, __shfl_xor_sync(0xffffffffu, bm0, offset));
+      bm1 = fmaxf(bm1, __shfl_xor_sync(0xffffffffu, bm1, offset));
+    }
+    const bool first = lim == -INFINITY;
+    const float d0 = first ? bm0 : fmaxf(bm0, 0.0f);  // how far each max moves
+    const float d1 = first ? bm1 : fmaxf(bm1, 0.0f);
+    const float alpha0 = first ? 0.0f : exp2_ftz(-d0);
+    const float alpha1 = first ? 0.0f : exp2_ftz(-d1);
+    st.l[0] *= alpha0;
+    st.l[1] *= alpha1;
+    st.vb[0] *= alpha0;
+    st.vb[1] *= alpha1;
+#pragma unroll
+    for (int cm = 0; cm < D / 16; ++cm) {
+      st.acc[cm][0] *= alpha0;
+      st.acc[cm][1] *= alpha1;
+      st.acc[cm][2] *= alpha0;
+      st.acc[cm][3] *= alpha1;
+    }
+    st.m[0] += d0;
+    st.m[1] += d1;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      e[mt][0] -= d0;
+      e[mt][1] -= d1;
+      e[mt][2] -= d0;
+      e[mt][3] -= d1;
+    }
+    lim = kRescaleSlack;
+  }
 }
 
 // ---------------------------------------------------------------- loads --
@@ -448,8 +499,13 @@ __device__ __forceinline__ void load_k_pairs(const char* k_codes, uint32_t (&x)[
 // Codes biased into normal FP16 numbers (1024 + code, the usual trick)
 // would need rank-1 MMAs to take the bias back out: 24 more for a 32-token
 // block than its 40.
+//
+// Out: the block's exponent arguments, scores times scale_log2 relative to
+// (base0, base1): one fma a score, 2^(24-k_t) scale_log2 from the
+// parameters' constant bank and the rank-1 term and the base in its addend.
 template <int D, int S, int Bits>
-__device__ __forceinline__ void quant_block_scores(const char* slot, const uint32_t (&qf)[D / 16][2],
+__device__ __forceinline__ void quant_block_scores(const DecodeParams& p, const char* slot,
+                                                   const uint32_t (&qf)[D / 16][2], float base0, float base1,
                                                    float (&s)[S / 16][4], int lane) {
   constexpr Precision P = Bits == 4 ? Precision::INT4 : Precision::INT2;
   constexpr BlockFormat F{P, 1, D, S};
@@ -491,15 +547,18 @@ __device__ __forceinline__ void quant_block_scores(const char* slot, const uint3
       mma_16816(s[mt], a, qb0, qb1);
     }
   }
+  static_assert(KRunPos<Bits>::k(S / 8 - 1) < 9 && KRunPos<Bits>::k(S / 8 - 2) < 9, "code_score_scale's range");
+  const float add0 = fmaf(bias[0], p.scale_log2, -base0);
+  const float add1 = fmaf(bias[1], p.scale_log2, -base1);
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
     // rows g: run token 2mt; rows g + 8: run token 2mt + 1
-    const float f0 = __int_as_float((127 + 24 - KRunPos<Bits>::k(2 * mt)) << 23);
-    const float f1 = __int_as_float((127 + 24 - KRunPos<Bits>::k(2 * mt + 1)) << 23);
-    s[mt][0] = fmaf(s[mt][0], f0, bias[0]);
-    s[mt][1] = fmaf(s[mt][1], f0, bias[1]);
-    s[mt][2] = fmaf(s[mt][2], f1, bias[0]);
-    s[mt][3] = fmaf(s[mt][3], f1, bias[1]);
+    const float f0 = p.code_score_scale[KRunPos<Bits>::k(2 * mt)];
+    const float f1 = p.code_score_scale[KRunPos<Bits>::k(2 * mt + 1)];
+    s[mt][0] = fmaf(s[mt][0], f0, add0);
+    s[mt][1] = fmaf(s[mt][1], f0, add1);
+    s[mt][2] = fmaf(s[mt][2], f1, add0);
+    s[mt][3] = fmaf(s[mt][3], f1, add1);
   }
 }
 
@@ -684,12 +743,17 @@ __device__ __forceinline__ void run_segment(const DecodeParams& p, const std::in
     static_assert(kStages >= 2, "the pipelined loop holds two blocks in the ring");
     constexpr int MT = S / 16;
     constexpr int kBits = bits_of(P);
-    float s[MT][4];
+    float e[MT][4];
     float tm0, tm1;
+    float lim = kRescaleSlack;  // quant_rescale
+    if (st.m[0] == -INFINITY || st.m[1] == -INFINITY) {
+      lim = -INFINITY;
+      st.m[0] = st.m[1] = 0.0f;
+    }
     cp_async_wait<kStages - 1>();
     __syncwarp();
-    quant_block_scores<D, S, kBits>(ring, qf, s, lane);
-    thread_max<MT>(s, p.scale_log2, tm0, tm1);
+    quant_block_scores<D, S, kBits>(p, ring, qf, st.m[0], st.m[1], e, lane);
+    thread_max<MT>(e, tm0, tm1);
     // Ring stages of blocks k and k + 1 as counters (a modulo by the
     // stage count costs a multiply-high chain per block).
     int stage = 0;
@@ -698,15 +762,16 @@ __device__ __forceinline__ void run_segment(const DecodeParams& p, const std::in
     // block k + 1's K side and block k's V side that ptxas would not
     // schedule across.
     for (int k = 0; k + 1 < count; ++k) {
-      float base0, base1;
-      online_softmax_rescale<true>(tm0, tm1, st, base0, base1);
+      quant_rescale<MT>(tm0, tm1, lim, st, e);
       cp_async_wait<kStages - 2>();
       __syncwarp();
-      exponentiate<MT>(s, p.scale_log2, base0, base1, st);
+      exponentiate<MT>(e, st);
+      // Block k + 1's exponents against the max after block k: its own
+      // rescale, if any, shifts them.
       float next[MT][4];
-      quant_block_scores<D, S, kBits>(ring + next_stage * kUnitBytes, qf, next, lane);
-      quant_block_accumulate<D, S, kBits>(ring + stage * kUnitBytes, s, st, lane);
-      thread_max<MT>(next, p.scale_log2, tm0, tm1);
+      quant_block_scores<D, S, kBits>(p, ring + next_stage * kUnitBytes, qf, st.m[0], st.m[1], next, lane);
+      quant_block_accumulate<D, S, kBits>(ring + stage * kUnitBytes, e, st, lane);
+      thread_max<MT>(next, tm0, tm1);
       __syncwarp();
       if (k + kStages < count) issue(k + kStages, stage);
       cp_async_commit();
@@ -714,16 +779,15 @@ __device__ __forceinline__ void run_segment(const DecodeParams& p, const std::in
       next_stage = next_stage + 1 == kStages ? 0 : next_stage + 1;
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
-        s[mt][0] = next[mt][0];
-        s[mt][1] = next[mt][1];
-        s[mt][2] = next[mt][2];
-        s[mt][3] = next[mt][3];
+        e[mt][0] = next[mt][0];
+        e[mt][1] = next[mt][1];
+        e[mt][2] = next[mt][2];
+        e[mt][3] = next[mt][3];
       }
     }
-    float base0, base1;
-    online_softmax_rescale<true>(tm0, tm1, st, base0, base1);
-    exponentiate<MT>(s, p.scale_log2, base0, base1, st);
-    quant_block_accumulate<D, S, kBits>(ring + stage * kUnitBytes, s, st, lane);
+    quant_rescale<MT>(tm0, tm1, lim, st, e);
+    exponentiate<MT>(e, st);
+    quant_block_accumulate<D, S, kBits>(ring + stage * kUnitBytes, e, st, lane);
   }
   cp_async_wait<0>();
   __syncwarp();

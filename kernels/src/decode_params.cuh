@@ -73,6 +73,9 @@ struct DecodeParams {
   // every slot busy (DecodeTile::stages' kBusyGpu).
   std::int32_t resident_ctas = 0;
   float scale_log2 = 0.0f;  // sm_scale * log2(e): scores are kept in base 2
+  // scale_log2 * 2^(24 - k): the score factor of a quantized K code that
+  // the tensor cores took as the FP16 subnormal 2^(k-24) x (k <= 8).
+  float code_score_scale[9] = {};
 };
 
 }  // namespace mixkv::gpu::detail

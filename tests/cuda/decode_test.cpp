@@ -213,6 +213,35 @@ TEST(DecodeCudaSoftmax, ClimbingScoresMatchCpuReference) {
   expect_close(run_gpu(arena, placed, q, qh, scale, /*chunks=*/1), ref, dim, "1 chunk");
 }
 
+// Every score ~150 bits below zero (and some blocks far lower): the kernel's
+// first block of a warp must set the running max (a softmax against 0 would
+// underflow every exponent), and a later, higher block must rescale from it.
+TEST(DecodeCudaSoftmax, FarNegativeScoresMatchCpuReference) {
+  MIXKV_REQUIRE_CUDA();
+  const int kvh = 4, qh = 28, dim = 128, block = 32;
+  Rng rng(13);
+  const std::vector<int> contexts = {900, 33, 1300};
+  TestArena arena(kvh, dim, block, blocks_needed(contexts, block), 6);
+  std::vector<SequenceData> seqs = make_sequences(contexts, kvh, dim, block, kMixed, rng);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(dim));
+  const double bits_per_level = scale * 0.5 * dim / std::log(2.0);
+  for (SequenceData& s : seqs) {
+    for (int t = 0; t < s.tokens; ++t) {
+      const double bits = (t / block) % 7 == 3 ? -400.0 : -150.0 + 0.5 * (t / block % 5);
+      for (int i = 0; i < kvh * dim; ++i) {
+        s.k[static_cast<std::size_t>(t) * kvh * dim + i] =
+            float_to_half(static_cast<float>(bits / bits_per_level + normal(rng, 0.0, 0.1)));
+      }
+    }
+  }
+  const PlacedBatch placed = place_batch(arena, seqs);
+  std::vector<Half> q(contexts.size() * qh * dim);
+  for (Half& h : q) h = float_to_half(static_cast<float>(normal(rng, 0.5, 0.05)));
+  const DecodeResult ref = cpu_decode(arena, placed, q, qh, scale);
+  expect_close(run_gpu(arena, placed, q, qh, scale), ref, dim, "auto split");
+  expect_close(run_gpu(arena, placed, q, qh, scale, /*chunks=*/1), ref, dim, "1 chunk");
+}
+
 // With a (sequence, KV head) pair for every SM the plan cuts the layer's
 // work into one equal share per resident CTA, pairs cut where shares end,
 // and launches the pieces in the order that lets each CTA slot run one
