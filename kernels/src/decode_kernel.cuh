@@ -128,6 +128,22 @@ __device__ __forceinline__ void thread_max(const float (&s)[MT][4], float& tm0, 
 // sqrt(2) * (2 * 65504 / 3) < 65504.
 inline constexpr float kRescaleSlack = 0.5f;
 
+// l, vb and O^T of heads 2r, 2r + 1 times alpha0, alpha1 (a moved max).
+template <int D>
+__device__ __forceinline__ void rescale_state(WarpState<D>& st, float alpha0, float alpha1) {
+  st.l[0] *= alpha0;
+  st.l[1] *= alpha1;
+  st.vb[0] *= alpha0;
+  st.vb[1] *= alpha1;
+#pragma unroll
+  for (int cm = 0; cm < D / 16; ++cm) {
+    st.acc[cm][0] *= alpha0;
+    st.acc[cm][1] *= alpha1;
+    st.acc[cm][2] *= alpha0;
+    st.acc[cm][3] *= alpha1;
+  }
+}
+
 // The running state after a block whose thread maxima are (tm0, tm1)
 // (scores times scale_log2); base0/1 are what the block's exponents
 // subtract.
@@ -150,17 +166,7 @@ __device__ __forceinline__ void online_softmax_rescale(float tm0, float tm1, War
     // A head with no valid score yet keeps base 0, so -inf - -inf never occurs.
     const float alpha0 = exp2_ftz(st.m[0] - (!kFinite && m0 == -INFINITY ? 0.0f : m0));
     const float alpha1 = exp2_ftz(st.m[1] - (!kFinite && m1 == -INFINITY ? 0.0f : m1));
-    st.l[0] *= alpha0;
-    st.l[1] *= alpha1;
-    st.vb[0] *= alpha0;
-    st.vb[1] *= alpha1;
-#pragma unroll
-    for (int cm = 0; cm < D / 16; ++cm) {
-      st.acc[cm][0] *= alpha0;
-      st.acc[cm][1] *= alpha1;
-      st.acc[cm][2] *= alpha0;
-      st.acc[cm][3] *= alpha1;
-    }
+    rescale_state(st, alpha0, alpha1);
     st.m[0] = m0;
     st.m[1] = m1;
   }
@@ -223,17 +229,7 @@ __device__ __forceinline__ void quant_rescale(float tm0, float tm1, float& lim, 
     const float d1 = first ? bm1 : fmaxf(bm1, 0.0f);
     const float alpha0 = first ? 0.0f : exp2_ftz(-d0);
     const float alpha1 = first ? 0.0f : exp2_ftz(-d1);
-    st.l[0] *= alpha0;
-    st.l[1] *= alpha1;
-    st.vb[0] *= alpha0;
-    st.vb[1] *= alpha1;
-#pragma unroll
-    for (int cm = 0; cm < D / 16; ++cm) {
-      st.acc[cm][0] *= alpha0;
-      st.acc[cm][1] *= alpha1;
-      st.acc[cm][2] *= alpha0;
-      st.acc[cm][3] *= alpha1;
-    }
+    rescale_state(st, alpha0, alpha1);
     st.m[0] += d0;
     st.m[1] += d1;
 #pragma unroll

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <functional>
 #include <numeric>
 
 #include "cuda_test_util.h"
@@ -180,27 +181,22 @@ INSTANTIATE_TEST_SUITE_P(
         DecodeCase{{19600, 97, 19600}, 9, 3, 128, 32, kMixed, "b3_ctx19600_gqa3"}),
     [](const auto& info) { return std::string(info.param.name); });
 
-// Scores that climb along the context, in small steps (a block's max a
-// fraction of a bit above the last, under the kernel's rescale slack) and
-// in jumps of 3 bits every 10 blocks, over 25 bits in all; the blocks are
-// visited in shuffled page order, so the running max meets both kinds of
-// rise in every order. V is large (sd 100), so P' = p * vscale is too.
-TEST(DecodeCudaSoftmax, ClimbingScoresMatchCpuReference) {
-  MIXKV_REQUIRE_CUDA();
+// Mixed-plan sequences whose block b of K sits at bits(b) of score (each
+// K channel at that level, noise sd 0.1; q ~ 0.5 in every channel, so a
+// score is about scale * 64 * the level), V of sd 100 (so P' = p * vscale
+// is large too): the GPU against the CPU reference, auto split and 1 chunk.
+void expect_scores_match(const std::vector<int>& contexts, std::uint64_t seed, const std::function<double(int)>& bits) {
   const int kvh = 4, qh = 28, dim = 128, block = 32;
-  Rng rng(11);
-  const std::vector<int> contexts = {1500, 700, 2000};
+  Rng rng(seed);
   TestArena arena(kvh, dim, block, blocks_needed(contexts, block), 6);
   std::vector<SequenceData> seqs = make_sequences(contexts, kvh, dim, block, kMixed, rng);
   const float scale = 1.0f / std::sqrt(static_cast<float>(dim));
-  // q ~ 0.5 in every channel, so a score is about scale * 64 * (K's level).
   const double bits_per_level = scale * 0.5 * dim / std::log(2.0);
   for (SequenceData& s : seqs) {
     for (int t = 0; t < s.tokens; ++t) {
-      const double bits = 0.3 * (t / block) + 3.0 * (t / (10 * block));
       for (int i = 0; i < kvh * dim; ++i) {
         s.k[static_cast<std::size_t>(t) * kvh * dim + i] =
-            float_to_half(static_cast<float>(bits / bits_per_level + normal(rng, 0.0, 0.1)));
+            float_to_half(static_cast<float>(bits(t / block) / bits_per_level + normal(rng, 0.0, 0.1)));
       }
     }
     s.v = random_halves(rng, s.v.size(), 100.0);
@@ -213,33 +209,22 @@ TEST(DecodeCudaSoftmax, ClimbingScoresMatchCpuReference) {
   expect_close(run_gpu(arena, placed, q, qh, scale, /*chunks=*/1), ref, dim, "1 chunk");
 }
 
-// Every score ~150 bits below zero (and some blocks far lower): the kernel's
-// first block of a warp must set the running max (a softmax against 0 would
+// Scores that climb along the context, in small steps (a block's max a
+// fraction of a bit above the last, under the kernel's rescale slack) and
+// in jumps of 3 bits every 10 blocks, over 25 bits in all; the blocks are
+// visited in shuffled page order, so the running max meets both kinds of
+// rise in every order.
+TEST(DecodeCudaSoftmax, ClimbingScoresMatchCpuReference) {
+  MIXKV_REQUIRE_CUDA();
+  expect_scores_match({1500, 700, 2000}, 11, [](int b) { return 0.3 * b + 3.0 * (b / 10); });
+}
+
+// Every score ~150 bits below zero (and some blocks far lower): a warp's
+// first block must set the running max (a softmax against 0 would
 // underflow every exponent), and a later, higher block must rescale from it.
 TEST(DecodeCudaSoftmax, FarNegativeScoresMatchCpuReference) {
   MIXKV_REQUIRE_CUDA();
-  const int kvh = 4, qh = 28, dim = 128, block = 32;
-  Rng rng(13);
-  const std::vector<int> contexts = {900, 33, 1300};
-  TestArena arena(kvh, dim, block, blocks_needed(contexts, block), 6);
-  std::vector<SequenceData> seqs = make_sequences(contexts, kvh, dim, block, kMixed, rng);
-  const float scale = 1.0f / std::sqrt(static_cast<float>(dim));
-  const double bits_per_level = scale * 0.5 * dim / std::log(2.0);
-  for (SequenceData& s : seqs) {
-    for (int t = 0; t < s.tokens; ++t) {
-      const double bits = (t / block) % 7 == 3 ? -400.0 : -150.0 + 0.5 * (t / block % 5);
-      for (int i = 0; i < kvh * dim; ++i) {
-        s.k[static_cast<std::size_t>(t) * kvh * dim + i] =
-            float_to_half(static_cast<float>(bits / bits_per_level + normal(rng, 0.0, 0.1)));
-      }
-    }
-  }
-  const PlacedBatch placed = place_batch(arena, seqs);
-  std::vector<Half> q(contexts.size() * qh * dim);
-  for (Half& h : q) h = float_to_half(static_cast<float>(normal(rng, 0.5, 0.05)));
-  const DecodeResult ref = cpu_decode(arena, placed, q, qh, scale);
-  expect_close(run_gpu(arena, placed, q, qh, scale), ref, dim, "auto split");
-  expect_close(run_gpu(arena, placed, q, qh, scale, /*chunks=*/1), ref, dim, "1 chunk");
+  expect_scores_match({900, 33, 1300}, 13, [](int b) { return b % 7 == 3 ? -400.0 : -150.0 + 0.5 * (b % 5); });
 }
 
 // With a (sequence, KV head) pair for every SM the plan cuts the layer's
