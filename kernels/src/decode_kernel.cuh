@@ -128,6 +128,16 @@ __device__ __forceinline__ void thread_max(const float (&s)[MT][4], float& tm0, 
 // sqrt(2) * (2 * 65504 / 3) < 65504.
 inline constexpr float kRescaleSlack = 0.5f;
 
+// Thread maxima -> the maxima over the warp's tokens (the 8 lanes g that
+// share a quad position r, i.e. the heads 2r, 2r + 1).
+__device__ __forceinline__ void warp_max_over_tokens(float& m0, float& m1) {
+#pragma unroll
+  for (int offset = 4; offset < 32; offset <<= 1) {
+    m0 = fmaxf(m0, __shfl_xor_sync(0xffffffffu, m0, offset));
+    m1 = fmaxf(m1, __shfl_xor_sync(0xffffffffu, m1, offset));
+  }
+}
+
 // l, vb and O^T of heads 2r, 2r + 1 times alpha0, alpha1 (a moved max).
 template <int D>
 __device__ __forceinline__ void rescale_state(WarpState<D>& st, float alpha0, float alpha1) {
@@ -156,11 +166,7 @@ __device__ __forceinline__ void online_softmax_rescale(float tm0, float tm1, War
   if (__any_sync(0xffffffffu, tm0 > st.m[0] + kRescaleSlack || tm1 > st.m[1] + kRescaleSlack)) {
     float bm0 = tm0;
     float bm1 = tm1;
-#pragma unroll
-    for (int offset = 4; offset < 32; offset <<= 1) {
-      bm0 = fmaxf(bm0, __shfl_xor_sync(0xffffffffu, bm0, offset));
-      bm1 = fmaxf(bm1, __shfl_xor_sync(0xffffffffu, bm1, offset));
-    }
+    warp_max_over_tokens(bm0, bm1);
     const float m0 = fmaxf(st.m[0], bm0);
     const float m1 = fmaxf(st.m[1], bm1);
     // A head with no valid score yet keeps base 0, so -inf - -inf never occurs.
@@ -219,11 +225,7 @@ __device__ __forceinline__ void quant_rescale(float tm0, float tm1, float& lim, 
   if (__any_sync(0xffffffffu, tm0 > lim || tm1 > lim)) {
     float bm0 = tm0;
     float bm1 = tm1;
-#pragma unroll
-    for (int offset = 4; offset < 32; offset <<= 1) {
-      bm0 = fmaxf(bm0, __shfl_xor_sync(0xffffffffu, bm0, offset));
-      bm1 = fmaxf(bm1, __shfl_xor_sync(0xffffffffu, bm1, offset));
-    }
+    warp_max_over_tokens(bm0, bm1);
     const bool first = lim == -INFINITY;
     const float d0 = first ? bm0 : fmaxf(bm0, 0.0f);  // how far each max moves
     const float d1 = first ? bm1 : fmaxf(bm1, 0.0f);
