@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstring>
+#include <iterator>
 #include <span>
 #include <string>
 #include <utility>
@@ -487,7 +488,9 @@ void DecodePlan::run(const DecodeRunArgs& args) const {
   p.group = s.group;
   p.resident_ctas = s.ctas_per_sm * c.num_sms;
   p.scale_log2 = args.sm_scale * 1.4426950408889634f;
-  for (int k = 0; k < 9; ++k) p.code_score_scale[k] = std::ldexp(p.scale_log2, 24 - k);
+  for (std::size_t k = 0; k < std::size(p.code_score_scale); ++k) {
+    p.code_score_scale[k] = std::ldexp(p.scale_log2, 24 - static_cast<int>(k));
+  }
 
   const int grid = args.fixed_grid ? s.max_items : static_cast<int>(s.layers[args.layer].items.size());
   if (grid > 0) detail::launch_decode(p, c.head_dim, c.block_size, grid, args.stream);
