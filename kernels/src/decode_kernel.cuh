@@ -154,12 +154,10 @@ __device__ __forceinline__ void rescale_state(WarpState<D>& st, float alpha0, fl
   }
 }
 
-// The running state after a block whose thread maxima are (tm0, tm1)
-// (scores times scale_log2); base0/1 are what the block's exponents
-// subtract.
-// kFinite: every score of the block is finite (a quantized block has no
-// masked rows), so a moved max is too and needs no -inf guard.
-template <bool kFinite, int D>
+// The running state after an FP16 unit whose thread maxima are (tm0, tm1)
+// (scores times scale_log2, -inf for masked rows); base0/1 are what the
+// unit's exponents subtract.
+template <int D>
 __device__ __forceinline__ void online_softmax_rescale(float tm0, float tm1, WarpState<D>& st, float& base0,
                                                        float& base1) {
   // -inf + slack is -inf: a head's first finite block always moves it.
@@ -170,14 +168,14 @@ __device__ __forceinline__ void online_softmax_rescale(float tm0, float tm1, War
     const float m0 = fmaxf(st.m[0], bm0);
     const float m1 = fmaxf(st.m[1], bm1);
     // A head with no valid score yet keeps base 0, so -inf - -inf never occurs.
-    const float alpha0 = exp2_ftz(st.m[0] - (!kFinite && m0 == -INFINITY ? 0.0f : m0));
-    const float alpha1 = exp2_ftz(st.m[1] - (!kFinite && m1 == -INFINITY ? 0.0f : m1));
+    const float alpha0 = exp2_ftz(st.m[0] - (m0 == -INFINITY ? 0.0f : m0));
+    const float alpha1 = exp2_ftz(st.m[1] - (m1 == -INFINITY ? 0.0f : m1));
     rescale_state(st, alpha0, alpha1);
     st.m[0] = m0;
     st.m[1] = m1;
   }
-  base0 = !kFinite && st.m[0] == -INFINITY ? 0.0f : st.m[0];
-  base1 = !kFinite && st.m[1] == -INFINITY ? 0.0f : st.m[1];
+  base0 = st.m[0] == -INFINITY ? 0.0f : st.m[0];
+  base1 = st.m[1] == -INFINITY ? 0.0f : st.m[1];
 }
 
 // Exponent arguments (base 2, relative to the running max) ->
@@ -196,13 +194,13 @@ __device__ __forceinline__ void exponentiate(float (&e)[MT][4], WarpState<D>& st
 }
 
 // Unscaled scores -> probabilities (the scale inside the exponent's fma).
-template <int MT, bool kFinite, int D>
+template <int MT, int D>
 __device__ __forceinline__ void online_softmax(float (&s)[MT][4], float scale_log2, WarpState<D>& st) {
   float tm0, tm1, base0, base1;
   thread_max<MT>(s, tm0, tm1);
   // fl(max x * scale) is max fl(x * scale): scale_log2 > 0 and rounding is
   // monotonic.
-  online_softmax_rescale<kFinite>(tm0 * scale_log2, tm1 * scale_log2, st, base0, base1);
+  online_softmax_rescale(tm0 * scale_log2, tm1 * scale_log2, st, base0, base1);
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
     s[mt][0] = fmaf(s[mt][0], scale_log2, -base0);
@@ -306,7 +304,7 @@ __device__ __forceinline__ void compute_fp16_unit(const char* slot, int valid_ro
   s[0][1] = g < valid_rows ? s[0][1] : -INFINITY;
   s[0][2] = g + 8 < valid_rows ? s[0][2] : -INFINITY;
   s[0][3] = g + 8 < valid_rows ? s[0][3] : -INFINITY;
-  online_softmax<1, false>(s, scale_log2, st);
+  online_softmax<1>(s, scale_log2, st);
   const uint32_t b0 = movmatrix_trans(pack_half2(s[0][0], s[0][1]));
   const uint32_t b1 = movmatrix_trans(pack_half2(s[0][2], s[0][3]));
 
