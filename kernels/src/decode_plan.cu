@@ -100,8 +100,12 @@ struct DecodePlan::Impl {
   detail::Event staging_free;
   std::vector<int2> ranges;  // [layer], for launches that pass the range by value
 
-  // Plans `layer` of the batch in next_slots into next_layers[layer].
-  void plan_layer(int layer, int chunks_auto_target, std::int32_t shares);
+  // Plans `layer` of the batch in next_slots into next_layers[layer]:
+  // `shares` > 0 cuts the layer into that many shares (else chunks,
+  // about chunks_auto_target items); whole_pairs: the pairs fill
+  // `whole_pairs` CTAs on every SM, and a layer whose work waits on memory
+  // takes one item per pair instead of shares (plan()).
+  void plan_layer(int layer, int chunks_auto_target, std::int32_t shares, bool whole_pairs);
 };
 
 DecodePlan::DecodePlan(const DecodePlanConfig& config, const DevicePageTables& tables)
@@ -166,7 +170,7 @@ DecodePlan::DecodePlan(const DecodePlanConfig& config, const DevicePageTables& t
 
 DecodePlan::~DecodePlan() = default;
 
-void DecodePlan::Impl::plan_layer(int layer, int target_items, std::int32_t shares) {
+void DecodePlan::Impl::plan_layer(int layer, int target_items, std::int32_t shares, bool whole_pairs) {
   const DecodePlanConfig& c = config;
   const int kvh = c.num_kv_heads;
   const int S = c.block_size;
@@ -200,7 +204,7 @@ void DecodePlan::Impl::plan_layer(int layer, int target_items, std::int32_t shar
   cost.resize(batch);
   counts.resize(batch);
   fills.resize(batch);
-  std::int64_t total_cost = 0;
+  std::int64_t total_cost = 0, int2_cost = 0, max_cost = 0;
   for (int b = 0; b < batch; ++b) {
     for (int p = 0; p < kNumPrecisions; ++p) counts[b][p] = tables->num_blocks(next_slots[b], layer, kAllPrecisions[p]);
     fills[b] = tables->fp16_fill(next_slots[b], layer);
@@ -209,10 +213,26 @@ void DecodePlan::Impl::plan_layer(int layer, int target_items, std::int32_t shar
     const std::int64_t data = fp16_rows * c.head_dim * 4 + counts[b][1] * int4_block_bytes + counts[b][2] * int2_block_bytes;
     cost[b] = counts[b][0] * work[0] + counts[b][1] * work[1] + counts[b][2] * work[2];
     total_cost += cost[b] * kvh;
+    int2_cost += counts[b][2] * work[2] * kvh;
+    max_cost = std::max(max_cost, cost[b]);
     const std::int64_t blocks = counts[b][0] + counts[b][1] + counts[b][2];
     total_bytes += (data + blocks * 4) * kvh + 4 * kNumPrecisions + 4;  // data + page-table entries + counts
   }
   out.bytes = total_bytes;
+
+  // One item per pair, all of them resident, as many on every SM, when
+  // the pairs' work is equal (within 5%) and waits on memory (INT2 blocks,
+  // bound by the instructions they issue, <= 1/4 of the work): a pair's
+  // CTA then streams at the rate of every other, and the shares' split
+  // pieces would only add their starts and merges. Measured at b64 (256
+  // pairs, 2 CTAs an SM on 132 SMs), one item per pair against shares:
+  // INT4 x 19,600 182.8-183.0 -> 178.2-178.4 us, FP16 583.3-583.7 ->
+  // 573.5-573.9, x 4,096 INT4 48.0 -> 44.4, x 65,536 within 0.7%; the
+  // mixed plan (46% of its work INT2) 6-12% slower, and at b48 and b80
+  // (1-2 and 2-3 CTAs an SM) every plan slower (kernel-notes-log, stop 23).
+  const bool one_per_pair = whole_pairs && int2_cost * 4 <= total_cost &&
+                            static_cast<double>(max_cost) * kvh * batch <= 1.05 * static_cast<double>(total_cost);
+  if (one_per_pair) shares = 0;
 
   // Work of a sequence's blocks [0, block) and the first block whose
   // cumulative work reaches `target` (blocks in FP16 | INT4 | INT2 order).
@@ -327,7 +347,7 @@ void DecodePlan::Impl::plan_layer(int layer, int target_items, std::int32_t shar
       int chunks = 1;
       if (c.chunks_per_sequence > 0) {
         chunks = c.chunks_per_sequence;
-      } else if (total_cost > 0) {
+      } else if (total_cost > 0 && !one_per_pair) {
         chunks = static_cast<int>(std::llround(static_cast<double>(cost[b]) * kvh / total_cost * target_items / kvh));
       }
       // A chunk pays a fixed latency (item, page table, first data, merge)
@@ -414,7 +434,12 @@ void DecodePlan::plan(std::span<const std::int32_t> slots, cudaStream_t stream) 
       c.chunks_per_sequence == 0 && pairs >= c.num_sms && pairs + wave <= s.max_items && wave < detail::kMaxMergePieces
           ? wave
           : 0;
-  for (int layer = 0; layer < c.num_layers; ++layer) s.plan_layer(layer, target, shares);
+  // Whole pairs (plan_layer): at least 2 CTAs on every SM, all resident,
+  // the SMs' counts within 5% of equal.
+  const int per_sm = (pairs + c.num_sms - 1) / c.num_sms;
+  const bool whole_pairs = shares > 0 && per_sm >= 2 && per_sm <= s.ctas_per_sm &&
+                           pairs >= 0.95 * per_sm * c.num_sms && pairs <= s.max_items;
+  for (int layer = 0; layer < c.num_layers; ++layer) s.plan_layer(layer, target, shares, whole_pairs);
   std::swap(s.slots, s.next_slots);
   std::swap(s.layers, s.next_layers);
 

@@ -249,6 +249,39 @@ TEST(DecodeCudaBalanced, OneWaveOfSharesMatchesCpuReference) {
   }
 }
 
+// Pairs that fill 2 CTAs on every SM (16 pairs planned for 8 SMs) with
+// equal work that waits on memory (INT4) get one item each, no split; the
+// same pairs in INT2 (bound by instructions) and unequal INT4 pairs keep
+// their shares. Each plan against the CPU reference.
+TEST(DecodeCudaBalanced, WholePairsWhenTheyFillTheSmsEvenly) {
+  MIXKV_REQUIRE_CUDA();
+  const int kvh = 4, qh = 28, dim = 128, block = 32, sms = 8;
+  struct Case {
+    std::vector<int> contexts;
+    Mix mix;
+    bool whole;
+    const char* name;
+  };
+  for (const Case& c : {Case{{1000, 1000, 1000, 1000}, kAllInt4, true, "equal INT4"},
+                        Case{{1000, 1000, 1000, 1000}, kAllInt2, false, "equal INT2"},
+                        Case{{1000, 600, 1000, 1000}, kAllInt4, false, "unequal INT4"}}) {
+    Rng rng(31);
+    TestArena arena(kvh, dim, block, blocks_needed(c.contexts, block), 7);
+    const PlacedBatch placed = place_batch(arena, make_sequences(c.contexts, kvh, dim, block, c.mix, rng));
+    const auto q = random_halves(rng, c.contexts.size() * qh * dim);
+    const float scale = 1.0f / std::sqrt(static_cast<float>(dim));
+    const DecodeResult ref = cpu_decode(arena, placed, q, qh, scale);
+    std::int32_t items = 0;
+    expect_close(run_gpu(arena, placed, q, qh, scale, 0, 1, 0, sms, &items), ref, dim, c.name);
+    const auto pairs = static_cast<std::int32_t>(c.contexts.size()) * kvh;
+    if (c.whole) {
+      EXPECT_EQ(items, pairs) << c.name << ": one item per pair";
+    } else {
+      EXPECT_GT(items, pairs) << c.name << ": shares cut pairs";
+    }
+  }
+}
+
 // A sequence with no tokens at all, and one whose quantized pools are empty
 // and one with only INT2: outputs finite, the empty one (0, -inf).
 TEST(DecodeCudaEmpty, EmptySequencesAndPoolsMakeNoNaN) {
