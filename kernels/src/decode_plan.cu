@@ -102,9 +102,9 @@ struct DecodePlan::Impl {
 
   // Plans `layer` of the batch in next_slots into next_layers[layer]:
   // `shares` > 0 cuts the layer into that many shares (else chunks,
-  // about chunks_auto_target items); whole_pairs: the pairs fill
-  // `whole_pairs` CTAs on every SM, and a layer whose work waits on memory
-  // takes one item per pair instead of shares (plan()).
+  // about chunks_auto_target items); whole_pairs: the pairs fill at least
+  // 2 CTAs on every SM evenly (plan()), so a layer of equal pairs whose
+  // work waits on memory takes one item per pair instead of the shares.
   void plan_layer(int layer, int chunks_auto_target, std::int32_t shares, bool whole_pairs);
 };
 
@@ -437,8 +437,8 @@ void DecodePlan::plan(std::span<const std::int32_t> slots, cudaStream_t stream) 
   // Whole pairs (plan_layer): at least 2 CTAs on every SM, all resident,
   // the SMs' counts within 5% of equal.
   const int per_sm = (pairs + c.num_sms - 1) / c.num_sms;
-  const bool whole_pairs = shares > 0 && per_sm >= 2 && per_sm <= s.ctas_per_sm &&
-                           pairs >= 0.95 * per_sm * c.num_sms && pairs <= s.max_items;
+  const bool whole_pairs =
+      shares > 0 && per_sm >= 2 && per_sm <= s.ctas_per_sm && pairs >= 0.95 * per_sm * c.num_sms;
   for (int layer = 0; layer < c.num_layers; ++layer) s.plan_layer(layer, target, shares, whole_pairs);
   std::swap(s.slots, s.next_slots);
   std::swap(s.layers, s.next_layers);
