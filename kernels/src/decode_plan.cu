@@ -51,6 +51,9 @@ using detail::require;
 constexpr std::int32_t kMinBlocksPerChunk = 8;
 // Resident decode CTAs per SM a small batch's split aims for.
 constexpr int kSmallBatchCtasPerSm = 2;
+// Pairs of at most this many INT4 blocks' work are not worth splitting when
+// they fill the SMs evenly (plan_layer): 4,096 tokens at 32 a block.
+constexpr std::int64_t kShortPairBlocks = 128;
 
 std::string field(const char* name, std::int64_t value, const char* expected) {
   return std::string("DecodePlan: config.") + name + " = " + std::to_string(value) + ": expected " + expected;
@@ -221,16 +224,21 @@ void DecodePlan::Impl::plan_layer(int layer, int target_items, std::int32_t shar
   out.bytes = total_bytes;
 
   // One item per pair, all of them resident, as many on every SM, when
-  // the pairs' work is equal (within 5%) and waits on memory (INT2 blocks,
-  // bound by the instructions they issue, <= 1/4 of the work): a pair's
-  // CTA then streams at the rate of every other, and the shares' split
-  // pieces would only add their starts and merges. Measured at b64 (256
-  // pairs, 2 CTAs an SM on 132 SMs), one item per pair against shares:
-  // INT4 x 19,600 182.8-183.0 -> 178.2-178.4 us, FP16 583.3-583.7 ->
-  // 573.5-573.9, x 4,096 INT4 48.0 -> 44.4, x 65,536 within 0.7%; the
-  // mixed plan (46% of its work INT2) 6-12% slower, and at b48 and b80
-  // (1-2 and 2-3 CTAs an SM) every plan slower (kernel-notes-log, stop 23).
-  const bool one_per_pair = whole_pairs && int2_cost * 4 <= total_cost &&
+  // the pairs' work is equal (within 5%) and either waits on memory (INT2
+  // blocks, bound by the instructions they issue, <= 1/4 of the work) or
+  // is short (<= kShortPairBlocks INT4 blocks' work): a memory-bound pair's
+  // CTA streams at the rate of every other, and a short pair's split
+  // pieces would pay their starts and merges on little work. Measured at
+  // b64 (256 pairs, 2 CTAs an SM on 132 SMs), one item per pair against
+  // the shares: INT4 x 19,600 182.8-183.0 -> 178.2-178.4 us, FP16
+  // 583.3-583.7 -> 573.5-573.9, x 65,536 within 0.7%; INT2 x 2,048 / 4,096 /
+  // 8,192 -20% / -11% / -4.5%, x 19,600 equal, x 65,536 +3%; the mixed plan
+  // (46% of its work INT2) -9% / -1% at 2,048 / 4,096, equal at 6,144, +3 to
+  // +12% from 8,192 on; at b48 and b80 (1-2 and 2-3 CTAs an SM) every plan
+  // slower (kernel-notes-log, stop 23).
+  const bool memory_bound = int2_cost * 4 <= total_cost;
+  const bool short_pairs = max_cost <= kShortPairBlocks * work[1];
+  const bool one_per_pair = whole_pairs && (memory_bound || short_pairs) &&
                             static_cast<double>(max_cost) * kvh * batch <= 1.05 * static_cast<double>(total_cost);
   if (one_per_pair) shares = 0;
 

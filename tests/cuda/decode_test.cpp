@@ -250,8 +250,8 @@ TEST(DecodeCudaBalanced, OneWaveOfSharesMatchesCpuReference) {
 }
 
 // Pairs that fill 2 CTAs on every SM (16 pairs planned for 8 SMs) with
-// equal work that waits on memory (INT4) get one item each, no split; the
-// same pairs in INT2 (bound by instructions) and unequal INT4 pairs keep
+// equal work that waits on memory (INT4) or is short get one item each, no
+// split; long INT2 pairs (bound by instructions) and unequal pairs keep
 // their shares. Each plan against the CPU reference.
 TEST(DecodeCudaBalanced, WholePairsWhenTheyFillTheSmsEvenly) {
   MIXKV_REQUIRE_CUDA();
@@ -263,7 +263,8 @@ TEST(DecodeCudaBalanced, WholePairsWhenTheyFillTheSmsEvenly) {
     const char* name;
   };
   for (const Case& c : {Case{{1000, 1000, 1000, 1000}, kAllInt4, true, "equal INT4"},
-                        Case{{1000, 1000, 1000, 1000}, kAllInt2, false, "equal INT2"},
+                        Case{{1000, 1000, 1000, 1000}, kAllInt2, true, "equal short INT2"},
+                        Case{{8000, 8000, 8000, 8000}, kAllInt2, false, "equal long INT2"},
                         Case{{1000, 600, 1000, 1000}, kAllInt4, false, "unequal INT4"}}) {
     Rng rng(31);
     TestArena arena(kvh, dim, block, blocks_needed(c.contexts, block), 7);
