@@ -26,8 +26,10 @@ struct DecodePlanConfig {
   // Split-KV chunks per (sequence, KV head); 0 = chosen from the batch:
   // with fewer (sequence, KV head) pairs than SMs, chunks filling whole
   // waves of 2 resident CTAs an SM; with more, the layer's work cut into
-  // one equal share per resident CTA, pairs cut where a share ends. At
-  // least 8 blocks a piece either way (tests force other splits).
+  // one equal share per resident CTA, pairs cut where a share ends, except
+  // where equal pairs fill at least 2 CTAs on every SM evenly and their
+  // work waits on memory or is short: then one piece a pair. At least 8
+  // blocks a piece either way (tests force other splits).
   std::int32_t chunks_per_sequence = 0;
 };
 
