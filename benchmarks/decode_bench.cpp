@@ -1,6 +1,6 @@
 // GPU benchmark of the CUDA backend (issue 3), run on the device machine by
 // run_on_device.sh. Shapes: 28 query heads, 4 KV heads, head_dim 128,
-// block 32; batch 1, 8, 64; context 4,096, 19,600, 65,536. In one run:
+// block 32 (--block 16 or 64); batch 1, 8, 64; context 4,096, 19,600, 65,536. In one run:
 //   - the device's read bandwidth (our own read-and-reduce kernel),
 //   - paged decode with all-FP16, all-INT4, all-INT2 and a mixed plan
 //     (10% FP16, 30% INT4, 60% INT2 of the full windows; the partial tail
@@ -45,7 +45,7 @@ namespace {
 
 using bench::ok;
 
-constexpr int kQHeads = 28, kKVHeads = 4, kDim = 128, kBlock = 32;
+constexpr int kQHeads = 28, kKVHeads = 4, kDim = 128;
 
 struct PlanMix {
   const char* name;
@@ -91,6 +91,7 @@ int main(int argc, char** argv) {
   std::string only_plans;
   gpu::FlushMode flush_mode = gpu::FlushMode::read;
   bool chunk_sweep = false;
+  int block_size = 32;  // --block: 16, 32 or 64
   auto parse_list = [](const char* text) {
     std::vector<int> v;
     std::stringstream ss(text);
@@ -106,6 +107,7 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--contexts") && i + 1 < argc) only_contexts = parse_list(argv[++i]);
     else if (!std::strcmp(argv[i], "--plans") && i + 1 < argc) only_plans = argv[++i];  // e.g. int2,mixed
     else if (!std::strcmp(argv[i], "--chunk-sweep")) chunk_sweep = true;
+    else if (!std::strcmp(argv[i], "--block") && i + 1 < argc) block_size = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--flush") && i + 1 < argc) {
       const std::string mode = argv[++i];
       if (mode != "read" && mode != "write") {
@@ -114,6 +116,10 @@ int main(int argc, char** argv) {
       }
       flush_mode = mode == "read" ? gpu::FlushMode::read : gpu::FlushMode::write;
     }
+  }
+  if (block_size != 16 && block_size != 32 && block_size != 64) {
+    std::fprintf(stderr, "--block: expected 16, 32 or 64, got %d\n", block_size);
+    return 2;
   }
   if (!gpu::cuda_device_available()) {
     std::printf("no CUDA device: benchmark skipped\n");
@@ -138,12 +144,12 @@ int main(int argc, char** argv) {
   if (!only_contexts.empty()) contexts = only_contexts;
   const int max_batch = *std::max_element(batches.begin(), batches.end());
   const int max_ctx = *std::max_element(contexts.begin(), contexts.end());
-  const int max_blocks = max_ctx / kBlock + 2;
+  const int max_blocks = max_ctx / block_size + 2;
 
   // Arena: one region per pool, each large enough for max_batch x max_ctx
   // tokens at FP16 (a pool is "slab" p of its PoolView).
   std::array<BlockFormat, 3> formats;
-  for (Precision p : kAllPrecisions) formats[pool_index(p)] = {p, kKVHeads, kDim, kBlock};
+  for (Precision p : kAllPrecisions) formats[pool_index(p)] = {p, kKVHeads, kDim, block_size};
   const std::size_t region = static_cast<std::size_t>(max_batch) * max_blocks * formats[0].block_bytes();
   gpu::DeviceArena arena(3 * region);
   gpu::DevicePools pools;
@@ -222,8 +228,8 @@ int main(int argc, char** argv) {
       for (const PlanMix& mix : kMixes) {
         if (!only_plans.empty() && only_plans.find(mix.name) == std::string::npos) continue;
         // Windows of every sequence: the same precision pattern, shuffled ids.
-        const int windows = ctx / kBlock;
-        const int tail = ctx % kBlock;
+        const int windows = ctx / block_size;
+        const int tail = ctx % block_size;
         std::vector<Precision> plan(windows);
         for (int w = 0; w < windows; ++w) {
           const double u = (w + 0.5) / windows;  // deterministic proportions
@@ -246,23 +252,23 @@ int main(int argc, char** argv) {
           std::array<std::vector<std::int32_t>, 3> lists;
           int fp16_tokens = 0;
           for (int t = 0; t < ctx; ++t) {
-            const int w = t / kBlock;
+            const int w = t / block_size;
             const Precision p = w < windows ? plan[w] : Precision::FP16;
             if (p == Precision::FP16) {
-              if (fp16_tokens % kBlock == 0) {
+              if (fp16_tokens % block_size == 0) {
                 lists[0].push_back(free_ids[0].back());
                 free_ids[0].pop_back();
               }
-              m.fp16_slots[t] = lists[0].back() * kBlock + fp16_tokens % kBlock;
+              m.fp16_slots[t] = lists[0].back() * block_size + fp16_tokens % block_size;
               ++fp16_tokens;
-            } else if (t % kBlock == 0) {
+            } else if (t % block_size == 0) {
               const int pi = pool_index(p);
               lists[pi].push_back(free_ids[pi].back());
               free_ids[pi].pop_back();
               (p == Precision::INT4 ? m.int4_windows : m.int2_windows).push_back({lists[pi].back(), t});
             }
           }
-          dmap.upload(m, kBlock, stream);
+          dmap.upload(m, block_size, stream);
           gpu::StorePrefillArgs args;
           args.k = d_k;
           args.v = d_v;
@@ -280,7 +286,7 @@ int main(int argc, char** argv) {
                 std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - h0).count() / kHostCalls;
             std::size_t written = 0;
             for (int p = 0; p < 3; ++p) written += lists[p].size() * formats[p].block_bytes();
-            if (!lists[0].empty()) written -= (kBlock - (fp16_tokens - (lists[0].size() - 1) * kBlock)) *
+            if (!lists[0].empty()) written -= (block_size - (fp16_tokens - (lists[0].size() - 1) * block_size)) *
                                                kKVHeads * kDim * 4;  // tail rows not written
             // K/V rows read, blocks written, and the mapping's FP16 RowSlots and WindowSlots read.
             store_bytes = static_cast<double>(ctx) * kKVHeads * kDim * 2 * 2 + written +
@@ -292,14 +298,14 @@ int main(int argc, char** argv) {
             gpu::store_prefill(args);
           }
           for (int p = 0; p < 3; ++p) {
-            const int fill = p == 0 && fp16_tokens > 0 ? (fp16_tokens - 1) % kBlock + 1 : 0;
+            const int fill = p == 0 && fp16_tokens > 0 ? (fp16_tokens - 1) % block_size + 1 : 0;
             tables.set_blocks(b, 0, kAllPrecisions[p], lists[p], fill);
           }
           ok(cudaStreamSynchronize(stream), "sync store");  // dmap is reused
         }
         (void)tail;
         tables.upload(stream);
-        gpu::DecodePlanConfig config{1, kQHeads, kKVHeads, kDim, kBlock, batch, 0, 0, 0};
+        gpu::DecodePlanConfig config{1, kQHeads, kKVHeads, kDim, block_size, batch, 0, 0, 0};
         gpu::DecodePlan dplan(config, tables);
         std::vector<std::int32_t> slots(batch);
         std::iota(slots.begin(), slots.end(), 0);
@@ -366,7 +372,7 @@ int main(int argc, char** argv) {
   std::ofstream f(out_path);
   f << "{\n  \"device\": \"" << prop.name << "\",\n  \"sms\": " << prop.multiProcessorCount
     << ",\n  \"read_bandwidth_gbps\": " << bw / 1e9 << ",\n  \"shape\": {\"q_heads\": " << kQHeads
-    << ", \"kv_heads\": " << kKVHeads << ", \"head_dim\": " << kDim << ", \"block_size\": " << kBlock
+    << ", \"kv_heads\": " << kKVHeads << ", \"head_dim\": " << kDim << ", \"block_size\": " << block_size
     << "},\n  \"reps\": " << reps << ",\n  \"l2_flush\": \"" << flush_name
     << "\",\n  \"launch_floor_us\": " << launch_floor_us << ",\n  \"decode\": [" << json.s.str() << "\n  ],\n  \"store_prefill\": ["
     << store_json.s.str() << "\n  ]\n}\n";

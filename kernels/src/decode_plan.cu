@@ -52,7 +52,9 @@ constexpr std::int32_t kMinBlocksPerChunk = 8;
 // Resident decode CTAs per SM a small batch's split aims for.
 constexpr int kSmallBatchCtasPerSm = 2;
 // Pairs of at most this many INT4 blocks' work are not worth splitting when
-// they fill the SMs evenly (plan_layer): 4,096 tokens at 32 a block.
+// they fill the SMs evenly (plan_layer): 4,096 tokens at 32 a block. In
+// blocks, not tokens: at block 16 the mixed plan's 4,096-token pairs (256
+// blocks) ran 6.6% slower as one item each (INT2 9.5% faster).
 constexpr std::int64_t kShortPairBlocks = 128;
 
 std::string field(const char* name, std::int64_t value, const char* expected) {
@@ -226,16 +228,17 @@ void DecodePlan::Impl::plan_layer(int layer, int target_items, std::int32_t shar
   // One item per pair, all of them resident, as many on every SM, when
   // the pairs' work is equal (within 5%) and either waits on memory (INT2
   // blocks, bound by the instructions they issue, <= 1/4 of the work) or
-  // is short (<= kShortPairBlocks INT4 blocks' work): a memory-bound pair's
-  // CTA streams at the rate of every other, and a short pair's split
+  // is short (<= kShortPairBlocks INT4 blocks' work): a memory-bound
+  // pair's CTA streams at the rate of every other, and a short pair's split
   // pieces would pay their starts and merges on little work. Measured at
-  // b64 (256 pairs, 2 CTAs an SM on 132 SMs), one item per pair against
-  // the shares: INT4 x 19,600 182.8-183.0 -> 178.2-178.4 us, FP16
-  // 583.3-583.7 -> 573.5-573.9, x 65,536 within 0.7%; INT2 x 2,048 / 4,096 /
-  // 8,192 -20% / -11% / -4.5%, x 19,600 equal, x 65,536 +3%; the mixed plan
-  // (46% of its work INT2) -9% / -1% at 2,048 / 4,096, equal at 6,144, +3 to
-  // +12% from 8,192 on; at b48 and b80 (1-2 and 2-3 CTAs an SM) every plan
-  // slower (kernel-notes-log, stop 23).
+  // b64 (256 pairs, 2 CTAs an SM on 132 SMs at block 16 and 32, 2 of 2 at
+  // block 64), one item per pair against the shares: INT4 x 19,600 -1.7%
+  // to -3.4% and FP16 -1.3% to -2.0% at every block size, x 65,536 within
+  // 0.7%; at block 32 INT2 x 2,048 / 4,096 / 8,192 -20% / -11% / -4.5%,
+  // x 19,600 equal, x 65,536 +3%, the mixed plan (46% of its work INT2)
+  // -9% / -1% at 2,048 / 4,096, equal at 6,144, +3 to +12% from 8,192 on;
+  // at block 64 x 4,096 INT2 -18%, mixed -4%; at b48 and b80 (1-2 and 2-3
+  // CTAs an SM) every plan slower (kernel-notes-log, stop 23).
   const bool memory_bound = int2_cost * 4 <= total_cost;
   const bool short_pairs = max_cost <= kShortPairBlocks * work[1];
   const bool one_per_pair = whole_pairs && (memory_bound || short_pairs) &&
