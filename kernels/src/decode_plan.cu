@@ -243,7 +243,12 @@ void DecodePlan::Impl::plan_layer(int layer, int target_items, std::int32_t shar
   const bool short_pairs = max_cost <= kShortPairBlocks * work[1];
   const bool one_per_pair = whole_pairs && (memory_bound || short_pairs) &&
                             static_cast<double>(max_cost) * kvh * batch <= 1.05 * static_cast<double>(total_cost);
-  if (one_per_pair) shares = 0;
+  // As chunks, every pair's count rounds to 1: its work is at most 1.05x
+  // the mean.
+  if (one_per_pair) {
+    shares = 0;
+    target_items = batch * kvh;
+  }
 
   // Work of a sequence's blocks [0, block) and the first block whose
   // cumulative work reaches `target` (blocks in FP16 | INT4 | INT2 order).
@@ -358,7 +363,7 @@ void DecodePlan::Impl::plan_layer(int layer, int target_items, std::int32_t shar
       int chunks = 1;
       if (c.chunks_per_sequence > 0) {
         chunks = c.chunks_per_sequence;
-      } else if (total_cost > 0 && !one_per_pair) {
+      } else if (total_cost > 0) {
         chunks = static_cast<int>(std::llround(static_cast<double>(cost[b]) * kvh / total_cost * target_items / kvh));
       }
       // A chunk pays a fixed latency (item, page table, first data, merge)
