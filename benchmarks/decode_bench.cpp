@@ -1,6 +1,7 @@
 // GPU benchmark of the CUDA backend (issue 3), run on the device machine by
 // run_on_device.sh. Shapes: 28 query heads, 4 KV heads, head_dim 128,
-// block 32 (--block 16 or 64); batch 1, 8, 64; context 4,096, 19,600, 65,536. In one run:
+// block 32 (--heads Q/KV, --head-dim 64 or 256, --block 16 or 64 for other
+// models' shapes); batch 1, 8, 64; context 4,096, 19,600, 65,536. In one run:
 //   - the device's read bandwidth (our own read-and-reduce kernel),
 //   - paged decode with all-FP16, all-INT4, all-INT2 and a mixed plan
 //     (10% FP16, 30% INT4, 60% INT2 of the full windows; the partial tail
@@ -44,8 +45,6 @@ using namespace mixkv;
 namespace {
 
 using bench::ok;
-
-constexpr int kQHeads = 28, kKVHeads = 4, kDim = 128;
 
 struct PlanMix {
   const char* name;
@@ -92,6 +91,8 @@ int main(int argc, char** argv) {
   gpu::FlushMode flush_mode = gpu::FlushMode::read;
   bool chunk_sweep = false;
   int block_size = 32;  // --block: 16, 32 or 64
+  int q_heads = 28, kv_heads = 4;  // --heads Q/KV
+  int head_dim = 128;              // --head-dim: 64, 128 or 256
   auto parse_list = [](const char* text) {
     std::vector<int> v;
     std::stringstream ss(text);
@@ -108,6 +109,10 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--plans") && i + 1 < argc) only_plans = argv[++i];  // e.g. int2,mixed
     else if (!std::strcmp(argv[i], "--chunk-sweep")) chunk_sweep = true;
     else if (!std::strcmp(argv[i], "--block") && i + 1 < argc) block_size = std::atoi(argv[++i]);
+    else if (!std::strcmp(argv[i], "--head-dim") && i + 1 < argc) head_dim = std::atoi(argv[++i]);
+    else if (!std::strcmp(argv[i], "--heads") && i + 1 < argc) {
+      if (std::sscanf(argv[++i], "%d/%d", &q_heads, &kv_heads) != 2) q_heads = kv_heads = 0;
+    }
     else if (!std::strcmp(argv[i], "--flush") && i + 1 < argc) {
       const std::string mode = argv[++i];
       if (mode != "read" && mode != "write") {
@@ -119,6 +124,14 @@ int main(int argc, char** argv) {
   }
   if (block_size != 16 && block_size != 32 && block_size != 64) {
     std::fprintf(stderr, "--block: expected 16, 32 or 64, got %d\n", block_size);
+    return 2;
+  }
+  if (head_dim != 64 && head_dim != 128 && head_dim != 256) {
+    std::fprintf(stderr, "--head-dim: expected 64, 128 or 256, got %d\n", head_dim);
+    return 2;
+  }
+  if (kv_heads < 1 || q_heads < 1 || q_heads % kv_heads != 0) {
+    std::fprintf(stderr, "--heads: expected Q/KV with Q a positive multiple of KV, got %d/%d\n", q_heads, kv_heads);
     return 2;
   }
   if (!gpu::cuda_device_available()) {
@@ -149,7 +162,7 @@ int main(int argc, char** argv) {
   // Arena: one region per pool, each large enough for max_batch x max_ctx
   // tokens at FP16 (a pool is "slab" p of its PoolView).
   std::array<BlockFormat, 3> formats;
-  for (Precision p : kAllPrecisions) formats[pool_index(p)] = {p, kKVHeads, kDim, block_size};
+  for (Precision p : kAllPrecisions) formats[pool_index(p)] = {p, kv_heads, head_dim, block_size};
   const std::size_t region = static_cast<std::size_t>(max_batch) * max_blocks * formats[0].block_bytes();
   gpu::DeviceArena arena(3 * region);
   gpu::DevicePools pools;
@@ -162,7 +175,7 @@ int main(int argc, char** argv) {
 
   // Prompt K/V for one sequence of max_ctx tokens, [token][kv_head][dim].
   std::mt19937_64 rng(2026);
-  const std::size_t prompt_values = static_cast<std::size_t>(max_ctx) * kKVHeads * kDim;
+  const std::size_t prompt_values = static_cast<std::size_t>(max_ctx) * kv_heads * head_dim;
   Half* d_k = device_alloc<Half>(prompt_values, "prompt k");
   Half* d_v = device_alloc<Half>(prompt_values, "prompt v");
   {
@@ -171,10 +184,10 @@ int main(int argc, char** argv) {
     ok(cudaMemcpy(d_k, k.data(), prompt_values * 2, cudaMemcpyHostToDevice), "H2D");
     ok(cudaMemcpy(d_v, v.data(), prompt_values * 2, cudaMemcpyHostToDevice), "H2D");
   }
-  Half* d_q = device_alloc<Half>(static_cast<std::size_t>(max_batch) * kQHeads * kDim, "q");
-  Half* d_out = device_alloc<Half>(static_cast<std::size_t>(max_batch) * kQHeads * kDim, "out");
+  Half* d_q = device_alloc<Half>(static_cast<std::size_t>(max_batch) * q_heads * head_dim, "q");
+  Half* d_out = device_alloc<Half>(static_cast<std::size_t>(max_batch) * q_heads * head_dim, "out");
   {
-    const auto q = random_halves(static_cast<std::size_t>(max_batch) * kQHeads * kDim, rng, 1.0f);
+    const auto q = random_halves(static_cast<std::size_t>(max_batch) * q_heads * head_dim, rng, 1.0f);
     ok(cudaMemcpy(d_q, q.data(), q.size() * 2, cudaMemcpyHostToDevice), "H2D");
   }
 
@@ -202,7 +215,7 @@ int main(int argc, char** argv) {
       // Dense FP16 baseline on the same token count: K/V [batch][kv_head][ctx][dim].
       double dense_us = 0.0;
       {
-        const std::size_t n = static_cast<std::size_t>(batch) * kKVHeads * ctx * kDim;
+        const std::size_t n = static_cast<std::size_t>(batch) * kv_heads * ctx * head_dim;
         Half* k = device_alloc<Half>(n, "dense k");
         Half* v = device_alloc<Half>(n, "dense v");
         // Random-ish non-zero halves: the prompt pattern repeated.
@@ -211,7 +224,7 @@ int main(int argc, char** argv) {
           ok(cudaMemcpyAsync(k + off, d_k, len * 2, cudaMemcpyDeviceToDevice, stream), "D2D");
           ok(cudaMemcpyAsync(v + off, d_v, len * 2, cudaMemcpyDeviceToDevice, stream), "D2D");
         }
-        const gpu::DenseAttentionShape shape{batch, kQHeads, kKVHeads, ctx, kDim, 1.0f / std::sqrt(128.0f)};
+        const gpu::DenseAttentionShape shape{batch, q_heads, kv_heads, ctx, head_dim, 1.0f / std::sqrt(static_cast<float>(head_dim))};
         dense_us = median_us(reps, flusher, stream, [&] { dense.run_fp16(shape, d_q, k, v, d_out, stream); });
         ok(cudaStreamSynchronize(stream), "sync");
         cudaFree(k);
@@ -287,9 +300,9 @@ int main(int argc, char** argv) {
             std::size_t written = 0;
             for (int p = 0; p < 3; ++p) written += lists[p].size() * formats[p].block_bytes();
             if (!lists[0].empty()) written -= (block_size - (fp16_tokens - (lists[0].size() - 1) * block_size)) *
-                                               kKVHeads * kDim * 4;  // tail rows not written
+                                               kv_heads * head_dim * 4;  // tail rows not written
             // K/V rows read, blocks written, and the mapping's FP16 RowSlots and WindowSlots read.
-            store_bytes = static_cast<double>(ctx) * kKVHeads * kDim * 2 * 2 + written +
+            store_bytes = static_cast<double>(ctx) * kv_heads * head_dim * 2 * 2 + written +
                           8.0 * (fp16_tokens + m.int4_windows.size() + m.int2_windows.size());
             const std::size_t read_bytes = static_cast<std::size_t>(store_bytes) / 16 * 16;
             read_same_us = median_us(std::max(5, reps / 5), flusher, stream,
@@ -305,7 +318,7 @@ int main(int argc, char** argv) {
         }
         (void)tail;
         tables.upload(stream);
-        gpu::DecodePlanConfig config{1, kQHeads, kKVHeads, kDim, block_size, batch, 0, 0, 0};
+        gpu::DecodePlanConfig config{1, q_heads, kv_heads, head_dim, block_size, batch, 0, 0, 0};
         gpu::DecodePlan dplan(config, tables);
         std::vector<std::int32_t> slots(batch);
         std::iota(slots.begin(), slots.end(), 0);
@@ -320,7 +333,7 @@ int main(int argc, char** argv) {
         }
         std::nth_element(plan_times.begin(), plan_times.begin() + 10, plan_times.end());
         const double plan_us = plan_times[10];
-        gpu::DecodeRunArgs run{0, d_q, d_out, nullptr, 1.0f / std::sqrt(128.0f), pools, stream, false};
+        gpu::DecodeRunArgs run{0, d_q, d_out, nullptr, 1.0f / std::sqrt(static_cast<float>(head_dim)), pools, stream, false};
         const double us = median_us(reps, flusher, stream, [&] { dplan.run(run); });
         if (chunk_sweep) {
           const std::vector<int> small{0, 1, 2, 4, 8, 12, 16, 32, 64, 93, 128};  // 0: the plan's own choice
@@ -338,7 +351,7 @@ int main(int argc, char** argv) {
           }
         }
         // Sanity: the output is finite.
-        std::vector<Half> out(static_cast<std::size_t>(batch) * kQHeads * kDim);
+        std::vector<Half> out(static_cast<std::size_t>(batch) * q_heads * head_dim);
         ok(cudaMemcpy(out.data(), d_out, out.size() * 2, cudaMemcpyDeviceToHost), "D2H");
         const bool finite = std::all_of(out.begin(), out.end(), [](Half h) { return (h.bits & 0x7c00) != 0x7c00; });
         const double bytes = static_cast<double>(dplan.bytes_read(0));
@@ -371,8 +384,8 @@ int main(int argc, char** argv) {
   }
   std::ofstream f(out_path);
   f << "{\n  \"device\": \"" << prop.name << "\",\n  \"sms\": " << prop.multiProcessorCount
-    << ",\n  \"read_bandwidth_gbps\": " << bw / 1e9 << ",\n  \"shape\": {\"q_heads\": " << kQHeads
-    << ", \"kv_heads\": " << kKVHeads << ", \"head_dim\": " << kDim << ", \"block_size\": " << block_size
+    << ",\n  \"read_bandwidth_gbps\": " << bw / 1e9 << ",\n  \"shape\": {\"q_heads\": " << q_heads
+    << ", \"kv_heads\": " << kv_heads << ", \"head_dim\": " << head_dim << ", \"block_size\": " << block_size
     << "},\n  \"reps\": " << reps << ",\n  \"l2_flush\": \"" << flush_name
     << "\",\n  \"launch_floor_us\": " << launch_floor_us << ",\n  \"decode\": [" << json.s.str() << "\n  ],\n  \"store_prefill\": ["
     << store_json.s.str() << "\n  ]\n}\n";

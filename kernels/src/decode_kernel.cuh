@@ -813,7 +813,7 @@ __global__ void __launch_bounds__(kDecodeThreads, DecodeTile<D, S>::kMinCtasPerS
   // Q^T as B fragments: b0 = Q[head g][16 ks + 2r ..], b1 = Q[head g][16 ks + 2r + 8 ..]
   uint32_t qf[D / 16][2];
   {
-    const __half* q = p.q + (static_cast<std::size_t>(item.seq) * p.num_q_heads + item.kv_head * group) * D;
+    const __half* q = p.q + (static_cast<std::size_t>(item.seq) * p.num_q_heads + item.q_head) * D;
 #pragma unroll
     for (int ks = 0; ks < D / 16; ++ks) {
       qf[ks][0] = g < group ? *reinterpret_cast<const uint32_t*>(q + g * D + 16 * ks + 2 * r) : 0u;
@@ -935,7 +935,7 @@ __global__ void __launch_bounds__(kDecodeThreads, DecodeTile<D, S>::kMinCtasPerS
     const float4 value = make_float4(o.x * inv, o.y * inv, o.z * inv, o.w * inv);
     const bool split = item.partial >= 0;
     const std::size_t row = split ? static_cast<std::size_t>(item.partial) * group + head
-                                   : static_cast<std::size_t>(item.seq) * p.num_q_heads + item.kv_head * group + head;
+                                   : static_cast<std::size_t>(item.seq) * p.num_q_heads + item.q_head + head;
     if (split) {
       reinterpret_cast<float4*>(p.partial_out + row * D)[c4] = value;
     } else {

@@ -114,7 +114,7 @@ __device__ __forceinline__ void merge_rows(const DecodeParams& p, const DecodeWo
     }
   }
   __syncthreads();  // a head's lse is read by every thread of the head before its owner overwrites it
-  const std::size_t out_row = static_cast<std::size_t>(item.seq) * p.num_q_heads + item.kv_head * group;
+  const std::size_t out_row = static_cast<std::size_t>(item.seq) * p.num_q_heads + item.q_head;
 #pragma unroll
   for (int j = 0; j < kVecs; ++j) {
     const int i = threadIdx.x + j * Threads;

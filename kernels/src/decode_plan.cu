@@ -66,7 +66,10 @@ std::string field(const char* name, std::int64_t value, const char* expected) {
 struct DecodePlan::Impl {
   DecodePlanConfig config;
   const DevicePageTables* tables = nullptr;
+  // Query heads an item computes, and items per (sequence, KV head, piece):
+  // a KV head's group over kMaxGroupHost heads runs as head_tiles equal tiles.
   std::int32_t group = 0;
+  std::int32_t head_tiles = 1;
   std::int32_t max_items = 0;     // per layer
   std::int32_t max_partials = 0;  // per layer (the workspace is shared by the layers run one after another)
   std::int32_t ctas_per_sm = 3;   // of the decode instance
@@ -119,10 +122,6 @@ DecodePlan::DecodePlan(const DecodePlanConfig& config, const DevicePageTables& t
   require(config.num_kv_heads >= 1, [&] { return field("num_kv_heads", config.num_kv_heads, ">= 1"); });
   require(config.num_q_heads >= 1 && config.num_q_heads % config.num_kv_heads == 0,
           [&] { return field("num_q_heads", config.num_q_heads, "a positive multiple of num_kv_heads"); });
-  require(config.num_q_heads / config.num_kv_heads <= detail::kMaxGroupHost, [&] {
-    return "Unsupported group size: " + std::to_string(config.num_q_heads / config.num_kv_heads) +
-           " query heads per KV head (expected <= 8)";
-  });
   detail::check_decode_supported(config.head_dim, config.block_size);
   require(config.max_batch >= 1, [&] { return field("max_batch", config.max_batch, ">= 1"); });
   require(config.max_batch <= tables.config().max_sequences,
@@ -143,8 +142,12 @@ DecodePlan::DecodePlan(const DecodePlanConfig& config, const DevicePageTables& t
     MIXKV_CUDA_CHECK(cudaGetDevice(&device));
     MIXKV_CUDA_CHECK(cudaDeviceGetAttribute(&s.config.num_sms, cudaDevAttrMultiProcessorCount, device));
   }
-  s.group = config.num_q_heads / config.num_kv_heads;
-  const std::int32_t pairs = config.max_batch * config.num_kv_heads;
+  // The fewest equal tiles of <= kMaxGroupHost query heads (a group of 16
+  // runs as 2 x 8, 12 as 2 x 6, a prime 11 as 11 x 1).
+  const std::int32_t full_group = config.num_q_heads / config.num_kv_heads;
+  while (full_group % s.head_tiles != 0 || full_group / s.head_tiles > detail::kMaxGroupHost) ++s.head_tiles;
+  s.group = full_group / s.head_tiles;
+  const std::int32_t pairs = config.max_batch * config.num_kv_heads * s.head_tiles;
   s.max_items = config.max_items_per_layer > 0
                     ? config.max_items_per_layer
                     : pairs + 3 * detail::kMaxCtasPerSm * s.config.num_sms +
@@ -245,9 +248,10 @@ void DecodePlan::Impl::plan_layer(int layer, int target_items, std::int32_t shar
                             static_cast<double>(max_cost) * kvh * batch <= 1.05 * static_cast<double>(total_cost);
   // As chunks, every pair's count rounds to 1: its work is at most 1.05x
   // the mean.
+  const int tiles = head_tiles;
   if (one_per_pair) {
     shares = 0;
-    target_items = batch * kvh;
+    target_items = batch * kvh * tiles;
   }
 
   // Work of a sequence's blocks [0, block) and the first block whose
@@ -292,6 +296,8 @@ void DecodePlan::Impl::plan_layer(int layer, int target_items, std::int32_t shar
       return;
     }
   };
+  // A piece's head tiles are emitted together, so they are launched
+  // together and the tiles after the first find its blocks in L2.
   auto emit = [&](int b, int h) {
     const int pieces = static_cast<int>(cuts.size()) - 1;
     // The in-kernel merge: one level up to 16 pieces, else two levels of
@@ -307,18 +313,25 @@ void DecodePlan::Impl::plan_layer(int layer, int target_items, std::int32_t shar
     for (int p = 0; p < kNumPrecisions; ++p) item.counts[p] = counts[b][p];
     item.fill = fills[b];
     item.kv_head = h;
+    // Tile t's pieces take partial rows first + t * pieces ..: each tile
+    // merges on its own.
+    const std::int32_t first = next_partial;
     if (pieces > 1) {
-      item.first = next_partial;
       item.pieces = pieces;
       item.fan_in = fan_in;
+      next_partial += pieces * tiles;
     }
     for (int k = 0; k < pieces; ++k) {
       item.begin = cuts[k];
       item.end = cuts[k + 1];
-      item.partial = pieces > 1 ? next_partial++ : -1;
       set_lead_ids(item, b);
-      launch_keys.emplace_back(starts[k], static_cast<std::int32_t>(emitted.size()));
-      emitted.push_back(item);
+      for (int t = 0; t < tiles; ++t) {
+        item.q_head = (h * tiles + t) * group;
+        if (pieces > 1) item.first = first + t * pieces;
+        item.partial = pieces > 1 ? item.first + k : -1;
+        launch_keys.emplace_back(starts[k], static_cast<std::int32_t>(emitted.size()));
+        emitted.push_back(item);
+      }
     }
   };
   if (shares > 0 && total_cost > 0) {
@@ -364,7 +377,8 @@ void DecodePlan::Impl::plan_layer(int layer, int target_items, std::int32_t shar
       if (c.chunks_per_sequence > 0) {
         chunks = c.chunks_per_sequence;
       } else if (total_cost > 0) {
-        chunks = static_cast<int>(std::llround(static_cast<double>(cost[b]) * kvh / total_cost * target_items / kvh));
+        chunks = static_cast<int>(
+            std::llround(static_cast<double>(cost[b]) * kvh / total_cost * target_items / (kvh * tiles)));
       }
       // A chunk pays a fixed latency (item, page table, first data, merge)
       // that a warp with one block cannot hide: at batch 1 x 4,096 the split
@@ -416,7 +430,8 @@ void DecodePlan::plan(std::span<const std::int32_t> slots, cudaStream_t stream) 
     });
   }
   s.next_slots.assign(slots.begin(), slots.end());
-  const int pairs = static_cast<int>(slots.size()) * c.num_kv_heads;
+  // Items of unsplit (sequence, KV head) pairs: one per head tile.
+  const int pairs = static_cast<int>(slots.size()) * c.num_kv_heads * s.head_tiles;
   // Items to aim for: whole waves of resident CTAs. With equal sequences,
   // c chunks per pair give pairs * c items in ceil(pairs * c / wave) waves;
   // take the smallest c that fills those waves to >= 93% (batch 64: 3
@@ -446,9 +461,10 @@ void DecodePlan::plan(std::span<const std::int32_t> slots, cudaStream_t stream) 
   // chunks of unequal pairs left the last of 2 waves ragged (b64 x 19,600
   // mixed 203.6 us, shares 188.8), and short contexts paid a start and a
   // merge per chunk (b64 x 4,096 INT4 55.2 -> 50.4 us; kernel-notes-log v23-v24).
+  // A share's pieces run as one item per head tile, side by side.
   const std::int32_t shares =
       c.chunks_per_sequence == 0 && pairs >= c.num_sms && pairs + wave <= s.max_items && wave < detail::kMaxMergePieces
-          ? wave
+          ? wave / s.head_tiles
           : 0;
   // Whole pairs (plan_layer): at least 2 CTAs on every SM, all resident,
   // the SMs' counts within 5% of equal.

@@ -178,7 +178,12 @@ INSTANTIATE_TEST_SUITE_P(
         DecodeCase{cycle({256, 97}, 3), 28, 4, 128, 32, kAllInt4, "all_int4"},
         DecodeCase{cycle({256, 97}, 3), 28, 4, 128, 32, kAllInt2, "all_int2"},
         DecodeCase{{19600}, 28, 4, 128, 32, kMixed, "b1_ctx19600"},
-        DecodeCase{{19600, 97, 19600}, 9, 3, 128, 32, kMixed, "b3_ctx19600_gqa3"}),
+        DecodeCase{{19600, 97, 19600}, 9, 3, 128, 32, kMixed, "b3_ctx19600_gqa3"},
+        // Groups over 8 query heads run as head tiles (2 x 8, 2 x 6, 11 x 1).
+        DecodeCase{{97, 33, 300}, 32, 2, 128, 32, kMixed, "b3_gqa16"},
+        DecodeCase{cycle({97, 200}, 3), 24, 2, 64, 32, kMixed, "b3_d64_gqa12"},
+        DecodeCase{{130, 31}, 11, 1, 128, 32, kMixed, "b2_gqa11"},
+        DecodeCase{{19600}, 64, 4, 128, 32, kMixed, "b1_ctx19600_gqa16"}),
     [](const auto& info) { return std::string(info.param.name); });
 
 // Mixed-plan sequences whose block b of K sits at bits(b) of score (each
@@ -230,23 +235,36 @@ TEST(DecodeCudaSoftmax, FarNegativeScoresMatchCpuReference) {
 // With a (sequence, KV head) pair for every SM the plan cuts the layer's
 // work into one equal share per resident CTA, pairs cut where shares end,
 // and launches the pieces in the order that lets each CTA slot run one
-// share (pieces of pairs, whole short pairs, an empty sequence). Planned
-// for 8 and for 40 SMs: 24 and 120 shares of 57 pairs.
-TEST(DecodeCudaBalanced, OneWaveOfSharesMatchesCpuReference) {
-  MIXKV_REQUIRE_CUDA();
-  const int kvh = 3, qh = 9, dim = 128, block = 32;
-  Rng rng(12);
-  std::vector<int> contexts = cycle({1, 97, 500, 1000, 33, 2000, 31, 0, 64}, 19);
+// share (pieces of pairs, whole short pairs, an empty sequence). Each plan
+// for `sms` SMs against the CPU reference; `tiles` items per piece.
+void expect_shares_match(int kvh, int qh, int batch, std::uint64_t seed, std::initializer_list<int> sms_counts, int tiles) {
+  const int dim = 128, block = 32;
+  Rng rng(seed);
+  std::vector<int> contexts = cycle({1, 97, 500, 1000, 33, 2000, 31, 0, 64}, batch);
   TestArena arena(kvh, dim, block, blocks_needed(contexts, block), 9);
   const PlacedBatch placed = place_batch(arena, make_sequences(contexts, kvh, dim, block, kMixed, rng));
   const auto q = random_halves(rng, contexts.size() * qh * dim);
   const float scale = 1.0f / std::sqrt(static_cast<float>(dim));
   const DecodeResult ref = cpu_decode(arena, placed, q, qh, scale);
-  for (int sms : {8, 40}) {
+  for (int sms : sms_counts) {
     std::int32_t items = 0;
     expect_close(run_gpu(arena, placed, q, qh, scale, 0, 1, 0, sms, &items), ref, dim, std::to_string(sms) + " SMs");
-    EXPECT_GT(items, 57) << "shares cut pairs";
+    EXPECT_GT(items, batch * kvh * tiles) << sms << " SMs: shares cut pairs";
+    EXPECT_EQ(items % tiles, 0) << sms << " SMs: an item per tile of every piece";
   }
+}
+
+// 57 pairs planned for 8 and for 40 SMs: 24 and 120 shares.
+TEST(DecodeCudaBalanced, OneWaveOfSharesMatchesCpuReference) {
+  MIXKV_REQUIRE_CUDA();
+  expect_shares_match(3, 9, 19, 12, {8, 40}, 1);
+}
+
+// A group of 18 query heads runs as 3 tiles of 6: every piece of a share
+// once per tile, each tile's pieces merged on their own.
+TEST(DecodeCudaBalanced, SharesOfHeadTilesMatchCpuReference) {
+  MIXKV_REQUIRE_CUDA();
+  expect_shares_match(2, 36, 11, 13, {8, 20}, 3);
 }
 
 // Pairs that fill 2 CTAs on every SM (16 pairs planned for 8 SMs) with
@@ -469,8 +487,6 @@ TEST(DecodeCudaBadInput, UnsupportedShapesAreNamed) {
   config.block_size = 48;
   MIXKV_EXPECT_INVALID(gpu::DecodePlan(config, tables), "Unsupported block_size: 48");
   config.block_size = 32;
-  config.num_q_heads = 64;
-  MIXKV_EXPECT_INVALID(gpu::DecodePlan(config, tables), "group size");
   config.num_q_heads = 30;
   MIXKV_EXPECT_INVALID(gpu::DecodePlan(config, tables), "num_q_heads");
   config.num_q_heads = 28;

@@ -86,7 +86,7 @@ def test_store_prefill_is_bit_identical_to_the_cpu_backend(rng):
     assert used_blocks_equal(host, device, range(3))
 
 
-@pytest.mark.parametrize("q_heads", [4, 28])
+@pytest.mark.parametrize("q_heads", [4, 28, 64])
 def test_paged_decode_attention_matches_the_cpu_reference(rng, q_heads):
     host, device, _ = pair(rng)
     plan = decode_plan(device, [0, 1, 2], q_heads)

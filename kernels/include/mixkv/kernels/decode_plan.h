@@ -57,12 +57,16 @@ struct DecodeRunArgs {
 // query-head group as the N dimension); split chunks are merged by the last
 // CTAs to finish them, inside the same kernel.
 // run() never synchronizes and is CUDA-graph capturable (fixed_grid).
-// GQA: num_q_heads / num_kv_heads <= 8.
+// GQA: any num_q_heads that is a multiple of num_kv_heads. A KV head's
+// group of up to 8 query heads is one MMA's N dimension; a larger group
+// runs as equal tiles of at most 8 heads (16 as 2 x 8, 12 as 2 x 6), an
+// item per tile, the tiles of a piece launched side by side so that all
+// but the first read its blocks from L2.
 class DecodePlan {
  public:
   // Throws InvalidArgument naming the field for a bad shape, "Unsupported
   // head_dim: N" / "Unsupported block_size: N" for shapes without a built
-  // kernel, and for a query-head group over 8.
+  // kernel.
   DecodePlan(const DecodePlanConfig& config, const DevicePageTables& tables);
   ~DecodePlan();
   DecodePlan(const DecodePlan&) = delete;
@@ -80,7 +84,8 @@ class DecodePlan {
   std::int32_t num_items(std::int32_t layer) const;
   std::int32_t num_split_items(std::int32_t layer) const;
   // Bytes one run() of `layer` must read from HBM: K/V codes, parameters
-  // and FP16 rows actually visited, plus page-table entries and queries.
+  // and FP16 rows actually visited (once, also when head tiles share
+  // them), plus page-table entries and queries.
   std::int64_t bytes_read(std::int32_t layer) const;
 
  private:
