@@ -8,25 +8,29 @@
 
 namespace mixkv::gpu::detail {
 
-// Host-side copies of the kernel's limits.
-inline constexpr int kMaxGroupHost = 8;
+// Host-side copies of the kernel's limits: query heads of one MMA n-tile;
+// an instance computes items of one or two n-tiles (up to 8 or 16 heads).
+inline constexpr int kHeadsPerTileHost = 8;
 // Most decode CTAs one SM can hold (sizes the default item capacity).
 inline constexpr int kMaxCtasPerSm = 4;
 // Split-KV chunks of one (sequence, KV head) at most (the in-kernel merge
 // then runs two levels of <= 32 rows, decode_merge.cuh).
 inline constexpr int kMaxMergePieces = 1024;
 
-// Throws for a shape with no built instance; launches nothing.
+// Throws for a shape with no built one-tile instance; launches nothing.
 void check_decode_supported(int head_dim, int block_size);
+// Whether the shape's two-tile instance is built.
+bool decode_supports_two_tiles(int head_dim, int block_size);
 // grid == 0: configures the instance and returns its CTAs per SM.
-int launch_decode(const DecodeParams& params, int head_dim, int block_size, int grid, cudaStream_t stream);
+int launch_decode(const DecodeParams& params, int head_dim, int block_size, int n_tiles, int grid,
+                  cudaStream_t stream);
 
-// Per head_dim (decode_instances_d*.cu): switch on block_size.
-bool decode_d64_supports(int block_size);
-bool decode_d128_supports(int block_size);
-bool decode_d256_supports(int block_size);
-int launch_decode_d64(const DecodeParams& params, int block_size, int grid, cudaStream_t stream);
-int launch_decode_d128(const DecodeParams& params, int block_size, int grid, cudaStream_t stream);
-int launch_decode_d256(const DecodeParams& params, int block_size, int grid, cudaStream_t stream);
+// Per head_dim (decode_instances_d*.cu): switch on block_size and n-tiles.
+bool decode_d64_supports(int block_size, int n_tiles);
+bool decode_d128_supports(int block_size, int n_tiles);
+bool decode_d256_supports(int block_size, int n_tiles);
+int launch_decode_d64(const DecodeParams& params, int block_size, int n_tiles, int grid, cudaStream_t stream);
+int launch_decode_d128(const DecodeParams& params, int block_size, int n_tiles, int grid, cudaStream_t stream);
+int launch_decode_d256(const DecodeParams& params, int block_size, int n_tiles, int grid, cudaStream_t stream);
 
 }  // namespace mixkv::gpu::detail

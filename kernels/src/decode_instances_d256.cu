@@ -1,7 +1,11 @@
 // Decode kernel instances for head_dim 256. Default build: block_size {32};
-// MIXKV_ALL_KERNEL_INSTANCES adds the rest of {16, 32, 64}.
+// MIXKV_ALL_KERNEL_INSTANCES adds 16 and 64. One n-tile only: two would
+// double its 64 accumulators a thread, and one already fills the registers.
+#include <string>
+
 #include "decode_dispatch.h"
 #include "decode_launch.cuh"
+#include "mixkv/cache/errors.h"
 
 namespace mixkv::gpu::detail {
 
@@ -11,20 +15,24 @@ namespace mixkv::gpu::detail {
 #define MIXKV_D256_SMALL_AND_LARGE_BLOCKS 0
 #endif
 
-bool decode_d256_supports(int block_size) {
-  return block_size == 32 || (MIXKV_D256_SMALL_AND_LARGE_BLOCKS && (block_size == 16 || block_size == 64));
+bool decode_d256_supports(int block_size, int n_tiles) {
+  return n_tiles == 1 &&
+         (block_size == 32 || (MIXKV_D256_SMALL_AND_LARGE_BLOCKS && (block_size == 16 || block_size == 64)));
 }
 
-int launch_decode_d256(const DecodeParams& params, int block_size, int grid, cudaStream_t stream) {
-  switch (block_size) {
-    case 32: return launch_decode_kernel<256, 32>(params, grid, stream);
+int launch_decode_d256(const DecodeParams& params, int block_size, int n_tiles, int grid, cudaStream_t stream) {
+  if (n_tiles == 1) {
+    switch (block_size) {
+      case 32: return launch_decode_kernel<256, 32, 1>(params, grid, stream);
 #if MIXKV_D256_SMALL_AND_LARGE_BLOCKS
-    case 16: return launch_decode_kernel<256, 16>(params, grid, stream);
-    case 64: return launch_decode_kernel<256, 64>(params, grid, stream);
+      case 16: return launch_decode_kernel<256, 16, 1>(params, grid, stream);
+      case 64: return launch_decode_kernel<256, 64, 1>(params, grid, stream);
 #endif
-    default: check_decode_supported(256, block_size);  // throws
+      default: break;
+    }
   }
-  return 0;
+  check_decode_supported(256, block_size);  // throws for an unbuilt block size
+  throw InvalidArgument("Unsupported head tiles: " + std::to_string(n_tiles) + " at head_dim 256");
 }
 
 }  // namespace mixkv::gpu::detail

@@ -3,8 +3,9 @@
 // per (sequence, KV head, range of its FP16 | INT4 | INT2 blocks).
 //
 // Orientation: tokens are the MMA's M dimension and the query-head group
-// (<= 8 heads) its N = 8, so a GQA group of 7 wastes 1/8 of the tensor work
-// instead of 9/16 with heads as M:
+// its N: NT n-tiles of 8 heads (NT = 1 up to 8 heads, 2 up to 16; the
+// codes a thread extracts feed every n-tile), so a GQA group of 7 wastes
+// 1/8 of the tensor work instead of 9/16 with heads as M:
 //   S^T[token][head] = K[token][:] . Q^T          (m16n8k16, k = channels)
 //   O^T[chan][head] += V^T[chan][token] . P^T     (m16n8k16, k = tokens)
 // P^T comes out of the S^T accumulators through movmatrix (a register
@@ -43,12 +44,13 @@
 namespace mixkv::gpu::detail {
 
 inline constexpr int kDecodeThreads = 32 * kDecodeWarps;
-inline constexpr int kMaxGroup = 8;
+// Query heads of one MMA n-tile.
+inline constexpr int kHeadsPerTile = 8;
 
 constexpr int cmax(int a, int b) { return a > b ? a : b; }
 constexpr int cmin(int a, int b) { return a < b ? a : b; }
 
-template <int D, int S>
+template <int D, int S, int NT>
 struct DecodeTile {
   static_assert(D == 64 || D == 128 || D == 256, "head_dim");
   static_assert(S == 16 || S == 32 || S == 64, "block_size");
@@ -79,21 +81,23 @@ struct DecodeTile {
     if constexpr (P != Precision::INT2) return fit;
     return cmin(fit, 2 + (kBusyGpu ? 1 : (kInt4Bytes + kInt2Bytes - 1) / kInt2Bytes));
   }
-  static constexpr int kMergeBytes = kDecodeWarps * kMaxGroup * (D + 2) * 4;
+  static constexpr int kHeads = kHeadsPerTile * NT;
+  static constexpr int kMergeBytes = kDecodeWarps * kHeads * (D + 2) * 4;
   static constexpr int kSmemBytes = cmax(kDecodeWarps * kRingBytes, kMergeBytes);
   // CTAs per SM the registers are allocated for (__launch_bounds__): as
   // many as shared memory admits on sm_90 (228 KiB, 1 KiB reserved per
   // CTA), so ptxas neither spills for more nor shrinks occupancy below it;
-  // 64-token blocks keep the 2 their quantized loop's ~200 registers allow.
-  static constexpr int kMinCtasPerSm = cmin(S == 64 ? 2 : 3, cmax(1, 233472 / (kSmemBytes + 1024)));
+  // 64-token blocks and two head tiles keep the 2 their quantized loop's
+  // ~200 registers allow.
+  static constexpr int kMinCtasPerSm = cmin(S == 64 || NT == 2 ? 2 : 3, cmax(1, 233472 / (kSmemBytes + 1024)));
 };
 
-template <int D>
+template <int D, int NT>
 struct WarpState {
-  float acc[D / 16][4];  // O^T fragments: channel tile cm, heads 2r, 2r+1
-  float m[2];            // running max (base 2) of heads 2r, 2r+1
-  float l[2];            // this thread's part of the softmax sum
-  float vb[2];           // this thread's part of sum_t p_t * vmin_t
+  float acc[NT][D / 16][4];  // O^T fragments of n-tile nt: channel tile cm, heads 8 nt + 2r, 8 nt + 2r + 1
+  float m[NT][2];            // running max (base 2) of those heads
+  float l[NT][2];            // this thread's part of the softmax sum
+  float vb[NT][2];           // this thread's part of sum_t p_t * vmin_t
 };
 
 // Bank-conflict-free placement of 16-byte chunks of FP16 rows in shared
@@ -104,19 +108,32 @@ __device__ __forceinline__ int v_swizzle(int chunk, int row) {
   return chunk ^ ((((row >> 1) & 1) * 5) ^ (((row >> 2) & 1) * 2));
 }
 
-// The maxima of MT m-tiles' values for heads 2r, 2r + 1 over this
-// thread's tokens. The maxima over the warp's tokens (across the g lanes)
-// are taken only when the running max has to move (online_softmax_rescale,
-// quant_rescale), so the shuffles leave the common path.
-template <int MT>
-__device__ __forceinline__ void thread_max(const float (&s)[MT][4], float& tm0, float& tm1) {
-  tm0 = fmaxf(s[0][0], s[0][2]);
-  tm1 = fmaxf(s[0][1], s[0][3]);
+// The maxima of MT m-tiles' values for heads 2r, 2r + 1 of each n-tile
+// over this thread's tokens. The maxima over the warp's tokens (across the
+// g lanes) are taken only when the running max has to move
+// (online_softmax_rescale, quant_rescale), so the shuffles leave the common
+// path.
+template <int NT, int MT>
+__device__ __forceinline__ void thread_max(const float (&s)[NT][MT][4], float (&tm)[NT][2]) {
 #pragma unroll
-  for (int mt = 1; mt < MT; ++mt) {
-    tm0 = fmaxf(tm0, fmaxf(s[mt][0], s[mt][2]));
-    tm1 = fmaxf(tm1, fmaxf(s[mt][1], s[mt][3]));
+  for (int nt = 0; nt < NT; ++nt) {
+    tm[nt][0] = fmaxf(s[nt][0][0], s[nt][0][2]);
+    tm[nt][1] = fmaxf(s[nt][0][1], s[nt][0][3]);
+#pragma unroll
+    for (int mt = 1; mt < MT; ++mt) {
+      tm[nt][0] = fmaxf(tm[nt][0], fmaxf(s[nt][mt][0], s[nt][mt][2]));
+      tm[nt][1] = fmaxf(tm[nt][1], fmaxf(s[nt][mt][1], s[nt][mt][3]));
+    }
   }
+}
+
+// Whether any of the thread's maxima exceeds its limit.
+template <int NT>
+__device__ __forceinline__ bool exceeds(const float (&tm)[NT][2], const float (&limit)[NT][2], float slack) {
+  bool any = false;
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) any = any || tm[nt][0] > limit[nt][0] + slack || tm[nt][1] > limit[nt][1] + slack;
+  return any;
 }
 
 // The running max (base 2) moves only when a block's max exceeds it by more
@@ -129,115 +146,152 @@ __device__ __forceinline__ void thread_max(const float (&s)[MT][4], float& tm0, 
 inline constexpr float kRescaleSlack = 0.5f;
 
 // Thread maxima -> the maxima over the warp's tokens (the 8 lanes g that
-// share a quad position r, i.e. the heads 2r, 2r + 1).
-__device__ __forceinline__ void warp_max_over_tokens(float& m0, float& m1) {
+// share a quad position r, i.e. the heads 2r, 2r + 1 of each n-tile).
+template <int NT>
+__device__ __forceinline__ void warp_max_over_tokens(float (&m)[NT][2]) {
 #pragma unroll
   for (int offset = 4; offset < 32; offset <<= 1) {
-    m0 = fmaxf(m0, __shfl_xor_sync(0xffffffffu, m0, offset));
-    m1 = fmaxf(m1, __shfl_xor_sync(0xffffffffu, m1, offset));
-  }
-}
-
-// l, vb and O^T of heads 2r, 2r + 1 times alpha0, alpha1 (a moved max).
-template <int D>
-__device__ __forceinline__ void rescale_state(WarpState<D>& st, float alpha0, float alpha1) {
-  st.l[0] *= alpha0;
-  st.l[1] *= alpha1;
-  st.vb[0] *= alpha0;
-  st.vb[1] *= alpha1;
 #pragma unroll
-  for (int cm = 0; cm < D / 16; ++cm) {
-    st.acc[cm][0] *= alpha0;
-    st.acc[cm][1] *= alpha1;
-    st.acc[cm][2] *= alpha0;
-    st.acc[cm][3] *= alpha1;
+    for (int nt = 0; nt < NT; ++nt) {
+      m[nt][0] = fmaxf(m[nt][0], __shfl_xor_sync(0xffffffffu, m[nt][0], offset));
+      m[nt][1] = fmaxf(m[nt][1], __shfl_xor_sync(0xffffffffu, m[nt][1], offset));
+    }
   }
 }
 
-// The running state after an FP16 unit whose thread maxima are (tm0, tm1)
-// (scores times scale_log2, -inf for masked rows); base0/1 are what the
-// unit's exponents subtract.
-template <int D>
-__device__ __forceinline__ void online_softmax_rescale(float tm0, float tm1, WarpState<D>& st, float& base0,
-                                                       float& base1) {
-  // -inf + slack is -inf: a head's first finite block always moves it.
-  if (__any_sync(0xffffffffu, tm0 > st.m[0] + kRescaleSlack || tm1 > st.m[1] + kRescaleSlack)) {
-    float bm0 = tm0;
-    float bm1 = tm1;
-    warp_max_over_tokens(bm0, bm1);
-    const float m0 = fmaxf(st.m[0], bm0);
-    const float m1 = fmaxf(st.m[1], bm1);
-    // A head with no valid score yet keeps base 0, so -inf - -inf never occurs.
-    const float alpha0 = exp2_ftz(st.m[0] - (m0 == -INFINITY ? 0.0f : m0));
-    const float alpha1 = exp2_ftz(st.m[1] - (m1 == -INFINITY ? 0.0f : m1));
-    rescale_state(st, alpha0, alpha1);
-    st.m[0] = m0;
-    st.m[1] = m1;
+// l, vb and O^T of heads 2r, 2r + 1 of each n-tile times alpha (a moved max).
+template <int D, int NT>
+__device__ __forceinline__ void rescale_state(WarpState<D, NT>& st, const float (&alpha)[NT][2]) {
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    st.l[nt][0] *= alpha[nt][0];
+    st.l[nt][1] *= alpha[nt][1];
+    st.vb[nt][0] *= alpha[nt][0];
+    st.vb[nt][1] *= alpha[nt][1];
+#pragma unroll
+    for (int cm = 0; cm < D / 16; ++cm) {
+      st.acc[nt][cm][0] *= alpha[nt][0];
+      st.acc[nt][cm][1] *= alpha[nt][1];
+      st.acc[nt][cm][2] *= alpha[nt][0];
+      st.acc[nt][cm][3] *= alpha[nt][1];
+    }
   }
-  base0 = st.m[0] == -INFINITY ? 0.0f : st.m[0];
-  base1 = st.m[1] == -INFINITY ? 0.0f : st.m[1];
+}
+
+// The running state after an FP16 unit whose thread maxima are tm (scores
+// times scale_log2, -inf for masked rows); base is what the unit's
+// exponents subtract.
+template <int D, int NT>
+__device__ __forceinline__ void online_softmax_rescale(const float (&tm)[NT][2], WarpState<D, NT>& st,
+                                                       float (&base)[NT][2]) {
+  // -inf + slack is -inf: a head's first finite block always moves it.
+  if (__any_sync(0xffffffffu, exceeds<NT>(tm, st.m, kRescaleSlack))) {
+    float bm[NT][2];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) bm[nt][0] = tm[nt][0], bm[nt][1] = tm[nt][1];
+    warp_max_over_tokens<NT>(bm);
+    float alpha[NT][2];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        bm[nt][j] = fmaxf(st.m[nt][j], bm[nt][j]);
+        // A head with no valid score yet keeps base 0, so -inf - -inf never occurs.
+        alpha[nt][j] = exp2_ftz(st.m[nt][j] - (bm[nt][j] == -INFINITY ? 0.0f : bm[nt][j]));
+      }
+    }
+    rescale_state<D, NT>(st, alpha);
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) st.m[nt][0] = bm[nt][0], st.m[nt][1] = bm[nt][1];
+  }
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    base[nt][0] = st.m[nt][0] == -INFINITY ? 0.0f : st.m[nt][0];
+    base[nt][1] = st.m[nt][1] == -INFINITY ? 0.0f : st.m[nt][1];
+  }
 }
 
 // Exponent arguments (base 2, relative to the running max) ->
 // probabilities; the softmax sums updated.
-template <int MT, int D>
-__device__ __forceinline__ void exponentiate(float (&e)[MT][4], WarpState<D>& st) {
+template <int NT, int MT, int D>
+__device__ __forceinline__ void exponentiate(float (&e)[NT][MT][4], WarpState<D, NT>& st) {
 #pragma unroll
-  for (int mt = 0; mt < MT; ++mt) {
-    e[mt][0] = exp2_ftz(e[mt][0]);
-    e[mt][1] = exp2_ftz(e[mt][1]);
-    e[mt][2] = exp2_ftz(e[mt][2]);
-    e[mt][3] = exp2_ftz(e[mt][3]);
-    st.l[0] += e[mt][0] + e[mt][2];
-    st.l[1] += e[mt][1] + e[mt][3];
+  for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      e[nt][mt][0] = exp2_ftz(e[nt][mt][0]);
+      e[nt][mt][1] = exp2_ftz(e[nt][mt][1]);
+      e[nt][mt][2] = exp2_ftz(e[nt][mt][2]);
+      e[nt][mt][3] = exp2_ftz(e[nt][mt][3]);
+      st.l[nt][0] += e[nt][mt][0] + e[nt][mt][2];
+      st.l[nt][1] += e[nt][mt][1] + e[nt][mt][3];
+    }
   }
 }
 
 // Unscaled scores -> probabilities (the scale inside the exponent's fma).
-template <int MT, int D>
-__device__ __forceinline__ void online_softmax(float (&s)[MT][4], float scale_log2, WarpState<D>& st) {
-  float tm0, tm1, base0, base1;
-  thread_max<MT>(s, tm0, tm1);
+template <int NT, int MT, int D>
+__device__ __forceinline__ void online_softmax(float (&s)[NT][MT][4], float scale_log2, WarpState<D, NT>& st) {
+  float tm[NT][2], base[NT][2];
+  thread_max<NT, MT>(s, tm);
   // fl(max x * scale) is max fl(x * scale): scale_log2 > 0 and rounding is
   // monotonic.
-  online_softmax_rescale(tm0 * scale_log2, tm1 * scale_log2, st, base0, base1);
 #pragma unroll
-  for (int mt = 0; mt < MT; ++mt) {
-    s[mt][0] = fmaf(s[mt][0], scale_log2, -base0);
-    s[mt][1] = fmaf(s[mt][1], scale_log2, -base1);
-    s[mt][2] = fmaf(s[mt][2], scale_log2, -base0);
-    s[mt][3] = fmaf(s[mt][3], scale_log2, -base1);
+  for (int nt = 0; nt < NT; ++nt) tm[nt][0] *= scale_log2, tm[nt][1] *= scale_log2;
+  online_softmax_rescale<D, NT>(tm, st, base);
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      s[nt][mt][0] = fmaf(s[nt][mt][0], scale_log2, -base[nt][0]);
+      s[nt][mt][1] = fmaf(s[nt][mt][1], scale_log2, -base[nt][1]);
+      s[nt][mt][2] = fmaf(s[nt][mt][2], scale_log2, -base[nt][0]);
+      s[nt][mt][3] = fmaf(s[nt][mt][3], scale_log2, -base[nt][1]);
+    }
   }
-  exponentiate<MT>(s, st);
+  exponentiate<NT, MT>(s, st);
 }
 
 // The quantized loop takes its blocks' exponent arguments e straight from
 // the scores (quant_block_scores, relative to st.m), so a block's common
-// path has no separate scaling of its scores or of their maxima. (tm0, tm1):
-// the thread maxima of e. lim: kRescaleSlack, or -inf before the warp's
-// first block, when st.m holds 0 in place of -inf (the exponents of that
-// block are then its scaled scores) and the block must set the max. -inf
-// is per warp: every head of a warp sees the same tokens.
-template <int MT, int D>
-__device__ __forceinline__ void quant_rescale(float tm0, float tm1, float& lim, WarpState<D>& st, float (&e)[MT][4]) {
-  if (__any_sync(0xffffffffu, tm0 > lim || tm1 > lim)) {
-    float bm0 = tm0;
-    float bm1 = tm1;
-    warp_max_over_tokens(bm0, bm1);
-    const bool first = lim == -INFINITY;
-    const float d0 = first ? bm0 : fmaxf(bm0, 0.0f);  // how far each max moves
-    const float d1 = first ? bm1 : fmaxf(bm1, 0.0f);
-    const float alpha0 = first ? 0.0f : exp2_ftz(-d0);
-    const float alpha1 = first ? 0.0f : exp2_ftz(-d1);
-    rescale_state(st, alpha0, alpha1);
-    st.m[0] += d0;
-    st.m[1] += d1;
+// path has no separate scaling of its scores or of their maxima. tm: the
+// thread maxima of e. lim: kRescaleSlack, or -inf before the warp's first
+// block, when st.m holds 0 in place of -inf (the exponents of that block
+// are then its scaled scores) and the block must set the max. -inf is per
+// warp: every head of a warp sees the same tokens.
+template <int NT, int MT, int D>
+__device__ __forceinline__ void quant_rescale(const float (&tm)[NT][2], float& lim, WarpState<D, NT>& st,
+                                              float (&e)[NT][MT][4]) {
+  bool over = false;
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-      e[mt][0] -= d0;
-      e[mt][1] -= d1;
-      e[mt][2] -= d0;
-      e[mt][3] -= d1;
+  for (int nt = 0; nt < NT; ++nt) over = over || tm[nt][0] > lim || tm[nt][1] > lim;
+  if (__any_sync(0xffffffffu, over)) {
+    float d[NT][2];  // how far each max moves
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) d[nt][0] = tm[nt][0], d[nt][1] = tm[nt][1];
+    warp_max_over_tokens<NT>(d);
+    const bool first = lim == -INFINITY;
+    float alpha[NT][2];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        d[nt][j] = first ? d[nt][j] : fmaxf(d[nt][j], 0.0f);
+        alpha[nt][j] = first ? 0.0f : exp2_ftz(-d[nt][j]);
+      }
+    }
+    rescale_state<D, NT>(st, alpha);
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      st.m[nt][0] += d[nt][0];
+      st.m[nt][1] += d[nt][1];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        e[nt][mt][0] -= d[nt][0];
+        e[nt][mt][1] -= d[nt][1];
+        e[nt][mt][2] -= d[nt][0];
+        e[nt][mt][3] -= d[nt][1];
+      }
     }
     lim = kRescaleSlack;
   }
@@ -284,12 +338,14 @@ __device__ __forceinline__ void load_quant_head(char* slot, const char* head, in
 // -------------------------------------------------------------- compute --
 
 // One FP16 unit of 16 tokens (natural token order).
-template <int D>
-__device__ __forceinline__ void compute_fp16_unit(const char* slot, int valid_rows, const uint32_t (&qf)[D / 16][2],
-                                                  float scale_log2, WarpState<D>& st, int lane) {
+template <int D, int NT>
+__device__ __forceinline__ void compute_fp16_unit(const char* slot, int valid_rows, const uint32_t (&qf)[NT][D / 16][2],
+                                                  float scale_log2, WarpState<D, NT>& st, int lane) {
   const int g = lane >> 2;
   const int r = lane & 3;
-  float s[1][4] = {{0.0f, 0.0f, 0.0f, 0.0f}};
+  float s[NT][1][4];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) s[nt][0][0] = s[nt][0][1] = s[nt][0][2] = s[nt][0][3] = 0.0f;
   {
     const int row = lane & 15;  // ldmatrix: lanes 0-7 / 8-15 rows of m0 / m1, 16-31 the same rows, k + 8
     const char* k_row = slot + row * D * 2;
@@ -297,16 +353,24 @@ __device__ __forceinline__ void compute_fp16_unit(const char* slot, int valid_ro
     for (int ks = 0; ks < D / 16; ++ks) {
       uint32_t a[4];
       ldmatrix_x4(a, k_row + k_swizzle(2 * ks + (lane >> 4), row) * 16);
-      mma_16816(s[0], a, qf[ks][0], qf[ks][1]);
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) mma_16816(s[nt][0], a, qf[nt][ks][0], qf[nt][ks][1]);
     }
   }
-  s[0][0] = g < valid_rows ? s[0][0] : -INFINITY;
-  s[0][1] = g < valid_rows ? s[0][1] : -INFINITY;
-  s[0][2] = g + 8 < valid_rows ? s[0][2] : -INFINITY;
-  s[0][3] = g + 8 < valid_rows ? s[0][3] : -INFINITY;
-  online_softmax<1>(s, scale_log2, st);
-  const uint32_t b0 = movmatrix_trans(pack_half2(s[0][0], s[0][1]));
-  const uint32_t b1 = movmatrix_trans(pack_half2(s[0][2], s[0][3]));
+  uint32_t b[NT][2];  // P^T as B fragments
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    s[nt][0][0] = g < valid_rows ? s[nt][0][0] : -INFINITY;
+    s[nt][0][1] = g < valid_rows ? s[nt][0][1] : -INFINITY;
+    s[nt][0][2] = g + 8 < valid_rows ? s[nt][0][2] : -INFINITY;
+    s[nt][0][3] = g + 8 < valid_rows ? s[nt][0][3] : -INFINITY;
+  }
+  online_softmax<NT, 1>(s, scale_log2, st);
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    b[nt][0] = movmatrix_trans(pack_half2(s[nt][0][0], s[nt][0][1]));
+    b[nt][1] = movmatrix_trans(pack_half2(s[nt][0][2], s[nt][0][3]));
+  }
 
   const char* v_rows = slot + 16 * D * 2;
   const int tokens[4] = {2 * r, 2 * r + 1, 2 * r + 8, 2 * r + 9};
@@ -325,7 +389,8 @@ __device__ __forceinline__ void compute_fp16_unit(const char* slot, int valid_ro
     for (int j = 0; j < 4; ++j) {
       const uint32_t a[4] = {prmt(w0[j], w1[j], 0x5410), prmt(w0[j], w1[j], 0x7632), prmt(w2[j], w3[j], 0x5410),
                              prmt(w2[j], w3[j], 0x7632)};
-      mma_16816(st.acc[4 * h + j], a, b0, b1);
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) mma_16816(st.acc[nt][4 * h + j], a, b[nt][0], b[nt][1]);
     }
   }
 }
@@ -499,10 +564,10 @@ __device__ __forceinline__ void load_k_pairs(const char* k_codes, uint32_t (&x)[
 // Out: the block's exponent arguments, scores times scale_log2 relative to
 // (base0, base1): one fma a score, 2^(24-k_t) scale_log2 from the
 // parameters' constant bank and the rank-1 term and the base in its addend.
-template <int D, int S, int Bits>
+template <int D, int S, int Bits, int NT>
 __device__ __forceinline__ void quant_block_scores(const DecodeParams& p, const char* slot,
-                                                   const uint32_t (&qf)[D / 16][2], float base0, float base1,
-                                                   float (&s)[S / 16][4], int lane) {
+                                                   const uint32_t (&qf)[NT][D / 16][2], const float (&base)[NT][2],
+                                                   float (&s)[NT][S / 16][4], int lane) {
   constexpr Precision P = Bits == 4 ? Precision::INT4 : Precision::INT2;
   constexpr BlockFormat F{P, 1, D, S};
   constexpr int MT = S / 16;
@@ -513,10 +578,15 @@ __device__ __forceinline__ void quant_block_scores(const DecodeParams& p, const 
   // splitting it (even and odd k-steps) would not shorten the block's
   // critical path and would cost a 4-FADD merge per m-tile.
 #pragma unroll
-  for (int mt = 0; mt < MT; ++mt) s[mt][0] = s[mt][1] = s[mt][2] = s[mt][3] = 0.0f;
+  for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) s[nt][mt][0] = s[nt][mt][1] = s[nt][mt][2] = s[nt][mt][3] = 0.0f;
+  }
   // The rank-1 product is read from rows g only ([0], [1]): rows g + 8 of
   // its A operand are whatever costs no register copy.
-  float bias[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // sum_c q_c m_c
+  float bias[NT][4];  // sum_c q_c m_c
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) bias[nt][0] = bias[nt][1] = bias[nt][2] = bias[nt][3] = 0.0f;
   uint32_t kx[D / 16][2][2];
   load_k_pairs<D, S, Bits>(slot + F.k_offset(), kx, lane);
 #pragma unroll
@@ -532,36 +602,45 @@ __device__ __forceinline__ void quant_block_scores(const DecodeParams& p, const 
                       F.k_min_offset(16) == F.k_min_offset(0) + 64,
                   "a channel pair's K params: its two minimums, then its two scales; pairs r, r + 4 adjacent");
     const uint4 params = *reinterpret_cast<const uint4*>(slot + F.k_min_offset(16 * ks + 2 * r));
-    const uint32_t qb0 = hmul2_u32(qf[ks][0], params.y);
-    const uint32_t qb1 = hmul2_u32(qf[ks][1], params.w);
+    uint32_t qb[NT][2];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      qb[nt][0] = hmul2_u32(qf[nt][ks][0], params.y);
+      qb[nt][1] = hmul2_u32(qf[nt][ks][1], params.w);
+    }
     const uint32_t am[4] = {params.x, params.y, params.z, params.w};
-    mma_16816(bias, am, qf[ks][0], qf[ks][1]);
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) mma_16816(bias[nt], am, qf[nt][ks][0], qf[nt][ks][1]);
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
       const uint32_t a[4] = {k_codes_of<Bits>(kx[ks][0], 2 * mt), k_codes_of<Bits>(kx[ks][0], 2 * mt + 1),
                              k_codes_of<Bits>(kx[ks][1], 2 * mt), k_codes_of<Bits>(kx[ks][1], 2 * mt + 1)};
-      mma_16816(s[mt], a, qb0, qb1);
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) mma_16816(s[nt][mt], a, qb[nt][0], qb[nt][1]);
     }
   }
   static_assert(KRunPos<Bits>::k(S / 8 - 1) < 9 && KRunPos<Bits>::k(S / 8 - 2) < 9, "code_score_scale's range");
-  const float add0 = fmaf(bias[0], p.scale_log2, -base0);
-  const float add1 = fmaf(bias[1], p.scale_log2, -base1);
 #pragma unroll
-  for (int mt = 0; mt < MT; ++mt) {
-    // rows g: run token 2mt; rows g + 8: run token 2mt + 1
-    const float f0 = p.code_score_scale[KRunPos<Bits>::k(2 * mt)];
-    const float f1 = p.code_score_scale[KRunPos<Bits>::k(2 * mt + 1)];
-    s[mt][0] = fmaf(s[mt][0], f0, add0);
-    s[mt][1] = fmaf(s[mt][1], f0, add1);
-    s[mt][2] = fmaf(s[mt][2], f1, add0);
-    s[mt][3] = fmaf(s[mt][3], f1, add1);
+  for (int nt = 0; nt < NT; ++nt) {
+    const float add0 = fmaf(bias[nt][0], p.scale_log2, -base[nt][0]);
+    const float add1 = fmaf(bias[nt][1], p.scale_log2, -base[nt][1]);
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      // rows g: run token 2mt; rows g + 8: run token 2mt + 1
+      const float f0 = p.code_score_scale[KRunPos<Bits>::k(2 * mt)];
+      const float f1 = p.code_score_scale[KRunPos<Bits>::k(2 * mt + 1)];
+      s[nt][mt][0] = fmaf(s[nt][mt][0], f0, add0);
+      s[nt][mt][1] = fmaf(s[nt][mt][1], f0, add1);
+      s[nt][mt][2] = fmaf(s[nt][mt][2], f1, add0);
+      s[nt][mt][3] = fmaf(s[nt][mt][3], f1, add1);
+    }
   }
 }
 
 // O^T += V^T P^T of one quantized block, P (s) its probabilities.
-template <int D, int S, int Bits>
-__device__ __forceinline__ void quant_block_accumulate(const char* slot, float (&s)[S / 16][4],
-                                                       WarpState<D>& st, int lane) {
+template <int D, int S, int Bits, int NT>
+__device__ __forceinline__ void quant_block_accumulate(const char* slot, float (&s)[NT][S / 16][4],
+                                                       WarpState<D, NT>& st, int lane) {
   constexpr Precision P = Bits == 4 ? Precision::INT4 : Precision::INT2;
   constexpr BlockFormat F{P, 1, D, S};
   constexpr int MT = S / 16;
@@ -583,15 +662,18 @@ __device__ __forceinline__ void quant_block_accumulate(const char* slot, float (
                               __low2half2(*reinterpret_cast<const __half2*>(&v_params.w[i])));
     return *reinterpret_cast<const uint32_t*>(&r);
   };
-  uint32_t pb[MT][2];  // P'^T as B fragments
+  uint32_t pb[NT][MT][2];  // P'^T as B fragments
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
     const int i0 = 2 * mt;
     const int i1 = 2 * mt + 1;
-    st.vb[0] = fmaf(s[mt][2], vmin(i1), fmaf(s[mt][0], vmin(i0), st.vb[0]));
-    st.vb[1] = fmaf(s[mt][3], vmin(i1), fmaf(s[mt][1], vmin(i0), st.vb[1]));
-    pb[mt][0] = movmatrix_trans(times_vscale(pack_half2(s[mt][0], s[mt][1]), i0));
-    pb[mt][1] = movmatrix_trans(times_vscale(pack_half2(s[mt][2], s[mt][3]), i1));
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      st.vb[nt][0] = fmaf(s[nt][mt][2], vmin(i1), fmaf(s[nt][mt][0], vmin(i0), st.vb[nt][0]));
+      st.vb[nt][1] = fmaf(s[nt][mt][3], vmin(i1), fmaf(s[nt][mt][1], vmin(i0), st.vb[nt][1]));
+      pb[nt][mt][0] = movmatrix_trans(times_vscale(pack_half2(s[nt][mt][0], s[nt][mt][1]), i0));
+      pb[nt][mt][1] = movmatrix_trans(times_vscale(pack_half2(s[nt][mt][2], s[nt][mt][3]), i1));
+    }
   }
 
   // ---- O^T += V^T P'^T, one k-step per m-tile of 16 tokens
@@ -621,7 +703,8 @@ __device__ __forceinline__ void quant_block_accumulate(const char* slot, float (
       const uint32_t xcd = prmt(v[mt][2].w[word], v[mt][3].w[word], sel);
       const uint32_t a[4] = {v_codes_at<Bits>(xab, shift), v_codes_at<Bits>(xab, shift + Bits),
                              v_codes_at<Bits>(xcd, shift), v_codes_at<Bits>(xcd, shift + Bits)};
-      mma_16816(st.acc[cm], a, pb[mt][0], pb[mt][1]);
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) mma_16816(st.acc[nt][cm], a, pb[nt][mt][0], pb[nt][mt][1]);
     }
   }
 }
@@ -629,18 +712,21 @@ __device__ __forceinline__ void quant_block_accumulate(const char* slot, float (
 // Entering (to_codes) or leaving a quantized segment of `Bits`: O^T rows
 // times 2^(k-24) or 2^(24-k), k the bit of their V codes (exact powers of
 // two: the accumulators are sums of p v, far from FP32's limits).
-template <int Bits, int D>
-__device__ __forceinline__ void scale_acc_to_codes(WarpState<D>& st, bool to_codes) {
+template <int Bits, int D, int NT>
+__device__ __forceinline__ void scale_acc_to_codes(WarpState<D, NT>& st, bool to_codes) {
 #pragma unroll
   for (int cm = 0; cm < D / 16; ++cm) {
     const int k0 = VTilePos<Bits>::k(cm, 0);
     const int k1 = VTilePos<Bits>::k(cm, 1);
     const float f0 = __int_as_float((127 + (to_codes ? k0 - 24 : 24 - k0)) << 23);
     const float f1 = __int_as_float((127 + (to_codes ? k1 - 24 : 24 - k1)) << 23);
-    st.acc[cm][0] *= f0;
-    st.acc[cm][1] *= f0;
-    st.acc[cm][2] *= f1;
-    st.acc[cm][3] *= f1;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      st.acc[nt][cm][0] *= f0;
+      st.acc[nt][cm][1] *= f0;
+      st.acc[nt][cm][2] *= f1;
+      st.acc[nt][cm][3] *= f1;
+    }
   }
 }
 
@@ -650,11 +736,12 @@ __device__ __forceinline__ void scale_acc_to_codes(WarpState<D>& st, bool to_cod
 // pool's list, streamed through the warp's ring. lead_id: the page id of
 // the warp's first unit's block when the plan carried it (the item's first
 // segment), else -1.
-template <int D, int S, Precision P, int kStages = DecodeTile<D, S>::template stages<P>()>
+template <int D, int S, int NT, Precision P, int kStages = DecodeTile<D, S, NT>::template stages<P>()>
 __device__ __forceinline__ void run_segment(const DecodeParams& p, const std::int32_t* ids, int lo, int hi,
                                             int n_blocks, int fill, int kv_head, int lead_id, char* ring,
-                                            const uint32_t (&qf)[D / 16][2], WarpState<D>& st, int warp, int lane) {
-  using Tile = DecodeTile<D, S>;
+                                            const uint32_t (&qf)[NT][D / 16][2], WarpState<D, NT>& st, int warp,
+                                            int lane) {
+  using Tile = DecodeTile<D, S, NT>;
   constexpr int kUnitBytes = Tile::template unit_bytes<P>();
   constexpr int kUnitsPerBlock = P == Precision::FP16 ? S / 16 : 1;
   static_assert(kStages >= 1);
@@ -724,7 +811,7 @@ __device__ __forceinline__ void run_segment(const DecodeParams& p, const std::in
       const int stage = k % kStages;
       int block, sub;
       const int rows = unit_rows(k, block, sub);
-      compute_fp16_unit<D>(ring + stage * kUnitBytes, rows, qf, p.scale_log2, st, lane);
+      compute_fp16_unit<D, NT>(ring + stage * kUnitBytes, rows, qf, p.scale_log2, st, lane);
       __syncwarp();
       if (k + kStages < count) issue(k + kStages, stage);
       cp_async_commit();
@@ -739,17 +826,21 @@ __device__ __forceinline__ void run_segment(const DecodeParams& p, const std::in
     static_assert(kStages >= 2, "the pipelined loop holds two blocks in the ring");
     constexpr int MT = S / 16;
     constexpr int kBits = bits_of(P);
-    float e[MT][4];
-    float tm0, tm1;
+    float e[NT][MT][4];
+    float tm[NT][2];
     float lim = kRescaleSlack;  // quant_rescale
-    if (st.m[0] == -INFINITY || st.m[1] == -INFINITY) {
+    bool unset = false;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) unset = unset || st.m[nt][0] == -INFINITY || st.m[nt][1] == -INFINITY;
+    if (unset) {
       lim = -INFINITY;
-      st.m[0] = st.m[1] = 0.0f;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) st.m[nt][0] = st.m[nt][1] = 0.0f;
     }
     cp_async_wait<kStages - 1>();
     __syncwarp();
-    quant_block_scores<D, S, kBits>(p, ring, qf, st.m[0], st.m[1], e, lane);
-    thread_max<MT>(e, tm0, tm1);
+    quant_block_scores<D, S, kBits, NT>(p, ring, qf, st.m, e, lane);
+    thread_max<NT, MT>(e, tm);
     // Ring stages of blocks k and k + 1 as counters (a modulo by the
     // stage count costs a multiply-high chain per block).
     int stage = 0;
@@ -758,32 +849,35 @@ __device__ __forceinline__ void run_segment(const DecodeParams& p, const std::in
     // block k + 1's K side and block k's V side that ptxas would not
     // schedule across.
     for (int k = 0; k + 1 < count; ++k) {
-      quant_rescale<MT>(tm0, tm1, lim, st, e);
+      quant_rescale<NT, MT>(tm, lim, st, e);
       cp_async_wait<kStages - 2>();
       __syncwarp();
-      exponentiate<MT>(e, st);
+      exponentiate<NT, MT>(e, st);
       // Block k + 1's exponents against the max after block k: its own
       // rescale, if any, shifts them.
-      float next[MT][4];
-      quant_block_scores<D, S, kBits>(p, ring + next_stage * kUnitBytes, qf, st.m[0], st.m[1], next, lane);
-      quant_block_accumulate<D, S, kBits>(ring + stage * kUnitBytes, e, st, lane);
-      thread_max<MT>(next, tm0, tm1);
+      float next[NT][MT][4];
+      quant_block_scores<D, S, kBits, NT>(p, ring + next_stage * kUnitBytes, qf, st.m, next, lane);
+      quant_block_accumulate<D, S, kBits, NT>(ring + stage * kUnitBytes, e, st, lane);
+      thread_max<NT, MT>(next, tm);
       __syncwarp();
       if (k + kStages < count) issue(k + kStages, stage);
       cp_async_commit();
       stage = next_stage;
       next_stage = next_stage + 1 == kStages ? 0 : next_stage + 1;
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        e[mt][0] = next[mt][0];
-        e[mt][1] = next[mt][1];
-        e[mt][2] = next[mt][2];
-        e[mt][3] = next[mt][3];
+      for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          e[nt][mt][0] = next[nt][mt][0];
+          e[nt][mt][1] = next[nt][mt][1];
+          e[nt][mt][2] = next[nt][mt][2];
+          e[nt][mt][3] = next[nt][mt][3];
+        }
       }
     }
-    quant_rescale<MT>(tm0, tm1, lim, st, e);
-    exponentiate<MT>(e, st);
-    quant_block_accumulate<D, S, kBits>(ring + stage * kUnitBytes, e, st, lane);
+    quant_rescale<NT, MT>(tm, lim, st, e);
+    exponentiate<NT, MT>(e, st);
+    quant_block_accumulate<D, S, kBits, NT>(ring + stage * kUnitBytes, e, st, lane);
   }
   cp_async_wait<0>();
   __syncwarp();
@@ -792,10 +886,10 @@ __device__ __forceinline__ void run_segment(const DecodeParams& p, const std::in
 
 // ---------------------------------------------------------------- kernel --
 
-template <int D, int S>
-__global__ void __launch_bounds__(kDecodeThreads, DecodeTile<D, S>::kMinCtasPerSm)
+template <int D, int S, int NT>
+__global__ void __launch_bounds__(kDecodeThreads, DecodeTile<D, S, NT>::kMinCtasPerSm)
     paged_decode_kernel(const __grid_constant__ DecodeParams p) {
-  using Tile = DecodeTile<D, S>;
+  using Tile = DecodeTile<D, S, NT>;
   extern __shared__ __align__(128) char smem[];
   const int2 range = p.item_range != nullptr ? *p.item_range : p.launch_range;
   if (static_cast<int>(blockIdx.x) >= range.y) return;
@@ -810,22 +904,30 @@ __global__ void __launch_bounds__(kDecodeThreads, DecodeTile<D, S>::kMinCtasPerS
   const int n[kNumPrecisions] = {item.counts[0], item.counts[1], item.counts[2]};
   const int fill = item.fill;
 
-  // Q^T as B fragments: b0 = Q[head g][16 ks + 2r ..], b1 = Q[head g][16 ks + 2r + 8 ..]
-  uint32_t qf[D / 16][2];
+  // Q^T as B fragments of n-tile nt (head h = 8 nt + g):
+  // b0 = Q[h][16 ks + 2r ..], b1 = Q[h][16 ks + 2r + 8 ..]
+  uint32_t qf[NT][D / 16][2];
   {
     const __half* q = p.q + (static_cast<std::size_t>(item.seq) * p.num_q_heads + item.q_head) * D;
 #pragma unroll
-    for (int ks = 0; ks < D / 16; ++ks) {
-      qf[ks][0] = g < group ? *reinterpret_cast<const uint32_t*>(q + g * D + 16 * ks + 2 * r) : 0u;
-      qf[ks][1] = g < group ? *reinterpret_cast<const uint32_t*>(q + g * D + 16 * ks + 2 * r + 8) : 0u;
+    for (int nt = 0; nt < NT; ++nt) {
+      const int h = kHeadsPerTile * nt + g;
+#pragma unroll
+      for (int ks = 0; ks < D / 16; ++ks) {
+        qf[nt][ks][0] = h < group ? *reinterpret_cast<const uint32_t*>(q + h * D + 16 * ks + 2 * r) : 0u;
+        qf[nt][ks][1] = h < group ? *reinterpret_cast<const uint32_t*>(q + h * D + 16 * ks + 2 * r + 8) : 0u;
+      }
     }
   }
 
-  WarpState<D> st;
+  WarpState<D, NT> st;
 #pragma unroll
-  for (int cm = 0; cm < D / 16; ++cm) st.acc[cm][0] = st.acc[cm][1] = st.acc[cm][2] = st.acc[cm][3] = 0.0f;
-  st.m[0] = st.m[1] = -INFINITY;
-  st.l[0] = st.l[1] = st.vb[0] = st.vb[1] = 0.0f;
+  for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+    for (int cm = 0; cm < D / 16; ++cm) st.acc[nt][cm][0] = st.acc[nt][cm][1] = st.acc[nt][cm][2] = st.acc[nt][cm][3] = 0.0f;
+    st.m[nt][0] = st.m[nt][1] = -INFINITY;
+    st.l[nt][0] = st.l[nt][1] = st.vb[nt][0] = st.vb[nt][1] = 0.0f;
+  }
 
   char* ring = smem + warp * Tile::kRingBytes;
   const std::int32_t* table = p.blocks + static_cast<std::size_t>(slot) * p.max_blocks;
@@ -837,7 +939,7 @@ __global__ void __launch_bounds__(kDecodeThreads, DecodeTile<D, S>::kMinCtasPerS
   {
     const int lo = max(item.begin - first, 0), hi = min(item.end - first, n[0]);
     if (lo < hi) {
-      run_segment<D, S, Precision::FP16>(p, table, lo, hi, n[0], fill, item.kv_head, lead_id, ring, qf, st, warp,
+      run_segment<D, S, NT, Precision::FP16>(p, table, lo, hi, n[0], fill, item.kv_head, lead_id, ring, qf, st, warp,
                                          lane);
       lead_id = -1;
     }
@@ -846,7 +948,7 @@ __global__ void __launch_bounds__(kDecodeThreads, DecodeTile<D, S>::kMinCtasPerS
   {
     const int lo = max(item.begin - first, 0), hi = min(item.end - first, n[1]);
     if (lo < hi) {
-      run_segment<D, S, Precision::INT4>(p, table + pool_stride, lo, hi, n[1], S, item.kv_head, lead_id, ring, qf, st,
+      run_segment<D, S, NT, Precision::INT4>(p, table + pool_stride, lo, hi, n[1], S, item.kv_head, lead_id, ring, qf, st,
                                          warp, lane);
       lead_id = -1;
     }
@@ -857,10 +959,10 @@ __global__ void __launch_bounds__(kDecodeThreads, DecodeTile<D, S>::kMinCtasPerS
     if (lo < hi) {
       constexpr Precision P = Precision::INT2;
       if (range.y >= p.resident_ctas) {
-        run_segment<D, S, P, Tile::template stages<P, true>()>(p, table + 2 * pool_stride, lo, hi, n[2], S,
+        run_segment<D, S, NT, P, Tile::template stages<P, true>()>(p, table + 2 * pool_stride, lo, hi, n[2], S,
                                                                  item.kv_head, lead_id, ring, qf, st, warp, lane);
       } else {
-        run_segment<D, S, P>(p, table + 2 * pool_stride, lo, hi, n[2], S, item.kv_head, lead_id, ring, qf, st, warp,
+        run_segment<D, S, NT, P>(p, table + 2 * pool_stride, lo, hi, n[2], S, item.kv_head, lead_id, ring, qf, st, warp,
                              lane);
       }
     }
@@ -869,34 +971,40 @@ __global__ void __launch_bounds__(kDecodeThreads, DecodeTile<D, S>::kMinCtasPerS
   // ---- combine the four warps' states, then normalize and write
 #pragma unroll
   for (int offset = 4; offset < 32; offset <<= 1) {
-    st.l[0] += __shfl_xor_sync(0xffffffffu, st.l[0], offset);
-    st.l[1] += __shfl_xor_sync(0xffffffffu, st.l[1], offset);
-    st.vb[0] += __shfl_xor_sync(0xffffffffu, st.vb[0], offset);
-    st.vb[1] += __shfl_xor_sync(0xffffffffu, st.vb[1], offset);
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      st.l[nt][0] += __shfl_xor_sync(0xffffffffu, st.l[nt][0], offset);
+      st.l[nt][1] += __shfl_xor_sync(0xffffffffu, st.l[nt][1], offset);
+      st.vb[nt][0] += __shfl_xor_sync(0xffffffffu, st.vb[nt][0], offset);
+      st.vb[nt][1] += __shfl_xor_sync(0xffffffffu, st.vb[nt][1], offset);
+    }
   }
   __syncthreads();  // every ring is drained; shared memory is reused
   // so: [warp][head][D] with the 4-channel groups of heads 2r, 2r + 1 XORed
   // by r, so that a quad's float2 stores fall in distinct banks (2-way
   // conflicts instead of 8-way) while 16-byte reads stay contiguous.
+  constexpr int kHeads = Tile::kHeads;
   float* so = reinterpret_cast<float*>(smem);
-  float* sm = so + kDecodeWarps * kMaxGroup * D;      // [warp][head]
-  float* sl = sm + kDecodeWarps * kMaxGroup;          // [warp][head]
-  {
-    float* o0 = so + (warp * kMaxGroup + 2 * r) * D;
+  float* sm = so + kDecodeWarps * kHeads * D;      // [warp][head]
+  float* sl = sm + kDecodeWarps * kHeads;          // [warp][head]
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    const int h0 = kHeadsPerTile * nt + 2 * r;
+    float* o0 = so + (warp * kHeads + h0) * D;
     float* o1 = o0 + D;
 #pragma unroll
     for (int cm = 0; cm < D / 16; ++cm) {
       const int ch = ((D / 8) * g + 2 * cm) ^ (4 * r);
-      const float add0 = st.vb[0];
-      const float add1 = st.vb[1];
-      *reinterpret_cast<float2*>(o0 + ch) = make_float2(st.acc[cm][0] + add0, st.acc[cm][2] + add0);
-      *reinterpret_cast<float2*>(o1 + ch) = make_float2(st.acc[cm][1] + add1, st.acc[cm][3] + add1);
+      const float add0 = st.vb[nt][0];
+      const float add1 = st.vb[nt][1];
+      *reinterpret_cast<float2*>(o0 + ch) = make_float2(st.acc[nt][cm][0] + add0, st.acc[nt][cm][2] + add0);
+      *reinterpret_cast<float2*>(o1 + ch) = make_float2(st.acc[nt][cm][1] + add1, st.acc[nt][cm][3] + add1);
     }
     if (g == 0) {
-      sm[warp * kMaxGroup + 2 * r] = st.m[0];
-      sm[warp * kMaxGroup + 2 * r + 1] = st.m[1];
-      sl[warp * kMaxGroup + 2 * r] = st.l[0];
-      sl[warp * kMaxGroup + 2 * r + 1] = st.l[1];
+      sm[warp * kHeads + h0] = st.m[nt][0];
+      sm[warp * kHeads + h0 + 1] = st.m[nt][1];
+      sl[warp * kHeads + h0] = st.l[nt][0];
+      sl[warp * kHeads + h0 + 1] = st.l[nt][1];
     }
   }
   __syncthreads();
@@ -914,7 +1022,7 @@ __global__ void __launch_bounds__(kDecodeThreads, DecodeTile<D, S>::kMinCtasPerS
     float mx = -INFINITY;
 #pragma unroll
     for (int w = 0; w < kDecodeWarps; ++w) {
-      m[w] = sm[w * kMaxGroup + head];
+      m[w] = sm[w * kHeads + head];
       mx = fmaxf(mx, m[w]);
     }
     float4 o = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
@@ -923,8 +1031,8 @@ __global__ void __launch_bounds__(kDecodeThreads, DecodeTile<D, S>::kMinCtasPerS
 #pragma unroll
       for (int w = 0; w < kDecodeWarps; ++w) {
         const float f = exp2f(m[w] - mx);
-        const float4 x = reinterpret_cast<const float4*>(so + (w * kMaxGroup + head) * D)[c4 ^ ((head >> 1) & 3)];
-        sum += f * sl[w * kMaxGroup + head];
+        const float4 x = reinterpret_cast<const float4*>(so + (w * kHeads + head) * D)[c4 ^ ((head >> 1) & 3)];
+        sum += f * sl[w * kHeads + head];
         o.x += f * x.x;
         o.y += f * x.y;
         o.z += f * x.z;
@@ -946,7 +1054,7 @@ __global__ void __launch_bounds__(kDecodeThreads, DecodeTile<D, S>::kMinCtasPerS
     float* lse = split ? p.partial_lse : p.lse;
     if (c4 == 0 && lse != nullptr) lse[row] = sum > 0.0f ? (mx + log2f(sum)) * kLn2 : -INFINITY;
   }
-  if (item.partial >= 0) merge_split_item<D, kDecodeThreads, kMaxGroup>(p, item, reinterpret_cast<int*>(so));
+  if (item.partial >= 0) merge_split_item<D, kDecodeThreads, kHeads>(p, item, reinterpret_cast<int*>(so));
 }
 
 }  // namespace mixkv::gpu::detail

@@ -8,20 +8,20 @@ namespace mixkv::gpu::detail {
 
 // grid == 0 only configures the instance and returns how many of its CTAs
 // fit on one SM; otherwise launches and returns 0.
-template <int D, int S>
+template <int D, int S, int NT>
 int launch_decode_kernel(const DecodeParams& params, int grid, cudaStream_t stream) {
-  using Tile = DecodeTile<D, S>;
+  using Tile = DecodeTile<D, S, NT>;
   if (grid == 0) {  // configuration only (DecodePlan does this before any capture)
     // Above 48 KiB of dynamic shared memory needs an opt-in, which is
     // per device: made by every plan, on the device it is built on.
-    MIXKV_CUDA_CHECK(cudaFuncSetAttribute(paged_decode_kernel<D, S>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    MIXKV_CUDA_CHECK(cudaFuncSetAttribute(paged_decode_kernel<D, S, NT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                           Tile::kSmemBytes));
     int ctas = 0;
-    MIXKV_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, paged_decode_kernel<D, S>, kDecodeThreads,
+    MIXKV_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, paged_decode_kernel<D, S, NT>, kDecodeThreads,
                                                                    Tile::kSmemBytes));
     return ctas;
   }
-  paged_decode_kernel<D, S><<<grid, kDecodeThreads, Tile::kSmemBytes, stream>>>(params);
+  paged_decode_kernel<D, S, NT><<<grid, kDecodeThreads, Tile::kSmemBytes, stream>>>(params);
   MIXKV_CUDA_CHECK_LAUNCH("paged_decode_kernel");
   return 0;
 }

@@ -21,8 +21,8 @@ struct DecodeWorkItem {
   std::int32_t seq = 0;      // batch index
   std::int32_t kv_head = 0;  // whose blocks the item reads
   // First of the item's DecodeParams::group query heads. A KV head with
-  // more query heads than the kernel's kMaxGroup (8) is planned as equal
-  // tiles of at most that many heads, an item per tile.
+  // more query heads than the kernel instance computes (8, or 16 with two
+  // n-tiles) is planned as equal tiles of at most that many, an item a tile.
   std::int32_t q_head = 0;
   std::int32_t begin = 0;    // virtual block range [begin, end)
   std::int32_t end = 0;
@@ -72,7 +72,7 @@ struct DecodeParams {
   DevicePool pools[kNumPrecisions];
   std::int32_t num_q_heads = 0;
   std::int32_t num_kv_heads = 0;
-  std::int32_t group = 0;  // query heads an item computes (a tile of its KV head's, <= kMaxGroup)
+  std::int32_t group = 0;  // query heads an item computes (all or a tile of its KV head's; <= 8 NT)
   // CTAs the GPU holds at once: a launch of at least as many items keeps
   // every slot busy (DecodeTile::stages' kBusyGpu).
   std::int32_t resident_ctas = 0;

@@ -23,19 +23,29 @@ namespace detail {
 void check_decode_supported(int head_dim, int block_size) {
   bool supported = false;
   switch (head_dim) {
-    case 64: supported = decode_d64_supports(block_size); break;
-    case 128: supported = decode_d128_supports(block_size); break;
-    case 256: supported = decode_d256_supports(block_size); break;
+    case 64: supported = decode_d64_supports(block_size, 1); break;
+    case 128: supported = decode_d128_supports(block_size, 1); break;
+    case 256: supported = decode_d256_supports(block_size, 1); break;
     default: throw InvalidArgument("Unsupported head_dim: " + std::to_string(head_dim));
   }
   if (!supported) throw InvalidArgument("Unsupported block_size: " + std::to_string(block_size));
 }
 
-int launch_decode(const DecodeParams& params, int head_dim, int block_size, int grid, cudaStream_t stream) {
+bool decode_supports_two_tiles(int head_dim, int block_size) {
   switch (head_dim) {
-    case 64: return launch_decode_d64(params, block_size, grid, stream);
-    case 128: return launch_decode_d128(params, block_size, grid, stream);
-    case 256: return launch_decode_d256(params, block_size, grid, stream);
+    case 64: return decode_d64_supports(block_size, 2);
+    case 128: return decode_d128_supports(block_size, 2);
+    case 256: return decode_d256_supports(block_size, 2);
+    default: return false;
+  }
+}
+
+int launch_decode(const DecodeParams& params, int head_dim, int block_size, int n_tiles, int grid,
+                  cudaStream_t stream) {
+  switch (head_dim) {
+    case 64: return launch_decode_d64(params, block_size, n_tiles, grid, stream);
+    case 128: return launch_decode_d128(params, block_size, n_tiles, grid, stream);
+    case 256: return launch_decode_d256(params, block_size, n_tiles, grid, stream);
     default: throw InvalidArgument("Unsupported head_dim: " + std::to_string(head_dim));
   }
 }
@@ -66,9 +76,11 @@ std::string field(const char* name, std::int64_t value, const char* expected) {
 struct DecodePlan::Impl {
   DecodePlanConfig config;
   const DevicePageTables* tables = nullptr;
-  // Query heads an item computes, and items per (sequence, KV head, piece):
-  // a KV head's group over kMaxGroupHost heads runs as head_tiles equal tiles.
+  // Query heads an item computes, the kernel's n-tiles of 8 heads for them
+  // (1 or 2), and items per (sequence, KV head, piece): a group over the
+  // instance's 8 or 16 heads runs as head_tiles equal tiles.
   std::int32_t group = 0;
+  std::int32_t n_tiles = 1;
   std::int32_t head_tiles = 1;
   std::int32_t max_items = 0;     // per layer
   std::int32_t max_partials = 0;  // per layer (the workspace is shared by the layers run one after another)
@@ -142,11 +154,15 @@ DecodePlan::DecodePlan(const DecodePlanConfig& config, const DevicePageTables& t
     MIXKV_CUDA_CHECK(cudaGetDevice(&device));
     MIXKV_CUDA_CHECK(cudaDeviceGetAttribute(&s.config.num_sms, cudaDevAttrMultiProcessorCount, device));
   }
-  // The fewest equal tiles of <= kMaxGroupHost query heads (a group of 16
-  // runs as 2 x 8, 12 as 2 x 6, a prime 11 as 11 x 1).
+  // The fewest equal tiles of at most 16 query heads where the shape's
+  // two-tile instance is built (a group of 12 is one item, 32 two of 16),
+  // else of at most 8 (16 as 2 x 8, 12 as 2 x 6, a prime 11 as 11 x 1).
   const std::int32_t full_group = config.num_q_heads / config.num_kv_heads;
-  while (full_group % s.head_tiles != 0 || full_group / s.head_tiles > detail::kMaxGroupHost) ++s.head_tiles;
+  const int max_heads =
+      detail::kHeadsPerTileHost * (detail::decode_supports_two_tiles(config.head_dim, config.block_size) ? 2 : 1);
+  while (full_group % s.head_tiles != 0 || full_group / s.head_tiles > max_heads) ++s.head_tiles;
   s.group = full_group / s.head_tiles;
+  s.n_tiles = s.group > detail::kHeadsPerTileHost ? 2 : 1;
   const std::int32_t pairs = config.max_batch * config.num_kv_heads * s.head_tiles;
   s.max_items = config.max_items_per_layer > 0
                     ? config.max_items_per_layer
@@ -170,8 +186,8 @@ DecodePlan::DecodePlan(const DecodePlanConfig& config, const DevicePageTables& t
   MIXKV_CUDA_CHECK(cudaMemset(s.d_counters.get(), 0, 2 * static_cast<std::size_t>(s.max_partials) * sizeof(std::int32_t)));
   // Set the kernel's shared-memory limit now (run() may be under graph
   // capture) and learn how many of its CTAs share an SM.
-  s.ctas_per_sm = std::max(1, detail::launch_decode(detail::DecodeParams{}, config.head_dim, config.block_size, 0,
-                                                    nullptr));
+  s.ctas_per_sm = std::max(
+      1, detail::launch_decode(detail::DecodeParams{}, config.head_dim, config.block_size, s.n_tiles, 0, nullptr));
   s.layers.resize(config.num_layers);
   s.next_layers.resize(config.num_layers);
 }
@@ -550,7 +566,7 @@ void DecodePlan::run(const DecodeRunArgs& args) const {
   }
 
   const int grid = args.fixed_grid ? s.max_items : static_cast<int>(s.layers[args.layer].items.size());
-  if (grid > 0) detail::launch_decode(p, c.head_dim, c.block_size, grid, args.stream);
+  if (grid > 0) detail::launch_decode(p, c.head_dim, c.block_size, s.n_tiles, grid, args.stream);
 }
 
 const DecodePlanConfig& DecodePlan::config() const { return impl_->config; }

@@ -57,11 +57,14 @@ struct DecodeRunArgs {
 // query-head group as the N dimension); split chunks are merged by the last
 // CTAs to finish them, inside the same kernel.
 // run() never synchronizes and is CUDA-graph capturable (fixed_grid).
-// GQA: any num_q_heads that is a multiple of num_kv_heads. A KV head's
-// group of up to 8 query heads is one MMA's N dimension; a larger group
-// runs as equal tiles of at most 8 heads (16 as 2 x 8, 12 as 2 x 6), an
-// item per tile, the tiles of a piece launched side by side so that all
-// but the first read its blocks from L2.
+// GQA: any num_q_heads that is a multiple of num_kv_heads. An item
+// computes a KV head's group as the MMAs' N dimension: up to 8 query heads,
+// or 16 (two n-tiles sharing each dequantized block) where that instance is
+// built (head_dim 128, block 32 by default; every shape but head_dim 256
+// with MIXKV_ALL_KERNEL_INSTANCES). A larger group runs as equal tiles of
+// at most that many heads (32 as 2 x 16; 16 as 2 x 8 without the two-tile
+// instance), an item per tile, the tiles of a piece launched side by side
+// so that all but the first read its blocks from L2.
 class DecodePlan {
  public:
   // Throws InvalidArgument naming the field for a bad shape, "Unsupported
