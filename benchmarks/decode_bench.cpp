@@ -1,7 +1,8 @@
 // GPU benchmark of the CUDA backend (issue 3), run on the device machine by
 // run_on_device.sh. Shapes: 28 query heads, 4 KV heads, head_dim 128,
 // block 32 (--heads Q/KV, --head-dim 64 or 256, --block 16 or 64 for other
-// models' shapes); batch 1, 8, 64; context 4,096, 19,600, 65,536. In one run:
+// models' shapes; --heads-per-item 8 or 16 forces the plan's item width);
+// batch 1, 8, 64; context 4,096, 19,600, 65,536. In one run:
 //   - the device's read bandwidth (our own read-and-reduce kernel),
 //   - paged decode with all-FP16, all-INT4, all-INT2 and a mixed plan
 //     (10% FP16, 30% INT4, 60% INT2 of the full windows; the partial tail
@@ -93,6 +94,7 @@ int main(int argc, char** argv) {
   int block_size = 32;  // --block: 16, 32 or 64
   int q_heads = 28, kv_heads = 4;  // --heads Q/KV
   int head_dim = 128;              // --head-dim: 64, 128 or 256
+  int heads_per_item = 0;          // --heads-per-item: 8 or 16 (DecodePlanConfig::max_heads_per_item)
   auto parse_list = [](const char* text) {
     std::vector<int> v;
     std::stringstream ss(text);
@@ -110,6 +112,7 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--chunk-sweep")) chunk_sweep = true;
     else if (!std::strcmp(argv[i], "--block") && i + 1 < argc) block_size = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--head-dim") && i + 1 < argc) head_dim = std::atoi(argv[++i]);
+    else if (!std::strcmp(argv[i], "--heads-per-item") && i + 1 < argc) heads_per_item = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--heads") && i + 1 < argc) {
       if (std::sscanf(argv[++i], "%d/%d", &q_heads, &kv_heads) != 2) q_heads = kv_heads = 0;
     }
@@ -318,7 +321,7 @@ int main(int argc, char** argv) {
         }
         (void)tail;
         tables.upload(stream);
-        gpu::DecodePlanConfig config{1, q_heads, kv_heads, head_dim, block_size, batch, 0, 0, 0};
+        gpu::DecodePlanConfig config{1, q_heads, kv_heads, head_dim, block_size, batch, 0, 0, 0, heads_per_item};
         gpu::DecodePlan dplan(config, tables);
         std::vector<std::int32_t> slots(batch);
         std::iota(slots.begin(), slots.end(), 0);

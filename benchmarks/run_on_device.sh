@@ -11,6 +11,7 @@
 #                     the whole Python suite with CUDA tensors, memcheck and racecheck on a
 #                     reduced filter; add --bench for the decode bench too)
 #          [--flush read|write] (how the decode and SDPA benches evict L2; default read)
+#          [--shapes] (other models' head shapes, mixkv and SDPA, into shapes/)
 #          [--ncu]   (Nsight Compute sections of the decode kernel: batch 64 x 19,600 INT2
 #                     and batch 1 x 19,600 mixed, into ncu.log)
 # Boost, GoogleTest and Google Benchmark are taken from the system when
@@ -22,7 +23,7 @@
 set -uo pipefail
 OUT=${OUT:-$PWD/device-out}
 mkdir -p "$OUT"
-TESTS=1 SANITIZER=1 BENCH=1 SDPA=1 QUICK="" FILTER="*" MINE=0 NCU=0 VALIDATE=0 CONTEXTS=() FLUSH=read
+TESTS=1 SANITIZER=1 BENCH=1 SDPA=1 QUICK="" FILTER="*" MINE=0 NCU=0 VALIDATE=0 CONTEXTS=() FLUSH=read SHAPES=0
 WANT_BENCH=0
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -35,6 +36,7 @@ while [ $# -gt 0 ]; do
     --ncu) NCU=1 ;;
     --validate) VALIDATE=1; BENCH=0; SDPA=0; TESTS=0; SANITIZER=0 ;;
     --bench) WANT_BENCH=1 ;;
+    --shapes) SHAPES=1 ;;
     --flush) FLUSH="$2"; shift ;;
     --filter) FILTER="$2"; shift ;;
     --contexts) CONTEXTS=(--contexts "$2"); shift ;;
@@ -114,6 +116,25 @@ if [ "$BENCH" = 1 ]; then
 fi
 if [ "$SDPA" = 1 ]; then
   PYTHONUNBUFFERED=1 timeout 100 python3 benchmarks/sdpa_bench.py --out "$OUT/sdpa_bench.json" --flush "$FLUSH" $QUICK 2>&1
+fi
+# Other models' decode shapes (one GPU's heads): mixkv and SDPA at batch 1
+# and 64 x 19,600 tokens, JSON in $OUT/shapes/ (benchmarks/plot_shapes.py).
+if [ "$SHAPES" = 1 ]; then
+  mkdir -p "$OUT/shapes"
+  while read -r name heads dim; do
+    timeout 120 "$BUILD/benchmarks/mixkv_decode_bench" --heads "$heads" --head-dim "$dim" --batches 1,64 \
+      --contexts 19600 --reps 30 --flush "$FLUSH" --out "$OUT/shapes/$name.json" >"$OUT/shapes/$name.log" 2>&1
+    echo "shape $name ($heads heads, head_dim $dim): mixkv rc=$?"
+    PYTHONUNBUFFERED=1 timeout 60 python3 benchmarks/sdpa_bench.py --heads "$heads" --head-dim "$dim" --batches 1,64 \
+      --contexts 19600 --reps 30 --flush "$FLUSH" --out "$OUT/shapes/${name}_sdpa.json" >>"$OUT/shapes/$name.log" 2>&1
+    echo "shape $name: sdpa rc=$?"
+  done <<'EOF'
+llama3_8b 32/8 128
+qwen3_235b 64/4 128
+mistral_large2 96/8 128
+gemma2_9b 16/8 256
+smollm2_135m 9/3 64
+EOF
 fi
 # --- tests
 if [ "$TESTS" = 1 ]; then

@@ -99,13 +99,15 @@ void bind_cuda_cache(py::module_& cuda) {
   py::class_<gpu::DecodePlanConfig>(cuda, "DecodePlanConfig", "Shapes and capacity of a DecodePlan.")
       .def(py::init([](std::int32_t num_layers, std::int32_t num_q_heads, std::int32_t num_kv_heads,
                        std::int32_t head_dim, std::int32_t block_size, std::int32_t max_batch,
-                       std::int32_t max_items_per_layer, std::int32_t num_sms, std::int32_t chunks_per_sequence) {
-             return gpu::DecodePlanConfig{num_layers, num_q_heads,         num_kv_heads, head_dim,           block_size,
-                                          max_batch,  max_items_per_layer, num_sms,      chunks_per_sequence};
+                       std::int32_t max_items_per_layer, std::int32_t num_sms, std::int32_t chunks_per_sequence,
+                       std::int32_t max_heads_per_item) {
+             return gpu::DecodePlanConfig{num_layers, num_q_heads,         num_kv_heads, head_dim,
+                                          block_size, max_batch,           max_items_per_layer,
+                                          num_sms,    chunks_per_sequence, max_heads_per_item};
            }),
            py::arg("num_layers"), py::arg("num_q_heads"), py::arg("num_kv_heads"), py::arg("head_dim"),
            py::arg("block_size"), py::arg("max_batch"), py::arg("max_items_per_layer") = 0, py::arg("num_sms") = 0,
-           py::arg("chunks_per_sequence") = 0)
+           py::arg("chunks_per_sequence") = 0, py::arg("max_heads_per_item") = 0)
       .def_readwrite("num_layers", &gpu::DecodePlanConfig::num_layers)
       .def_readwrite("num_q_heads", &gpu::DecodePlanConfig::num_q_heads)
       .def_readwrite("num_kv_heads", &gpu::DecodePlanConfig::num_kv_heads)
@@ -113,11 +115,14 @@ void bind_cuda_cache(py::module_& cuda) {
       .def_readwrite("block_size", &gpu::DecodePlanConfig::block_size, "16, 32 or 64 (the built instances)")
       .def_readwrite("max_batch", &gpu::DecodePlanConfig::max_batch)
       .def_readwrite("max_items_per_layer", &gpu::DecodePlanConfig::max_items_per_layer,
-                     "0: max_batch * num_kv_heads + 12 * SMs (+ max_batch * num_kv_heads * chunks_per_sequence "
-                     "when that is set)")
+                     "0: P + 12 * SMs (+ P * chunks_per_sequence when that is set), P = max_batch * "
+                     "num_kv_heads * the head tiles")
       .def_readwrite("num_sms", &gpu::DecodePlanConfig::num_sms, "0: those of the current device")
       .def_readwrite("chunks_per_sequence", &gpu::DecodePlanConfig::chunks_per_sequence,
-                     "split-KV chunks per (sequence, KV head); 0: chosen from the batch");
+                     "split-KV chunks per (sequence, KV head); 0: chosen from the batch")
+      .def_readwrite("max_heads_per_item", &gpu::DecodePlanConfig::max_heads_per_item,
+                     "query heads one work item computes at most: 8 or 16 (that instance built); 0: 16 where "
+                     "built and max_batch * num_kv_heads >= 16, else 8");
 
   py::class_<gpu::DecodePlan>(
       cuda, "DecodePlan",

@@ -66,6 +66,15 @@ constexpr int kSmallBatchCtasPerSm = 2;
 // blocks, not tokens: at block 16 the mixed plan's 4,096-token pairs (256
 // blocks) ran 6.6% slower as one item each (INT2 9.5% faster).
 constexpr std::int64_t kShortPairBlocks = 128;
+// Fewest (sequence, KV head) pairs of max_batch for which the default item
+// width is 16 query heads (two n-tiles) rather than 8. With fewer, items are
+// short split chunks whose latency, not the batch's instructions, sets the
+// time, and 8 heads an item gives twice the CTAs for them. Measured on the
+// H200 (64 query / 4 KV heads, 19,600 tokens; kernel-notes-log, stop 24):
+// 16 against 8 heads an item +11 to +14% at 4 and 8 pairs, -2 to +7% at 16
+// (FP16 the +7%), -11 to -14% at 32, -19 to -21% at 64 (quantized plans;
+// FP16 within 1%); at 65,536 tokens equal at 4 pairs, better from 8.
+constexpr int kWideItemMinPairs = 16;
 
 std::string field(const char* name, std::int64_t value, const char* expected) {
   return std::string("DecodePlan: config.") + name + " = " + std::to_string(value) + ": expected " + expected;
@@ -154,12 +163,21 @@ DecodePlan::DecodePlan(const DecodePlanConfig& config, const DevicePageTables& t
     MIXKV_CUDA_CHECK(cudaGetDevice(&device));
     MIXKV_CUDA_CHECK(cudaDeviceGetAttribute(&s.config.num_sms, cudaDevAttrMultiProcessorCount, device));
   }
-  // The fewest equal tiles of at most 16 query heads where the shape's
-  // two-tile instance is built (a group of 12 is one item, 32 two of 16),
-  // else of at most 8 (16 as 2 x 8, 12 as 2 x 6, a prime 11 as 11 x 1).
+  require(config.max_heads_per_item == 0 || config.max_heads_per_item == detail::kHeadsPerTileHost ||
+              config.max_heads_per_item == 2 * detail::kHeadsPerTileHost,
+          [&] { return field("max_heads_per_item", config.max_heads_per_item, "0, 8 or 16"); });
+  const bool two_tiles_built = detail::decode_supports_two_tiles(config.head_dim, config.block_size);
+  require(config.max_heads_per_item != 2 * detail::kHeadsPerTileHost || two_tiles_built, [&] {
+    return field("max_heads_per_item", config.max_heads_per_item, "8: no two-tile instance is built for head_dim ") +
+           std::to_string(config.head_dim) + ", block_size " + std::to_string(config.block_size);
+  });
+  // The fewest equal tiles of at most max_heads query heads (with 16 a
+  // group of 12 is one item, 32 two of 16; with 8, 16 is 2 x 8, 12 is
+  // 2 x 6 and a prime 11 is 11 x 1).
   const std::int32_t full_group = config.num_q_heads / config.num_kv_heads;
-  const int max_heads =
-      detail::kHeadsPerTileHost * (detail::decode_supports_two_tiles(config.head_dim, config.block_size) ? 2 : 1);
+  const bool wide = two_tiles_built && config.max_batch * config.num_kv_heads >= kWideItemMinPairs;
+  const int max_heads = config.max_heads_per_item != 0 ? config.max_heads_per_item
+                                                       : detail::kHeadsPerTileHost * (wide ? 2 : 1);
   while (full_group % s.head_tiles != 0 || full_group / s.head_tiles > max_heads) ++s.head_tiles;
   s.group = full_group / s.head_tiles;
   s.n_tiles = s.group > detail::kHeadsPerTileHost ? 2 : 1;

@@ -79,7 +79,8 @@ std::int32_t longest_list(const PlacedBatch& placed) {
 
 // Runs the CUDA decode for one layer of `placed` (stored in `arena`).
 DecodeResult run_gpu(TestArena& arena, const PlacedBatch& placed, const std::vector<Half>& q, int q_heads, float sm_scale,
-                  int chunks = 0, int layers = 1, int layer = 0, int num_sms = 0, std::int32_t* num_items = nullptr) {
+                  int chunks = 0, int layers = 1, int layer = 0, int num_sms = 0, std::int32_t* num_items = nullptr,
+                  int max_heads_per_item = 0) {
   const BlockFormat f = arena.format(Precision::FP16);
   const auto batch = static_cast<std::int32_t>(placed.tables[0].indptr.size() - 1);
   DeviceArenaCopy device(arena);
@@ -95,6 +96,7 @@ DecodeResult run_gpu(TestArena& arena, const PlacedBatch& placed, const std::vec
   config.max_batch = batch;
   config.chunks_per_sequence = chunks;
   config.num_sms = num_sms;
+  config.max_heads_per_item = max_heads_per_item;
   gpu::DecodePlan plan(config, tables);
   std::vector<std::int32_t> slots(batch);
   std::iota(slots.begin(), slots.end(), 0);
@@ -138,6 +140,7 @@ struct DecodeCase {
   int q_heads, kv_heads, dim, block;
   Mix mix;
   const char* name;
+  int max_heads_per_item = 0;
 };
 
 class DecodeCuda : public ::testing::TestWithParam<DecodeCase> {};
@@ -152,8 +155,9 @@ TEST_P(DecodeCuda, MatchesCpuReference) {
   const auto q = random_halves(rng, c.contexts.size() * c.q_heads * c.dim);
   const float scale = 1.0f / std::sqrt(static_cast<float>(c.dim));
   const DecodeResult ref = cpu_decode(arena, placed, q, c.q_heads, scale);
-  expect_close(run_gpu(arena, placed, q, c.q_heads, scale), ref, c.dim, "auto split");
-  expect_close(run_gpu(arena, placed, q, c.q_heads, scale, /*chunks=*/3), ref, c.dim, "3 chunks");
+  const int heads = c.max_heads_per_item;
+  expect_close(run_gpu(arena, placed, q, c.q_heads, scale, 0, 1, 0, 0, nullptr, heads), ref, c.dim, "auto split");
+  expect_close(run_gpu(arena, placed, q, c.q_heads, scale, 3, 1, 0, 0, nullptr, heads), ref, c.dim, "3 chunks");
 }
 
 std::vector<int> cycle(std::initializer_list<int> lengths, int batch) {
@@ -179,13 +183,17 @@ INSTANTIATE_TEST_SUITE_P(
         DecodeCase{cycle({256, 97}, 3), 28, 4, 128, 32, kAllInt2, "all_int2"},
         DecodeCase{{19600}, 28, 4, 128, 32, kMixed, "b1_ctx19600"},
         DecodeCase{{19600, 97, 19600}, 9, 3, 128, 32, kMixed, "b3_ctx19600_gqa3"},
-        // Groups over 8 query heads: two n-tiles an item at head_dim 128,
-        // block 32 (16 heads; 11 with 5 padded); elsewhere (unless every
-        // instance is built) head tiles of <= 8 (2 x 8 at block 16, 2 x 6).
-        DecodeCase{{97, 33, 300}, 32, 2, 128, 32, kMixed, "b3_gqa16"},
-        DecodeCase{{130, 31}, 11, 1, 128, 32, kMixed, "b2_gqa11"},
-        DecodeCase{{19600}, 64, 4, 128, 32, kMixed, "b1_ctx19600_gqa16"},
-        DecodeCase{cycle({256, 97}, 3), 32, 2, 128, 32, kAllInt2, "all_int2_gqa16"},
+        // Groups over 8 query heads: items of two n-tiles at head_dim 128,
+        // block 32 (16 heads; 11 with 5 padded), head tiles of <= 8 at a
+        // small batch's default (3 x 2 pairs: 2 x 8, 11 x 1) and where no
+        // two-tile instance is built (unless all are: 2 x 8 at block 16,
+        // 2 x 6 at head_dim 64).
+        DecodeCase{{97, 33, 300}, 32, 2, 128, 32, kMixed, "b3_gqa16", 16},
+        DecodeCase{{97, 33, 300}, 32, 2, 128, 32, kMixed, "b3_gqa16_tiles"},
+        DecodeCase{{130, 31}, 11, 1, 128, 32, kMixed, "b2_gqa11", 16},
+        DecodeCase{{130, 31}, 11, 1, 128, 32, kMixed, "b2_gqa11_tiles"},
+        DecodeCase{{19600}, 64, 4, 128, 32, kMixed, "b1_ctx19600_gqa16", 16},
+        DecodeCase{cycle({256, 97}, 3), 32, 2, 128, 32, kAllInt2, "all_int2_gqa16", 16},
         DecodeCase{{97, 200}, 32, 2, 128, 16, kMixed, "b2_block16_gqa16"},
         DecodeCase{cycle({97, 200}, 3), 24, 2, 64, 32, kMixed, "b3_d64_gqa12"}),
     [](const auto& info) { return std::string(info.param.name); });
@@ -255,6 +263,30 @@ void expect_shares_match(int kvh, int qh, int batch, std::uint64_t seed, std::in
     expect_close(run_gpu(arena, placed, q, qh, scale, 0, 1, 0, sms, &items), ref, dim, std::to_string(sms) + " SMs");
     EXPECT_GT(items, batch * kvh * tiles) << sms << " SMs: shares cut pairs";
     EXPECT_EQ(items % tiles, 0) << sms << " SMs: an item per tile of every piece";
+  }
+}
+
+// A group of 16 as one item of two n-tiles or two items of one, by
+// max_heads_per_item (auto: 8 for 3 x 2 pairs), whole and split.
+TEST(DecodeCudaHeads, ItemWidthsMatchCpuReference) {
+  MIXKV_REQUIRE_CUDA();
+  const int kvh = 2, qh = 32, dim = 128, block = 32;
+  Rng rng(21);
+  const std::vector<int> contexts = {1, 700, 2000};
+  TestArena arena(kvh, dim, block, blocks_needed(contexts, block), 7);
+  const PlacedBatch placed = place_batch(arena, make_sequences(contexts, kvh, dim, block, kMixed, rng));
+  const auto q = random_halves(rng, contexts.size() * qh * dim);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(dim));
+  const DecodeResult ref = cpu_decode(arena, placed, q, qh, scale);
+  for (int heads : {0, 8, 16}) {
+    for (int chunks : {1, 5}) {
+      std::int32_t items = 0;
+      const std::string what = std::to_string(heads) + " heads an item, " + std::to_string(chunks) + " chunks";
+      expect_close(run_gpu(arena, placed, q, qh, scale, chunks, 1, 0, 0, &items, heads), ref, dim, what);
+      const int tiles = heads == 16 ? 1 : 2;
+      const int pieces = chunks == 1 ? 3 : 1 + 5 + 5;  // a 1-token sequence is one piece
+      EXPECT_EQ(items, pieces * kvh * tiles) << what;
+    }
   }
 }
 
@@ -486,16 +518,20 @@ TEST(DecodeCudaPlan, FailedPlanChangesNothing) {
 TEST(DecodeCudaBadInput, UnsupportedShapesAreNamed) {
   MIXKV_REQUIRE_CUDA();  // DevicePageTables allocates device memory
   gpu::DevicePageTables tables({1, 2, 4});
-  gpu::DecodePlanConfig config{1, 28, 4, 96, 32, 2, 0, 0, 0};
-  MIXKV_EXPECT_INVALID(gpu::DecodePlan(config, tables), "Unsupported head_dim: 96");
-  config.head_dim = 128;
-  config.block_size = 48;
-  MIXKV_EXPECT_INVALID(gpu::DecodePlan(config, tables), "Unsupported block_size: 48");
-  config.block_size = 32;
-  config.num_q_heads = 30;
-  MIXKV_EXPECT_INVALID(gpu::DecodePlan(config, tables), "num_q_heads");
-  config.num_q_heads = 28;
-  gpu::DecodePlan plan(config, tables);
+  const gpu::DecodePlanConfig valid{1, 28, 4, 128, 32, 2, 0, 0, 0};
+  const std::vector<std::pair<std::function<void(gpu::DecodePlanConfig&)>, std::string>> changes = {
+      {[](gpu::DecodePlanConfig& c) { c.head_dim = 96; }, "Unsupported head_dim: 96"},
+      {[](gpu::DecodePlanConfig& c) { c.block_size = 48; }, "Unsupported block_size: 48"},
+      {[](gpu::DecodePlanConfig& c) { c.num_q_heads = 30; }, "num_q_heads"},
+      {[](gpu::DecodePlanConfig& c) { c.max_heads_per_item = 12; }, "max_heads_per_item = 12: expected 0, 8 or 16"},
+      {[](gpu::DecodePlanConfig& c) { c.head_dim = 256, c.max_heads_per_item = 16; },
+       "no two-tile instance is built for head_dim 256"}};
+  for (const auto& [change, message] : changes) {
+    gpu::DecodePlanConfig config = valid;
+    change(config);
+    MIXKV_EXPECT_INVALID(gpu::DecodePlan(config, tables), message);
+  }
+  gpu::DecodePlan plan(valid, tables);
   const std::vector<std::int32_t> bad_slots = {0, 5};
   MIXKV_EXPECT_INVALID(plan.plan(bad_slots, nullptr), "slots[1]");
   gpu::DecodeRunArgs run;

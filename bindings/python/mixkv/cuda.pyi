@@ -69,6 +69,7 @@ class DecodePlanConfig:
     max_items_per_layer: int
     num_sms: int
     chunks_per_sequence: int
+    max_heads_per_item: int
     def __init__(
         self,
         num_layers: int,
@@ -80,6 +81,7 @@ class DecodePlanConfig:
         max_items_per_layer: int = 0,
         num_sms: int = 0,
         chunks_per_sequence: int = 0,
+        max_heads_per_item: int = 0,
     ) -> None: ...
 
 class DecodePlan:

@@ -18,8 +18,8 @@ struct DecodePlanConfig {
   std::int32_t head_dim = 0;    // 64, 128, 256 (the built instances)
   std::int32_t block_size = 0;  // 16, 32, 64 (the built instances)
   std::int32_t max_batch = 0;
-  // Work items one layer may hold; 0 = max_batch * num_kv_heads + 12 * SMs
-  // (+ max_batch * num_kv_heads * chunks_per_sequence when that is set).
+  // Work items one layer may hold; 0 = P + 12 * SMs (+ P * chunks_per_sequence
+  // when that is set), P = max_batch * num_kv_heads * the head tiles.
   std::int32_t max_items_per_layer = 0;
   // Multiprocessors to plan for; 0 = those of the current device.
   std::int32_t num_sms = 0;
@@ -31,6 +31,13 @@ struct DecodePlanConfig {
   // work waits on memory or is short: then one piece a pair. At least 8
   // blocks a piece either way (tests force other splits).
   std::int32_t chunks_per_sequence = 0;
+  // Query heads one work item computes at most: 8 (one MMA n-tile) or 16
+  // (two, each dequantized block feeding both; needs that instance). 0 =
+  // 16 where it is built and max_batch * num_kv_heads >= 16, else 8 (a
+  // smaller batch's short split chunks run faster as twice the items). A
+  // KV head's larger group is cut into equal head tiles, an item each.
+  // Fixed for the plan's life, so a captured run() stays valid.
+  std::int32_t max_heads_per_item = 0;
 };
 
 struct DecodeRunArgs {
