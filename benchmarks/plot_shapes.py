@@ -46,7 +46,8 @@ def main():
         "block 32, 19,600 tokens a sequence, the plans of the main benchmark (README.md), L2 flushed before every "
         "timed launch, median of 30 CUDA-event timings; SDPA is torch's `scaled_dot_product_attention` "
         "(enable_gqa) on dense FP16 K/V of the same tokens, timed the same way. %BW: bytes the plan reads over "
-        "the time, against the machine's own read bandwidth. Heads are one GPU's (no tensor parallelism).",
+        "the time, against the machine's own read bandwidth. Heads are one GPU's (no tensor parallelism). "
+        "What limits each shape: docs/benchmarks/kernel-notes-log.md, stop 24.",
         "",
         "| shape | q / KV heads | head_dim | batch | plan | us | %BW | x SDPA | items |",
         "|---|---|---:|---:|---|---:|---:|---:|---:|",

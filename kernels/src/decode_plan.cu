@@ -70,10 +70,11 @@ constexpr std::int64_t kShortPairBlocks = 128;
 // width is 16 query heads (two n-tiles) rather than 8. With fewer, items are
 // short split chunks whose latency, not the batch's instructions, sets the
 // time, and 8 heads an item gives twice the CTAs for them. Measured on the
-// H200 (64 query / 4 KV heads, 19,600 tokens; kernel-notes-log, stop 24):
-// 16 against 8 heads an item +11 to +14% at 4 and 8 pairs, -2 to +7% at 16
-// (FP16 the +7%), -11 to -14% at 32, -19 to -21% at 64 (quantized plans;
-// FP16 within 1%); at 65,536 tokens equal at 4 pairs, better from 8.
+// H200 (64 / 4 and 96 / 8 query / KV heads, 19,600 tokens; kernel-notes-log,
+// stop 24):
+// 16 against 8 heads an item +10 to +14% at 4 and 8 pairs, -6 to +7% at 16
+// (FP16 the +7%), -11 to -16% at 32, -19 to -22% at 64 (quantized plans;
+// FP16 within 1.4%); at 65,536 tokens equal at 4 pairs, better from 8.
 constexpr int kWideItemMinPairs = 16;
 
 std::string field(const char* name, std::int64_t value, const char* expected) {
