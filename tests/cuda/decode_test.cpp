@@ -194,6 +194,7 @@ INSTANTIATE_TEST_SUITE_P(
         DecodeCase{{130, 31}, 11, 1, 128, 32, kMixed, "b2_gqa11_tiles"},
         DecodeCase{{19600}, 64, 4, 128, 32, kMixed, "b1_ctx19600_gqa16", 16},
         DecodeCase{cycle({256, 97}, 3), 32, 2, 128, 32, kAllInt2, "all_int2_gqa16", 16},
+        DecodeCase{{97, 500}, 32, 1, 128, 32, kMixed, "b2_mqa32", 16},  // 2 tiles of 16
         DecodeCase{{97, 200}, 32, 2, 128, 16, kMixed, "b2_block16_gqa16"},
         DecodeCase{cycle({97, 200}, 3), 24, 2, 64, 32, kMixed, "b3_d64_gqa12"}),
     [](const auto& info) { return std::string(info.param.name); });

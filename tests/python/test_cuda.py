@@ -271,3 +271,6 @@ def test_bad_cuda_arrays_name_the_argument(rng):
     with pytest.raises(ValueError, match="Unsupported head_dim"):
         mc.DecodePlan(mc.DecodePlanConfig(2, 4, 4, 96, 32, 8),
                       mc.DevicePageTables(mc.PageTableConfig(2, 8, 8)))
+    with pytest.raises(ValueError, match="max_heads_per_item = 12: expected 0, 8 or 16"):
+        mc.DecodePlan(mc.DecodePlanConfig(2, 4, 4, 128, 32, 8, max_heads_per_item=12),
+                      mc.DevicePageTables(mc.PageTableConfig(2, 8, 8)))
