@@ -281,9 +281,9 @@ void DecodePlan::Impl::plan_layer(int layer, int target_items, std::int32_t shar
   const bool short_pairs = max_cost <= kShortPairBlocks * work[1];
   const bool one_per_pair = whole_pairs && (memory_bound || short_pairs) &&
                             static_cast<double>(max_cost) * kvh * batch <= 1.05 * static_cast<double>(total_cost);
+  const int tiles = head_tiles;
   // As chunks, every pair's count rounds to 1: its work is at most 1.05x
   // the mean.
-  const int tiles = head_tiles;
   if (one_per_pair) {
     shares = 0;
     target_items = batch * kvh * tiles;
