@@ -22,16 +22,22 @@ bool decode_d128_supports(int block_size, int n_tiles) {
 }
 
 int launch_decode_d128(const DecodeParams& params, int block_size, int n_tiles, int grid, cudaStream_t stream) {
-  switch (block_size + n_tiles) {
-    case 16 + 1: return launch_decode_kernel<128, 16, 1>(params, grid, stream);
-    case 32 + 1: return launch_decode_kernel<128, 32, 1>(params, grid, stream);
-    case 64 + 1: return launch_decode_kernel<128, 64, 1>(params, grid, stream);
-    case 32 + 2: return launch_decode_kernel<128, 32, 2>(params, grid, stream);
+  if (n_tiles == 1) {
+    switch (block_size) {
+      case 16: return launch_decode_kernel<128, 16, 1>(params, grid, stream);
+      case 32: return launch_decode_kernel<128, 32, 1>(params, grid, stream);
+      case 64: return launch_decode_kernel<128, 64, 1>(params, grid, stream);
+      default: break;
+    }
+  } else if (n_tiles == 2) {
+    switch (block_size) {
+      case 32: return launch_decode_kernel<128, 32, 2>(params, grid, stream);
 #if MIXKV_D128_ALL
-    case 16 + 2: return launch_decode_kernel<128, 16, 2>(params, grid, stream);
-    case 64 + 2: return launch_decode_kernel<128, 64, 2>(params, grid, stream);
+      case 16: return launch_decode_kernel<128, 16, 2>(params, grid, stream);
+      case 64: return launch_decode_kernel<128, 64, 2>(params, grid, stream);
 #endif
-    default: break;
+      default: break;
+    }
   }
   check_decode_supported(128, block_size);  // throws for an unbuilt block size
   throw InvalidArgument("Unsupported head tiles: " + std::to_string(n_tiles) + " at head_dim 128");

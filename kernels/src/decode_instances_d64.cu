@@ -23,13 +23,19 @@ bool decode_d64_supports(int block_size, int n_tiles) {
 int launch_decode_d64(const DecodeParams& params, int block_size, int n_tiles, int grid, cudaStream_t stream) {
   if (n_tiles == 1 && block_size == 32) return launch_decode_kernel<64, 32, 1>(params, grid, stream);
 #if MIXKV_D64_ALL
-  switch (block_size + n_tiles) {
-    case 16 + 1: return launch_decode_kernel<64, 16, 1>(params, grid, stream);
-    case 64 + 1: return launch_decode_kernel<64, 64, 1>(params, grid, stream);
-    case 16 + 2: return launch_decode_kernel<64, 16, 2>(params, grid, stream);
-    case 32 + 2: return launch_decode_kernel<64, 32, 2>(params, grid, stream);
-    case 64 + 2: return launch_decode_kernel<64, 64, 2>(params, grid, stream);
-    default: break;
+  if (n_tiles == 1) {
+    switch (block_size) {
+      case 16: return launch_decode_kernel<64, 16, 1>(params, grid, stream);
+      case 64: return launch_decode_kernel<64, 64, 1>(params, grid, stream);
+      default: break;
+    }
+  } else if (n_tiles == 2) {
+    switch (block_size) {
+      case 16: return launch_decode_kernel<64, 16, 2>(params, grid, stream);
+      case 32: return launch_decode_kernel<64, 32, 2>(params, grid, stream);
+      case 64: return launch_decode_kernel<64, 64, 2>(params, grid, stream);
+      default: break;
+    }
   }
 #endif
   check_decode_supported(64, block_size);  // throws for an unbuilt block size

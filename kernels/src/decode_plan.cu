@@ -87,12 +87,12 @@ std::string field(const char* name, std::int64_t value, const char* expected) {
 struct DecodePlan::Impl {
   DecodePlanConfig config;
   const DevicePageTables* tables = nullptr;
-  // Query heads an item computes, the kernel's n-tiles of 8 heads for them
-  // (1 or 2), and items per (sequence, KV head, piece): a group over the
-  // instance's 8 or 16 heads runs as head_tiles equal tiles.
+  // Query heads an item computes, and items per (sequence, KV head, piece):
+  // a group over the instance's 8 or 16 heads runs as head_tiles equal tiles.
   std::int32_t group = 0;
-  std::int32_t n_tiles = 1;
   std::int32_t head_tiles = 1;
+  // The kernel's n-tiles of 8 heads for `group`.
+  int n_tiles() const { return group > detail::kHeadsPerTileHost ? 2 : 1; }
   std::int32_t max_items = 0;     // per layer
   std::int32_t max_partials = 0;  // per layer (the workspace is shared by the layers run one after another)
   std::int32_t ctas_per_sm = 3;   // of the decode instance
@@ -182,7 +182,6 @@ DecodePlan::DecodePlan(const DecodePlanConfig& config, const DevicePageTables& t
                                                        : detail::kHeadsPerTileHost * (wide ? 2 : 1);
   while (full_group % s.head_tiles != 0 || full_group / s.head_tiles > max_heads) ++s.head_tiles;
   s.group = full_group / s.head_tiles;
-  s.n_tiles = s.group > detail::kHeadsPerTileHost ? 2 : 1;
   const std::int32_t pairs = config.max_batch * config.num_kv_heads * s.head_tiles;
   s.max_items = config.max_items_per_layer > 0
                     ? config.max_items_per_layer
@@ -207,7 +206,7 @@ DecodePlan::DecodePlan(const DecodePlanConfig& config, const DevicePageTables& t
   // Set the kernel's shared-memory limit now (run() may be under graph
   // capture) and learn how many of its CTAs share an SM.
   s.ctas_per_sm = std::max(
-      1, detail::launch_decode(detail::DecodeParams{}, config.head_dim, config.block_size, s.n_tiles, 0, nullptr));
+      1, detail::launch_decode(detail::DecodeParams{}, config.head_dim, config.block_size, s.n_tiles(), 0, nullptr));
   s.layers.resize(config.num_layers);
   s.next_layers.resize(config.num_layers);
 }
@@ -586,7 +585,7 @@ void DecodePlan::run(const DecodeRunArgs& args) const {
   }
 
   const int grid = args.fixed_grid ? s.max_items : static_cast<int>(s.layers[args.layer].items.size());
-  if (grid > 0) detail::launch_decode(p, c.head_dim, c.block_size, s.n_tiles, grid, args.stream);
+  if (grid > 0) detail::launch_decode(p, c.head_dim, c.block_size, s.n_tiles(), grid, args.stream);
 }
 
 const DecodePlanConfig& DecodePlan::config() const { return impl_->config; }
