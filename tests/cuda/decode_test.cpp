@@ -268,25 +268,30 @@ void expect_shares_match(int kvh, int qh, int batch, std::uint64_t seed, std::in
 }
 
 // A group of 16 as one item of two n-tiles or two items of one, by
-// max_heads_per_item (auto: 8 for 3 x 2 pairs), whole and split.
+// max_heads_per_item, whole and split. The default: 8 heads an item for
+// 3 x 2 (sequence, KV head) pairs, 16 for 8 x 2.
 TEST(DecodeCudaHeads, ItemWidthsMatchCpuReference) {
   MIXKV_REQUIRE_CUDA();
   const int kvh = 2, qh = 32, dim = 128, block = 32;
-  Rng rng(21);
-  const std::vector<int> contexts = {1, 700, 2000};
-  TestArena arena(kvh, dim, block, blocks_needed(contexts, block), 7);
-  const PlacedBatch placed = place_batch(arena, make_sequences(contexts, kvh, dim, block, kMixed, rng));
-  const auto q = random_halves(rng, contexts.size() * qh * dim);
-  const float scale = 1.0f / std::sqrt(static_cast<float>(dim));
-  const DecodeResult ref = cpu_decode(arena, placed, q, qh, scale);
-  for (int heads : {0, 8, 16}) {
-    for (int chunks : {1, 5}) {
-      std::int32_t items = 0;
-      const std::string what = std::to_string(heads) + " heads an item, " + std::to_string(chunks) + " chunks";
-      expect_close(run_gpu(arena, placed, q, qh, scale, chunks, 1, 0, 0, &items, heads), ref, dim, what);
-      const int tiles = heads == 16 ? 1 : 2;
-      const int pieces = chunks == 1 ? 3 : 1 + 5 + 5;  // a 1-token sequence is one piece
-      EXPECT_EQ(items, pieces * kvh * tiles) << what;
+  for (int batch : {3, 8}) {
+    Rng rng(21);
+    const std::vector<int> contexts = cycle({1, 700, 2000}, batch);
+    TestArena arena(kvh, dim, block, blocks_needed(contexts, block), 7);
+    const PlacedBatch placed = place_batch(arena, make_sequences(contexts, kvh, dim, block, kMixed, rng));
+    const auto q = random_halves(rng, contexts.size() * qh * dim);
+    const float scale = 1.0f / std::sqrt(static_cast<float>(dim));
+    const DecodeResult ref = cpu_decode(arena, placed, q, qh, scale);
+    for (int heads : {0, 8, 16}) {
+      for (int chunks : {1, 5}) {
+        std::int32_t items = 0;
+        const std::string what = std::to_string(batch) + " sequences, " + std::to_string(heads) +
+                                 " heads an item, " + std::to_string(chunks) + " chunks";
+        expect_close(run_gpu(arena, placed, q, qh, scale, chunks, 1, 0, 0, &items, heads), ref, dim, what);
+        const int tiles = heads == 16 || (heads == 0 && batch * kvh >= 16) ? 1 : 2;
+        int pieces = 0;  // a 1-token sequence is one piece
+        for (int tokens : contexts) pieces += tokens == 1 ? 1 : chunks;
+        EXPECT_EQ(items, pieces * kvh * tiles) << what;
+      }
     }
   }
 }
