@@ -94,6 +94,10 @@ struct Scheduler::Impl {
   // otherwise have taken to the last slab.
   std::int64_t demote_headroom = 0;
   std::int64_t fp16_limit = 0;  // FP16 blocks of the whole arena (fp16_room's bound)
+  // The planner's per-layer floors (PlannerConfig::min_precision; empty:
+  // none) bind demotion too: a layer kept at FP16 or INT4 by the user's
+  // choice is not demoted under pressure; preemption makes the room instead.
+  std::vector<Precision> floors;
 
   boost::unordered_map<RequestId, Entry> entries;  // node-based: hooks need stable addresses
   boost::unordered_flat_set<RequestId> retired;    // finished, cancelled or rejected
@@ -132,6 +136,9 @@ struct Scheduler::Impl {
   void preempt(Entry& e, StepOutput& out);
   void relieve(std::vector<Entry*>& decodes, std::int64_t& need, StepOutput& out);
 
+  bool below_floor(std::int32_t layer, Precision to) const {
+    return !floors.empty() && pool_index(to) > pool_index(floors[static_cast<std::size_t>(layer)]);
+  }
   std::int64_t fp16_room(const BlockCounts& taken, std::int64_t freed) const;
   void demote_for(std::int64_t need, std::int64_t target, const std::vector<Entry*>& decodes, StepOutput& out);
   void schedule_chunk(Entry& e, std::int32_t end, StepOutput& out);
@@ -173,6 +180,7 @@ Scheduler::Impl::Impl(KVCacheManager& c, SchedulerConfig cfg) : cache(c), config
           std::to_string(num_layers) + " (the cache's num_layers)");
     }
   }
+  if (planner) floors = config.planner->min_precision;
   if (!cache.sequence_ids().empty()) {
     throw InvalidArgument("cache holds " + std::to_string(cache.sequence_ids().size()) +
                           " sequences, expected an empty cache for the scheduler to drive");
@@ -180,7 +188,8 @@ Scheduler::Impl::Impl(KVCacheManager& c, SchedulerConfig cfg) : cache(c), config
   const auto slabs = static_cast<std::int64_t>(std::ceil(config.watermark * cache.total_slabs()));
   reserve_fp16 = slabs * cache.pool_stats(Precision::FP16).blocks_per_slab;
   fp16_limit = std::int64_t{cache.total_slabs()} * cache.pool_stats(Precision::FP16).blocks_per_slab;
-  if (config.demote_under_pressure && config.max_demotions_per_step > 0) {
+  const bool demotable = floors.empty() || std::ranges::any_of(floors, [](Precision p) { return p != Precision::FP16; });
+  if (config.demote_under_pressure && config.max_demotions_per_step > 0 && demotable) {
     demote_headroom = cache.pool_stats(Precision::FP16).blocks_per_slab;
   }
   free_slots.reserve(static_cast<std::size_t>(config.max_num_seqs));
@@ -482,7 +491,7 @@ void Scheduler::Impl::demote_for(std::int64_t need, std::int64_t target, const s
       }
       std::int32_t layer = 0;
       for (; layer < num_layers && demotions.size() < limit; ++layer) {
-        if (plan.at(layer, window) != from) continue;
+        if (plan.at(layer, window) != from || below_floor(layer, to)) continue;
         if (cache.why_not_demotable(e->id, layer, window, to)) continue;
         const bool was_over = slabs_for(fp->second) > total_slabs;
         --fp->second[at(from)];

@@ -286,8 +286,8 @@ TEST(Scheduler, DemotionTakesTheLeastSimilarWindowsFirstAndNeverWindowZero) {
 
 // Runs `requests` to the end on `cache`; returns every demotion in order.
 std::vector<DemoteOp> demotions_of(KVCacheManager& cache, const std::vector<Request>& requests,
-                                   SchedulerStats& stats) {
-  Scheduler sched(cache, base_config());
+                                   SchedulerStats& stats, const SchedulerConfig& config = base_config()) {
+  Scheduler sched(cache, config);
   test::EngineSim engine(sched);
   for (const Request& r : requests) sched.add_request(r);
   std::vector<DemoteOp> ops;
@@ -378,6 +378,40 @@ TEST(Scheduler, DemotionDemotesEveryFp16WindowBeforeAnyInt4Window) {
   // Windows 9..4 planned INT4 and 3..1 demoted to INT4, in ascending score.
   EXPECT_EQ(int2_order, (std::vector<std::int32_t>{9, 8, 7, 6, 5, 4, 3, 2, 1}));
   EXPECT_EQ(stats.finished, 2);
+}
+
+// The planner's per-layer floors (PlannerConfig::min_precision) bind
+// demotion under pressure too, also for plans that came with the request:
+// the workload above with layer 0 held at INT4 (it may leave FP16, never go
+// to INT2), then at FP16 (never demoted). Without floors the run above
+// demotes both layers to INT2; here layer 1's INT4 -> INT2 alone empties no
+// INT4 slab, so it is not made, and a preemption makes the room.
+TEST(Scheduler, DemotionNeverGoesBelowThePlannersLayerFloor) {
+  for (const Precision floor : {Precision::INT4, Precision::FP16}) {
+    SCOPED_TRACE(std::string("layer 0 floor ") + std::string(to_string(floor)));
+    KVCacheManager cache(tiny(11));
+    SchedulerConfig config = base_config();
+    PlannerConfig planner;
+    planner.window_size = 16;
+    planner.sensitivities = {0.5, 0.5};
+    planner.min_precision = {floor, Precision::INT2};
+    config.planner = planner;
+    SchedulerStats stats;
+    const std::vector<DemoteOp> ops =
+        demotions_of(cache, {windowed(1, 4, 10, 160), request(2, {{TokenKind::Text, 64}}, 120)}, stats, config);
+    std::int64_t layer0 = 0, layer1 = 0;
+    for (const DemoteOp& op : ops) {
+      ++(op.layer == 0 ? layer0 : layer1);
+      if (op.layer == 0) {
+        EXPECT_EQ(op.src_precision, Precision::FP16) << "window " << op.window;
+        EXPECT_EQ(op.dst_precision, Precision::INT4) << "window " << op.window;
+      }
+    }
+    EXPECT_EQ(layer0, floor == Precision::INT4 ? 3 : 0);  // windows 1..3, to INT4 at most
+    EXPECT_EQ(layer1, 3);                                 // windows 1..3 to INT4
+    EXPECT_GT(stats.preempted_recompute, 0);
+    EXPECT_EQ(stats.finished, 2);
+  }
 }
 
 TEST(Scheduler, PriorityPolicyAdmitsTheMostUrgentFirst) {

@@ -39,8 +39,9 @@ struct SchedulerConfig {
   double watermark = 0.01;
   // Under memory pressure, first demote the lowest-similarity FP16 windows
   // of running requests to INT4, then (once no FP16 window is left) INT4
-  // windows to INT2 as far as that gives FP16 room; never window 0 or text.
-  // Preempt only when that is not enough.
+  // windows to INT2 as far as that gives FP16 room; never window 0 or text,
+  // never a layer below planner->min_precision. Preempt only when that is
+  // not enough.
   bool demote_under_pressure = true;
   // Demotions (one window of one layer each) one step may make.
   std::int32_t max_demotions_per_step = 4096;
