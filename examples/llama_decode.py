@@ -5,12 +5,18 @@ requests are video-QA shaped: (system text, frames of visual tokens, question).
 mixkv.Scheduler batches them continuously (requests arrive while others
 decode, prompts are prefilled in chunks); the WindowQuant planner inside the
 scheduler stores each 32-token visual window at FP16, INT4 or INT2 by its
-similarity to the text; decode attention reads the three pools of mixkv's CPU
-backend (NumPy arrays). The same workload then runs with an all-FP16 cache,
-and the closing table compares the two: memory per pool, tokens/s, and how
-often the generated tokens agree.
+similarity to the text; decode attention reads the three pools. The same
+workload then runs with an all-FP16 cache, and the closing table compares the
+two: memory per pool, tokens/s, and how often the generated tokens agree.
 
-    python examples/llama_decode.py [--requests 6] [--frames 4] [--new-tokens 24]
+    python examples/llama_decode.py [--requests 6] [--frames 4] [--new-tokens 24] [--backend auto]
+
+Backends: `cpu`, mixkv's CPU backend (a KVCache, NumPy arrays); `cuda`, a
+DeviceKVCache with device page tables and one DecodePlan a step (the model
+stays in NumPy on the host; each layer's q/k/v go to the GPU as torch
+tensors); `auto` picks `cuda` where mixkv was built with CUDA and torch sees a
+GPU. Either way the scheduler drives the cache: demotions, swaps and
+copy-on-write copies are applied in the order StepOutput lists them.
 
 Prefill attention (a chunk's rows over the prompt so far) is the engine's
 job, not mixkv's: it is done densely here, with the exact K/V, while the K/V
@@ -149,16 +155,133 @@ class Progress:
         sys.stderr.write("\n")
 
 
-def serve(model, requests, sensitivities, fp16_only, arena_bytes):
-    """Runs the workload through mixkv.Scheduler; returns generated tokens, peak pool usage, timings."""
+class HostBackend:
+    """mixkv's CPU backend: a KVCache (manager + host arena), NumPy arrays; the
+    decode batch reads the scheduler's CSR metadata."""
+
+    name = "cpu"
+
+    def __init__(self, config, max_num_seqs, max_blocks):
+        self.cache = mixkv.KVCache(config)
+
+    def apply_moves(self, out, scheduler):
+        if out.demotions:
+            ops.demote(self.cache, out.demotions)
+        if out.swap_out:
+            ops.swap_blocks(self.cache, out.swap_out, ops.SwapDirection.DeviceToHost)
+        if out.swap_in:
+            ops.swap_blocks(self.cache, out.swap_in, ops.SwapDirection.HostToDevice)
+        if out.append.copies:
+            ops.copy_blocks(self.cache, out.append.copies)
+
+    def store(self, mapping, k, v):
+        ops.store_prefill(self.cache, k, v, mapping)
+
+    def begin_decode(self, out):
+        self.out = out
+
+    def attend(self, layer, q, k, v):
+        ops.append(self.cache, k, v, self.out.append.slots[layer])
+        return ops.paged_decode_attention(self.cache, self.out.metadata, layer, q.astype(np.float16))[0]
+
+
+class CudaBackend:
+    """mixkv's CUDA backend: a DeviceKVCache, page tables mirrored on the device
+    per scheduler slot (refreshed for StepOutput.tables_changed and the decodes,
+    uploaded as changes), one DecodePlan a step and one attention launch a
+    layer, all on torch's current stream."""
+
+    name = "cuda"
+
+    def __init__(self, config, max_num_seqs, max_blocks):
+        import torch
+        import mixkv.cuda as mc
+
+        self.torch = torch
+        self.cache = mc.DeviceKVCache(config)
+        shape = config.shape
+        self.tables = mc.DevicePageTables(mc.PageTableConfig(shape.num_layers, max_num_seqs, max_blocks))
+        self.plan = mc.DecodePlan(mc.DecodePlanConfig(shape.num_layers, Q_HEADS, shape.num_kv_heads, shape.head_dim,
+                                                      shape.block_size, max_num_seqs), self.tables)
+        self.mapping = mc.DeviceStoreMapping()
+        self.block_size = shape.block_size
+
+    def gpu(self, a):
+        return self.torch.from_numpy(np.ascontiguousarray(a)).cuda()
+
+    def apply_moves(self, out, scheduler):
+        # One demote launch per (source, destination) pool pair: the scheduler
+        # takes every destination before it frees any source, so their order
+        # does not matter.
+        moves = {}
+        for d in out.demotions:
+            moves.setdefault((d.src_precision, d.dst_precision), []).append((d.src_block, d.dst_block))
+        for (src, dst), pairs in moves.items():
+            ops.demote(self.cache, self.gpu(np.asarray(pairs, dtype=np.int32)), src, dst)
+        if out.swap_out:
+            ops.swap_blocks(self.cache, out.swap_out, ops.SwapDirection.DeviceToHost)
+        if out.swap_in:
+            ops.swap_blocks(self.cache, out.swap_in, ops.SwapDirection.HostToDevice)
+        if out.append.copies:
+            pairs = np.asarray([(c.src, c.dst) for c in out.append.copies], dtype=np.int32)
+            ops.copy_blocks(self.cache, self.gpu(pairs))
+        for rid in out.tables_changed:
+            self.tables.sync(scheduler.status(rid).slot, self.cache, rid)
+
+    def store(self, mapping, k, v):
+        self.mapping.upload(mapping, self.block_size)
+        ops.store_prefill(self.cache, self.gpu(k), self.gpu(v), self.mapping)
+
+    def begin_decode(self, out):
+        for rid, slot in zip(out.decodes, out.decode_slots):  # their new tokens' blocks
+            self.tables.sync(int(slot), self.cache, rid)
+        self.tables.upload()
+        self.plan.plan(out.decode_slots)
+        self.slots = self.gpu(out.append.slots)
+
+    def attend(self, layer, q, k, v):
+        ops.append(self.cache, self.gpu(k), self.gpu(v), self.slots[layer])
+        attn = self.torch.empty(q.shape, dtype=self.torch.float16, device="cuda")
+        ops.paged_decode_attention(self.cache, self.plan, layer, self.gpu(q.astype(np.float16)), out=attn)
+        return attn.float().cpu().numpy()
+
+
+def pick_backend(name):
+    """'auto': CUDA where mixkv was built with it and torch sees a GPU."""
+    if name in ("auto", "cuda") and mixkv.built_with_cuda:
+        try:
+            import torch
+            import mixkv.cuda as mc
+
+            if mc.device_available() and torch.cuda.is_available():
+                return CudaBackend
+        except ImportError:
+            pass
+    if name == "cuda":
+        raise SystemExit("--backend cuda: needs mixkv built with CUDA, torch and a visible GPU")
+    return HostBackend
+
+
+def serve(model, requests, sensitivities, fp16_only, arena_bytes, backend=HostBackend, swap_blocks=0,
+          preemption=mixkv.PreemptionMode.Recompute, forced=None):
+    """Runs the workload through mixkv.Scheduler on one backend; returns the generated tokens, the logits each
+    came from, peak pool usage, scheduler counters and timings. `forced` (id -> tokens) feeds those tokens
+    instead of the argmax, so that two runs see the same sequences and their logits can be compared."""
     shape = mixkv.CacheShape(LAYERS, KV_HEADS, HEAD_DIM, WINDOW)
-    cache = mixkv.KVCache(mixkv.CacheConfig(shape, arena_bytes, slab_bytes=256 << 10, fp16_windows_first=True))
+    config = mixkv.CacheConfig(shape, arena_bytes, slab_bytes=256 << 10, swap_blocks=[swap_blocks] * 3,
+                               fp16_windows_first=True)
     planner = mixkv.PlannerConfig(sensitivities, window_size=WINDOW,
                                   min_precision=[mixkv.Precision.FP16] * LAYERS if fp16_only else [])
-    scheduler = mixkv.Scheduler(cache, mixkv.SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=384,
-                                                             planner=planner))
+    max_num_seqs = 8
+    # The longest page list of one (request, layer, pool).
+    max_blocks = max(math.ceil((r["layout"].num_tokens + r["max_new_tokens"]) / WINDOW) for r in requests)
+    engine = backend(config, max_num_seqs, max_blocks)
+    scheduler = mixkv.Scheduler(engine.cache, mixkv.SchedulerConfig(max_num_seqs=max_num_seqs,
+                                                                    max_num_batched_tokens=384,
+                                                                    preemption=preemption, planner=planner))
     by_id = {r["id"]: r for r in requests}
     generated = {r["id"]: [] for r in requests}
+    logits_of = {r["id"]: [] for r in requests}
     prefill_kv = {}  # id -> [layer] -> (k rows, v rows): the engine's prefill attention input
     peak = [0, 0, 0]
     total = sum(r["max_new_tokens"] for r in requests)
@@ -166,6 +289,12 @@ def serve(model, requests, sensitivities, fp16_only, arena_bytes):
     decode_time = prefill_time = 0.0
     decode_tokens = 0
     pending = sorted(requests, key=lambda r: r["arrival_step"])
+
+    def sample(rid, logits):
+        logits_of[rid].append(logits)
+        n = len(generated[rid])
+        generated[rid].append(int(forced[rid][n]) if forced is not None else int(np.argmax(logits)))
+
     step = 0
     while pending or scheduler.has_unfinished():
         while pending and pending[0]["arrival_step"] <= step:
@@ -174,15 +303,7 @@ def serve(model, requests, sensitivities, fp16_only, arena_bytes):
                                                 max_new_tokens=r["max_new_tokens"], arrival_time=step))
         step += 1
         out = scheduler.step()
-        # 1-4: memory moves the scheduler decided, in its order.
-        if out.demotions:
-            ops.demote(cache, out.demotions)
-        if out.swap_out:
-            ops.swap_blocks(cache, out.swap_out, ops.SwapDirection.DeviceToHost)
-        if out.swap_in:
-            ops.swap_blocks(cache, out.swap_in, ops.SwapDirection.HostToDevice)
-        if out.append.copies:
-            ops.copy_blocks(cache, out.append.copies)
+        engine.apply_moves(out, scheduler)  # 1-4: the memory moves the scheduler decided, in its order
         for rid in out.preempted:
             prefill_kv.pop(rid, None)
 
@@ -197,13 +318,13 @@ def serve(model, requests, sensitivities, fp16_only, arena_bytes):
                 prefill_kv[chunk.id] = [(np.zeros((0, KV_HEADS, HEAD_DIM), np.float16),) * 2 for _ in range(LAYERS)]
             for layer in range(LAYERS):
                 q, k, v = model.qkv(layer, h, positions)
-                ops.store_prefill(cache, k, v, chunk.mappings[layer])
+                engine.store(chunk.mappings[layer], k, v)
                 old_k, old_v = prefill_kv[chunk.id][layer]
                 all_k, all_v = np.concatenate([old_k, k]), np.concatenate([old_v, v])
                 prefill_kv[chunk.id][layer] = (all_k, all_v)
                 h = model.finish_layer(layer, h, causal_attention(q, all_k, all_v, chunk.start))
             if chunk.last:
-                generated[chunk.id].append(int(np.argmax(model.logits(h[-1]))))
+                sample(chunk.id, model.logits(h[-1]))
                 del prefill_kv[chunk.id]
         prefill_time += time.perf_counter() - start
 
@@ -214,28 +335,29 @@ def serve(model, requests, sensitivities, fp16_only, arena_bytes):
             tokens = np.array([generated[i][-1] for i in ids])
             positions = np.array([by_id[i]["layout"].num_tokens + len(generated[i]) - 1 for i in ids])
             h = model.embed[tokens]
+            engine.begin_decode(out)
             for layer in range(LAYERS):
                 q, k, v = model.qkv(layer, h, positions)
-                ops.append(cache, k, v, out.append.slots[layer])
-                attn, _ = ops.paged_decode_attention(cache, out.metadata, layer, q.astype(np.float16))
-                h = model.finish_layer(layer, h, attn)
+                h = model.finish_layer(layer, h, engine.attend(layer, q, k, v))
             for i, logits in zip(ids, model.logits(h)):
-                generated[i].append(int(np.argmax(logits)))
+                sample(i, logits)
             decode_tokens += len(ids)
         decode_time += time.perf_counter() - start
 
         for p in mixkv.Precision:
-            peak[p] = max(peak[p], cache.pool_stats(p).used_blocks)
+            peak[p] = max(peak[p], engine.cache.pool_stats(p).used_blocks)
         stats = scheduler.stats()
         progress.update(sum(len(g) for g in generated.values()),
                         f"step {step}: running {stats.running}, prefilling {stats.prefilling}, "
                         f"waiting {stats.waiting}, demotions {stats.demotions}")
     progress.close()
     scheduler.check_invariants()
-    block_bytes = [cache.format(p).block_bytes for p in mixkv.Precision]
-    return dict(generated=generated, peak=peak, block_bytes=block_bytes, decode_time=decode_time,
-                prefill_time=prefill_time, decode_tokens=decode_tokens,
-                prefill_tokens=scheduler.stats().prefill_tokens)
+    stats = scheduler.stats()
+    block_bytes = [engine.cache.format(p).block_bytes for p in mixkv.Precision]
+    return dict(generated=generated, logits=logits_of, peak=peak, block_bytes=block_bytes, decode_time=decode_time,
+                prefill_time=prefill_time, decode_tokens=decode_tokens, prefill_tokens=stats.prefill_tokens,
+                demotions=stats.demotions, preempted_recompute=stats.preempted_recompute,
+                preempted_swap=stats.preempted_swap)
 
 
 def main():
@@ -244,12 +366,17 @@ def main():
     parser.add_argument("--frames", type=int, default=4, help=f"frames of {TOKENS_PER_FRAME} visual tokens")
     parser.add_argument("--new-tokens", type=int, default=24)
     parser.add_argument("--arena-mib", type=int, default=16)
+    parser.add_argument("--swap-blocks", type=int, default=0, help="host swap blocks per pool")
+    parser.add_argument("--preemption", choices=("recompute", "swap"), default="recompute")
+    parser.add_argument("--backend", choices=("auto", "cpu", "cuda"), default="auto")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sensitivity", default="0.85",
                         help="layer sensitivity for the planner (eq. 9), or 'measured' to measure it on this model: "
                              "random weights barely change the residual stream (eq. 9 ~ 0.97), which would put every "
                              "window but the first in INT2; 0.85 stands in for a trained model's layers")
     args = parser.parse_args()
+    backend = pick_backend(args.backend)
+    preemption = mixkv.PreemptionMode.Swap if args.preemption == "swap" else mixkv.PreemptionMode.Recompute
 
     rng = np.random.default_rng(args.seed)
     model = Model(rng)
@@ -258,11 +385,12 @@ def main():
     sensitivities = measured if args.sensitivity == "measured" else [float(args.sensitivity)] * LAYERS
     print(f"mixkv {mixkv.__version__}: {args.requests} requests of {requests[0]['layout'].num_tokens} prompt tokens, "
           f"{args.new_tokens} new tokens each; measured layer sensitivities {np.round(measured, 3).tolist()}, "
-          f"planning with {np.round(sensitivities, 3).tolist()}")
+          f"planning with {np.round(sensitivities, 3).tolist()}; {backend.name} backend")
     runs = {}
     for name, fp16_only in (("WindowQuant", False), ("FP16", True)):
         print(f"{name} cache:")
-        runs[name] = serve(model, requests, sensitivities, fp16_only, args.arena_mib << 20)
+        runs[name] = serve(model, requests, sensitivities, fp16_only, args.arena_mib << 20, backend,
+                           args.swap_blocks, preemption)
 
     wq, fp = runs["WindowQuant"], runs["FP16"]
     print()
@@ -276,6 +404,8 @@ def main():
     print(f"{'decode tokens/s':24}{tps[0]:>14.1f}{tps[1]:>14.1f}")
     ptps = [r["prefill_tokens"] / r["prefill_time"] for r in (wq, fp)]
     print(f"{'prefill tokens/s':24}{ptps[0]:>14.1f}{ptps[1]:>14.1f}")
+    for key in ("demotions", "preempted_recompute", "preempted_swap"):
+        print(f"{key.replace('_', ' '):24}{wq[key]:>14}{fp[key]:>14}")
     same = total = prefix = 0
     for rid, tokens in fp["generated"].items():
         mine = wq["generated"][rid]
@@ -285,8 +415,10 @@ def main():
         prefix += next((i for i, m in enumerate(matches) if not m), len(matches))
     print(f"{'tokens equal to FP16':24}{f'{same}/{total}':>14}{'-':>14}")
     print(f"{'  until 1st divergence':24}{f'{prefix}/{total}':>14}{'-':>14}")
-    print(f"\nKV memory {kib[1] / kib[0]:.2f}x smaller with WindowQuant. Tokens/s are of this NumPy engine on "
-          f"mixkv's CPU backend (float64 reference attention), not of the CUDA kernels.")
+    attention = ("the CUDA kernels" if backend is CudaBackend
+                 else "mixkv's CPU backend (float64 reference attention), not of the CUDA kernels")
+    print(f"\nKV memory {kib[1] / kib[0]:.2f}x smaller with WindowQuant. Tokens/s are of this NumPy engine (the "
+          f"model's matrices on the host) with attention on {attention}.")
 
 
 if __name__ == "__main__":
