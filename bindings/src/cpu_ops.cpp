@@ -158,7 +158,7 @@ void bind_cpu_ops(py::module_& ops) {
           "INT4/INT2 windows quantized into their blocks.");
   ops.def("append", &append, py::arg("cache"), py::arg("k"), py::arg("v"), py::arg("slots"),
           "Writes one decode token per sequence, float16 [batch, num_kv_heads, head_dim], into the FP16 slots of "
-          "one layer (AppendResult.slots[layer]).");
+          "one layer (AppendResult.slots[layer]); a slot of -1 pads the batch (that row is not written).");
   ops.def("copy_blocks", &copy_blocks, py::arg("cache"), py::arg("copies"), py::arg("precision") = Precision::FP16,
           "Copies whole blocks inside one pool (AppendResult.copies, before the step's tokens are written).");
   ops.def("demote", &demote, py::arg("cache"), py::arg("ops"),

@@ -190,7 +190,8 @@ void bind_cuda_ops(py::module_& ops) {
   ops.def("append", &append, py::arg("cache"), py::arg("k"), py::arg("v"), py::arg("slots"), py::kw_only(),
           py::arg("stream") = py::none(),
           "CUDA: one decode token per sequence, float16 [batch, num_kv_heads, head_dim], into FP16 slots given as "
-          "a CUDA int32 array [batch] (a row of AppendResult.slots moved to the device).");
+          "a CUDA int32 array [batch] (a row of AppendResult.slots moved to the device); a slot of -1 pads the batch "
+          "(that row is not written: a graph captured at a larger batch than the step's).");
   ops.def("copy_blocks", &copy_blocks, py::arg("cache"), py::arg("copies"), py::arg("precision") = Precision::FP16,
           py::kw_only(), py::arg("stream") = py::none(),
           "CUDA: whole-block copies inside the FP16 pool; copies is a CUDA int32 array [count, 2] of (src, dst).");

@@ -333,6 +333,7 @@ __global__ void append_kernel(const __grid_constant__ AppendParams p) {
   const int chunks_per_head = f.head_dim / 8;
   const int chunks_per_row = f.num_kv_heads * chunks_per_head;
   const std::int32_t slot = p.slots[blockIdx.x];
+  if (slot < 0) return;  // a padding row
   const std::size_t base = static_cast<std::size_t>(blockIdx.x) * chunks_per_row;
   for (int i = threadIdx.x; i < chunks_per_row; i += blockDim.x) {
     copy_row(p.pool, slot, p.k + base, p.v + base, i, chunks_per_head);

@@ -120,6 +120,28 @@ TEST(Append, WritesOneTokenPerSlot) {
   EXPECT_LE(arena.bytes().size() - poisoned, 3u * kHeads * 2 * kDim * 2);
 }
 
+// Slot -1 pads a batch: its row is neither written nor checked, so it may
+// hold anything (a CUDA graph's static buffer from an earlier step).
+TEST(Append, PaddingRowsAreSkipped) {
+  TestArena arena(kHeads, kDim, kBlock, {4, 1, 1});
+  Rng rng(29);
+  const std::int32_t a = arena.alloc(Precision::FP16);
+  const std::vector<std::int32_t> slots = {-1, a * kBlock + 7, -1};
+  std::vector<Half> k = random_halves(rng, 3 * kRow), v = random_halves(rng, 3 * kRow);
+  k[3] = Half{0x7e00};          // NaN in padding row 0
+  v[2 * kRow + 1] = Half{0xfc00};  // -inf in padding row 2
+  cpu::append(k, v, slots, arena.view(Precision::FP16));
+  for (std::int32_t h = 0; h < kHeads; ++h) {
+    EXPECT_EQ(fp16_token(arena.view(Precision::FP16), slots[1], h, false), row_head(k, 1, h));
+    EXPECT_EQ(fp16_token(arena.view(Precision::FP16), slots[1], h, true), row_head(v, 1, h));
+  }
+  const std::size_t poisoned = std::count(arena.bytes().begin(), arena.bytes().end(), kPoison);
+  EXPECT_LE(arena.bytes().size() - poisoned, 1u * kHeads * 2 * kDim * 2);
+  // The written rows are still checked, and named by their index in k.
+  k[kRow + 2] = Half{0x7c00};
+  MIXKV_EXPECT_INVALID(cpu::append(k, v, slots, arena.view(Precision::FP16)), "k[" + std::to_string(kRow + 2) + "]");
+}
+
 TEST(CopyBlocks, CopiesWholeBlocks) {
   for (Precision p : kAllPrecisions) {
     TestArena arena(kHeads, kDim, kBlock, {8, 8, 8});
@@ -243,7 +265,7 @@ TEST_F(StoreBadInput, Append) {
   const std::vector<std::int32_t> slots = {3, 17};
   MIXKV_EXPECT_INVALID(cpu::append(std::span(k).first(kRow), v, slots, pool), "k has");
   MIXKV_EXPECT_INVALID(cpu::append(k, std::span(v).first(kRow), slots, pool), "v has");
-  MIXKV_EXPECT_INVALID(cpu::append(k, v, std::vector<std::int32_t>{3, -1}, pool), "fp16_slots[1]");
+  MIXKV_EXPECT_INVALID(cpu::append(k, v, std::vector<std::int32_t>{3, -2}, pool), "fp16_slots[1] = -2");
   MIXKV_EXPECT_INVALID(cpu::append(k, v, std::vector<std::int32_t>{3, 3}, pool), "fp16_slots");
   MIXKV_EXPECT_INVALID(cpu::append(k, v, slots, arena_.view(Precision::INT4)), "fp16_pool.format.precision");
   std::vector<Half> bad = k;

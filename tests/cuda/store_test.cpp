@@ -142,8 +142,11 @@ TEST(AppendCuda, MatchesCpu) {
   Rng rng(5);
   std::vector<std::int32_t> slots;
   for (int i = 0; i < batch; ++i) slots.push_back(arena.alloc(Precision::FP16) * block + static_cast<int>(rng() % block));
-  const auto k = random_halves(rng, static_cast<std::size_t>(batch) * heads * dim);
+  // Every third row is padding (slot -1), holding NaNs: nothing of it may land.
+  for (int i = 0; i < batch; i += 3) slots[i] = -1;
+  auto k = random_halves(rng, static_cast<std::size_t>(batch) * heads * dim);
   const auto v = random_halves(rng, k.size());
+  for (int i = 0; i < batch; i += 3) k[static_cast<std::size_t>(i) * heads * dim + 5] = Half{0x7e00};
   cpu::append(k, v, slots, arena.view(Precision::FP16));
   DeviceVector<Half> dk(k), dv(v);
   DeviceVector<std::int32_t> ds(slots);

@@ -320,3 +320,54 @@ def test_scheduler_driven_engine_matches_the_cpu_backend(fp16_only, workload, pr
             worst = max(worst, float(np.abs(a - b).max()) / max(1.0, float(np.abs(a).max())))
     # The GPU's attention output is FP16 where the CPU backend returns float32 of a float64 sum.
     assert worst <= 2e-2, f"largest logit difference {worst:.3g} (relative to the row's largest logit)"
+
+
+def test_a_decode_step_captured_in_a_cuda_graph_replays_for_smaller_batches(rng):
+    """An engine captures its decode step (every layer's append and attention, fixed_grid=True) once, at its
+    largest batch, and replays it each step: plan() is redone outside the graph, the batch's rows go into the
+    static buffers and the rows past it get slot -1 in append (nothing written; they hold NaNs here). Each replay
+    must append and attend exactly as eager calls on the CPU backend do."""
+    host, device, _ = pair(rng)
+    ids, q_heads, dim, kv_heads = [0, 1, 2], 28, SHAPE.head_dim, SHAPE.num_kv_heads
+    layers, batch = SHAPE.num_layers, len(ids)
+    tables = mc.DevicePageTables(mc.PageTableConfig(layers, max_sequences=8, max_blocks_per_sequence=64))
+    plan = mc.DecodePlan(mc.DecodePlanConfig(layers, q_heads, kv_heads, dim, SHAPE.block_size, max_batch=batch),
+                         tables)
+    for i in ids:  # page-table slot = sequence id
+        tables.sync(i, device, i)
+    tables.upload()
+    plan.plan(ids)
+    static_q = torch.zeros((layers, batch, q_heads, dim), dtype=torch.float16, device="cuda")
+    static_k = torch.zeros((layers, batch, kv_heads, dim), dtype=torch.float16, device="cuda")
+    static_v = torch.zeros_like(static_k)
+    static_slots = torch.full((layers, batch), -1, dtype=torch.int32, device="cuda")
+    static_out = torch.zeros_like(static_q)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for layer in range(layers):
+            ops.append(device, static_k[layer], static_v[layer], static_slots[layer])
+            ops.paged_decode_attention(device, plan, layer, static_q[layer], out=static_out[layer], fixed_grid=True)
+
+    scale = 1 / np.sqrt(dim)
+    for step_ids in ([2, 0], [0, 1, 2], [1]):
+        results = [cache.append_tokens(step_ids) for cache in (host, device)]
+        assert results[0].slots.tolist() == results[1].slots.tolist()
+        for i in step_ids:
+            tables.sync(i, device, i)
+        tables.upload()
+        plan.plan(step_ids)
+        n = len(step_ids)
+        q = rng.standard_normal((layers, n, q_heads, dim)).astype(np.float16)
+        k, v = (rng.standard_normal((layers, n, kv_heads, dim)).astype(np.float16) for _ in range(2))
+        static_q[:, :n], static_k[:, :n], static_v[:, :n] = cuda(q), cuda(k), cuda(v)
+        static_k[:, n:], static_v[:, n:] = float("nan"), float("nan")
+        static_slots.fill_(-1)
+        static_slots[:, :n] = cuda(results[1].slots)
+        graph.replay()
+        md = host.decode_metadata(step_ids)
+        for layer in range(layers):
+            ops.append(host, k[layer], v[layer], results[0].slots[layer])
+            want, _ = reference_decode(host, md, layer, q[layer], scale)
+            torch.cuda.synchronize()
+            assert relative_error(static_out[layer, :n].float().cpu().numpy(), want) < 5e-3, (step_ids, layer)
+        assert used_blocks_equal(host, device, ids), step_ids

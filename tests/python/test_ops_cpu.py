@@ -102,6 +102,22 @@ def test_append_then_decode_sees_the_new_token(rng):
         assert relative_error(out, want) < 1e-5
 
 
+def test_append_skips_padding_slots(rng):
+    """Slot -1 pads a batch (an engine's fixed-size buffers): that row is neither written nor checked."""
+    cache = make_cache(num_kv_heads=2, head_dim=64)
+    lay = layout(("text", 20))
+    store_sequence(cache, 0, lay, fp16_only(cache, lay), rng)
+    slot = int(cache.append_tokens([0]).slots[0][0])
+    before = cache.arena.copy()
+    k, v = random_kv(rng, 3, 2, 64)
+    k[0, 1, 3] = np.nan  # in a padding row
+    ops.append(cache, k, v, [-1, slot, -1])
+    changed = np.flatnonzero(cache.arena != before)
+    assert 0 < changed.size <= 2 * 2 * 64 * 2  # one token: K and V of 2 heads, 64 halves each
+    with pytest.raises(ValueError, match=r"append: fp16_slots\[0\] = -2: expected a slot >= 0, or -1"):
+        ops.append(cache, k, v, [-2, slot, -1])
+
+
 def test_copy_blocks_after_fork(rng):
     cache = make_cache()
     lay = layout(("text", 40))

@@ -55,11 +55,13 @@ template <typename... Parts>
 
 inline bool is_finite(Half h) { return (h.bits & 0x7c00u) != 0x7c00u; }
 
-// Throws InvalidArgument naming `name` at the first NaN or infinity.
-inline void check_finite(std::string_view function, std::string_view name, std::span<const Half> values) {
+// Throws InvalidArgument naming `name` at the first NaN or infinity;
+// `values` starts at element `first` of the argument.
+inline void check_finite(std::string_view function, std::string_view name, std::span<const Half> values,
+                         std::size_t first = 0) {
   for (std::size_t i = 0; i < values.size(); ++i) {
     if (!is_finite(values[i])) {
-      invalid(function, ": ", name, "[", i, "] is NaN or inf (bits 0x", Hex{values[i].bits},
+      invalid(function, ": ", name, "[", first + i, "] is NaN or inf (bits 0x", Hex{values[i].bits},
               "): expected finite values");
     }
   }

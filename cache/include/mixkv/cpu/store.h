@@ -18,7 +18,9 @@ void store_prefill(std::span<const Half> k, std::span<const Half> v, const Store
                    const PoolViews& pools);
 
 // Write one decode token per sequence, [batch][num_kv_heads][head_dim], into
-// FP16 slots (AppendResult::slots of one layer).
+// FP16 slots (AppendResult::slots of one layer). A slot of -1 is padding: its
+// row is not written nor read (a CUDA graph captured at a larger batch than
+// the step's pads its slots so).
 void append(std::span<const Half> k, std::span<const Half> v, std::span<const std::int32_t> fp16_slots,
             const PoolView& fp16_pool);
 

@@ -62,7 +62,9 @@ class DeviceStoreMapping {
 struct AppendArgs {
   const Half* k = nullptr;  // [batch][num_kv_heads][head_dim], 16-byte aligned (as v)
   const Half* v = nullptr;
-  const std::int32_t* fp16_slots = nullptr;  // [batch] (AppendResult::slots of one layer)
+  // [batch] (AppendResult::slots of one layer); -1: a padding row, not
+  // written (a graph captured at a larger batch than the step's).
+  const std::int32_t* fp16_slots = nullptr;
   std::int32_t batch = 0;
   PoolView fp16_pool{};
   cudaStream_t stream = nullptr;
