@@ -1,20 +1,25 @@
 // mixkv-demo: a synthetic video-QA workload stored through the cache manager
-// under WindowQuant plans, on the CPU backend.
+// under WindowQuant plans, on the CUDA backend when mixkv was built with it
+// and a GPU is present (`--cpu` forces the CPU backend), else on the CPU.
 //
 // Each request is (system text, F frames x 196 visual tokens, question). The
 // question is about a few frames: their visual embeddings lean towards the
 // question's direction, and their keys lean towards the decode queries', so
 // that (as in a real model) the windows the planner keeps in FP16 are the
 // ones attention looks at. Keys carry a few outlier channels. The demo plans
-// every request, stores its K/V through KVCacheManager + cpu::store_prefill,
-// runs decode attention for every layer, and compares each storage choice
-// (all INT4, all INT2, WindowQuant) with an all-FP16 cache of the same tokens.
+// every request, stores its K/V through KVCacheManager and store_prefill,
+// runs decode attention for every layer (on the GPU: the whole batch in one
+// DecodePlan, one launch a layer), and compares each storage choice (all
+// INT4, all INT2, WindowQuant) with an all-FP16 cache of the same tokens.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <memory>
 #include <random>
+#include <stdexcept>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "mixkv/cache/half.h"
@@ -22,6 +27,15 @@
 #include "mixkv/cache/window_planner.h"
 #include "mixkv/cpu/decode_attention.h"
 #include "mixkv/cpu/store.h"
+
+#if defined(MIXKV_DEMO_CUDA)
+#include <cuda_runtime_api.h>
+
+#include "mixkv/kernels/decode_plan.h"
+#include "mixkv/kernels/device_arena.h"
+#include "mixkv/kernels/device_page_tables.h"
+#include "mixkv/kernels/store.h"
+#endif
 
 namespace {
 
@@ -112,31 +126,169 @@ Request make_request(std::mt19937& rng, const CacheShape& shape, int frames, int
   return r;
 }
 
-// Decode attention of one request in one layer; returns [q_heads][head_dim].
-std::vector<float> attend(KVCacheManager& manager, std::vector<std::byte>& arena, SequenceId id, int layer,
-                          const std::vector<Half>& q) {
-  const CacheShape& shape = manager.config().shape;
-  const SequenceId ids[] = {id};
-  const DecodeMetadata meta = manager.decode_metadata(ids);
-  cpu::PoolViews pools;
-  for (Precision p : kAllPrecisions) pools[pool_index(p)] = manager.pool_view(p, arena.data());
-  std::vector<float> out(static_cast<std::size_t>(kQueryHeads) * shape.head_dim), lse(kQueryHeads);
-  cpu::decode_attention({.q = q,
-                         .num_q_heads = kQueryHeads,
-                         .sm_scale = 1.0f / std::sqrt(static_cast<float>(shape.head_dim)),
-                         .tables = &meta.layers[layer],
-                         .pools = pools,
-                         .out = out,
-                         .lse = lse});
-  return out;
+// One storage choice: the requests' tokens under its plans, in its own
+// arena (host memory on the CPU backend, one cudaMalloc on the CUDA one).
+struct Variant {
+  const char* name;
+  std::vector<PrecisionPlan> plans;
+  std::unique_ptr<KVCacheManager> manager;
+  std::vector<std::byte> arena;
+#if defined(MIXKV_DEMO_CUDA)
+  std::unique_ptr<gpu::DeviceArena> device_arena;
+#endif
+  double error_sum = 0, error_max = 0;
+};
+
+// Decode attention outputs, [request][layer] -> [q_heads][head_dim].
+using Outputs = std::vector<std::vector<std::vector<float>>>;
+
+float sm_scale(const CacheShape& shape) { return 1.0f / std::sqrt(static_cast<float>(shape.head_dim)); }
+
+class CpuBackend {
+ public:
+  std::string name() const { return "CPU backend"; }
+
+  void allocate(Variant& v) const { v.arena.resize(v.manager->config().arena_bytes); }
+
+  void store(Variant& v, SequenceId id, const Request& r) const {
+    const cpu::PoolViews pools = views(v);
+    for (int layer = 0; layer < v.manager->config().shape.num_layers; ++layer)
+      cpu::store_prefill(r.k[layer], r.v[layer], v.manager->prefill_mapping(id, layer), pools);
+  }
+
+  Outputs attend(Variant& v, const std::vector<Request>& requests) const {
+    const CacheShape& shape = v.manager->config().shape;
+    const cpu::PoolViews pools = views(v);
+    Outputs outputs(requests.size());
+    for (std::size_t i = 0; i < requests.size(); ++i) {
+      const SequenceId ids[] = {static_cast<SequenceId>(i)};
+      const DecodeMetadata meta = v.manager->decode_metadata(ids);
+      for (int layer = 0; layer < shape.num_layers; ++layer) {
+        std::vector<float> out(static_cast<std::size_t>(kQueryHeads) * shape.head_dim), lse(kQueryHeads);
+        cpu::decode_attention({.q = requests[i].q[layer],
+                               .num_q_heads = kQueryHeads,
+                               .sm_scale = sm_scale(shape),
+                               .tables = &meta.layers[layer],
+                               .pools = pools,
+                               .out = out,
+                               .lse = lse});
+        outputs[i].push_back(std::move(out));
+      }
+    }
+    return outputs;
+  }
+
+ private:
+  static cpu::PoolViews views(Variant& v) {
+    cpu::PoolViews pools;
+    for (Precision p : kAllPrecisions) pools[pool_index(p)] = v.manager->pool_view(p, v.arena.data());
+    return pools;
+  }
+};
+
+#if defined(MIXKV_DEMO_CUDA)
+void cuda_check(cudaError_t status, const char* what) {
+  if (status != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(status));
 }
 
-void store(KVCacheManager& manager, std::vector<std::byte>& arena, SequenceId id, const Request& r) {
-  cpu::PoolViews pools;
-  for (Precision p : kAllPrecisions) pools[pool_index(p)] = manager.pool_view(p, arena.data());
-  for (int layer = 0; layer < manager.config().shape.num_layers; ++layer)
-    cpu::store_prefill(r.k[layer], r.v[layer], manager.prefill_mapping(id, layer), pools);
-}
+template <typename T>
+class DeviceArray {
+ public:
+  explicit DeviceArray(std::size_t count) {
+    void* p = nullptr;
+    cuda_check(cudaMalloc(&p, std::max<std::size_t>(count, 1) * sizeof(T)), "cudaMalloc");
+    data_.reset(static_cast<T*>(p));
+  }
+  T* get() const { return data_.get(); }
+  void upload(const std::vector<T>& host) {
+    cuda_check(cudaMemcpy(get(), host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice), "upload");
+  }
+  std::vector<T> download(std::size_t count) const {
+    std::vector<T> host(count);
+    cuda_check(cudaMemcpy(host.data(), get(), count * sizeof(T), cudaMemcpyDeviceToHost), "download");
+    return host;
+  }
+
+ private:
+  struct Free {
+    void operator()(T* p) const { cudaFree(p); }
+  };
+  std::unique_ptr<T, Free> data_;
+};
+
+// The pools in device memory; each layer's K/V stored by one store_prefill
+// launch; the whole batch's decode attention planned once (DecodePlan over
+// DevicePageTables) and run as one launch a layer.
+class CudaBackend {
+ public:
+  std::string name() const {
+    cudaDeviceProp prop{};
+    cuda_check(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
+    return std::string("CUDA backend, ") + prop.name;
+  }
+
+  void allocate(Variant& v) const { v.device_arena = std::make_unique<gpu::DeviceArena>(v.manager->config().arena_bytes); }
+
+  void store(Variant& v, SequenceId id, const Request& r) {
+    const CacheShape& shape = v.manager->config().shape;
+    for (int layer = 0; layer < shape.num_layers; ++layer) {
+      DeviceArray<Half> k(r.k[layer].size()), values(r.v[layer].size());
+      k.upload(r.k[layer]);
+      values.upload(r.v[layer]);
+      mapping_.upload(v.manager->prefill_mapping(id, layer), shape.block_size, nullptr);
+      gpu::StorePrefillArgs args;
+      mapping_.fill(args);
+      args.k = k.get();
+      args.v = values.get();
+      args.pools = v.device_arena->pool_views(*v.manager);
+      gpu::store_prefill(args);
+      cuda_check(cudaDeviceSynchronize(), "store_prefill");
+    }
+  }
+
+  Outputs attend(Variant& v, const std::vector<Request>& requests) const {
+    const CacheShape& shape = v.manager->config().shape;
+    const auto batch = static_cast<std::int32_t>(requests.size());
+    std::vector<SequenceId> ids;
+    std::vector<std::int32_t> slots;
+    for (std::int32_t i = 0; i < batch; ++i) ids.push_back(i), slots.push_back(i);
+    // The page tables hold each (sequence, layer, pool)'s longest list.
+    const DecodeMetadata meta = v.manager->decode_metadata(ids);
+    std::int32_t longest = 1;
+    for (const auto& layer : meta.layers)
+      for (const PagedPoolTable& table : layer)
+        for (std::int32_t i = 0; i < batch; ++i) longest = std::max(longest, table.indptr[i + 1] - table.indptr[i]);
+    gpu::DevicePageTables tables({.num_layers = shape.num_layers, .max_sequences = batch,
+                                  .max_blocks_per_sequence = longest});
+    for (std::int32_t i = 0; i < batch; ++i) tables.sync(slots[i], *v.manager, ids[i]);
+    tables.upload(nullptr);
+    gpu::DecodePlan plan({.num_layers = shape.num_layers, .num_q_heads = kQueryHeads,
+                          .num_kv_heads = shape.num_kv_heads, .head_dim = shape.head_dim,
+                          .block_size = shape.block_size, .max_batch = batch},
+                         tables);
+    plan.plan(slots, nullptr);
+    const std::size_t row = static_cast<std::size_t>(kQueryHeads) * shape.head_dim;
+    DeviceArray<Half> q(batch * row), out(batch * row);
+    Outputs outputs(requests.size());
+    for (int layer = 0; layer < shape.num_layers; ++layer) {
+      std::vector<Half> host_q;
+      for (const Request& r : requests) host_q.insert(host_q.end(), r.q[layer].begin(), r.q[layer].end());
+      q.upload(host_q);
+      plan.run({.layer = layer, .q = q.get(), .out = out.get(), .sm_scale = sm_scale(shape),
+                .pools = v.device_arena->pool_views(*v.manager)});
+      const std::vector<Half> host_out = out.download(batch * row);
+      for (std::int32_t i = 0; i < batch; ++i) {
+        std::vector<float>& o = outputs[i].emplace_back(row);
+        for (std::size_t j = 0; j < row; ++j) o[j] = half_to_float(host_out[i * row + j]);
+      }
+    }
+    return outputs;
+  }
+
+ private:
+  gpu::DeviceStoreMapping mapping_;
+};
+#endif
 
 double relative_error(const std::vector<float>& out, const std::vector<float>& ref) {
   double num = 0, den = 0;
@@ -153,10 +305,8 @@ std::string mib(double bytes) {
   return text;
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
-  const int num_requests = argc > 1 ? std::max(1, std::atoi(argv[1])) : 4;
+template <typename Backend>
+void run_demo(Backend& backend, int num_requests) {
   const CacheShape shape{.num_layers = 4, .num_kv_heads = 4, .head_dim = 128, .block_size = 32};
   std::mt19937 rng(2026);
 
@@ -175,13 +325,6 @@ int main(int argc, char** argv) {
   }
 
   // One cache per storage choice, each with its own arena, the same tokens.
-  struct Variant {
-    const char* name;
-    std::vector<PrecisionPlan> plans;
-    std::unique_ptr<KVCacheManager> manager;
-    std::vector<std::byte> arena;
-    double error_sum = 0, error_max = 0;
-  };
   std::vector<Variant> variants;
   for (const char* name : {"FP16", "INT4", "INT2", "WindowQuant"}) variants.push_back({.name = name});
   for (const Request& r : requests) {
@@ -208,24 +351,22 @@ int main(int argc, char** argv) {
     }
     variant.manager = std::make_unique<KVCacheManager>(
         CacheConfig{.shape = shape, .arena_bytes = slabs * slab_bytes, .slab_bytes = slab_bytes});
-    variant.arena.resize(slabs * slab_bytes);
+    backend.allocate(variant);
     for (std::size_t i = 0; i < requests.size(); ++i) {
       variant.manager->add_sequence(static_cast<SequenceId>(i), requests[i].layout, variant.plans[i]);
-      store(*variant.manager, variant.arena, static_cast<SequenceId>(i), requests[i]);
+      backend.store(variant, static_cast<SequenceId>(i), requests[i]);
     }
     variant.manager->check_invariants();
   }
 
   // Attention of every request and layer against the FP16 cache.
+  std::vector<Outputs> outputs;
+  for (Variant& variant : variants) outputs.push_back(backend.attend(variant, requests));
   int samples = 0;
   for (std::size_t i = 0; i < requests.size(); ++i)
     for (int layer = 0; layer < shape.num_layers; ++layer) {
-      const auto ref = attend(*variants[0].manager, variants[0].arena, static_cast<SequenceId>(i), layer,
-                              requests[i].q[layer]);
       for (std::size_t v = 1; v < variants.size(); ++v) {
-        const double e = relative_error(attend(*variants[v].manager, variants[v].arena,
-                                               static_cast<SequenceId>(i), layer, requests[i].q[layer]),
-                                        ref);
+        const double e = relative_error(outputs[v][i][layer], outputs[0][i][layer]);
         variants[v].error_sum += e;
         variants[v].error_max = std::max(variants[v].error_max, e);
       }
@@ -238,9 +379,9 @@ int main(int argc, char** argv) {
     total_windows += r.layout.num_windows(shape.block_size);
   }
   std::printf("mixkv-demo: %d requests, %d tokens (%d visual windows of %d), %d layers, %d KV heads x %d, "
-              "GQA %d:%d, CPU backend\n\n",
+              "GQA %d:%d, %s\n\n",
               num_requests, total_tokens, total_windows, shape.block_size, shape.num_layers,
-              shape.num_kv_heads, shape.head_dim, kQueryHeads, shape.num_kv_heads);
+              shape.num_kv_heads, shape.head_dim, kQueryHeads, shape.num_kv_heads, backend.name().c_str());
   std::printf("WindowQuant plan: per-layer thresholds (alpha %.1f)\n", planner_config.alpha);
   for (int l = 0; l < shape.num_layers; ++l)
     std::printf("  layer %d: s_l %.2f  T_low %.3f  T_high %.3f\n", l, planner_config.sensitivities[l],
@@ -272,5 +413,34 @@ int main(int argc, char** argv) {
     std::printf("%-12s %12s %10.3f %22.4f %20.4f\n", variants[v].name, mib(bytes).c_str(), bytes / fp16_bytes,
                 v == 0 ? 0.0 : variants[v].error_sum / samples, variants[v].error_max);
   }
+}
+
+}  // namespace
+
+// mixkv-demo [requests] [--cpu]
+int main(int argc, char** argv) {
+  int num_requests = 4;
+  bool force_cpu = false;
+  for (int i = 1; i < argc; ++i) {
+    const std::string_view arg = argv[i];
+    if (arg == "--cpu") {
+      force_cpu = true;
+    } else if (const int n = std::atoi(argv[i]); n > 0) {
+      num_requests = n;
+    } else {
+      std::fprintf(stderr, "mixkv-demo: unknown argument '%s' (usage: mixkv-demo [requests] [--cpu])\n", argv[i]);
+      return 2;
+    }
+  }
+#if defined(MIXKV_DEMO_CUDA)
+  if (!force_cpu && gpu::cuda_device_available()) {
+    CudaBackend backend;
+    run_demo(backend, num_requests);
+    return 0;
+  }
+#endif
+  (void)force_cpu;
+  CpuBackend backend;
+  run_demo(backend, num_requests);
   return 0;
 }
