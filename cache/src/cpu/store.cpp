@@ -128,20 +128,18 @@ void append(std::span<const Half> k, std::span<const Half> v, std::span<const st
   const BlockFormat& f = fp16_pool.format;
   check_rows(fn, "k", k, fp16_slots.size(), "fp16_slots.size()", f);
   check_rows(fn, "v", v, fp16_slots.size(), "fp16_slots.size()", f);
+  const std::size_t stride = row_halves(f);
   std::vector<std::int32_t> written;
   for (std::size_t i = 0; i < fp16_slots.size(); ++i) {
     if (fp16_slots[i] < -1) {
       invalid(fn, ": fp16_slots[", i, "] = ", fp16_slots[i], ": expected a slot >= 0, or -1 for a padding row");
     }
-    if (fp16_slots[i] >= 0) written.push_back(fp16_slots[i]);
-  }
-  check_unique(fn, "fp16_slots", std::move(written));
-  const std::size_t stride = row_halves(f);
-  for (std::size_t i = 0; i < fp16_slots.size(); ++i) {
     if (fp16_slots[i] < 0) continue;  // padding rows may hold anything
+    written.push_back(fp16_slots[i]);
     detail::check_finite(fn, "k", k.subspan(i * stride, stride), i * stride);
     detail::check_finite(fn, "v", v.subspan(i * stride, stride), i * stride);
   }
+  check_unique(fn, "fp16_slots", std::move(written));
 
   for (std::size_t i = 0; i < fp16_slots.size(); ++i) {
     if (fp16_slots[i] >= 0) write_fp16_row(fp16_pool, fp16_slots[i], &k[i * stride], &v[i * stride]);
