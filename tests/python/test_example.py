@@ -14,3 +14,16 @@ def test_llama_decode_example_runs():
     for row in ("peak FP16 blocks", "peak INT2 blocks", "decode tokens/s", "tokens equal to FP16"):
         assert row in result.stdout
     assert "12/12 tokens" in result.stderr
+
+
+def test_llama_decode_example_under_memory_pressure():
+    """A 1 MiB arena forces memory moves: the FP16 run (its planner's floors at FP16) is never demoted and swaps
+    requests out and in instead; the WindowQuant run swaps too."""
+    result = subprocess.run([sys.executable, str(EXAMPLE), "--requests", "16", "--frames", "1", "--new-tokens", "80",
+                             "--arena-mib", "1", "--swap-blocks", "64", "--preemption", "swap", "--backend", "cpu"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    rows = {line[:24].strip(): line[24:].split() for line in result.stdout.splitlines() if len(line) > 24}
+    demotions, swaps = rows["demotions"], rows["preempted swap"]
+    assert int(demotions[1]) == 0, "the FP16 run was demoted below its floors"
+    assert int(swaps[0]) > 0 and int(swaps[1]) > 0, f"the arena forced no swap: {swaps}"
