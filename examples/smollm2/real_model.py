@@ -23,6 +23,9 @@ All variants are sequences of that one cache, each with its own plan:
                            question's queries against the document's keys,
                            and layer sensitivities measured on the calibration
                            text (one layer's KV INT2 at a time) instead of eq. 9
+  WindowQuant, measured s_l (alpha 8)
+                           additional: the paper's eq. 8 scores with those
+                           measured sensitivities instead of eq. 9
   INT4 / INT2              every window INT4 / INT2 (text and the tail stay FP16)
 
 Measured per variant: the KV bytes of the prompt (plan_stats, = what the
@@ -202,8 +205,10 @@ def measured_sensitivity(model: SmolLM2, cal_ids, ks, vs, context: int, progress
     every plan) and read back; d_l is the mean KL divergence of the scored
     tokens' next-token distributions from the all-FP16 cache's. Mapped to the
     planner's scale as s_l = 1 - d_l / max(d): the most damaging layer gets
-    0 (every window above T_high, FP16), a harmless one 1. Never sees the
-    document, the question or the held-out answer."""
+    0 (every window above T_high, FP16), a harmless one 1. On the
+    calibration text it never sees the document, the question or the
+    held-out answer; the --diagnose run on the prompt's own document sees
+    the document only."""
     c = model.config
     layout = TokenLayout([Segment(TokenKind.Visual, context)])
     fp16 = [(k[:context].astype(np.float32), v[:context].astype(np.float32)) for k, v in zip(ks, vs)]
@@ -585,13 +590,19 @@ def summarize(name, rec, greedy, fp16_cont_argmax, stats):
 
 
 QA_MEASURED = "WindowQuant, query-aware scores, measured s_l"
+# The paper's eq. 8 window scores with measured sensitivities: alpha 8, the
+# middle one of the sweep's 2 / 8 / 32 (docs/real-model.md: picked after
+# seeing the sweep on the same held-out answer).
+EQ8_MEASURED_ALPHA = 8.0
+EQ8_MEASURED = "WindowQuant, measured s_l (alpha 8)"
 
 
 def variant_plans(model, prompt, embeddings, sens, alpha, score_norm, qa_scores, measured):
     """The decode variants: FP16, WindowQuant as the paper sets it up, the same
     planner with an INT4 floor on every layer (it then only chooses FP16 or
     INT4), the planner on per-layer query-aware scores with measured layer
-    sensitivities (same alpha), and uniform INT4 / INT2."""
+    sensitivities (same alpha), the paper's eq. 8 scores with measured
+    sensitivities (alpha EQ8_MEASURED_ALPHA), and uniform INT4 / INT2."""
     c = model.config
     wq, scores, planner = windowquant_plan(prompt, embeddings, sens, alpha, score_norm)
     floor, _, _ = windowquant_plan(prompt, embeddings, sens, alpha, score_norm, min_precision=Precision.INT4)
@@ -600,6 +611,7 @@ def variant_plans(model, prompt, embeddings, sens, alpha, score_norm, qa_scores,
         "WindowQuant": wq,
         "WindowQuant, INT4 floor": floor,
         QA_MEASURED: per_layer_plan(qa_scores, measured, alpha),
+        EQ8_MEASURED: windowquant_plan(prompt, embeddings, measured, EQ8_MEASURED_ALPHA, "none")[0],
         "INT4": uniform_plan(c.num_layers, prompt, Precision.INT4),
         "INT2": uniform_plan(c.num_layers, prompt, Precision.INT2),
     }
@@ -735,10 +747,24 @@ def main(argv=None):
         if args.diagnose:
             attn = attention_scores(prompt, ks, queries, c.num_heads)
             result["attention_passage_rank_per_layer"] = [int(np.sum(r > r[passage_window])) + 1 for r in attn]
+            # Diagnostic, per request: the sensitivities measured on the
+            # prompt's own document (its last tokens scored after the rest),
+            # never on the question or the held-out answer.
+            t0 = time.time()
+            doc_end = len(prompt.head) + len(prompt.document)
+            prompt_context = WINDOW * ((doc_end - 128) // WINDOW)
+            prompt_measured, prompt_kl = measured_sensitivity(model, prompt.ids[:doc_end], ks, vs, prompt_context,
+                                                              progress)
+            result["prompt_measured_sensitivities"] = [float(s) for s in prompt_measured]
+            result["prompt_measured_kl"] = [float(x) for x in prompt_kl]
+            result["prompt_measured_calibration"] = {"context_tokens": prompt_context,
+                                                     "scored_tokens": doc_end - prompt_context,
+                                                     "seconds": time.time() - t0}
         else:
             attn = None
+            prompt_measured = None
         result["sweep"] = sweep(model, prompt, ks, vs, sens, embeddings, args, config, progress, passage_window,
-                                qa_scores, measured, attn)
+                                qa_scores, measured, attn, prompt_measured)
     result["seconds"] = time.time() - t_start
     report(result)
     if args.json:
@@ -750,7 +776,7 @@ def main(argv=None):
 
 
 def sweep(model, prompt, ks, vs, sens, embeddings, args, config, progress, passage_window, qa_scores, measured,
-          attn):
+          attn, prompt_measured):
     """Perplexity vs KV bytes for more plans, each scored in one causal chunk
     over the K/V read back from mixkv's CPU blocks (score_with_past), not by
     stepping. The uniform plans are scored the same way too, as a check
@@ -766,9 +792,17 @@ def sweep(model, prompt, ks, vs, sens, embeddings, args, config, progress, passa
             configs.append((f"query-aware x eq. 9 s_l, alpha={a:g}", per_layer_plan(qa_scores, sens, a)))
         for a in (8.0, 32.0):
             configs.append((f"query-aware x measured s_l, alpha={a:g}", per_layer_plan(qa_scores, measured, a)))
+        # The paper's window scores (eq. 8 on input embeddings) with the
+        # measured sensitivities in place of eq. 9.
+        for a in (2.0, 8.0, 32.0):
+            configs.append((f"WindowQuant (eq. 8) x measured s_l, alpha={a:g}",
+                            windowquant_plan(prompt, embeddings, measured, a, "none")[0]))
     if args.diagnose:
         for a in (2.0, 8.0, 32.0):
             configs.append((f"diagnose: attention mass x measured s_l, alpha={a:g}", per_layer_plan(attn, measured, a)))
+        for a in (8.0, 32.0):
+            configs.append((f"diagnose: eq. 8 x prompt-measured s_l, alpha={a:g}",
+                            windowquant_plan(prompt, embeddings, prompt_measured, a, "none")[0]))
         windows = prompt.layout.num_windows(WINDOW)
         for first in range(0, c.num_layers, 5):
             plan = uniform_plan(c.num_layers, prompt, Precision.INT4)
@@ -841,13 +875,16 @@ def plot(r, path):
     series = [("query-aware x eq. 9 s_l", "v--", "tab:gray", "query-aware scores x eq. 9 s_l, alpha 2 / 32"),
               ("query-aware x measured s_l", "D-", "tab:brown", "query-aware scores x measured s_l, alpha 8 / 32"),
               ("diagnose: attention mass x measured s_l", "^:", "tab:olive",
-               "attention mass x measured s_l, alpha 2 / 8 / 32")]
+               "attention mass x measured s_l, alpha 2 / 8 / 32"),
+              ("WindowQuant (eq. 8) x measured s_l", "o-", "tab:cyan", "eq. 8 scores x measured s_l, alpha 2 / 8 / 32"),
+              ("diagnose: eq. 8 x prompt-measured s_l", "P:", "tab:pink",
+               "eq. 8 scores x s_l measured on the prompt, alpha 8 / 32")]
     for prefix, style, color, label in series:
         pts = sorted((s["bytes_ratio"], s["ppl"]) for s in sweep if s["name"].startswith(prefix))
         if pts:
             ax.plot(*zip(*pts), style, color=color, alpha=0.6, ms=5, label=f"{label} (chunk-scored)")
     colors = {"FP16": "black", "WindowQuant": "tab:blue", "WindowQuant, INT4 floor": "tab:green",
-              QA_MEASURED: "tab:brown", "INT4": "tab:orange", "INT2": "tab:red"}
+              QA_MEASURED: "tab:brown", EQ8_MEASURED: "tab:cyan", "INT4": "tab:orange", "INT2": "tab:red"}
     for row in r["rows"]:
         ax.plot(row["bytes_ratio"], row["ppl"], "s", ms=8, color=colors.get(row["variant"], "gray"),
                 label=f"{row['variant']} (decoded through mixkv)")
