@@ -594,7 +594,7 @@ QA_MEASURED = "WindowQuant, query-aware scores, measured s_l"
 # middle one of the sweep's 2 / 8 / 32 (docs/real-model.md: picked after
 # seeing the sweep on the same held-out answer).
 EQ8_MEASURED_ALPHA = 8.0
-EQ8_MEASURED = "WindowQuant, measured s_l (alpha 8)"
+EQ8_MEASURED = f"WindowQuant, measured s_l (alpha {EQ8_MEASURED_ALPHA:g})"
 
 
 def variant_plans(model, prompt, embeddings, sens, alpha, score_norm, qa_scores, measured):
