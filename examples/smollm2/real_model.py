@@ -26,6 +26,12 @@ All variants are sequences of that one cache, each with its own plan:
   WindowQuant, measured s_l (alpha 8)
                            additional: the paper's eq. 8 scores with those
                            measured sensitivities instead of eq. 9
+  WindowQuant, INT4 floor where INT2 moves the question (0.225x budget)
+                           additional: the paper's plan with an INT4 floor on
+                           the layers where storing the document INT2 most
+                           changes the question tokens' attention output
+                           (measured per request from the dense prefill), as
+                           many layers as a byte budget allows
   INT4 / INT2              every window INT4 / INT2 (text and the tail stay FP16)
 
 Measured per variant: the KV bytes of the prompt (plan_stats, = what the
@@ -135,15 +141,20 @@ def minmax(scores):
 
 
 def windowquant_plan(prompt: Prompt, embeddings: np.ndarray, sensitivities, alpha: float, score_norm: str,
-                     min_precision: Precision | None = None):
+                     min_precision=None):
     """Eq. 8 scores of every document window against the text tokens (mixkv's
     window_similarity on the input embeddings), then eqs. 10-11 and the rule
     (WindowPlanner.plan_from_scores). score_norm = "minmax" rescales the
     scores of the request to [0, 1] first (see docs/real-model.md: this
-    model's raw scores all fall within a few hundredths of each other)."""
+    model's raw scores all fall within a few hundredths of each other).
+    min_precision: one Precision for every layer, or a list with one per
+    layer (the planner's optional per-layer floor)."""
     scores = np.asarray(mixkv.window_similarity(prompt.layout, embeddings, WINDOW))
     used = minmax(scores) if score_norm == "minmax" else scores
-    floor = [min_precision] * len(sensitivities) if min_precision is not None else []
+    if isinstance(min_precision, Precision):
+        floor = [min_precision] * len(sensitivities)
+    else:
+        floor = list(min_precision) if min_precision is not None else []
     planner = mixkv.WindowPlanner(
         mixkv.PlannerConfig(sensitivities=[float(s) for s in sensitivities], window_size=WINDOW, alpha=alpha,
                             min_precision=floor)
@@ -258,6 +269,76 @@ def per_layer_plan(layer_scores, sensitivities, alpha: float, min_precision: Pre
 
 def uniform_plan(num_layers: int, prompt: Prompt, precision: Precision):
     return mixkv.PrecisionPlan(num_layers, prompt.layout.num_windows(WINDOW), precision)
+
+
+def question_attention_error(model: SmolLM2, prompt: Prompt, ks, vs, precision: Precision = Precision.INT2):
+    """A per-request layer sensitivity from what the dense prefill already
+    has: at each layer, how far storing the document's windows at
+    `precision` (window 0 FP16, as in every plan) moves the question tokens'
+    attention output, relative to the residual stream it lands in,
+    |attn_q(h) - attn_fp16(h)| / |h + attn_fp16(h)| over the question rows
+    (Frobenius norms; h: the question rows' hidden states entering the layer
+    in the FP16 run). Eq. 9 asks how far a layer's attention moves the
+    stream; this asks it of the storage error. The K/V are stored into and
+    read back from a mixkv.KVCache, as decode attention sees them. Returns
+    [layers]."""
+    c = model.config
+    context = len(prompt.head) + len(prompt.document)
+    layout = TokenLayout([Segment(TokenKind.Text, len(prompt.head)), Segment(TokenKind.Visual, len(prompt.document))])
+    windows = layout.num_windows(WINDOW)
+    plans = [mixkv.PrecisionPlan(c.num_layers, windows, Precision.FP16)]
+    low = mixkv.PrecisionPlan(c.num_layers, windows, precision)
+    for layer in range(c.num_layers):
+        low.set(layer, 0, Precision.FP16)
+    plans.append(low)
+    backend = HostBackend(cache_config(model, layout, plans, 0, 1), threads=1)
+    pasts = []
+    for i, plan in enumerate(plans):
+        backend.add(i, layout, plan, [k[:context] for k in ks], [v[:context] for v in vs])
+        pasts.append([read_back(backend.cache, i, layer) for layer in range(c.num_layers)])
+    fp16, stored = pasts
+    hidden_in = []
+    score_with_past(model, fp16, prompt.ids[context:], context, hidden_in=hidden_in)
+    positions = np.arange(context, len(prompt.ids))
+    err = []
+    for layer, h in enumerate(hidden_in):
+        exact = attention_block(model, model.layers[layer], h, positions, *fp16[layer])
+        approx = attention_block(model, model.layers[layer], h, positions, *stored[layer])
+        err.append(float(np.linalg.norm(approx - exact) / np.linalg.norm(h + exact)))
+    return np.asarray(err)
+
+
+def floors_within_budget(model: SmolLM2, prompt: Prompt, embeddings, sensitivities, alpha: float, errors,
+                         budget: float):
+    """The paper's plan (eq. 8 scores, eqs. 10-11 with `sensitivities` and
+    `alpha`) with an INT4 floor on the layers of largest `errors`, taken in
+    that order while the plan's KV bytes stay within `budget` x all-FP16.
+    Returns (plan, floored layers); with no room for one floor, the plan
+    without floors."""
+    c = model.config
+    shape = mixkv.CacheShape(c.num_layers, c.num_kv_heads, c.head_dim, WINDOW)
+    order = [int(x) for x in np.argsort(-np.asarray(errors), kind="stable")]
+    best, chosen = floored_plan(prompt, embeddings, sensitivities, alpha, []), []
+    for k in range(1, len(order) + 1):
+        plan = floored_plan(prompt, embeddings, sensitivities, alpha, order[:k])
+        stats = mixkv.plan_stats(prompt.layout, plan, shape)
+        if stats.bytes > budget * stats.fp16_bytes:
+            break
+        best, chosen = plan, order[:k]
+    return best, chosen
+
+
+def floored_plan(prompt: Prompt, embeddings, sensitivities, alpha: float, layers):
+    """The paper's plan with an INT4 floor on `layers`."""
+    floor = [Precision.INT2] * len(sensitivities)
+    for layer in layers:
+        floor[layer] = Precision.INT4
+    return windowquant_plan(prompt, embeddings, sensitivities, alpha, "none", min_precision=floor)[0]
+
+
+def top_layers(values, k: int):
+    """The k layers of largest `values`, largest first."""
+    return [int(x) for x in np.argsort(-np.asarray(values), kind="stable")[:k]]
 
 
 # ---------------------------------------------------------------------------
@@ -436,34 +517,42 @@ def score_with_past(model: SmolLM2, past, ids, start: int, first_layer: int = 0,
     With first_layer > 0, h is the chunk's hidden state entering that layer
     (layers before it are skipped); hidden_in, a list, collects the hidden
     state entering every layer run."""
-    c = model.config
     n = len(ids)
     positions = np.arange(start, start + n)
     if h is None:
         h = model.embedding[np.asarray(ids)].astype(np.float32)
-    group = c.num_heads // c.num_kv_heads
-    scale = np.float32(1.0 / np.sqrt(c.head_dim))
-    future = np.triu(np.ones((n, n), dtype=bool), k=1)
     for layer, (pk, pv) in zip(model.layers[first_layer:], past[first_layer:]):
         if hidden_in is not None:
             hidden_in.append(h)
-        q, k, v = model.qkv(layer, h, positions)
-        out = np.empty((n, c.num_heads, c.head_dim), dtype=np.float32)
-        for g in range(c.num_kv_heads):
-            keys = np.concatenate([pk[:, g, :], k[:, g, :].astype(np.float32)])
-            vals = np.concatenate([pv[:, g, :], v[:, g, :].astype(np.float32)])
-            qg = q[:, g * group:(g + 1) * group, :].astype(np.float16).astype(np.float32) * scale
-            s = qg.reshape(-1, c.head_dim) @ keys.T  # [n * group, past + n]
-            s = s.reshape(n, group, -1)
-            s[:, :, len(pk):][np.broadcast_to(future[:, None, :], (n, group, n))] = -np.inf
-            s -= s.max(axis=2, keepdims=True)
-            np.exp(s, out=s)
-            out[:, g * group:(g + 1) * group, :] = (s.reshape(-1, keys.shape[0]) @ vals).reshape(n, group, -1) / s.sum(
-                axis=2, keepdims=True
-            )
-        h = h + out.reshape(n, -1) @ layer.wo.T
+        h = h + attention_block(model, layer, h, positions, pk, pv)
         h = h + model.ffn(layer, h)
     return model.logits(h)
+
+
+def attention_block(model: SmolLM2, layer, h, positions, pk, pv):
+    """One layer's attention for a chunk of tokens (hidden states h at
+    `positions`) after cached K/V (pk, pv: float32, any order), causal within
+    the chunk: what the block adds to the residual stream, [n, hidden]."""
+    c = model.config
+    n = h.shape[0]
+    group = c.num_heads // c.num_kv_heads
+    scale = np.float32(1.0 / np.sqrt(c.head_dim))
+    future = np.triu(np.ones((n, n), dtype=bool), k=1)
+    q, k, v = model.qkv(layer, h, positions)
+    out = np.empty((n, c.num_heads, c.head_dim), dtype=np.float32)
+    for g in range(c.num_kv_heads):
+        keys = np.concatenate([pk[:, g, :], k[:, g, :].astype(np.float32)])
+        vals = np.concatenate([pv[:, g, :], v[:, g, :].astype(np.float32)])
+        qg = q[:, g * group:(g + 1) * group, :].astype(np.float16).astype(np.float32) * scale
+        s = qg.reshape(-1, c.head_dim) @ keys.T  # [n * group, past + n]
+        s = s.reshape(n, group, -1)
+        s[:, :, len(pk):][np.broadcast_to(future[:, None, :], (n, group, n))] = -np.inf
+        s -= s.max(axis=2, keepdims=True)
+        np.exp(s, out=s)
+        out[:, g * group:(g + 1) * group, :] = (s.reshape(-1, keys.shape[0]) @ vals).reshape(n, group, -1) / s.sum(
+            axis=2, keepdims=True
+        )
+    return out.reshape(n, -1) @ layer.wo.T
 
 
 # ---------------------------------------------------------------------------
@@ -595,27 +684,37 @@ QA_MEASURED = "WindowQuant, query-aware scores, measured s_l"
 # seeing the sweep on the same held-out answer).
 EQ8_MEASURED_ALPHA = 8.0
 EQ8_MEASURED = f"WindowQuant, measured s_l (alpha {EQ8_MEASURED_ALPHA:g})"
+# The paper's plan with INT4 floors where INT2 moves the question's attention
+# most, within a byte budget near uniform INT2's 0.198x: 0.225x, set after
+# seeing the sweep's floors on the same held-out answer (docs/real-model.md).
+FLOOR_BUDGET = 0.225
+ERROR_FLOORS = f"WindowQuant, INT4 floor where INT2 moves the question ({FLOOR_BUDGET:g}x budget)"
+FLOOR_COUNTS = (1, 2, 3, 4, 6, 8, 10)
 
 
-def variant_plans(model, prompt, embeddings, sens, alpha, score_norm, qa_scores, measured):
+def variant_plans(model, prompt, embeddings, sens, alpha, score_norm, qa_scores, measured, question_error):
     """The decode variants: FP16, WindowQuant as the paper sets it up, the same
     planner with an INT4 floor on every layer (it then only chooses FP16 or
     INT4), the planner on per-layer query-aware scores with measured layer
     sensitivities (same alpha), the paper's eq. 8 scores with measured
-    sensitivities (alpha EQ8_MEASURED_ALPHA), and uniform INT4 / INT2."""
+    sensitivities (alpha EQ8_MEASURED_ALPHA), the paper's plan with INT4
+    floors by question attention error within FLOOR_BUDGET, and uniform INT4 /
+    INT2. Also returns the floored layers."""
     c = model.config
     wq, scores, planner = windowquant_plan(prompt, embeddings, sens, alpha, score_norm)
     floor, _, _ = windowquant_plan(prompt, embeddings, sens, alpha, score_norm, min_precision=Precision.INT4)
+    floors, floored = floors_within_budget(model, prompt, embeddings, sens, alpha, question_error, FLOOR_BUDGET)
     plans = {
         "FP16": uniform_plan(c.num_layers, prompt, Precision.FP16),
         "WindowQuant": wq,
         "WindowQuant, INT4 floor": floor,
         QA_MEASURED: per_layer_plan(qa_scores, measured, alpha),
         EQ8_MEASURED: windowquant_plan(prompt, embeddings, measured, EQ8_MEASURED_ALPHA, "none")[0],
+        ERROR_FLOORS: floors,
         "INT4": uniform_plan(c.num_layers, prompt, Precision.INT4),
         "INT2": uniform_plan(c.num_layers, prompt, Precision.INT2),
     }
-    return plans, scores, planner
+    return plans, scores, planner, floored
 
 
 def main(argv=None):
@@ -676,8 +775,14 @@ def main(argv=None):
 
     embeddings = model.embedding[np.asarray(prompt.ids)]
     qa_scores = query_aware_scores(prompt, ks, queries, c.num_heads)
-    plans, scores, planner = variant_plans(model, prompt, embeddings, sens, args.alpha, args.score_norm, qa_scores,
-                                           measured)
+    t0 = time.time()
+    question_error = question_attention_error(model, prompt, ks, vs)
+    question_error_s = time.time() - t0
+    plans, scores, planner, floored = variant_plans(model, prompt, embeddings, sens, args.alpha, args.score_norm,
+                                                    qa_scores, measured, question_error)
+    print(f"question attention error with the document INT2 ({question_error_s:.0f} s), 1e-3: "
+          + " ".join(f"{1e3 * e:.1f}" for e in question_error) + f"; INT4 floors within {FLOOR_BUDGET:g}x: "
+          + f"layers {floored}", flush=True)
     variants = list(plans)
     config = cache_config(model, prompt.layout, list(plans.values()), len(prompt.answer) + args.max_new, 2)
     backend_name = pick_backend(args.backend)
@@ -730,6 +835,10 @@ def main(argv=None):
         "measured_kl": [float(x) for x in kl],
         "measured_calibration": {"context_tokens": cal_context, "scored_tokens": cal_tokens - cal_context,
                                  "seconds": measured_s},
+        "question_attention_error": [float(e) for e in question_error],
+        "question_attention_error_seconds": question_error_s,
+        "floor_budget": FLOOR_BUDGET,
+        "floored_layers": floored,
         "query_aware_passage_rank_per_layer": [int(np.sum(r > r[passage_window])) + 1 for r in qa_scores],
         "windows_by_precision": counts,
         "passage_window_precisions": [wq.at(l, passage_window).name for l in range(c.num_layers)],
@@ -762,9 +871,11 @@ def main(argv=None):
                                                      "seconds": time.time() - t0}
         else:
             attn = None
-            prompt_measured = None
+            prompt_measured = prompt_kl = None
         result["sweep"] = sweep(model, prompt, ks, vs, sens, embeddings, args, config, progress, passage_window,
-                                qa_scores, measured, attn, prompt_measured)
+                                qa_scores, measured, attn, prompt_measured, question_error, prompt_kl, kl)
+    if args.diagnose:
+        result["heldout_questions"] = heldout_questions(model, sens, measured, args.alpha, progress)
     result["seconds"] = time.time() - t_start
     report(result)
     if args.json:
@@ -776,7 +887,7 @@ def main(argv=None):
 
 
 def sweep(model, prompt, ks, vs, sens, embeddings, args, config, progress, passage_window, qa_scores, measured,
-          attn, prompt_measured):
+          attn, prompt_measured, question_error, prompt_kl, calibration_kl):
     """Perplexity vs KV bytes for more plans, each scored in one causal chunk
     over the K/V read back from mixkv's CPU blocks (score_with_past), not by
     stepping. The uniform plans are scored the same way too, as a check
@@ -797,12 +908,26 @@ def sweep(model, prompt, ks, vs, sens, embeddings, args, config, progress, passa
         for a in (2.0, 8.0, 32.0):
             configs.append((f"WindowQuant (eq. 8) x measured s_l, alpha={a:g}",
                             windowquant_plan(prompt, embeddings, measured, a, "none")[0]))
+        # INT4 floors on the k layers where INT2 moves the question's attention
+        # most (the paper's plan, alpha of the run, elsewhere), and the same
+        # error as a sensitivity in eqs. 10-11.
+        for k in FLOOR_COUNTS:
+            configs.append((f"INT4 floor on the {k} layers of largest question error",
+                            floored_plan(prompt, embeddings, sens, args.alpha, top_layers(question_error, k))))
+        error_s = 1.0 - np.asarray(question_error) / max(question_error)
+        for a in (2.0, 8.0, 32.0):
+            configs.append((f"eq. 8 x (1 - question error / max), alpha={a:g}",
+                            windowquant_plan(prompt, embeddings, error_s, a, "none")[0]))
     if args.diagnose:
         for a in (2.0, 8.0, 32.0):
             configs.append((f"diagnose: attention mass x measured s_l, alpha={a:g}", per_layer_plan(attn, measured, a)))
         for a in (8.0, 32.0):
             configs.append((f"diagnose: eq. 8 x prompt-measured s_l, alpha={a:g}",
                             windowquant_plan(prompt, embeddings, prompt_measured, a, "none")[0]))
+        for label, values in (("calibration", calibration_kl), ("prompt", prompt_kl)):
+            for k in FLOOR_COUNTS:
+                configs.append((f"diagnose: INT4 floor on the {k} layers of largest {label} KL",
+                                floored_plan(prompt, embeddings, sens, args.alpha, top_layers(values, k))))
         windows = prompt.layout.num_windows(WINDOW)
         for first in range(0, c.num_layers, 5):
             plan = uniform_plan(c.num_layers, prompt, Precision.INT4)
@@ -818,15 +943,58 @@ def sweep(model, prompt, ks, vs, sens, embeddings, args, config, progress, passa
                 plan.set(layer, passage_window, Precision.FP16)
             configs.append((f"diagnose: windows 0 and {passage_window} (the passage) FP16, rest {rest.name}", plan))
     backend = HostBackend(config, threads=1)
+    return [dict(name=name, **chunk_score(model, backend, prompt, plan, ks, vs))
+            for name, plan in tqdm(configs, desc="sweep (read back)", disable=not progress)]
+
+
+def chunk_score(model: SmolLM2, backend, prompt: Prompt, plan, ks, vs):
+    """A plan's KV bytes ratio and the answer's perplexity, scored in one
+    causal chunk over the K/V stored under the plan and read back."""
+    c = model.config
+    backend.add(0, prompt.layout, plan, ks, vs)
+    past = [read_back(backend.cache, 0, layer) for layer in range(c.num_layers)]
+    backend.free(0)
+    lp = log_softmax(score_with_past(model, past, prompt.answer[:-1], len(prompt.ids)))
+    nll = -lp[np.arange(len(prompt.answer) - 1), prompt.answer[1:]]
+    stats = mixkv.plan_stats(prompt.layout, plan, backend.cache.config.shape)
+    return {"bytes_ratio": stats.bytes / stats.fp16_bytes, "ppl": float(np.exp(nll.mean()))}
+
+
+def read_heldout_questions():
+    """(question, answer) pairs of texts/heldout_questions.txt: blocks split
+    by "---" lines, each a "Q: " line and an "A: " line."""
+    pairs = []
+    for block in read_text("heldout_questions.txt").split("\n---\n"):
+        lines = dict(line.split(": ", 1) for line in block.strip().splitlines())
+        pairs.append((lines["Q"], lines["A"]))
+    return pairs
+
+
+def heldout_questions(model: SmolLM2, sens, measured, alpha: float, progress: bool):
+    """More questions about the same document, each with its own reference
+    answer, written after the settings of the additional variants were fixed
+    (alpha EQ8_MEASURED_ALPHA, FLOOR_BUDGET): every plan that depends on the
+    question (eq. 8 scores, the question attention error) is made again for
+    each, and every plan chunk-scored."""
+    c = model.config
     out = []
-    for name, plan in tqdm(configs, desc="sweep (read back)", disable=not progress):
-        backend.add(0, prompt.layout, plan, ks, vs)
-        past = [read_back(backend.cache, 0, layer) for layer in range(c.num_layers)]
-        backend.free(0)
-        lp = log_softmax(score_with_past(model, past, prompt.answer[:-1], len(prompt.ids)))
-        nll = -lp[np.arange(len(prompt.answer) - 1), prompt.answer[1:]]
-        stats = mixkv.plan_stats(prompt.layout, plan, config.shape)
-        out.append({"name": name, "bytes_ratio": stats.bytes / stats.fp16_bytes, "ppl": float(np.exp(nll.mean()))})
+    for question, answer in tqdm(read_heldout_questions(), desc="held-out questions", disable=not progress):
+        prompt = Prompt(model.tokenizer, read_text("constitution_article1.txt"), question, answer)
+        _, ks, vs, _ = model.prefill(prompt.ids)
+        embeddings = model.embedding[np.asarray(prompt.ids)]
+        error = question_attention_error(model, prompt, ks, vs)
+        floors, floored = floors_within_budget(model, prompt, embeddings, sens, alpha, error, FLOOR_BUDGET)
+        plans = {
+            "FP16": uniform_plan(c.num_layers, prompt, Precision.FP16),
+            "WindowQuant": windowquant_plan(prompt, embeddings, sens, alpha, "none")[0],
+            EQ8_MEASURED: windowquant_plan(prompt, embeddings, measured, EQ8_MEASURED_ALPHA, "none")[0],
+            ERROR_FLOORS: floors,
+            "INT4": uniform_plan(c.num_layers, prompt, Precision.INT4),
+            "INT2": uniform_plan(c.num_layers, prompt, Precision.INT2),
+        }
+        backend = HostBackend(cache_config(model, prompt.layout, list(plans.values()), 0, 1), threads=1)
+        out.append({"question": question, "answer_tokens": len(prompt.answer), "floored_layers": floored,
+                    "plans": {name: chunk_score(model, backend, prompt, plan, ks, vs) for name, plan in plans.items()}})
     return out
 
 
@@ -850,6 +1018,11 @@ def report(r):
     for s in r.get("sweep", []):
         print(f"sweep (chunk-scored): {s['name']:38s} x{s['bytes_ratio']:.3f}  perplexity {s['ppl']:.3f} "
               f"({100 * (s['ppl'] / base - 1):+.1f}%)")
+    for q in r.get("heldout_questions", []):
+        fp16 = q["plans"]["FP16"]["ppl"]
+        print(f"held-out question (chunk-scored, {q['answer_tokens']} answer tokens): {q['question']}")
+        for name, p in q["plans"].items():
+            print(f"  {name:72s} x{p['bytes_ratio']:.3f}  perplexity {p['ppl']:.3f} ({100 * (p['ppl'] / fp16 - 1):+.1f}%)")
     print(f"\nprefill {r['prefill_seconds']:.0f} s, decode {r['decode_steps']} steps in {r['decode_seconds']:.0f} s "
           f"({r['backend']} backend), total {r['seconds']:.0f} s")
 
@@ -878,13 +1051,18 @@ def plot(r, path):
                "attention mass x measured s_l, alpha 2 / 8 / 32"),
               ("WindowQuant (eq. 8) x measured s_l", "o-", "tab:cyan", "eq. 8 scores x measured s_l, alpha 2 / 8 / 32"),
               ("diagnose: eq. 8 x prompt-measured s_l", "P:", "tab:pink",
-               "eq. 8 scores x s_l measured on the prompt, alpha 8 / 32")]
+               "eq. 8 scores x s_l measured on the prompt, alpha 8 / 32"),
+              ("INT4 floor on the", "*-", "tab:green", "INT4 floors on the 1-10 layers of largest question error"),
+              ("diagnose: INT4 floor on the", "*:", "darkseagreen",
+               "INT4 floors on the 1-10 layers of largest calibration KL")]
     for prefix, style, color, label in series:
-        pts = sorted((s["bytes_ratio"], s["ppl"]) for s in sweep if s["name"].startswith(prefix))
+        pts = sorted((s["bytes_ratio"], s["ppl"]) for s in sweep
+                     if s["name"].startswith(prefix) and "prompt KL" not in s["name"])
         if pts:
             ax.plot(*zip(*pts), style, color=color, alpha=0.6, ms=5, label=f"{label} (chunk-scored)")
     colors = {"FP16": "black", "WindowQuant": "tab:blue", "WindowQuant, INT4 floor": "tab:green",
-              QA_MEASURED: "tab:brown", EQ8_MEASURED: "tab:cyan", "INT4": "tab:orange", "INT2": "tab:red"}
+              QA_MEASURED: "tab:brown", EQ8_MEASURED: "tab:cyan", ERROR_FLOORS: "darkgreen", "INT4": "tab:orange",
+              "INT2": "tab:red"}
     for row in r["rows"]:
         ax.plot(row["bytes_ratio"], row["ppl"], "s", ms=8, color=colors.get(row["variant"], "gray"),
                 label=f"{row['variant']} (decoded through mixkv)")

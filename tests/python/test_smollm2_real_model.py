@@ -135,3 +135,47 @@ def test_query_aware_scores_and_measured_sensitivity(model, real_model_module):
     assert measured.shape == kl.shape == (c.num_layers,)
     assert np.all(kl >= -1e-9) and kl.max() > 0
     assert measured.min() == 0.0 and np.all((measured >= 0) & (measured <= 1))
+
+
+def test_question_attention_error_and_floors_within_budget(model, real_model_module):
+    """The per-request layer sensitivity from the dense prefill (how far the
+    document stored at a precision moves the question's attention output),
+    and the paper's plan with INT4 floors on its largest layers within a byte
+    budget."""
+    rm = real_model_module
+    c = model.config
+    tok = model.tokenizer
+    text = rm.read_text("calibration_declaration.txt")[:700]
+    prompt = rm.Prompt(tok, text, "Who wrote this?", "Thomas Jefferson.")
+    _, ks, vs, _ = model.prefill(prompt.ids)
+    errors = {p: rm.question_attention_error(model, prompt, ks, vs, p)
+              for p in (Precision.FP16, Precision.INT4, Precision.INT2)}
+    for e in errors.values():
+        assert e.shape == (c.num_layers,) and np.all(np.isfinite(e))
+    assert np.all(errors[Precision.FP16] == 0.0)
+    assert np.all(errors[Precision.INT4] > 0.0)
+    assert np.all(errors[Precision.INT4] < errors[Precision.INT2])
+
+    embeddings = model.embedding[np.asarray(prompt.ids)]
+    sens = [1.0] * c.num_layers  # every window but window 0 INT2 without floors
+    shape = mixkv.CacheShape(c.num_layers, c.num_kv_heads, c.head_dim, rm.WINDOW)
+    windows = prompt.layout.num_windows(rm.WINDOW)
+    e2 = errors[Precision.INT2]
+    order = list(np.argsort(-e2, kind="stable"))
+
+    def ratio(plan):
+        stats = mixkv.plan_stats(prompt.layout, plan, shape)
+        return stats.bytes / stats.fp16_bytes
+
+    base = ratio(rm.floored_plan(prompt, embeddings, sens, 2.0, []))
+    one = ratio(rm.floored_plan(prompt, embeddings, sens, 2.0, order[:1]))
+    budget = base + 3.5 * (one - base)  # room for exactly three floors
+    plan, chosen = rm.floors_within_budget(model, prompt, embeddings, sens, 2.0, e2, budget)
+    assert chosen == [int(x) for x in order[:3]]
+    assert ratio(plan) <= budget < ratio(rm.floored_plan(prompt, embeddings, sens, 2.0, order[:4]))
+    for layer in range(c.num_layers):
+        for w in range(windows):
+            expected = Precision.FP16 if w == 0 else Precision.INT4 if layer in chosen else Precision.INT2
+            assert plan.at(layer, w) == expected
+    plan, chosen = rm.floors_within_budget(model, prompt, embeddings, sens, 2.0, e2, base)
+    assert chosen == [] and ratio(plan) == base
