@@ -13,6 +13,7 @@
 #include "bindings.h"
 #include "host_arrays.h"
 #include "mixkv/cache/errors.h"
+#include "mixkv/cache/plan_budget.h"
 #include "mixkv/cache/window_planner.h"
 
 namespace mixkv::python {
@@ -193,6 +194,24 @@ void bind_window_planner(py::module_& m) {
       .def("compression", &PlanStats::compression, "fp16_bytes / bytes");
   m.def("plan_stats", &plan_stats, py::arg("layout"), py::arg("plan"), py::arg("shape"),
         "Blocks and bytes a plan costs. Raises ValueError for a plan that does not match the shape and layout.");
+
+  py::class_<BudgetedPlan>(m, "BudgetedPlan", "A plan fitted to a KV byte budget by whole-layer floors.")
+      .def_readonly("plan", &BudgetedPlan::plan)
+      .def_readonly("floored_layers", &BudgetedPlan::floored_layers, "the prefix of layer_order that fit")
+      .def_readonly("stats", &BudgetedPlan::stats, "plan_stats of plan");
+  m.def(
+      "floor_layers_within_budget",
+      [](const TokenLayout& layout, const PrecisionPlan& plan, const CacheShape& shape,
+         const std::vector<std::int32_t>& layer_order, Precision floor, double budget_ratio) {
+        return floor_layers_within_budget(layout, plan, shape, layer_order, floor, budget_ratio);
+      },
+      py::arg("layout"), py::arg("plan"), py::arg("shape"), py::arg("layer_order"), py::arg("floor"),
+      py::arg("budget_ratio"),
+      "A new plan: the layers of layer_order (most sensitive first) raised in turn so that none of their windows "
+      "is below floor, while plan_stats' bytes stay within budget_ratio x the all-FP16 bytes; the first layer "
+      "that does not fit ends the walk. Raises ValueError naming the argument (a plan not matching layout and "
+      "shape, budget_ratio not finite or <= 0, a layer out of range or listed twice); the input plan is not "
+      "changed.");
 }
 
 }  // namespace mixkv::python

@@ -141,20 +141,15 @@ def minmax(scores):
 
 
 def windowquant_plan(prompt: Prompt, embeddings: np.ndarray, sensitivities, alpha: float, score_norm: str,
-                     min_precision=None):
+                     min_precision: Precision | None = None):
     """Eq. 8 scores of every document window against the text tokens (mixkv's
     window_similarity on the input embeddings), then eqs. 10-11 and the rule
     (WindowPlanner.plan_from_scores). score_norm = "minmax" rescales the
     scores of the request to [0, 1] first (see docs/real-model.md: this
-    model's raw scores all fall within a few hundredths of each other).
-    min_precision: one Precision for every layer, or a list with one per
-    layer (the planner's optional per-layer floor)."""
+    model's raw scores all fall within a few hundredths of each other)."""
     scores = np.asarray(mixkv.window_similarity(prompt.layout, embeddings, WINDOW))
     used = minmax(scores) if score_norm == "minmax" else scores
-    if isinstance(min_precision, Precision):
-        floor = [min_precision] * len(sensitivities)
-    else:
-        floor = list(min_precision) if min_precision is not None else []
+    floor = [min_precision] * len(sensitivities) if min_precision is not None else []
     planner = mixkv.WindowPlanner(
         mixkv.PlannerConfig(sensitivities=[float(s) for s in sensitivities], window_size=WINDOW, alpha=alpha,
                             min_precision=floor)
@@ -311,29 +306,23 @@ def question_attention_error(model: SmolLM2, prompt: Prompt, ks, vs, precision: 
 def floors_within_budget(model: SmolLM2, prompt: Prompt, embeddings, sensitivities, alpha: float, errors,
                          budget: float):
     """The paper's plan (eq. 8 scores, eqs. 10-11 with `sensitivities` and
-    `alpha`) with an INT4 floor on the layers of largest `errors`, taken in
-    that order while the plan's KV bytes stay within `budget` x all-FP16.
-    Returns (plan, floored layers); with no room for one floor, the plan
-    without floors."""
+    `alpha`) with INT4 floors on the layers of largest `errors`, taken in that
+    order while the plan's KV bytes stay within `budget` x all-FP16
+    (mixkv.floor_layers_within_budget). Returns (plan, floored layers)."""
+    fitted = floor_layers(model, prompt, embeddings, sensitivities, alpha, top_layers(errors, len(errors)), budget)
+    return fitted.plan, list(fitted.floored_layers)
+
+
+def floored_plan(model: SmolLM2, prompt: Prompt, embeddings, sensitivities, alpha: float, layers):
+    """The paper's plan with an INT4 floor on `layers` (no budget)."""
+    return floor_layers(model, prompt, embeddings, sensitivities, alpha, layers, 1.0).plan
+
+
+def floor_layers(model: SmolLM2, prompt: Prompt, embeddings, sensitivities, alpha: float, layers, budget: float):
     c = model.config
     shape = mixkv.CacheShape(c.num_layers, c.num_kv_heads, c.head_dim, WINDOW)
-    order = [int(x) for x in np.argsort(-np.asarray(errors), kind="stable")]
-    best, chosen = floored_plan(prompt, embeddings, sensitivities, alpha, []), []
-    for k in range(1, len(order) + 1):
-        plan = floored_plan(prompt, embeddings, sensitivities, alpha, order[:k])
-        stats = mixkv.plan_stats(prompt.layout, plan, shape)
-        if stats.bytes > budget * stats.fp16_bytes:
-            break
-        best, chosen = plan, order[:k]
-    return best, chosen
-
-
-def floored_plan(prompt: Prompt, embeddings, sensitivities, alpha: float, layers):
-    """The paper's plan with an INT4 floor on `layers`."""
-    floor = [Precision.INT2] * len(sensitivities)
-    for layer in layers:
-        floor[layer] = Precision.INT4
-    return windowquant_plan(prompt, embeddings, sensitivities, alpha, "none", min_precision=floor)[0]
+    plan = windowquant_plan(prompt, embeddings, sensitivities, alpha, "none")[0]
+    return mixkv.floor_layers_within_budget(prompt.layout, plan, shape, layers, Precision.INT4, budget)
 
 
 def top_layers(values, k: int):
@@ -913,7 +902,7 @@ def sweep(model, prompt, ks, vs, sens, embeddings, args, config, progress, passa
         # error as a sensitivity in eqs. 10-11.
         for k in FLOOR_COUNTS:
             configs.append((f"INT4 floor on the {k} layers of largest question error",
-                            floored_plan(prompt, embeddings, sens, args.alpha, top_layers(question_error, k))))
+                            floored_plan(model, prompt, embeddings, sens, args.alpha, top_layers(question_error, k))))
         error_s = 1.0 - np.asarray(question_error) / max(question_error)
         for a in (2.0, 8.0, 32.0):
             configs.append((f"eq. 8 x (1 - question error / max), alpha={a:g}",
@@ -927,7 +916,7 @@ def sweep(model, prompt, ks, vs, sens, embeddings, args, config, progress, passa
         for label, values in (("calibration", calibration_kl), ("prompt", prompt_kl)):
             for k in FLOOR_COUNTS:
                 configs.append((f"diagnose: INT4 floor on the {k} layers of largest {label} KL",
-                                floored_plan(prompt, embeddings, sens, args.alpha, top_layers(values, k))))
+                                floored_plan(model, prompt, embeddings, sens, args.alpha, top_layers(values, k))))
         windows = prompt.layout.num_windows(WINDOW)
         for first in range(0, c.num_layers, 5):
             plan = uniform_plan(c.num_layers, prompt, Precision.INT4)

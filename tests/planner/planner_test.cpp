@@ -17,9 +17,9 @@ namespace mixkv {
 namespace {
 
 using test::expect_error;
-constexpr Precision F = Precision::FP16;
-constexpr Precision I4 = Precision::INT4;
-constexpr Precision I2 = Precision::INT2;
+using test::F;
+using test::I2;
+using test::I4;
 
 std::vector<Precision> row_of(const PrecisionPlan& plan, std::int32_t layer) {
   std::vector<Precision> row;

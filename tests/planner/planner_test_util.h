@@ -17,6 +17,11 @@
 
 namespace mixkv::test {
 
+// Short names for the precisions in the tests' plan tables.
+inline constexpr Precision F = Precision::FP16;
+inline constexpr Precision I4 = Precision::INT4;
+inline constexpr Precision I2 = Precision::INT2;
+
 // Runs `call`, expects an exception of type E whose message contains `part`.
 template <typename E>
 void expect_error(const std::function<void()>& call, const std::string& part) {

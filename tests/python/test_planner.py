@@ -135,6 +135,35 @@ def test_plan_stats_equal_what_the_manager_allocates(rng):
         mixkv.plan_stats(lay, mixkv.PrecisionPlan(2, 1), cache.config.shape)
 
 
+def test_floor_layers_within_budget(rng):
+    """Whole-layer INT4 floors, most sensitive layer first, within a byte budget."""
+    Seg, Kind, Prec = mixkv.Segment, mixkv.TokenKind, mixkv.Precision
+    lay = mixkv.TokenLayout([Seg(Kind.Text, 4), Seg(Kind.Visual, 160), Seg(Kind.Text, 3)])
+    shape = mixkv.CacheShape(3, 2, 16, 32)
+
+    def plan_with(int4_layers):
+        plan = mixkv.PrecisionPlan(3, 5, Prec.INT2)
+        for layer in int4_layers:
+            for w in range(5):
+                plan.set(layer, w, Prec.INT4)
+        return plan
+
+    def ratio(plan):
+        stats = mixkv.plan_stats(lay, plan, shape)
+        return stats.bytes / stats.fp16_bytes
+
+    plan = plan_with([])
+    budget = 0.5 * (ratio(plan_with([2])) + ratio(plan_with([2, 0])))
+    fitted = mixkv.floor_layers_within_budget(lay, plan, shape, np.array([2, 0, 1]), Prec.INT4, budget)
+    assert fitted.floored_layers == [2]
+    assert fitted.plan == plan_with([2]) and plan == plan_with([])
+    assert fitted.stats.bytes == mixkv.plan_stats(lay, plan_with([2]), shape).bytes
+    with pytest.raises(ValueError, match="budget_ratio"):
+        mixkv.floor_layers_within_budget(lay, plan, shape, [0], Prec.INT4, float("nan"))
+    with pytest.raises(ValueError, match=r"layer_order\[1\] = 0: listed twice"):
+        mixkv.floor_layers_within_budget(lay, plan, shape, [0, 0], Prec.INT4, 1.0)
+
+
 def test_bad_planner_input(rng):
     with pytest.raises(ValueError, match="alpha"):
         mixkv.WindowPlanner(config(alpha=0.0))

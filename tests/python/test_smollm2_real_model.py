@@ -167,12 +167,12 @@ def test_question_attention_error_and_floors_within_budget(model, real_model_mod
         stats = mixkv.plan_stats(prompt.layout, plan, shape)
         return stats.bytes / stats.fp16_bytes
 
-    base = ratio(rm.floored_plan(prompt, embeddings, sens, 2.0, []))
-    one = ratio(rm.floored_plan(prompt, embeddings, sens, 2.0, order[:1]))
+    base = ratio(rm.floored_plan(model, prompt, embeddings, sens, 2.0, []))
+    one = ratio(rm.floored_plan(model, prompt, embeddings, sens, 2.0, order[:1]))
     budget = base + 3.5 * (one - base)  # room for exactly three floors
     plan, chosen = rm.floors_within_budget(model, prompt, embeddings, sens, 2.0, e2, budget)
     assert chosen == [int(x) for x in order[:3]]
-    assert ratio(plan) <= budget < ratio(rm.floored_plan(prompt, embeddings, sens, 2.0, order[:4]))
+    assert ratio(plan) <= budget < ratio(rm.floored_plan(model, prompt, embeddings, sens, 2.0, order[:4]))
     for layer in range(c.num_layers):
         for w in range(windows):
             expected = Precision.FP16 if w == 0 else Precision.INT4 if layer in chosen else Precision.INT2

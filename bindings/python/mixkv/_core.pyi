@@ -336,6 +336,23 @@ class PlanStats:
 
 def plan_stats(layout: TokenLayout, plan: PrecisionPlan, shape: CacheShape) -> PlanStats: ...
 
+class BudgetedPlan:
+    @property
+    def plan(self) -> PrecisionPlan: ...
+    @property
+    def floored_layers(self) -> list[int]: ...
+    @property
+    def stats(self) -> PlanStats: ...
+
+def floor_layers_within_budget(
+    layout: TokenLayout,
+    plan: PrecisionPlan,
+    shape: CacheShape,
+    layer_order: Sequence[int],
+    floor: Precision,
+    budget_ratio: float,
+) -> BudgetedPlan: ...
+
 class SchedulingPolicy(enum.IntEnum):
     FCFS = 0
     Priority = 1
