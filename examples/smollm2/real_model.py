@@ -976,6 +976,8 @@ def heldout_questions(model: SmolLM2, sens, measured, alpha: float, progress: bo
         plans = {
             "FP16": uniform_plan(c.num_layers, prompt, Precision.FP16),
             "WindowQuant": windowquant_plan(prompt, embeddings, sens, alpha, "none")[0],
+            "WindowQuant, INT4 floor": windowquant_plan(prompt, embeddings, sens, alpha, "none",
+                                                        min_precision=Precision.INT4)[0],
             EQ8_MEASURED: windowquant_plan(prompt, embeddings, measured, EQ8_MEASURED_ALPHA, "none")[0],
             ERROR_FLOORS: floors,
             "INT4": uniform_plan(c.num_layers, prompt, Precision.INT4),
