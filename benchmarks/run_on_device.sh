@@ -50,6 +50,16 @@ ROOT=$PWD
 # HEAD`) with this tree's CUDA-backend files laid over it, so that other
 # areas' uncommitted work in the shared tree cannot break the device build.
 if [ -d .devsnap ]; then
+  # A snapshot older than HEAD validates old code under the current kernels:
+  # name what differs (expected only where this tree has uncommitted work).
+  stale=$(for area in cache scheduler bindings tests benchmarks examples; do
+            diff -rq --exclude=cuda --exclude=__pycache__ --exclude=decode_bench.cpp --exclude=sdpa_bench.py \
+              --exclude=summarize.py "$area" ".devsnap/$area" 2>&1
+          done | sed -nE -e 's/^Files ([^ ]+) and .*/\1/p' -e 's/^Only in ([^.][^:]*): (.*)/\1\/\2/p' | sort -u)
+  if [ -n "$stale" ]; then
+    echo "WARNING: .devsnap differs from this tree in:" $stale
+    echo "WARNING: refresh it (rm -rf .devsnap; mkdir .devsnap; git archive HEAD | tar -x -C .devsnap) unless that is uncommitted work"
+  fi
   cp -r kernels/. .devsnap/kernels/
   cp -r tests/cuda/. .devsnap/tests/cuda/
   cp benchmarks/decode_bench.cpp benchmarks/sdpa_bench.py benchmarks/summarize.py .devsnap/benchmarks/
