@@ -1024,7 +1024,7 @@ def plot(r, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8.0, 5.4), dpi=120)
+    fig, ax = plt.subplots(figsize=(12.0, 5.6), dpi=120)
     base = r["rows"][0]["ppl"]
     sweep = r.get("sweep", [])
     pts = sorted((s["bytes_ratio"], s["ppl"]) for s in sweep
@@ -1063,7 +1063,7 @@ def plot(r, path):
     ax.set_ylabel("perplexity of the held-out answer")
     ax.set_title(f"SmolLM2-135M-Instruct, {r['document_tokens']}-token document, "
                  f"mixkv {r['backend'].upper()} backend", fontsize=9)
-    ax.legend(fontsize=6, loc="upper right")
+    ax.legend(fontsize=6.5, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the axes, off the points
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path)
