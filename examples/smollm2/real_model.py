@@ -688,7 +688,8 @@ def variant_plans(model, prompt, embeddings, sens, alpha, score_norm, qa_scores,
     sensitivities (same alpha), the paper's eq. 8 scores with measured
     sensitivities (alpha EQ8_MEASURED_ALPHA), the paper's plan with INT4
     floors by question attention error within FLOOR_BUDGET, and uniform INT4 /
-    INT2. Also returns the floored layers."""
+    INT2 (without the query-aware one when qa_scores is None). Also returns
+    the floored layers."""
     c = model.config
     wq, scores, planner = windowquant_plan(prompt, embeddings, sens, alpha, score_norm)
     floor, _, _ = windowquant_plan(prompt, embeddings, sens, alpha, score_norm, min_precision=Precision.INT4)
@@ -697,7 +698,7 @@ def variant_plans(model, prompt, embeddings, sens, alpha, score_norm, qa_scores,
         "FP16": uniform_plan(c.num_layers, prompt, Precision.FP16),
         "WindowQuant": wq,
         "WindowQuant, INT4 floor": floor,
-        QA_MEASURED: per_layer_plan(qa_scores, measured, alpha),
+        **({} if qa_scores is None else {QA_MEASURED: per_layer_plan(qa_scores, measured, alpha)}),
         EQ8_MEASURED: windowquant_plan(prompt, embeddings, measured, EQ8_MEASURED_ALPHA, "none")[0],
         ERROR_FLOORS: floors,
         "INT4": uniform_plan(c.num_layers, prompt, Precision.INT4),
@@ -965,24 +966,13 @@ def heldout_questions(model: SmolLM2, sens, measured, alpha: float, progress: bo
     (alpha EQ8_MEASURED_ALPHA, FLOOR_BUDGET): every plan that depends on the
     question (eq. 8 scores, the question attention error) is made again for
     each, and every plan chunk-scored."""
-    c = model.config
     out = []
     for question, answer in tqdm(read_heldout_questions(), desc="held-out questions", disable=not progress):
         prompt = Prompt(model.tokenizer, read_text("constitution_article1.txt"), question, answer)
         _, ks, vs, _ = model.prefill(prompt.ids)
         embeddings = model.embedding[np.asarray(prompt.ids)]
         error = question_attention_error(model, prompt, ks, vs)
-        floors, floored = floors_within_budget(model, prompt, embeddings, sens, alpha, error, FLOOR_BUDGET)
-        plans = {
-            "FP16": uniform_plan(c.num_layers, prompt, Precision.FP16),
-            "WindowQuant": windowquant_plan(prompt, embeddings, sens, alpha, "none")[0],
-            "WindowQuant, INT4 floor": windowquant_plan(prompt, embeddings, sens, alpha, "none",
-                                                        min_precision=Precision.INT4)[0],
-            EQ8_MEASURED: windowquant_plan(prompt, embeddings, measured, EQ8_MEASURED_ALPHA, "none")[0],
-            ERROR_FLOORS: floors,
-            "INT4": uniform_plan(c.num_layers, prompt, Precision.INT4),
-            "INT2": uniform_plan(c.num_layers, prompt, Precision.INT2),
-        }
+        plans, _, _, floored = variant_plans(model, prompt, embeddings, sens, alpha, "none", None, measured, error)
         backend = HostBackend(cache_config(model, prompt.layout, list(plans.values()), 0, 1), threads=1)
         out.append({"question": question, "answer_tokens": len(prompt.answer), "floored_layers": floored,
                     "plans": {name: chunk_score(model, backend, prompt, plan, ks, vs) for name, plan in plans.items()}})
