@@ -16,6 +16,13 @@
 // plain read of the same embedding bytes (launch_streaming_read: what a
 // transfer of this size reaches on the machine), alternating, so that the
 // ratio compares like with like.
+//
+// Each is timed twice: launched onto an idle stream (the start event fires at
+// once, so the interval also holds the host's submission of the first
+// kernel), and queued behind a kernel that holds the stream until every
+// launch of the interval has been submitted (the device's time alone; in an
+// engine the planner's kernels queue behind the vision encoder that made the
+// embeddings).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -50,6 +57,9 @@ constexpr int kPairwiseRuns = 10;
 constexpr double kTargetMs = 0.05;
 constexpr double kPaperMs = 48.0;
 constexpr double kScoreTolerance = 1e-6;  // as tests/cuda/window_similarity_test.cpp
+// Long enough for the host to submit the timed interval's launches (a few
+// microseconds each) behind it.
+constexpr unsigned long long kHoldNs = 100'000;
 
 void check(cudaError_t status, const char* what) {
   if (status != cudaSuccess) {
@@ -84,6 +94,16 @@ __global__ void fill_kernel(void* data, std::size_t count, std::uint32_t seed, i
   }
 }
 
+// Keeps the stream busy for `ns` of device time.
+__global__ void hold_kernel(unsigned long long ns) {
+  unsigned long long start, now;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+  do {
+    __nanosleep(1000);
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+  } while (now - start < ns);
+}
+
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
@@ -98,6 +118,8 @@ struct Result {
   std::string type;
   double gpu_median_ms = 0, gpu_p10_ms = 0, gpu_p90_ms = 0;
   double read_median_ms = 0;  // a plain read of the same bytes, alternating with the planner
+  // The same two, each queued behind hold_kernel: device time alone.
+  double queued_median_ms = 0, queued_read_median_ms = 0;
   double end_to_end_median_ms = 0;
   double pairwise_median_ms = 0;
   double bytes_read = 0;
@@ -142,24 +164,38 @@ Result run(ElementType type, cudaStream_t stream, cublasHandle_t cublas) {
   check(cudaEventCreate(&stop), "cudaEventCreate");
   unsigned* sink = nullptr;
   check(cudaMalloc(&sink, sizeof(unsigned)), "cudaMalloc sink");
-  std::vector<double> gpu_ms, read_ms, wall_ms;
+  std::vector<double> gpu_ms, read_ms, queued_ms, queued_read_ms, wall_ms;
   std::vector<mixkv::PrecisionPlan> last;
-  for (int i = 0; i < kRuns; ++i) {
-    planner.prepare(layouts, views_of(i % kBuffers), stream);
-    check(cudaEventRecord(start, stream), "cudaEventRecord");
-    planner.launch(stream);
-    check(cudaEventRecord(stop, stream), "cudaEventRecord");
-    last = planner.finish(stream);
+  const auto hold = [&](bool queued) {
+    if (!queued) return;
+    hold_kernel<<<1, 1, 0, stream>>>(kHoldNs);
+    check(cudaGetLastError(), "hold_kernel");
+  };
+  const auto elapsed_ms = [&] {
+    check(cudaEventSynchronize(stop), "cudaEventSynchronize");
     float ms = 0;
     check(cudaEventElapsedTime(&ms, start, stop), "cudaEventElapsedTime");
-    gpu_ms.push_back(ms);
-    // The buffer read least recently, as the planner's next one is.
-    check(cudaEventRecord(start, stream), "cudaEventRecord");
-    mixkv::gpu::launch_streaming_read(buffers[(i + 1) % kBuffers], count * element, sink, stream);
-    check(cudaEventRecord(stop, stream), "cudaEventRecord");
-    check(cudaEventSynchronize(stop), "cudaEventSynchronize");
-    check(cudaEventElapsedTime(&ms, start, stop), "cudaEventElapsedTime");
-    read_ms.push_back(ms);
+    return static_cast<double>(ms);
+  };
+  // Each timed interval reads the buffer read least recently (three
+  // intervals ago), so nothing it reads can still be in L2.
+  int next_buffer = 0;
+  const auto take_buffer = [&] { return next_buffer++ % kBuffers; };
+  for (int i = 0; i < kRuns; ++i) {
+    for (const bool queued : {false, true}) {
+      planner.prepare(layouts, views_of(take_buffer()), stream);
+      hold(queued);
+      check(cudaEventRecord(start, stream), "cudaEventRecord");
+      planner.launch(stream);
+      check(cudaEventRecord(stop, stream), "cudaEventRecord");
+      last = planner.finish(stream);
+      (queued ? queued_ms : gpu_ms).push_back(elapsed_ms());
+      hold(queued);
+      check(cudaEventRecord(start, stream), "cudaEventRecord");
+      mixkv::gpu::launch_streaming_read(buffers[take_buffer()], count * element, sink, stream);
+      check(cudaEventRecord(stop, stream), "cudaEventRecord");
+      (queued ? queued_read_ms : read_ms).push_back(elapsed_ms());
+    }
   }
   check(cudaFree(sink), "cudaFree");
   for (int i = 0; i < kRuns; ++i) {
@@ -203,6 +239,8 @@ Result run(ElementType type, cudaStream_t stream, cublasHandle_t cublas) {
   r.type = type_name(type);
   r.gpu_median_ms = median(gpu_ms);
   r.read_median_ms = median(read_ms);
+  r.queued_median_ms = median(queued_ms);
+  r.queued_read_median_ms = median(queued_read_ms);
   r.gpu_p10_ms = percentile(gpu_ms, 0.1);
   r.gpu_p90_ms = percentile(gpu_ms, 0.9);
   r.end_to_end_median_ms = median(wall_ms);
@@ -263,6 +301,12 @@ int main(int argc, char** argv) {
                   static_cast<long long>(r.blocks[1]), static_cast<long long>(r.blocks[2]));
     }
     std::printf("(read ms: a plain read of the prompt's embedding bytes, timed alternately with the planner)\n");
+    std::printf("queued behind a busy stream (device time alone, without the host's submission):\n");
+    std::printf("%-5s %9s %8s %8s %7s\n", "type", "gpu ms", "read ms", "x read", "GB/s");
+    for (const Result& r : results) {
+      std::printf("%-5s %9.4f %8.4f %8.2f %7.0f\n", r.type.c_str(), r.queued_median_ms, r.queued_read_median_ms,
+                  r.queued_median_ms / r.queued_read_median_ms, r.bytes_read / (r.queued_median_ms * 1e6));
+    }
     bool all_match = true;
     std::printf("against the CPU planner, max score error (tolerance %.0e):", kScoreTolerance);
     for (const Result& r : results) {
@@ -270,8 +314,9 @@ int main(int argc, char** argv) {
       all_match = all_match && r.matches_cpu;
     }
     std::printf("\n");
-    std::printf("target %.3f ms (FP16 %s); paper's cosine search %.0f ms\n", kTargetMs,
-                results[0].gpu_median_ms <= kTargetMs ? "met" : "missed", kPaperMs);
+    std::printf("target %.3f ms (FP16 from an idle stream %s, queued %s); paper's cosine search %.0f ms\n",
+                kTargetMs, results[0].gpu_median_ms <= kTargetMs ? "met" : "missed",
+                results[0].queued_median_ms <= kTargetMs ? "met" : "missed", kPaperMs);
 
     if (argc > 1) {
       std::ofstream out(argv[1]);
@@ -284,6 +329,8 @@ int main(int argc, char** argv) {
         const Result& r = results[i];
         out << "    {\"type\": \"" << r.type << "\", \"gpu_median_ms\": " << r.gpu_median_ms
             << ", \"plain_read_median_ms\": " << r.read_median_ms
+            << ", \"queued_gpu_median_ms\": " << r.queued_median_ms
+            << ", \"queued_plain_read_median_ms\": " << r.queued_read_median_ms
             << ", \"gpu_p10_ms\": " << r.gpu_p10_ms << ", \"gpu_p90_ms\": " << r.gpu_p90_ms
             << ", \"effective_GBps\": " << r.bytes_read / (r.gpu_median_ms * 1e6)
             << ", \"plan_call_median_ms\": " << r.end_to_end_median_ms
