@@ -1150,7 +1150,10 @@ def plot_question_sets(ax, sets):
                     label=f"{qs['name']} set: {plan}")
     ax.axhline(3.0, color="gray", ls=":", lw=1, label="+3%")
     ax.axvline(0.35, color="gray", ls="-.", lw=0.8, label="0.35x FP16 bytes")
-    ax.set_yscale("symlog", linthresh=10.0)
+    ax.set_yscale("symlog", linthresh=10.0)  # linear around FP16, compressed up to uniform INT2
+    ticks = [-10, -5, 0, 3, 5, 10, 20, 50, 100]
+    ax.set_yticks(ticks, [f"{t:+d}" if t else "0" for t in ticks])
+    ax.set_ylim(-12, 140)
     ax.set_xlabel("prompt KV bytes / all-FP16 KV bytes")
     ax.set_ylabel("pooled perplexity vs FP16 (%)")
     ax.set_title("question sets (chunk-scored, each answer scored after its own question)", fontsize=9)
