@@ -696,8 +696,7 @@ TARGET_ERROR_FLOORS = error_floors_name(TARGET_FLOOR_BUDGET)
 FLOOR_COUNTS = (1, 2, 3, 4, 6, 8, 10)
 
 
-def variant_plans(model, prompt, embeddings, sens, alpha, score_norm, qa_scores, measured, question_error,
-                  extra_budgets=()):
+def variant_plans(model, prompt, embeddings, sens, alpha, score_norm, qa_scores, measured, question_error):
     """The decode variants: FP16, WindowQuant as the paper sets it up, the same
     planner with an INT4 floor on every layer (it then only chooses FP16 or
     INT4), the planner on per-layer query-aware scores with measured layer
@@ -706,13 +705,12 @@ def variant_plans(model, prompt, embeddings, sens, alpha, score_norm, qa_scores,
     floors by question attention error within FLOOR_BUDGET and within
     TARGET_FLOOR_BUDGET, and uniform INT4 / INT2 (without the query-aware one
     when qa_scores is None). Returns (plans, eq. 8 scores, planner, floored
-    layers by budget as {"0.225": [...]}, the same floors within each of
-    `extra_budgets` by error_floors_name)."""
+    layers by budget as {"0.225": [...]})."""
     c = model.config
     wq, scores, planner = windowquant_plan(prompt, embeddings, sens, alpha, score_norm)
     floor, _, _ = windowquant_plan(prompt, embeddings, sens, alpha, score_norm, min_precision=Precision.INT4)
     floors, floored = {}, {}
-    for budget in (FLOOR_BUDGET, TARGET_FLOOR_BUDGET, *extra_budgets):
+    for budget in (FLOOR_BUDGET, TARGET_FLOOR_BUDGET):
         floors[budget], floored[f"{budget:g}"] = floors_within_budget(model, prompt, embeddings, sens, alpha,
                                                                       question_error, budget)
     plans = {
@@ -726,8 +724,7 @@ def variant_plans(model, prompt, embeddings, sens, alpha, score_norm, qa_scores,
         "INT4": uniform_plan(c.num_layers, prompt, Precision.INT4),
         "INT2": uniform_plan(c.num_layers, prompt, Precision.INT2),
     }
-    extra = {error_floors_name(b): floors[b] for b in extra_budgets}
-    return plans, scores, planner, floored, extra
+    return plans, scores, planner, floored
 
 
 def main(argv=None):
@@ -794,8 +791,8 @@ def main(argv=None):
     t0 = time.time()
     question_error = question_attention_error(model, prompt, ks, vs)
     question_error_s = time.time() - t0
-    plans, scores, planner, floored, _ = variant_plans(model, prompt, embeddings, sens, args.alpha,
-                                                       args.score_norm, qa_scores, measured, question_error)
+    plans, scores, planner, floored = variant_plans(model, prompt, embeddings, sens, args.alpha, args.score_norm,
+                                                    qa_scores, measured, question_error)
     print(f"question attention error with the document INT2 ({question_error_s:.0f} s), 1e-3: "
           + " ".join(f"{1e3 * e:.1f}" for e in question_error) + "; INT4 floors: "
           + "; ".join(f"within {b}x: layers {layers}" for b, layers in floored.items()), flush=True)
@@ -1017,9 +1014,10 @@ def question_set(model: SmolLM2, name: str, sens, measured, alpha: float, progre
         _, ks, vs, _ = model.prefill(prompt.ids)
         embeddings = model.embedding[np.asarray(prompt.ids)]
         error = question_attention_error(model, prompt, ks, vs)
-        plans, _, _, floored, extra = variant_plans(model, prompt, embeddings, sens, alpha, "none", None, measured,
-                                                    error, SWEEP_FLOOR_BUDGETS)
-        plans.update(extra)
+        plans, _, _, floored = variant_plans(model, prompt, embeddings, sens, alpha, "none", None, measured, error)
+        for budget in SWEEP_FLOOR_BUDGETS:
+            plans[error_floors_name(budget)], floored[f"{budget:g}"] = floors_within_budget(
+                model, prompt, embeddings, sens, alpha, error, budget)
         backend = HostBackend(cache_config(model, prompt.layout, list(plans.values()), 0, 1), threads=1)
         out.append({"question": question, "answer_tokens": len(prompt.answer), "floored_layers": floored,
                     "plans": {n: chunk_score(model, backend, prompt, plan, ks, vs) for n, plan in plans.items()}})
