@@ -2,8 +2,9 @@
 fetched files:
     python3 benchmarks/plot_planner.py OUT.png RUN.json [RUN.json ...]
 Per element type and run: the planner's median time launched onto an idle
-stream and queued behind a busy one, beside a plain read of the same bytes
-timed the same two ways, against the 0.05 ms target."""
+stream, replayed there as a CUDA graph, and queued behind a busy stream,
+beside a plain read of the same bytes timed from an idle stream and queued,
+against the 0.05 ms target."""
 import json
 import sys
 
@@ -14,6 +15,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 SERIES = [  # (JSON key, label, color, hatch)
     ("gpu_median_ms", "planner, idle stream (host submission included)", "tab:blue", ""),
+    ("graph_gpu_median_ms", "planner as a CUDA graph, idle stream", "tab:purple", ""),
     ("queued_gpu_median_ms", "planner, queued behind work (device time)", "tab:green", ""),
     ("plain_read_median_ms", "plain read of the same bytes, idle stream", "tab:gray", "//"),
     ("queued_plain_read_median_ms", "plain read, queued", "silver", "//"),
@@ -35,6 +37,8 @@ def main():
         for k, run in enumerate(runs):
             result = next(r for r in run["results"] if r["type"] == type_name)
             for s, (key, label, color, hatch) in enumerate(SERIES):
+                if key not in result:  # runs before the graph timing existed
+                    continue
                 x = t * group + s * len(runs) + k
                 ax.bar(x, 1e3 * result[key], color=color, hatch=hatch, edgecolor="black", linewidth=0.4,
                        label=label if t == 0 and k == 0 else None)
