@@ -351,7 +351,8 @@ int main(int argc, char** argv) {
       all_match = all_match && r.matches_cpu && r.graph_matches;
     }
     std::printf("\n");
-    std::printf("target %.3f ms (FP16 from an idle stream %s, queued %s, as a graph %s); paper's cosine search %.0f ms\n",
+    std::printf("target %.3f ms (FP16 from an idle stream %s, queued %s, as a graph %s); "
+                "paper's cosine search %.0f ms\n",
                 kTargetMs, results[0].gpu_median_ms <= kTargetMs ? "met" : "missed",
                 results[0].queued_median_ms <= kTargetMs ? "met" : "missed",
                 results[0].graph_median_ms <= kTargetMs ? "met" : "missed", kPaperMs);

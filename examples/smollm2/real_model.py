@@ -1069,6 +1069,12 @@ def report(r):
           f"({r['backend']} backend), total {r['seconds']:.0f} s")
 
 
+# One color per decode variant, in both panels of the plot.
+VARIANT_COLORS = {"FP16": "black", "WindowQuant": "tab:blue", "WindowQuant, INT4 floor": "tab:green",
+                  QA_MEASURED: "tab:brown", EQ8_MEASURED: "tab:cyan", ERROR_FLOORS: "darkgreen",
+                  TARGET_ERROR_FLOORS: "olivedrab", "INT4": "tab:orange", "INT2": "tab:red"}
+
+
 def plot(r, path):
     import matplotlib
 
@@ -1104,12 +1110,8 @@ def plot(r, path):
                      if s["name"].startswith(prefix) and "prompt KL" not in s["name"])
         if pts:
             ax.plot(*zip(*pts), style, color=color, alpha=0.6, ms=5, label=f"{label} (chunk-scored)")
-    colors = {"FP16": "black", "WindowQuant": "tab:blue", "WindowQuant, INT4 floor": "tab:green",
-              QA_MEASURED: "tab:brown", EQ8_MEASURED: "tab:cyan", ERROR_FLOORS: "darkgreen",
-              TARGET_ERROR_FLOORS: "olivedrab", "INT4": "tab:orange",
-              "INT2": "tab:red"}
     for row in r["rows"]:
-        ax.plot(row["bytes_ratio"], row["ppl"], "s", ms=8, color=colors.get(row["variant"], "gray"),
+        ax.plot(row["bytes_ratio"], row["ppl"], "s", ms=8, color=VARIANT_COLORS.get(row["variant"], "gray"),
                 label=f"{row['variant']} (decoded through mixkv)")
     ax.axhline(base * 1.03, color="gray", ls=":", lw=1, label="FP16 perplexity + 3%")
     ax.axvline(0.35, color="gray", ls="-.", lw=0.8, label="0.35x FP16 bytes")
@@ -1133,8 +1135,7 @@ def plot_question_sets(ax, sets):
     """Pooled perplexity against FP16 per question set: the floors by
     question error at every budget as a line, the other plans as points."""
     markers = {"held-out": "o", "test": "s", "confirmation": "D"}
-    colors = {"WindowQuant": "tab:blue", "WindowQuant, INT4 floor": "tab:green", EQ8_MEASURED: "tab:cyan",
-              "INT4": "tab:orange", "INT2": "tab:red"}
+    points = ("WindowQuant", "WindowQuant, INT4 floor", EQ8_MEASURED, "INT4", "INT2")  # the floors are the line
     for qs in sets:
         marker = markers.get(qs["name"], "^")
         tokens = sum(q["answer_tokens"] - 1 for q in qs["questions"])
@@ -1143,9 +1144,9 @@ def plot_question_sets(ax, sets):
         ax.plot(*zip(*floors), marker + "-", color="darkgreen", alpha=0.75, ms=6,
                 label=f"{qs['name']} set ({len(qs['questions'])} questions, {tokens} tokens): INT4 floors by "
                       "question error, budgets 0.225-0.325x")
-        for plan, color in colors.items():
-            ax.plot(mean_bytes_ratio(qs, plan), 100 * qs["pooled_vs_fp16"][plan], marker, color=color, ms=6, alpha=0.75,
-                    label=f"{qs['name']} set: {plan}")
+        for plan in points:
+            ax.plot(mean_bytes_ratio(qs, plan), 100 * qs["pooled_vs_fp16"][plan], marker,
+                    color=VARIANT_COLORS[plan], ms=6, alpha=0.75, label=f"{qs['name']} set: {plan}")
     ax.axhline(3.0, color="gray", ls=":", lw=1, label="+3%")
     ax.axvline(0.35, color="gray", ls="-.", lw=0.8, label="0.35x FP16 bytes")
     ax.set_yscale("symlog", linthresh=10.0)  # linear around FP16, compressed up to uniform INT2
