@@ -20,7 +20,7 @@
 #include <string>
 #include <vector>
 
-#include "mixkv/cache/half.h"
+#include "mixkv/core/half.h"
 #include "mixkv/cache/kv_cache_manager.h"
 #include "mixkv/cpu/decode_attention.h"
 #include "mixkv/cpu/store.h"
@@ -46,7 +46,7 @@ struct Problem {
   std::unique_ptr<KVCacheManager> manager;
   std::vector<std::byte> arena;
   DecodeMetadata metadata;
-  cpu::PoolViews pools;
+  PoolViews pools;
   std::vector<Half> q;
   std::vector<float> out, lse;
 

@@ -32,8 +32,8 @@
 #include <vector>
 
 #include "cuda_event_timing.h"
-#include "mixkv/cache/block_format.h"
-#include "mixkv/cache/half.h"
+#include "mixkv/core/block_format.h"
+#include "mixkv/core/half.h"
 #include "mixkv/kernels/bandwidth.h"
 #include "mixkv/kernels/decode_plan.h"
 #include "mixkv/kernels/dense_reference.h"

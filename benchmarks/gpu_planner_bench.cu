@@ -38,9 +38,9 @@
 #include <string>
 #include <vector>
 
-#include "mixkv/cache/window_planner.h"
+#include "mixkv/planner/window_planner.h"
 #include "mixkv/kernels/bandwidth.h"
-#include "mixkv/kernels/window_similarity.h"
+#include "mixkv/planner/cuda_window_planner.h"
 
 namespace {
 

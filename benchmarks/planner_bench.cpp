@@ -9,8 +9,8 @@
 #include <cstring>
 #include <vector>
 
-#include "mixkv/cache/half.h"
-#include "mixkv/cache/window_planner.h"
+#include "mixkv/core/half.h"
+#include "mixkv/planner/window_planner.h"
 
 namespace mixkv {
 namespace {

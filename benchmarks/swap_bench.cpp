@@ -118,19 +118,19 @@ int main(int argc, char** argv) {
     KVCacheManager manager(config);
     gpu::DeviceArena arena(config.arena_bytes);
     ok(cudaMemset(arena.base(), 0x3c, config.arena_bytes), "memset");
-    gpu::PinnedSwapBuffer host(manager);
-    const gpu::DevicePools pools = arena.pool_views(manager);
-    const gpu::DevicePools host_pools = host.device_views(manager);
-    const gpu::DevicePools host_cpu = host.host_views(manager);
+    gpu::PinnedSwapBuffer host(manager.swap_layout());
+    const gpu::DevicePools pools = arena.pool_views(manager.arena_layout());
+    const gpu::DevicePools host_pools = host.device_views(manager.swap_layout());
+    const gpu::DevicePools host_cpu = host.host_views(manager.swap_layout());
     manager.add_sequence(1, TokenLayout({{TokenKind::Visual, c.blocks * kBlock}}), plan);
     gpu::DeviceSwapList list;
 
-    for (const gpu::SwapDirection dir : {gpu::SwapDirection::DeviceToHost, gpu::SwapDirection::HostToDevice}) {
-      const bool out = dir == gpu::SwapDirection::DeviceToHost;
+    for (const SwapDirection dir : {SwapDirection::DeviceToHost, SwapDirection::HostToDevice}) {
+      const bool out = dir == SwapDirection::DeviceToHost;
       const std::vector<SwapCopy> copies = out ? manager.swap_out(1) : manager.swap_in(1);
       const std::size_t bytes = list_bytes(manager, copies);
       const auto t0 = std::chrono::steady_clock::now();
-      list.upload(copies, dir, manager, stream);
+      list.upload(copies, dir, manager.arena_layout(), manager.swap_layout(), stream);
       const double upload_us =
           std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
       gpu::SwapBlocksArgs args;

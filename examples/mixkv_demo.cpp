@@ -22,9 +22,9 @@
 #include <string_view>
 #include <vector>
 
-#include "mixkv/cache/half.h"
+#include "mixkv/core/half.h"
 #include "mixkv/cache/kv_cache_manager.h"
-#include "mixkv/cache/window_planner.h"
+#include "mixkv/planner/window_planner.h"
 #include "mixkv/cpu/decode_attention.h"
 #include "mixkv/cpu/store.h"
 
@@ -151,14 +151,14 @@ class CpuBackend {
   void allocate(Variant& v) const { v.arena.resize(v.manager->config().arena_bytes); }
 
   void store(Variant& v, SequenceId id, const Request& r) const {
-    const cpu::PoolViews pools = views(v);
+    const PoolViews pools = views(v);
     for (int layer = 0; layer < v.manager->config().shape.num_layers; ++layer)
       cpu::store_prefill(r.k[layer], r.v[layer], v.manager->prefill_mapping(id, layer), pools);
   }
 
   Outputs attend(Variant& v, const std::vector<Request>& requests) const {
     const CacheShape& shape = v.manager->config().shape;
-    const cpu::PoolViews pools = views(v);
+    const PoolViews pools = views(v);
     Outputs outputs(requests.size());
     for (std::size_t i = 0; i < requests.size(); ++i) {
       const SequenceId ids[] = {static_cast<SequenceId>(i)};
@@ -179,8 +179,8 @@ class CpuBackend {
   }
 
  private:
-  static cpu::PoolViews views(Variant& v) {
-    cpu::PoolViews pools;
+  static PoolViews views(Variant& v) {
+    PoolViews pools;
     for (Precision p : kAllPrecisions) pools[pool_index(p)] = v.manager->pool_view(p, v.arena.data());
     return pools;
   }
@@ -240,7 +240,7 @@ class CudaBackend {
       mapping_.fill(args);
       args.k = k.get();
       args.v = values.get();
-      args.pools = v.device_arena->pool_views(*v.manager);
+      args.pools = v.device_arena->pool_views(v.manager->arena_layout());
       gpu::store_prefill(args);
       cuda_check(cudaDeviceSynchronize(), "store_prefill");
     }
@@ -260,7 +260,7 @@ class CudaBackend {
         for (std::int32_t i = 0; i < batch; ++i) longest = std::max(longest, table.indptr[i + 1] - table.indptr[i]);
     gpu::DevicePageTables tables({.num_layers = shape.num_layers, .max_sequences = batch,
                                   .max_blocks_per_sequence = longest});
-    for (std::int32_t i = 0; i < batch; ++i) tables.sync(slots[i], *v.manager, ids[i]);
+    for (std::int32_t i = 0; i < batch; ++i) tables.sync(slots[i], v.manager->page_table(ids[i]));
     tables.upload(nullptr);
     gpu::DecodePlan plan({.num_layers = shape.num_layers, .num_q_heads = kQueryHeads,
                           .num_kv_heads = shape.num_kv_heads, .head_dim = shape.head_dim,
@@ -275,7 +275,7 @@ class CudaBackend {
       for (const Request& r : requests) host_q.insert(host_q.end(), r.q[layer].begin(), r.q[layer].end());
       q.upload(host_q);
       plan.run({.layer = layer, .q = q.get(), .out = out.get(), .sm_scale = sm_scale(shape),
-                .pools = v.device_arena->pool_views(*v.manager)});
+                .pools = v.device_arena->pool_views(v.manager->arena_layout())});
       const std::vector<Half> host_out = out.download(batch * row);
       for (std::int32_t i = 0; i < batch; ++i) {
         std::vector<float>& o = outputs[i].emplace_back(row);

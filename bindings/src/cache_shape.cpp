@@ -8,11 +8,11 @@
 #include <pybind11/stl.h>
 
 #include "bindings.h"
-#include "mixkv/cache/block_format.h"
-#include "mixkv/cache/cache_shape.h"
-#include "mixkv/cache/errors.h"
+#include "mixkv/core/block_format.h"
+#include "mixkv/core/cache_shape.h"
+#include "mixkv/core/errors.h"
 #include "mixkv/cache/kv_cache_manager.h"
-#include "mixkv/cache/precision.h"
+#include "mixkv/core/precision.h"
 
 namespace mixkv::python {
 

@@ -15,8 +15,8 @@
 #include "bindings.h"
 #include "host_arrays.h"
 #include "host_kv_cache.h"
-#include "mixkv/cache/cache_shape.h"
-#include "mixkv/cache/errors.h"
+#include "mixkv/core/cache_shape.h"
+#include "mixkv/core/errors.h"
 #include "mixkv/cpu/decode_attention.h"
 #include "mixkv/cpu/demote.h"
 #include "mixkv/cpu/merge_states.h"
@@ -36,7 +36,7 @@ void store_prefill(const HostKVCache& cache, py::handle k, py::handle v, const S
                                     {{rows, "rows"}, {s.num_kv_heads, "num_kv_heads"}, {s.head_dim, "head_dim"}});
   const auto vv = input_array<Half>(v, "store_prefill: v",
                                     {{rows, "rows"}, {s.num_kv_heads, "num_kv_heads"}, {s.head_dim, "head_dim"}});
-  const cpu::PoolViews pools = cache.pools();
+  const PoolViews pools = cache.pools();
   py::gil_scoped_release release;
   cpu::store_prefill(kk.values, vv.values, mapping, pools);
 }
@@ -61,14 +61,14 @@ void copy_blocks(const HostKVCache& cache, const std::vector<BlockCopy>& copies,
 }
 
 void demote(const HostKVCache& cache, const std::vector<DemoteOp>& demote_ops) {
-  const cpu::PoolViews pools = cache.pools();
+  const PoolViews pools = cache.pools();
   py::gil_scoped_release release;
   cpu::demote(demote_ops, pools);
 }
 
-void swap_blocks(const HostKVCache& cache, const std::vector<SwapCopy>& copies, cpu::SwapDirection direction) {
-  const cpu::PoolViews device = cache.pools();
-  const cpu::PoolViews host = cache.swap_pools();
+void swap_blocks(const HostKVCache& cache, const std::vector<SwapCopy>& copies, SwapDirection direction) {
+  const PoolViews device = cache.pools();
+  const PoolViews host = cache.swap_pools();
   py::gil_scoped_release release;
   cpu::swap_blocks(copies, direction, device, host);
 }
@@ -164,9 +164,9 @@ void bind_cpu_ops(py::module_& ops) {
   ops.def("demote", &demote, py::arg("cache"), py::arg("ops"),
           "Requantizes what KVCacheManager.demote returned (list[DemoteOp]): FP16 -> INT4/INT2 gives the codes "
           "store_prefill makes from those FP16 values, INT4 -> INT2 requantizes the INT4-dequantized values.");
-  py::native_enum<cpu::SwapDirection>(ops, "SwapDirection", "enum.IntEnum", "Direction of ops.swap_blocks.")
-      .value("DeviceToHost", cpu::SwapDirection::DeviceToHost, "swap_out's copies")
-      .value("HostToDevice", cpu::SwapDirection::HostToDevice, "swap_in's copies")
+  py::native_enum<SwapDirection>(ops, "SwapDirection", "enum.IntEnum", "Direction of ops.swap_blocks.")
+      .value("DeviceToHost", SwapDirection::DeviceToHost, "swap_out's copies")
+      .value("HostToDevice", SwapDirection::HostToDevice, "swap_in's copies")
       .finalize();
   ops.def("swap_blocks", &swap_blocks, py::arg("cache"), py::arg("copies"), py::arg("direction"),
           "Copies whole blocks between the arena and the host swap pool (KVCache.swap) as swap_out (DeviceToHost) "

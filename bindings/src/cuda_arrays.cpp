@@ -2,7 +2,7 @@
 
 #include <string>
 
-#include "mixkv/cache/errors.h"
+#include "mixkv/core/errors.h"
 
 namespace mixkv::python {
 namespace {

@@ -15,7 +15,7 @@
 #include <pybind11/stl.h>  // std::optional and std::vector casts
 
 #include "host_arrays.h"
-#include "mixkv/cache/half.h"
+#include "mixkv/core/half.h"
 
 namespace mixkv::python {
 

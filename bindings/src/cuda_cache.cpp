@@ -19,7 +19,7 @@ namespace mixkv::python {
 
 DeviceKVCache::DeviceKVCache(CacheConfig config)
     : KVCacheManager(config), device_(current_device()), arena_(config.arena_bytes) {
-  if (swap_bytes() > 0) swap_.emplace(*this);
+  if (swap_bytes() > 0) swap_.emplace(swap_layout());
 }
 
 void bind_cuda_cache(py::module_& cuda) {
@@ -78,8 +78,13 @@ void bind_cuda_cache(py::module_& cuda) {
           py::arg("slot"), py::arg("layer"), py::arg("pool"), py::arg("blocks"), py::arg("last_block_len") = 0,
           "Sets the page list of (slot, layer, pool); last_block_len is the FP16 tail fill (ignored for quantized "
           "pools).")
-      .def("sync", &gpu::DevicePageTables::sync, py::arg("slot"), py::arg("manager"), py::arg("id"),
-           "Every (layer, pool) list of sequence `id` of `manager` into `slot`.")
+      .def(
+          "sync",
+          [](gpu::DevicePageTables& t, std::int32_t slot, const KVCacheManager& manager, SequenceId id) {
+            t.sync(slot, manager.page_table(id));
+          },
+          py::arg("slot"), py::arg("manager"), py::arg("id"),
+          "Every (layer, pool) list of sequence `id` of `manager` into `slot`.")
       .def("clear", &gpu::DevicePageTables::clear, py::arg("slot"), "Empties every list of `slot`.")
       .def("pending_updates", &gpu::DevicePageTables::pending_updates, "Entries changed since the last upload.")
       .def(

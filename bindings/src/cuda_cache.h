@@ -17,7 +17,7 @@ class DeviceKVCache : public KVCacheManager {
 
   int device() const { return device_; }
   const gpu::DeviceArena& arena() const { return arena_; }
-  gpu::DevicePools pools() const { return arena_.pool_views(*this); }
+  gpu::DevicePools pools() const { return arena_.pool_views(this->arena_layout()); }
   // Null without a swap pool.
   const gpu::PinnedSwapBuffer* swap() const { return swap_ ? &*swap_ : nullptr; }
   gpu::DeviceSwapList& swap_list() { return swap_list_; }

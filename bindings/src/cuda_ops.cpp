@@ -11,7 +11,7 @@
 #include "bindings.h"
 #include "cuda_arrays.h"
 #include "cuda_cache.h"
-#include "mixkv/cache/errors.h"
+#include "mixkv/core/errors.h"
 #include "mixkv/kernels/decode_plan.h"
 #include "mixkv/kernels/demote.h"
 #include "mixkv/kernels/merge_states.h"
@@ -119,18 +119,18 @@ py::tuple paged_decode_attention(const DeviceKVCache& cache, const gpu::DecodePl
   return py::make_tuple(out, lse);
 }
 
-void swap_blocks(DeviceKVCache& cache, const std::vector<SwapCopy>& copies, gpu::SwapDirection direction,
+void swap_blocks(DeviceKVCache& cache, const std::vector<SwapCopy>& copies, SwapDirection direction,
                  py::handle stream) {
   if (cache.swap() == nullptr) {
     throw InvalidArgument("swap_blocks: cache: expected a DeviceKVCache with a host swap pool (config.swap_blocks)");
   }
   const CudaContext ctx = context(cache, stream);
   gpu::DeviceSwapList& list = cache.swap_list();
-  list.upload(copies, direction, cache, ctx.stream);
+  list.upload(copies, direction, cache.arena_layout(), cache.swap_layout(), ctx.stream);
   gpu::SwapBlocksArgs args;
   list.fill(args);
   args.device = cache.pools();
-  args.host = cache.swap()->device_views(cache);
+  args.host = cache.swap()->device_views(cache.swap_layout());
   args.stream = ctx.stream;
   gpu::swap_blocks(args);
 }

@@ -8,8 +8,8 @@
 
 #include "bindings.h"
 #include "cuda_arrays.h"
-#include "mixkv/cache/errors.h"
-#include "mixkv/kernels/window_similarity.h"
+#include "mixkv/core/errors.h"
+#include "mixkv/planner/cuda_window_planner.h"
 
 namespace mixkv::python {
 namespace {

@@ -2,7 +2,7 @@
 // the built-in exception a Python caller expects (ValueError, MemoryError,
 // KeyError, IndexError, RuntimeError), so `except ValueError` works, while
 // `except mixkv.InvalidArgument` can be precise. Messages are the C++ ones.
-#include "mixkv/cache/errors.h"
+#include "mixkv/core/errors.h"
 
 #include "bindings.h"
 

@@ -3,7 +3,7 @@
 #include <cstring>
 #include <limits>
 
-#include "mixkv/cache/errors.h"
+#include "mixkv/core/errors.h"
 
 namespace mixkv::python {
 namespace {

@@ -13,7 +13,7 @@
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
-#include "mixkv/cache/half.h"
+#include "mixkv/core/half.h"
 
 namespace mixkv::python {
 

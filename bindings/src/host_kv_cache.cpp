@@ -6,7 +6,7 @@
 #include <pybind11/numpy.h>
 
 #include "bindings.h"
-#include "mixkv/cache/errors.h"
+#include "mixkv/core/errors.h"
 
 namespace mixkv::python {
 
@@ -29,14 +29,14 @@ HostKVCache::HostKVCache(CacheConfig config)
       arena_(host_bytes(config.arena_bytes, "arena_bytes")),
       swap_(host_bytes(swap_bytes(), "swap_bytes()")) {}
 
-cpu::PoolViews HostKVCache::pools() const {
-  cpu::PoolViews views;
+PoolViews HostKVCache::pools() const {
+  PoolViews views;
   for (Precision p : kAllPrecisions) views[pool_index(p)] = pool_view(p, arena());
   return views;
 }
 
-cpu::PoolViews HostKVCache::swap_pools() const {
-  cpu::PoolViews views;
+PoolViews HostKVCache::swap_pools() const {
+  PoolViews views;
   for (Precision p : kAllPrecisions) views[pool_index(p)] = swap_view(p, swap());
   return views;
 }

@@ -20,8 +20,8 @@ class HostKVCache : public KVCacheManager {
 
   std::byte* arena() const { return arena_.get(); }
   std::byte* swap() const { return swap_.get(); }
-  cpu::PoolViews pools() const;
-  cpu::PoolViews swap_pools() const;
+  PoolViews pools() const;
+  PoolViews swap_pools() const;
 
  private:
   struct Free {

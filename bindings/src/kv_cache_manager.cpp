@@ -12,7 +12,7 @@
 
 #include "bindings.h"
 #include "host_arrays.h"
-#include "mixkv/cache/errors.h"
+#include "mixkv/core/errors.h"
 #include "mixkv/cache/kv_cache_manager.h"
 
 namespace mixkv::python {

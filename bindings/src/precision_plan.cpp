@@ -5,7 +5,7 @@
 #include <pybind11/stl.h>
 
 #include "bindings.h"
-#include "mixkv/cache/precision_plan.h"
+#include "mixkv/core/precision_plan.h"
 
 namespace mixkv::python {
 

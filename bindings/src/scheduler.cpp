@@ -9,7 +9,7 @@
 
 #include "bindings.h"
 #include "host_arrays.h"
-#include "mixkv/cache/errors.h"
+#include "mixkv/core/errors.h"
 #include "mixkv/scheduler/scheduler.h"
 
 namespace mixkv::python {

@@ -8,7 +8,7 @@
 #include <pybind11/stl.h>
 
 #include "bindings.h"
-#include "mixkv/cache/token_layout.h"
+#include "mixkv/core/token_layout.h"
 
 namespace mixkv::python {
 

@@ -12,9 +12,9 @@
 
 #include "bindings.h"
 #include "host_arrays.h"
-#include "mixkv/cache/errors.h"
-#include "mixkv/cache/plan_budget.h"
-#include "mixkv/cache/window_planner.h"
+#include "mixkv/core/errors.h"
+#include "mixkv/planner/plan_budget.h"
+#include "mixkv/planner/window_planner.h"
 
 namespace mixkv::python {
 namespace {

@@ -3,8 +3,8 @@
 #include <limits>
 #include <string>
 
-#include "checks.h"
-#include "mixkv/cache/errors.h"
+#include "mixkv/core/checks.h"
+#include "mixkv/core/errors.h"
 
 namespace mixkv {
 namespace {

@@ -4,8 +4,8 @@
 #include <cstddef>
 #include <limits>
 
-#include "checks.h"
-#include "mixkv/cache/errors.h"
+#include "mixkv/core/checks.h"
+#include "mixkv/core/errors.h"
 
 namespace mixkv {
 

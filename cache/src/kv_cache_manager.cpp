@@ -10,20 +10,13 @@
 #include <boost/unordered/unordered_flat_map.hpp>
 #include <boost/unordered_map.hpp>
 
-#include "checks.h"
+#include "mixkv/core/checks.h"
 #include "mixkv/cache/arena.h"
 #include "mixkv/cache/block_pool.h"
-#include "mixkv/cache/errors.h"
-#include "mixkv/cache/page_table.h"
+#include "mixkv/core/errors.h"
+#include "mixkv/core/page_table.h"
 
 namespace mixkv {
-
-void StoreMapping::append(const StoreMapping& other) {
-  const auto offset = static_cast<std::int32_t>(fp16_slots.size());
-  fp16_slots.insert(fp16_slots.end(), other.fp16_slots.begin(), other.fp16_slots.end());
-  for (WindowSlot w : other.int4_windows) int4_windows.push_back({w.block_id, w.first_row + offset});
-  for (WindowSlot w : other.int2_windows) int2_windows.push_back({w.block_id, w.first_row + offset});
-}
 
 namespace {
 
@@ -460,8 +453,19 @@ BlockFormat KVCacheManager::format(Precision p) const {
 PoolView KVCacheManager::pool_view(Precision p, std::byte* arena_base) const {
   require_precision(p, "p");
   if (arena_base == nullptr) throw InvalidArgument("arena_base = nullptr, expected the arena's first byte");
-  const BlockPool& bp = impl_->pool(p);
-  return PoolView{arena_base, impl_->config.slab_bytes, bp.blocks_per_slab(), bp.format()};
+  return arena_layout().at(arena_base)[at(p)];
+}
+
+PoolLayout KVCacheManager::arena_layout() const {
+  PoolLayout layout;
+  layout.bytes = impl_->config.arena_bytes;
+  for (const Precision p : kAllPrecisions) {
+    const BlockPool& bp = impl_->pool(p);
+    const auto capacity = static_cast<std::int64_t>(impl_->arena.total_slabs()) * bp.blocks_per_slab();
+    layout.pools[at(p)] = PoolView{nullptr, impl_->config.slab_bytes, bp.blocks_per_slab(), bp.format(),
+                                   static_cast<std::int32_t>(std::min<std::int64_t>(capacity, INT32_MAX))};
+  }
+  return layout;
 }
 
 PoolStats KVCacheManager::pool_stats(Precision p) const {
@@ -975,15 +979,24 @@ std::size_t KVCacheManager::swap_bytes() const {
 PoolView KVCacheManager::swap_view(Precision p, std::byte* host_base) const {
   require_precision(p, "p");
   if (host_base == nullptr) throw InvalidArgument("host_base = nullptr, expected the host swap buffer's first byte");
+  return swap_layout().at(host_base)[at(p)];
+}
+
+PoolLayout KVCacheManager::swap_layout() const {
+  PoolLayout layout;
   std::size_t offset = 0;
-  for (const Precision q : kAllPrecisions) {
-    if (q == p) break;
-    offset += static_cast<std::size_t>(impl_->config.swap_blocks[at(q)]) * impl_->pool(q).format().block_bytes();
+  for (const Precision p : kAllPrecisions) {
+    const BlockFormat f = impl_->pool(p).format();
+    const std::int64_t count = impl_->config.swap_blocks[at(p)];
+    // All slots of the pool form one "slab", so block(slot) = base + slot * block_bytes.
+    const auto slots = static_cast<std::int32_t>(std::max<std::int64_t>(count, 1));
+    layout.offsets[at(p)] = offset;
+    layout.pools[at(p)] =
+        PoolView{nullptr, static_cast<std::size_t>(slots) * f.block_bytes(), slots, f, static_cast<std::int32_t>(count)};
+    offset += static_cast<std::size_t>(count) * f.block_bytes();
   }
-  const BlockFormat f = impl_->pool(p).format();
-  // All slots of the pool form one "slab", so block(slot) = base + slot * block_bytes.
-  const auto slots = static_cast<std::int32_t>(std::max<std::int64_t>(impl_->config.swap_blocks[at(p)], 1));
-  return PoolView{host_base + offset, static_cast<std::size_t>(slots) * f.block_bytes(), slots, f};
+  layout.bytes = offset;
+  return layout;
 }
 
 bool KVCacheManager::is_swapped(SequenceId id) const { return impl_->find(id, "id").swapped; }

@@ -7,7 +7,7 @@
 #include <concepts>
 #include <string>
 
-#include "mixkv/cache/errors.h"
+#include "mixkv/core/errors.h"
 
 namespace mixkv::gpu::detail {
 

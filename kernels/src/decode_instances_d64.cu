@@ -5,7 +5,7 @@
 
 #include "decode_dispatch.h"
 #include "decode_launch.cuh"
-#include "mixkv/cache/errors.h"
+#include "mixkv/core/errors.h"
 
 namespace mixkv::gpu::detail {
 

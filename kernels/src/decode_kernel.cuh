@@ -39,7 +39,7 @@
 #include "decode_merge.cuh"
 #include "decode_params.cuh"
 #include "device_math.cuh"
-#include "mixkv/cache/block_format.h"
+#include "mixkv/core/block_format.h"
 
 namespace mixkv::gpu::detail {
 

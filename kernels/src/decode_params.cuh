@@ -5,7 +5,7 @@
 #include <cstdint>
 
 #include "device_pool.cuh"
-#include "mixkv/cache/precision.h"
+#include "mixkv/core/precision.h"
 
 namespace mixkv::gpu::detail {
 

@@ -15,7 +15,7 @@
 #include "decode_dispatch.h"
 #include "decode_params.cuh"
 #include "device_buffer.cuh"
-#include "mixkv/cache/block_format.h"
+#include "mixkv/core/block_format.h"
 
 namespace mixkv::gpu {
 namespace detail {

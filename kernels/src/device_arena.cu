@@ -40,14 +40,13 @@ DeviceArena& DeviceArena::operator=(DeviceArena&& other) noexcept {
   return *this;
 }
 
-DevicePools DeviceArena::pool_views(const KVCacheManager& manager) const {
-  detail::require(manager.config().arena_bytes <= bytes_, [&] {
-    return "DeviceArena::pool_views: manager.config().arena_bytes = " + std::to_string(manager.config().arena_bytes) +
-           ": expected <= the arena's " + std::to_string(bytes_) + " bytes";
+DevicePools DeviceArena::pool_views(const PoolLayout& layout) const {
+  detail::require(base_ != nullptr, "DeviceArena::pool_views: the arena was moved from: expected a live DeviceArena");
+  detail::require(layout.bytes <= bytes_, [&] {
+    return "DeviceArena::pool_views: layout.bytes = " + std::to_string(layout.bytes) + ": expected <= the arena's " +
+           std::to_string(bytes_) + " bytes";
   });
-  DevicePools pools;
-  for (Precision p : kAllPrecisions) pools[pool_index(p)] = manager.pool_view(p, base_);
-  return pools;
+  return layout.at(base_);
 }
 
 }  // namespace mixkv::gpu

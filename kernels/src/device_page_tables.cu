@@ -136,20 +136,20 @@ void DevicePageTables::set_blocks(std::int32_t slot, std::int32_t layer, Precisi
   if (pool == Precision::FP16) s.write(s.fill_at(slot, layer), last_block_len);
 }
 
-void DevicePageTables::sync(std::int32_t slot, const KVCacheManager& manager, SequenceId id) {
+void DevicePageTables::sync(std::int32_t slot, const PageTable& table) {
   constexpr std::string_view fn = "DevicePageTables::sync";
   Impl& s = *impl_;
   s.check_slot_layer(fn, slot, 0);
-  detail::require(manager.config().shape.num_layers == s.config.num_layers, [&] {
-    return std::string(fn) + ": manager has " + std::to_string(manager.config().shape.num_layers) +
-           " layers: expected num_layers = " + std::to_string(s.config.num_layers);
+  detail::require(table.num_layers() == s.config.num_layers, [&] {
+    return std::string(fn) + ": table.num_layers() = " + std::to_string(table.num_layers()) +
+           ": expected num_layers = " + std::to_string(s.config.num_layers);
   });
   // Validate every list first so that a throw changes nothing.
   for (std::int32_t layer = 0; layer < s.config.num_layers; ++layer) {
     for (Precision p : kAllPrecisions) {
-      const auto list = manager.blocks(id, layer, p);
+      const auto list = table.blocks(layer, p);
       detail::require(list.size() <= static_cast<std::size_t>(s.config.max_blocks_per_sequence), [&] {
-        return std::string(fn) + ": sequence " + std::to_string(id) + " layer " + std::to_string(layer) + " holds " +
+        return std::string(fn) + ": table layer " + std::to_string(layer) + " holds " +
                std::to_string(list.size()) + " " + std::string(to_string(p)) +
                " blocks: expected <= max_blocks_per_sequence = " + std::to_string(s.config.max_blocks_per_sequence);
       });
@@ -157,8 +157,8 @@ void DevicePageTables::sync(std::int32_t slot, const KVCacheManager& manager, Se
   }
   for (std::int32_t layer = 0; layer < s.config.num_layers; ++layer) {
     for (Precision p : kAllPrecisions) {
-      const auto list = manager.blocks(id, layer, p);
-      const std::int32_t fill = p == Precision::FP16 && !list.empty() ? manager.fp16_tail_fill(id, layer) : 0;
+      const auto list = table.blocks(layer, p);
+      const std::int32_t fill = p == Precision::FP16 && !list.empty() ? table.fp16_tail_fill(layer) : 0;
       set_blocks(slot, layer, p, list, fill);
     }
   }

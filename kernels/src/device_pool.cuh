@@ -4,7 +4,7 @@
 // multiply-high instead of a runtime division (in the decode kernel that
 // division was 14% of the instructions).
 #include "fast_divisor.cuh"
-#include "mixkv/cache/pool_view.h"
+#include "mixkv/core/pool_view.h"
 
 namespace mixkv::gpu::detail {
 

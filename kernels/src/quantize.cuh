@@ -9,7 +9,7 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "mixkv/cache/block_format.h"
+#include "mixkv/core/block_format.h"
 
 namespace mixkv::gpu::detail {
 

@@ -15,7 +15,7 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "mixkv/cache/block_format.h"
+#include "mixkv/core/block_format.h"
 #include "quantize.cuh"
 
 namespace mixkv::gpu::detail {

@@ -89,9 +89,9 @@ std::string copy_at(std::size_t i) { return "copies[" + std::to_string(i) + "]";
 
 // --- PinnedSwapBuffer -------------------------------------------------------
 
-PinnedSwapBuffer::PinnedSwapBuffer(const KVCacheManager& manager) {
-  const std::size_t bytes = manager.swap_bytes();
-  require(bytes > 0, "PinnedSwapBuffer: manager.swap_bytes() = 0: expected a host swap pool "
+PinnedSwapBuffer::PinnedSwapBuffer(const PoolLayout& layout) {
+  const std::size_t bytes = layout.bytes;
+  require(bytes > 0, "PinnedSwapBuffer: layout.bytes = 0: expected a host swap pool "
                      "(CacheConfig::swap_blocks > 0 for some pool)");
   void* p = nullptr;
   // throw_cuda_error clears the runtime's last error and maps
@@ -130,25 +130,23 @@ PinnedSwapBuffer& PinnedSwapBuffer::operator=(PinnedSwapBuffer&& other) noexcept
 }
 
 namespace {
-DevicePools swap_views(const char* fn, const KVCacheManager& manager, std::byte* base, std::size_t bytes) {
+DevicePools swap_views(const char* fn, const PoolLayout& layout, std::byte* base, std::size_t bytes) {
   require(base != nullptr,
           [&] { return std::string(fn) + ": the buffer was moved from: expected a live PinnedSwapBuffer"; });
-  require(manager.swap_bytes() <= bytes, [&] {
-    return std::string(fn) + ": manager.swap_bytes() = " + std::to_string(manager.swap_bytes()) +
-           ": expected <= the buffer's " + std::to_string(bytes) + " bytes";
+  require(layout.bytes <= bytes, [&] {
+    return std::string(fn) + ": layout.bytes = " + std::to_string(layout.bytes) + ": expected <= the buffer's " +
+           std::to_string(bytes) + " bytes";
   });
-  DevicePools pools;
-  for (const Precision p : kAllPrecisions) pools[pool_index(p)] = manager.swap_view(p, base);
-  return pools;
+  return layout.at(base);
 }
 }  // namespace
 
-DevicePools PinnedSwapBuffer::host_views(const KVCacheManager& manager) const {
-  return swap_views("PinnedSwapBuffer::host_views", manager, host_, bytes_);
+DevicePools PinnedSwapBuffer::host_views(const PoolLayout& layout) const {
+  return swap_views("PinnedSwapBuffer::host_views", layout, host_, bytes_);
 }
 
-DevicePools PinnedSwapBuffer::device_views(const KVCacheManager& manager) const {
-  return swap_views("PinnedSwapBuffer::device_views", manager, device_, bytes_);
+DevicePools PinnedSwapBuffer::device_views(const PoolLayout& layout) const {
+  return swap_views("PinnedSwapBuffer::device_views", layout, device_, bytes_);
 }
 
 // --- swap_blocks ------------------------------------------------------------
@@ -199,7 +197,7 @@ DeviceSwapList::DeviceSwapList() : impl_(std::make_unique<Impl>()) {}
 DeviceSwapList::~DeviceSwapList() = default;
 
 void DeviceSwapList::upload(std::span<const SwapCopy> copies, SwapDirection direction,
-                            const KVCacheManager& manager, cudaStream_t stream) {
+                            const PoolLayout& arena, const PoolLayout& swap, cudaStream_t stream) {
   constexpr const char* fn = "DeviceSwapList::upload";
   require(direction == SwapDirection::DeviceToHost || direction == SwapDirection::HostToDevice, [&] {
     return std::string(fn) + ": direction = " + std::to_string(static_cast<int>(direction)) +
@@ -211,8 +209,8 @@ void DeviceSwapList::upload(std::span<const SwapCopy> copies, SwapDirection dire
   std::int64_t device_blocks[kNumPrecisions];
   std::int64_t host_slots[kNumPrecisions];
   for (const Precision p : kAllPrecisions) {
-    device_blocks[pool_index(p)] = static_cast<std::int64_t>(manager.total_slabs()) * manager.pool_stats(p).blocks_per_slab;
-    host_slots[pool_index(p)] = manager.config().swap_blocks[pool_index(p)];
+    device_blocks[pool_index(p)] = arena.pools[pool_index(p)].num_blocks;
+    host_slots[pool_index(p)] = swap.pools[pool_index(p)].num_blocks;
   }
   const bool to_host = direction == SwapDirection::DeviceToHost;
   // Destination (pool, id) -> first copy writing it: two writers of one

@@ -14,7 +14,7 @@
 #include <boost/unordered/unordered_flat_set.hpp>
 #include <boost/unordered_map.hpp>
 
-#include "mixkv/cache/errors.h"
+#include "mixkv/core/errors.h"
 
 namespace mixkv {
 namespace {

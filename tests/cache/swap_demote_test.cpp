@@ -23,7 +23,7 @@ TEST(Swap, MovesExactlyThePageTablesBlocksAndBringsTheBytesBack) {
   PrecisionPlan plan(2, 2, Precision::INT4);
   cache.add_sequence(1, TokenLayout({{TokenKind::Text, 5}, {TokenKind::Visual, 32}}), plan);
   std::vector<std::byte> arena(c.arena_bytes), host(cache.swap_bytes());
-  cpu::PoolViews dev{}, hst{};
+  PoolViews dev{}, hst{};
   for (const Precision p : kAllPrecisions) {
     dev[pool_index(p)] = cache.pool_view(p, arena.data());
     hst[pool_index(p)] = cache.swap_view(p, host.data());
@@ -38,7 +38,7 @@ TEST(Swap, MovesExactlyThePageTablesBlocksAndBringsTheBytesBack) {
     const std::byte* b = dev[pool_index(s.pool)].block(s.device_block);
     before.emplace_back(b, b + dev[pool_index(s.pool)].format.block_bytes());
   }
-  cpu::swap_blocks(out, cpu::SwapDirection::DeviceToHost, dev, hst);
+  cpu::swap_blocks(out, SwapDirection::DeviceToHost, dev, hst);
   EXPECT_TRUE(cache.is_swapped(1));
   for (const Precision p : kAllPrecisions) EXPECT_EQ(cache.pool_stats(p).used_blocks, 0);
   EXPECT_NO_THROW(cache.check_invariants());
@@ -46,7 +46,7 @@ TEST(Swap, MovesExactlyThePageTablesBlocksAndBringsTheBytesBack) {
   expect_rejected<InvalidArgument>(cache, [&] { (void)cache.swap_out(1); }, {"swapped out"});
   std::fill(arena.begin(), arena.end(), std::byte{0});
   const std::vector<SwapCopy> in = cache.swap_in(1);
-  cpu::swap_blocks(in, cpu::SwapDirection::HostToDevice, dev, hst);
+  cpu::swap_blocks(in, SwapDirection::HostToDevice, dev, hst);
   ASSERT_EQ(in.size(), out.size());
   for (std::size_t i = 0; i < in.size(); ++i) {
     EXPECT_EQ(in[i].pool, out[i].pool);
@@ -154,7 +154,7 @@ TEST(Demote, CpuRequantizesExactlyAsWriteHead) {
   // One slab per pool in a 3-slab arena: FP16 block 0 (slab 0), INT4 block
   // in slab 1, INT2 block in slab 2.
   std::vector<std::byte> arena(3 * 4096);
-  cpu::PoolViews pools{PoolView{arena.data(), 4096, 4, fp16}, PoolView{arena.data(), 4096, 10, int4},
+  PoolViews pools{PoolView{arena.data(), 4096, 4, fp16}, PoolView{arena.data(), 4096, 10, int4},
                        PoolView{arena.data(), 4096, 16, int2}};
   cpu::write_head(fp16, k.data(), v.data(), 16, pools[0].block(0));
   const DemoteOp to4{1, 0, 1, Precision::FP16, 0, Precision::INT4, 10};

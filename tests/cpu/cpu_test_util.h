@@ -16,13 +16,13 @@
 #include <string>
 #include <vector>
 
-#include "mixkv/cache/block_format.h"
-#include "mixkv/cache/errors.h"
-#include "mixkv/cache/half.h"
+#include "mixkv/core/block_format.h"
+#include "mixkv/core/errors.h"
+#include "mixkv/core/half.h"
 #include "mixkv/cache/kv_cache_manager.h"
-#include "mixkv/cache/pool_view.h"
-#include "mixkv/cache/precision.h"
-#include "mixkv/cache/quant_math.h"
+#include "mixkv/core/pool_view.h"
+#include "mixkv/core/precision.h"
+#include "mixkv/core/quant_math.h"
 #include "mixkv/cpu/decode_attention.h"
 #include "mixkv/cpu/quantize.h"
 #include "mixkv/cpu/store.h"
@@ -87,7 +87,7 @@ class TestArena {
     for (auto& ids : free_) std::shuffle(ids.begin(), ids.end(), rng_);
   }
 
-  const cpu::PoolViews& views() const { return views_; }
+  const PoolViews& views() const { return views_; }
   const PoolView& view(Precision p) const { return views_[pool_index(p)]; }
   const BlockFormat& format(Precision p) const { return views_[pool_index(p)].format; }
   std::vector<std::byte>& bytes() { return bytes_; }
@@ -105,7 +105,7 @@ class TestArena {
  private:
   Rng rng_;
   std::size_t slab_bytes_ = 0;
-  cpu::PoolViews views_{};
+  PoolViews views_{};
   std::array<std::vector<std::int32_t>, kNumPrecisions> free_;
   std::vector<std::byte> bytes_;
 };

@@ -241,7 +241,7 @@ TEST_F(StoreBadInput, NonFiniteValuesNameKOrV) {
 }
 
 TEST_F(StoreBadInput, InconsistentPools) {
-  cpu::PoolViews pools = arena_.views();
+  PoolViews pools = arena_.views();
   pools[1].format.head_dim = 32;  // smaller, so its slab still fits and the geometry check fires
   MIXKV_EXPECT_INVALID(cpu::store_prefill(k_, v_, mapping_, pools), "pools[INT4].format.head_dim");
   pools = arena_.views();

@@ -10,7 +10,7 @@
 #include <numeric>
 
 #include "cuda_test_util.h"
-#include "mixkv/cache/errors.h"
+#include "mixkv/core/errors.h"
 #include "mixkv/cpu/decode_attention.h"
 #include "mixkv/kernels/decode_plan.h"
 #include "mixkv/kernels/dense_reference.h"

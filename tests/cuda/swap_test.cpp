@@ -65,8 +65,8 @@ std::vector<std::byte> download(const std::byte* device, std::size_t bytes) {
   return host;
 }
 
-cpu::PoolViews views_over(const KVCacheManager& manager, std::byte* base, bool swap_pool) {
-  cpu::PoolViews views{};
+PoolViews views_over(const KVCacheManager& manager, std::byte* base, bool swap_pool) {
+  PoolViews views{};
   for (const Precision p : kAllPrecisions) {
     views[pool_index(p)] = swap_pool ? manager.swap_view(p, base) : manager.pool_view(p, base);
   }
@@ -78,7 +78,7 @@ cpu::PoolViews views_over(const KVCacheManager& manager, std::byte* base, bool s
 class DeviceCache {
  public:
   explicit DeviceCache(const CacheConfig& config)
-      : manager(config), arena(config.arena_bytes), pinned(manager), pools(arena.pool_views(manager)) {
+      : manager(config), arena(config.arena_bytes), pinned(manager.swap_layout()), pools(arena.pool_views(manager.arena_layout())) {
     // Poison: a block the test forgets to write reads as NaN, not as zeros.
     cuda_ok(cudaMemset(arena.base(), 0x7e, arena.bytes()), "memset arena");
   }
@@ -115,12 +115,12 @@ class DeviceCache {
   }
 
   // Runs one list through DeviceSwapList + gpu::swap_blocks on `stream`.
-  void run_swap(const std::vector<SwapCopy>& copies, gpu::SwapDirection direction, cudaStream_t stream = nullptr) {
-    list.upload(copies, direction, manager, stream);
+  void run_swap(const std::vector<SwapCopy>& copies, SwapDirection direction, cudaStream_t stream = nullptr) {
+    list.upload(copies, direction, manager.arena_layout(), manager.swap_layout(), stream);
     gpu::SwapBlocksArgs args;
     list.fill(args);
     args.device = pools;
-    args.host = pinned.device_views(manager);
+    args.host = pinned.device_views(manager.swap_layout());
     args.stream = stream;
     gpu::swap_blocks(args);
     cuda_ok(cudaStreamSynchronize(stream), "swap_blocks");
@@ -133,7 +133,7 @@ class DeviceCache {
 
   // A resident sequence's bytes in page-table order, read from `mirror`.
   std::vector<std::byte> snapshot(SequenceId id, std::vector<std::byte>& mirror) const {
-    const cpu::PoolViews views = views_over(manager, mirror.data(), false);
+    const PoolViews views = views_over(manager, mirror.data(), false);
     std::vector<std::byte> out;
     for (std::int32_t layer = 0; layer < kLayers; ++layer) {
       for (const Precision p : kAllPrecisions) {
@@ -169,7 +169,7 @@ std::vector<std::uint32_t> decode_bits(DeviceCache& cache, const std::vector<Seq
     }
   }
   gpu::DevicePageTables tables({kLayers, batch, longest});
-  for (std::int32_t i = 0; i < batch; ++i) tables.sync(i, cache.manager, ids[static_cast<std::size_t>(i)]);
+  for (std::int32_t i = 0; i < batch; ++i) tables.sync(i, cache.manager.page_table(ids[static_cast<std::size_t>(i)]));
   tables.upload(nullptr);
   gpu::DecodePlanConfig config;
   config.num_layers = kLayers;
@@ -234,9 +234,9 @@ TEST(SwapCuda, RoundTripMatchesCpuBackendAndDecode) {
   BlockCounts per_pool{};
   for (const SwapCopy& c : out) ++per_pool[pool_index(c.pool)];
   for (const Precision p : kAllPrecisions) ASSERT_GT(per_pool[pool_index(p)], 0) << to_string(p) << " pool unused";
-  cache.run_swap(out, gpu::SwapDirection::DeviceToHost);
+  cache.run_swap(out, SwapDirection::DeviceToHost);
   std::vector<std::byte> expected_host(cache.manager.swap_bytes(), std::byte{0});
-  cpu::swap_blocks(out, cpu::SwapDirection::DeviceToHost, views_over(cache.manager, mirror.data(), false),
+  cpu::swap_blocks(out, SwapDirection::DeviceToHost, views_over(cache.manager, mirror.data(), false),
                    views_over(cache.manager, expected_host.data(), true));
   ASSERT_TRUE(cache.swap_bytes() == expected_host) << "swap-out bytes differ from cpu::swap_blocks";
   EXPECT_TRUE(cache.arena_bytes() == mirror) << "swap-out changed the device arena";
@@ -264,11 +264,11 @@ TEST(SwapCuda, RoundTripMatchesCpuBackendAndDecode) {
   // Swap in: bit-identical bytes, the host slots untouched, decode unchanged.
   const std::vector<SwapCopy> in = cache.manager.swap_in(2);
   ASSERT_EQ(in.size(), out.size());
-  cache.run_swap(in, gpu::SwapDirection::HostToDevice);
+  cache.run_swap(in, SwapDirection::HostToDevice);
   EXPECT_TRUE(cache.swap_bytes() == expected_host) << "swap-in changed the host swap buffer";
   std::vector<std::byte> after = cache.arena_bytes();
-  const cpu::PoolViews device_views = views_over(cache.manager, after.data(), false);
-  const cpu::PoolViews host_views = views_over(cache.manager, expected_host.data(), true);
+  const PoolViews device_views = views_over(cache.manager, after.data(), false);
+  const PoolViews host_views = views_over(cache.manager, expected_host.data(), true);
   for (std::size_t i = 0; i < in.size(); ++i) {
     const PoolView& d = device_views[pool_index(in[i].pool)];
     const PoolView& h = host_views[pool_index(in[i].pool)];
@@ -329,8 +329,8 @@ TEST(SwapCuda, LongRandomListsMatchCpu) {
   ASSERT_GT(out.size(), 8192u);
   cudaStream_t stream;
   cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
-  cache.run_swap(out, gpu::SwapDirection::DeviceToHost, stream);
-  cpu::swap_blocks(out, cpu::SwapDirection::DeviceToHost, views_over(cache.manager, mirror.data(), false),
+  cache.run_swap(out, SwapDirection::DeviceToHost, stream);
+  cpu::swap_blocks(out, SwapDirection::DeviceToHost, views_over(cache.manager, mirror.data(), false),
                    views_over(cache.manager, host.data(), true));
   EXPECT_TRUE(cache.swap_bytes() == host) << "device -> host";
 
@@ -338,8 +338,8 @@ TEST(SwapCuda, LongRandomListsMatchCpu) {
   for (auto& b : host) b = static_cast<std::byte>(rng());
   std::memcpy(cache.pinned.host(), host.data(), host.size());
   const std::vector<SwapCopy> in = random_list(rng);
-  cache.run_swap(in, gpu::SwapDirection::HostToDevice, stream);
-  cpu::swap_blocks(in, cpu::SwapDirection::HostToDevice, views_over(cache.manager, mirror.data(), false),
+  cache.run_swap(in, SwapDirection::HostToDevice, stream);
+  cpu::swap_blocks(in, SwapDirection::HostToDevice, views_over(cache.manager, mirror.data(), false),
                    views_over(cache.manager, host.data(), true));
   EXPECT_TRUE(cache.arena_bytes() == mirror) << "host -> device";
   EXPECT_TRUE(cache.swap_bytes() == host) << "host -> device changed the host buffer";
@@ -373,10 +373,10 @@ void expect_throw_naming(const std::function<void()>& call, const std::string& n
 TEST(SwapCudaBadInput, ListEntriesAreNamed) {
   const KVCacheManager manager(small_config());
   gpu::DeviceSwapList list;
-  const auto d2h = gpu::SwapDirection::DeviceToHost;
-  const auto h2d = gpu::SwapDirection::HostToDevice;
-  auto upload = [&](std::vector<SwapCopy> copies, gpu::SwapDirection dir = gpu::SwapDirection::DeviceToHost) {
-    return [&list, &manager, copies = std::move(copies), dir] { list.upload(copies, dir, manager, nullptr); };
+  const auto d2h = SwapDirection::DeviceToHost;
+  const auto h2d = SwapDirection::HostToDevice;
+  auto upload = [&](std::vector<SwapCopy> copies, SwapDirection dir = SwapDirection::DeviceToHost) {
+    return [&list, &manager, copies = std::move(copies), dir] { list.upload(copies, dir, manager.arena_layout(), manager.swap_layout(), nullptr); };
   };
   // 3 slabs: 12 FP16, 30 INT4, 48 INT2 block ids; slots 2, 3, 4.
   expect_throw_naming<InvalidArgument>(upload({{Precision::FP16, 0, 0}, {static_cast<Precision>(3), 0, 0}}),
@@ -391,7 +391,7 @@ TEST(SwapCudaBadInput, ListEntriesAreNamed) {
                                        "copies[1].host_slot = 1: also the destination of copies[0]");
   expect_throw_naming<InvalidArgument>(upload({{Precision::INT2, 7, 0}, {Precision::INT2, 7, 1}}, h2d),
                                        "copies[1].device_block = 7");
-  expect_throw_naming<InvalidArgument>(upload({}, static_cast<gpu::SwapDirection>(2)), "direction = 2");
+  expect_throw_naming<InvalidArgument>(upload({}, static_cast<SwapDirection>(2)), "direction = 2");
 
   gpu::SwapBlocksArgs args;  // no pools at all
   expect_throw_naming<InvalidArgument>([&] { gpu::swap_blocks(args); }, "device[FP16].base is null");
@@ -411,7 +411,7 @@ TEST(SwapCudaBadInput, ListEntriesAreNamed) {
   CacheConfig no_swap = small_config();
   no_swap.swap_blocks = {0, 0, 0};
   const KVCacheManager without(no_swap);
-  expect_throw_naming<InvalidArgument>([&] { gpu::PinnedSwapBuffer buffer(without); }, "swap_bytes() = 0");
+  expect_throw_naming<InvalidArgument>([&] { gpu::PinnedSwapBuffer buffer(without.swap_layout()); }, "layout.bytes = 0");
 }
 
 // A rejected upload leaves the previous list in place (count and contents)
@@ -428,8 +428,8 @@ TEST(SwapCudaBadInput, RejectedListLaunchesNothingAndEmptyListIsANoOp) {
   ASSERT_TRUE(cache.swap_bytes() == zeros) << "PinnedSwapBuffer is not zero-filled";
 
   // Empty lists in both directions: nothing changes.
-  cache.run_swap({}, gpu::SwapDirection::DeviceToHost);
-  cache.run_swap({}, gpu::SwapDirection::HostToDevice);
+  cache.run_swap({}, SwapDirection::DeviceToHost);
+  cache.run_swap({}, SwapDirection::HostToDevice);
   EXPECT_EQ(cache.list.count(), 0);
   EXPECT_TRUE(cache.swap_bytes() == zeros);
   EXPECT_TRUE(cache.arena_bytes() == mirror);
@@ -437,25 +437,25 @@ TEST(SwapCudaBadInput, RejectedListLaunchesNothingAndEmptyListIsANoOp) {
   // Accepted at the edges: the last block id and slot of each pool; one
   // source read twice (a destination may repeat only in the other pool or
   // the other direction).
-  const auto d2h = gpu::SwapDirection::DeviceToHost;
-  const auto h2d = gpu::SwapDirection::HostToDevice;
+  const auto d2h = SwapDirection::DeviceToHost;
+  const auto h2d = SwapDirection::HostToDevice;
   EXPECT_NO_THROW(cache.list.upload(std::vector<SwapCopy>{{Precision::INT2, 47, 3}, {Precision::INT4, 29, 2},
                                                           {Precision::FP16, 11, 1}},
-                                    h2d, cache.manager, nullptr));
+                                    h2d, cache.manager.arena_layout(), cache.manager.swap_layout(), nullptr));
   EXPECT_NO_THROW(cache.list.upload(std::vector<SwapCopy>{{Precision::INT4, 1, 1}, {Precision::INT2, 2, 1}}, d2h,
-                                    cache.manager, nullptr));
+                                    cache.manager.arena_layout(), cache.manager.swap_layout(), nullptr));
   EXPECT_NO_THROW(cache.list.upload(std::vector<SwapCopy>{{Precision::INT2, 7, 0}, {Precision::INT2, 7, 1}}, d2h,
-                                    cache.manager, nullptr));
+                                    cache.manager.arena_layout(), cache.manager.swap_layout(), nullptr));
 
   const std::vector<SwapCopy> good = {{Precision::FP16, 3, 1}, {Precision::INT2, 40, 0}};
-  cache.list.upload(good, gpu::SwapDirection::DeviceToHost, cache.manager, nullptr);
+  cache.list.upload(good, SwapDirection::DeviceToHost, cache.manager.arena_layout(), cache.manager.swap_layout(), nullptr);
   const std::vector<std::vector<SwapCopy>> bad = {
       {{Precision::FP16, 0, 0}, {static_cast<Precision>(7), 0, 0}},  // pool out of range
       {{Precision::FP16, 0, 0}, {Precision::INT4, 30, 0}},          // block out of range
       {{Precision::FP16, 0, 0}, {Precision::INT2, 0, 4}},           // host slot out of range
   };
   for (const auto& list : bad) {
-    EXPECT_ANY_THROW(cache.list.upload(list, gpu::SwapDirection::HostToDevice, cache.manager, nullptr));
+    EXPECT_ANY_THROW(cache.list.upload(list, SwapDirection::HostToDevice, cache.manager.arena_layout(), cache.manager.swap_layout(), nullptr));
   }
   cuda_ok(cudaDeviceSynchronize(), "sync");
   EXPECT_TRUE(cache.swap_bytes() == zeros) << "a rejected list copied something";
@@ -464,19 +464,19 @@ TEST(SwapCudaBadInput, RejectedListLaunchesNothingAndEmptyListIsANoOp) {
 
   gpu::SwapBlocksArgs args;
   cache.list.fill(args);
-  EXPECT_EQ(args.direction, gpu::SwapDirection::DeviceToHost);
+  EXPECT_EQ(args.direction, SwapDirection::DeviceToHost);
   args.device = cache.pools;
-  args.host = cache.pinned.device_views(cache.manager);
+  args.host = cache.pinned.device_views(cache.manager.swap_layout());
   gpu::swap_blocks(args);
   cuda_ok(cudaDeviceSynchronize(), "swap_blocks");
   std::vector<std::byte> expected = zeros;
-  cpu::swap_blocks(good, cpu::SwapDirection::DeviceToHost, views_over(cache.manager, mirror.data(), false),
+  cpu::swap_blocks(good, SwapDirection::DeviceToHost, views_over(cache.manager, mirror.data(), false),
                    views_over(cache.manager, expected.data(), true));
   EXPECT_TRUE(cache.swap_bytes() == expected) << "the list kept after the rejected uploads was not the last good one";
 
   // The views: the manager's swap_view over host() and device().
-  const gpu::DevicePools hv = cache.pinned.host_views(cache.manager);
-  const gpu::DevicePools dv = cache.pinned.device_views(cache.manager);
+  const gpu::DevicePools hv = cache.pinned.host_views(cache.manager.swap_layout());
+  const gpu::DevicePools dv = cache.pinned.device_views(cache.manager.swap_layout());
   for (const Precision p : kAllPrecisions) {
     EXPECT_EQ(hv[pool_index(p)].block(1), cache.manager.swap_view(p, cache.pinned.host()).block(1));
     EXPECT_EQ(dv[pool_index(p)].block(1) - cache.pinned.device(), hv[pool_index(p)].block(1) - cache.pinned.host());

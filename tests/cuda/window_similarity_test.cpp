@@ -1,5 +1,5 @@
 // The CUDA planner against the CPU planner and the paper's double loop.
-#include "mixkv/kernels/window_similarity.h"
+#include "mixkv/planner/cuda_window_planner.h"
 
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
@@ -11,8 +11,8 @@
 #include <vector>
 
 #include "../planner/planner_test_util.h"
-#include "mixkv/cache/errors.h"
-#include "mixkv/cache/window_planner.h"
+#include "mixkv/core/errors.h"
+#include "mixkv/planner/window_planner.h"
 
 namespace mixkv {
 namespace {

@@ -15,7 +15,7 @@
 #include <string>
 #include <vector>
 
-#include "mixkv/cache/errors.h"
+#include "mixkv/core/errors.h"
 #include "mixkv/cache/kv_cache_manager.h"
 
 namespace mixkv::fuzz {

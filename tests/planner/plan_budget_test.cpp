@@ -6,8 +6,8 @@
 #include <limits>
 #include <vector>
 
-#include "mixkv/cache/errors.h"
-#include "mixkv/cache/plan_budget.h"
+#include "mixkv/core/errors.h"
+#include "mixkv/planner/plan_budget.h"
 #include "planner_test_util.h"
 
 namespace mixkv {

@@ -7,10 +7,10 @@
 #include <random>
 #include <vector>
 
-#include "mixkv/cache/block_format.h"
-#include "mixkv/cache/errors.h"
+#include "mixkv/core/block_format.h"
+#include "mixkv/core/errors.h"
 #include "mixkv/cache/kv_cache_manager.h"
-#include "mixkv/cache/window_planner.h"
+#include "mixkv/planner/window_planner.h"
 #include "planner_test_util.h"
 
 namespace mixkv {

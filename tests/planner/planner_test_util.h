@@ -11,9 +11,9 @@
 #include <string>
 #include <vector>
 
-#include "mixkv/cache/half.h"
-#include "mixkv/cache/token_layout.h"
-#include "mixkv/cache/window_planner.h"
+#include "mixkv/core/half.h"
+#include "mixkv/core/token_layout.h"
+#include "mixkv/planner/window_planner.h"
 
 namespace mixkv::test {
 

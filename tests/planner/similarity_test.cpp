@@ -6,8 +6,8 @@
 #include <ostream>
 #include <vector>
 
-#include "mixkv/cache/errors.h"
-#include "mixkv/cache/window_planner.h"
+#include "mixkv/core/errors.h"
+#include "mixkv/planner/window_planner.h"
 #include "planner_test_util.h"
 
 namespace mixkv {

@@ -5,9 +5,9 @@
 #include <limits>
 #include <vector>
 
-#include "mixkv/cache/errors.h"
-#include "mixkv/cache/window_planner.h"
-#include "mixkv/cache/window_rules.h"
+#include "mixkv/core/errors.h"
+#include "mixkv/planner/window_planner.h"
+#include "mixkv/planner/window_rules.h"
 #include "planner_test_util.h"
 
 namespace mixkv {

@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "../cuda/cuda_test_util.h"
-#include "mixkv/cache/errors.h"
+#include "mixkv/core/errors.h"
 #include "mixkv/cpu/demote.h"
 #include "mixkv/cpu/quantize.h"
 #include "mixkv/kernels/demote.h"

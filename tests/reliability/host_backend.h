@@ -15,7 +15,7 @@
 #include <string>
 #include <vector>
 
-#include "mixkv/cache/half.h"
+#include "mixkv/core/half.h"
 #include "mixkv/cache/kv_cache_manager.h"
 #include "mixkv/cpu/demote.h"
 #include "mixkv/cpu/store.h"
@@ -67,13 +67,13 @@ class HostBackend {
 
   void swap_out(SequenceId id) {
     std::vector<SwapCopy> copies = cache_.swap_out(id);
-    cpu::swap_blocks(copies, cpu::SwapDirection::DeviceToHost, pools_, host_pools_);
+    cpu::swap_blocks(copies, SwapDirection::DeviceToHost, pools_, host_pools_);
     host_slots_[id] = std::move(copies);
   }
 
   void swap_in(SequenceId id) {
     const std::vector<SwapCopy> copies = cache_.swap_in(id);
-    cpu::swap_blocks(copies, cpu::SwapDirection::HostToDevice, pools_, host_pools_);
+    cpu::swap_blocks(copies, SwapDirection::HostToDevice, pools_, host_pools_);
     host_slots_.erase(id);
   }
 
@@ -141,8 +141,8 @@ class HostBackend {
   CacheShape shape_;
   std::vector<std::byte> arena_;
   std::vector<std::byte> host_;
-  cpu::PoolViews pools_{};
-  cpu::PoolViews host_pools_{};
+  PoolViews pools_{};
+  PoolViews host_pools_{};
   std::map<SequenceId, std::vector<SwapCopy>> host_slots_;
 };
 

@@ -17,7 +17,7 @@
 
 #include "../cache/cache_test_util.h"
 #include "host_backend.h"
-#include "mixkv/cache/errors.h"
+#include "mixkv/core/errors.h"
 #include "mixkv/cache/kv_cache_manager.h"
 
 namespace mixkv {

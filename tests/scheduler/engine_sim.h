@@ -22,7 +22,7 @@
 #include <tuple>
 #include <vector>
 
-#include "mixkv/cache/half.h"
+#include "mixkv/core/half.h"
 #include "mixkv/cpu/decode_attention.h"
 #include "mixkv/cpu/demote.h"
 #include "mixkv/cpu/store.h"
@@ -94,8 +94,8 @@ class EngineSim {
       }
     }
     ASSERT_EQ(i, out.swap_out.size()) << "swap_out copies do not add up to the swapped requests' blocks";
-    cpu::swap_blocks(out.swap_out, cpu::SwapDirection::DeviceToHost, pools_, host_pools_);
-    cpu::swap_blocks(out.swap_in, cpu::SwapDirection::HostToDevice, pools_, host_pools_);
+    cpu::swap_blocks(out.swap_out, SwapDirection::DeviceToHost, pools_, host_pools_);
+    cpu::swap_blocks(out.swap_in, SwapDirection::HostToDevice, pools_, host_pools_);
     i = 0;
     for (const RequestId id : out.swapped_in) {
       auto it = swapped_.find(id);
@@ -238,8 +238,8 @@ class EngineSim {
   CacheShape shape_;
   std::vector<std::byte> arena_;
   std::vector<std::byte> host_;
-  cpu::PoolViews pools_{};
-  cpu::PoolViews host_pools_{};
+  PoolViews pools_{};
+  PoolViews host_pools_{};
   std::vector<std::int32_t> tails_;  // [page-table slot][layer]: FP16 tail block (compact slots)
   std::map<RequestId, std::vector<std::uint64_t>> swapped_;
   std::map<std::tuple<RequestId, std::int64_t, std::int32_t>, std::vector<float>> outputs_;

@@ -5,7 +5,7 @@
 #include <optional>
 #include <vector>
 
-#include "mixkv/cache/precision.h"
+#include "mixkv/core/precision.h"
 
 namespace mixkv {
 

@@ -7,7 +7,7 @@
 
 #include <boost/intrusive/list.hpp>
 
-#include "mixkv/cache/block_format.h"
+#include "mixkv/core/block_format.h"
 
 namespace mixkv {
 

@@ -8,20 +8,16 @@
 #include <string>
 #include <vector>
 
-#include "mixkv/cache/block_format.h"
-#include "mixkv/cache/cache_shape.h"
-#include "mixkv/cache/page_table.h"
-#include "mixkv/cache/pool_view.h"
-#include "mixkv/cache/precision.h"
-#include "mixkv/cache/precision_plan.h"
-#include "mixkv/cache/token_layout.h"
+#include "mixkv/core/block_format.h"
+#include "mixkv/core/cache_shape.h"
+#include "mixkv/core/op_types.h"
+#include "mixkv/core/page_table.h"
+#include "mixkv/core/pool_view.h"
+#include "mixkv/core/precision.h"
+#include "mixkv/core/precision_plan.h"
+#include "mixkv/core/token_layout.h"
 
 namespace mixkv {
-
-using SequenceId = std::int64_t;
-
-// Blocks per pool, indexed by pool_index().
-using BlockCounts = std::array<std::int64_t, kNumPrecisions>;
 
 struct CacheConfig {
   CacheShape shape;
@@ -49,64 +45,12 @@ struct PoolStats {
   std::int32_t empty_slabs = 0;    // slabs with no used block (other pools may reclaim them)
 };
 
-// One quantized window to store: the block it owns and the row of its first
-// token in the K/V rows handed to store_prefill (its S tokens follow it).
-struct WindowSlot {
-  std::int32_t block_id = 0;
-  std::int32_t first_row = 0;
-};
-
-// Where each K/V row of a prefill goes for one layer (vLLM's slot mapping,
-// extended to quantized windows). Rows are the prompt tokens of one or more
-// sequences, concatenated.
-struct StoreMapping {
-  // Per row: FP16 slot = block_id * block_size + offset, or -1 when the row
-  // belongs to a quantized window.
-  std::vector<std::int32_t> fp16_slots;
-  std::vector<WindowSlot> int4_windows;
-  std::vector<WindowSlot> int2_windows;
-
-  // Appends `other`, whose rows follow this mapping's rows.
-  void append(const StoreMapping& other);
-};
-
-struct BlockCopy {
-  std::int32_t src = 0;  // FP16 block ids
-  std::int32_t dst = 0;
-};
-
-// One block moved between the device pools and the host swap pool: the
-// caller copies block_bytes of pool `pool` between the device block
-// (pool_view(pool, arena).block(device_block)) and the host slot
-// (swap_view(pool, host).block(host_slot)), in the direction of the call.
-struct SwapCopy {
-  Precision pool = Precision::FP16;
-  std::int32_t device_block = 0;
-  std::int32_t host_slot = 0;
-};
-
 // One window of one layer to move to a lower precision (demote()).
 struct Demotion {
   SequenceId id = 0;
   std::int32_t layer = 0;
   std::int32_t window = 0;  // 1 .. num_windows - 1 (window 0 always stays FP16)
   Precision target = Precision::INT4;
-};
-
-// What the requantize kernel (cpu::demote, gpu::demote) does for one
-// Demotion: read src_block of the src pool (FP16, or INT4 dequantized) and
-// write it quantized into dst_block of the dst pool. The manager has already
-// moved the window to dst_block and released src_block; src_block is not
-// reused by the demote() call that made the op (all destinations are taken
-// before any source is released), so one call's ops may run in any order.
-struct DemoteOp {
-  SequenceId id = 0;
-  std::int32_t layer = 0;
-  std::int32_t window = 0;
-  Precision src_precision = Precision::FP16;
-  std::int32_t src_block = 0;
-  Precision dst_precision = Precision::INT4;
-  std::int32_t dst_block = 0;
 };
 
 // Names a sequence without a look-up by id, for callers that append every
@@ -150,20 +94,6 @@ struct AppendResult {
   std::vector<std::int32_t> tail_blocks;
 };
 
-// The page lists of a batch for one (layer, pool) in CSR form, the shape
-// FlashInfer's paged_kv_t uses.
-struct PagedPoolTable {
-  std::vector<std::int32_t> indptr;          // [batch + 1]
-  std::vector<std::int32_t> indices;         // block ids, indptr[i]..indptr[i+1] for sequence i
-  std::vector<std::int32_t> last_block_len;  // [batch]: valid tokens in the last block (0 if none)
-};
-
-struct DecodeMetadata {
-  std::int32_t batch_size = 0;
-  // [layer][pool_index]
-  std::vector<std::array<PagedPoolTable, kNumPrecisions>> layers;
-};
-
 // Owns the bookkeeping of the KV cache: the arena's slabs, the three pools,
 // every sequence's page tables. It never touches KV bytes: the ops (CPU
 // reference or CUDA) read and write blocks through pool_view(), so one
@@ -180,7 +110,11 @@ class KVCacheManager {
 
   const CacheConfig& config() const;
   BlockFormat format(Precision p) const;
+  // The three pools inside the arena (arena_layout().at(base)[p]).
   PoolView pool_view(Precision p, std::byte* arena_base) const;
+  // The arena's pools without an address: what a backend allocating the
+  // arena (gpu::DeviceArena) needs to address and bound-check block ids.
+  PoolLayout arena_layout() const;
   PoolStats pool_stats(Precision p) const;
   std::int32_t total_slabs() const;
   std::int32_t free_slabs() const;
@@ -249,6 +183,8 @@ class KVCacheManager {
   // Addresses host slots of pool p inside that buffer (host_base = its
   // first byte): block(slot) = the slot's block_bytes.
   PoolView swap_view(Precision p, std::byte* host_base) const;
+  // The swap buffer's pools without an address (swap_layout().at(base)[p]).
+  PoolLayout swap_layout() const;
   bool is_swapped(SequenceId id) const;
   // Moves every block of `id` to the host swap pool: returns the copies to
   // make (device -> host) before the released device blocks are reused.

@@ -5,7 +5,7 @@
 
 #include <cuda_runtime_api.h>
 
-#include "mixkv/cache/half.h"
+#include "mixkv/core/half.h"
 #include "mixkv/kernels/device_arena.h"
 #include "mixkv/kernels/device_page_tables.h"
 

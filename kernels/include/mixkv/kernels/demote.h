@@ -3,7 +3,8 @@
 
 #include <cuda_runtime_api.h>
 
-#include "mixkv/cache/kv_cache_manager.h"
+#include "mixkv/core/op_types.h"
+#include "mixkv/core/pool_view.h"
 
 namespace mixkv::gpu {
 

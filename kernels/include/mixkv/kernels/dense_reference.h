@@ -4,7 +4,7 @@
 
 #include <cuda_runtime_api.h>
 
-#include "mixkv/cache/half.h"
+#include "mixkv/core/half.h"
 
 namespace mixkv::gpu {
 

@@ -2,20 +2,19 @@
 #include <array>
 #include <cstddef>
 
-#include "mixkv/cache/kv_cache_manager.h"
-#include "mixkv/cache/pool_view.h"
-#include "mixkv/cache/precision.h"
+#include "mixkv/core/pool_view.h"
+#include "mixkv/core/precision.h"
 
 namespace mixkv::gpu {
 
 // The three pools of an arena, indexed by pool_index(); device addresses.
-using DevicePools = std::array<PoolView, kNumPrecisions>;
+using DevicePools = PoolViews;
 
 // True when the CUDA runtime sees at least one device (tests skip otherwise).
 bool cuda_device_available();
 
 // The KV memory of every pool: ONE cudaMalloc of `bytes`, cut into slabs by
-// the KVCacheManager, whose pool_view() turns this base into device
+// the cache manager, whose arena_layout() turns this base into device
 // addresses. Move-only; frees the allocation on destruction.
 class DeviceArena {
  public:
@@ -31,9 +30,10 @@ class DeviceArena {
   std::byte* base() const { return base_; }
   std::size_t bytes() const { return bytes_; }
 
-  // The manager's three pools inside this arena. Throws InvalidArgument if
-  // the manager's arena_bytes exceeds this allocation.
-  DevicePools pool_views(const KVCacheManager& manager) const;
+  // The three pools of `layout` (KVCacheManager::arena_layout()) inside
+  // this arena. Throws InvalidArgument if layout.bytes exceeds this
+  // allocation.
+  DevicePools pool_views(const PoolLayout& layout) const;
 
  private:
   std::byte* base_ = nullptr;

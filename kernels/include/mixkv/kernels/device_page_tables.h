@@ -6,8 +6,8 @@
 
 #include <cuda_runtime_api.h>
 
-#include "mixkv/cache/kv_cache_manager.h"
-#include "mixkv/cache/precision.h"
+#include "mixkv/core/page_table.h"
+#include "mixkv/core/precision.h"
 
 namespace mixkv::gpu {
 
@@ -52,8 +52,11 @@ class DevicePageTables {
   // negative block id; nothing changes then.
   void set_blocks(std::int32_t slot, std::int32_t layer, Precision pool, std::span<const std::int32_t> blocks,
                   std::int32_t last_block_len = 0);
-  // Every (layer, pool) list of `id` in `manager` into `slot`.
-  void sync(std::int32_t slot, const KVCacheManager& manager, SequenceId id);
+  // Every (layer, pool) list of one sequence's page table into `slot`
+  // (KVCacheManager::page_table(id)). InvalidArgument when the table's
+  // layer count differs or a list is longer than max_blocks_per_sequence;
+  // nothing changes then.
+  void sync(std::int32_t slot, const PageTable& table);
   // Empties every list of `slot` (a finished sequence).
   void clear(std::int32_t slot);
 

@@ -4,8 +4,8 @@
 
 #include <cuda_runtime_api.h>
 
-#include "mixkv/cache/half.h"
-#include "mixkv/cache/kv_cache_manager.h"
+#include "mixkv/core/half.h"
+#include "mixkv/core/op_types.h"
 #include "mixkv/kernels/device_arena.h"
 
 namespace mixkv::gpu {

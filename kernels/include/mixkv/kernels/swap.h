@@ -6,26 +6,22 @@
 
 #include <cuda_runtime_api.h>
 
-#include "mixkv/cache/kv_cache_manager.h"
-#include "mixkv/cpu/swap.h"
+#include "mixkv/core/op_types.h"
+#include "mixkv/core/pool_view.h"
 #include "mixkv/kernels/device_arena.h"
 
 namespace mixkv::gpu {
 
-// The same directions as the CPU backend, so one engine loop can hand either
-// backend what swap_out (DeviceToHost) or swap_in (HostToDevice) returned.
-using SwapDirection = cpu::SwapDirection;
-
-// The host swap pool of a KVCacheManager in pinned, mapped host memory: ONE
-// cudaHostAlloc of manager.swap_bytes() (cudaHostAllocMapped so that the
+// The host swap pool of a cache in pinned, mapped host memory: ONE
+// cudaHostAlloc of layout.bytes (KVCacheManager::swap_layout()) (cudaHostAllocMapped so that the
 // swap kernel reaches it through a device pointer, cudaHostAllocPortable so
 // that every device may use it), zero-filled. Move-only; frees on destruction.
 class PinnedSwapBuffer {
  public:
-  // Throws InvalidArgument when manager.swap_bytes() is 0 (no
+  // Throws InvalidArgument when layout.bytes is 0 (no
   // CacheConfig::swap_blocks), OutOfMemory when the host cannot pin that
   // much (the CUDA error is cleared), DeviceError for other CUDA failures.
-  explicit PinnedSwapBuffer(const KVCacheManager& manager);
+  explicit PinnedSwapBuffer(const PoolLayout& layout);
   ~PinnedSwapBuffer();
   PinnedSwapBuffer(PinnedSwapBuffer&& other) noexcept;
   PinnedSwapBuffer& operator=(PinnedSwapBuffer&& other) noexcept;
@@ -36,10 +32,10 @@ class PinnedSwapBuffer {
   std::byte* device() const { return device_; }  // the same bytes as the kernels address them
   std::size_t bytes() const { return bytes_; }
 
-  // manager.swap_view of each pool over host() / device(). Throw
-  // InvalidArgument if manager.swap_bytes() exceeds this buffer.
-  DevicePools host_views(const KVCacheManager& manager) const;
-  DevicePools device_views(const KVCacheManager& manager) const;
+  // The pools of `layout` (KVCacheManager::swap_layout()) over host() /
+  // device(). Throw InvalidArgument if layout.bytes exceeds this buffer.
+  DevicePools host_views(const PoolLayout& layout) const;
+  DevicePools device_views(const PoolLayout& layout) const;
 
  private:
   std::byte* host_ = nullptr;
@@ -80,18 +76,19 @@ class DeviceSwapList {
   DeviceSwapList(const DeviceSwapList&) = delete;
   DeviceSwapList& operator=(const DeviceSwapList&) = delete;
 
-  // Validates `copies` against `manager`: InvalidArgument naming
+  // Validates `copies` against the arena's and the swap buffer's pools
+  // (KVCacheManager::arena_layout(), swap_layout()): InvalidArgument naming
   // copies[i].pool for a pool other than FP16, INT4, INT2;
   // IndexOutOfRange naming copies[i].device_block for a block id outside
-  // [0, total_slabs * blocks_per_slab of the pool) and copies[i].host_slot
-  // for a slot outside [0, CacheConfig::swap_blocks of the pool);
+  // [0, arena.pools[p].num_blocks) and copies[i].host_slot for a slot
+  // outside [0, swap.pools[p].num_blocks);
   // InvalidArgument naming both copies when two write the same destination
   // (host slot for DeviceToHost, device block for HostToDevice). A call that
   // throws changes nothing and issues no CUDA call. Otherwise copies the
   // list on `stream` (through pinned staging: asynchronous; `copies` may be
   // released on return).
-  void upload(std::span<const SwapCopy> copies, SwapDirection direction, const KVCacheManager& manager,
-              cudaStream_t stream);
+  void upload(std::span<const SwapCopy> copies, SwapDirection direction, const PoolLayout& arena,
+              const PoolLayout& swap, cudaStream_t stream);
   // Sets args.copies, args.count and args.direction.
   void fill(SwapBlocksArgs& args) const;
   std::int32_t count() const;

@@ -4,9 +4,9 @@
 #include <string_view>
 
 #include "mixkv/cache/kv_cache_manager.h"
-#include "mixkv/cache/precision_plan.h"
-#include "mixkv/cache/token_layout.h"
-#include "mixkv/cache/window_planner.h"
+#include "mixkv/core/precision_plan.h"
+#include "mixkv/core/token_layout.h"
+#include "mixkv/planner/window_planner.h"
 
 namespace mixkv {
 

@@ -2,7 +2,7 @@
 #include <cstdint>
 #include <optional>
 
-#include "mixkv/cache/window_planner.h"
+#include "mixkv/planner/window_planner.h"
 
 namespace mixkv {
 

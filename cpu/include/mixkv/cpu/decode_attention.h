@@ -1,0 +1,32 @@
+#pragma once
+#include <array>
+#include <span>
+
+#include "mixkv/core/half.h"
+#include "mixkv/core/op_types.h"
+#include "mixkv/cpu/store.h"
+
+namespace mixkv::cpu {
+
+// Decode attention of one layer for a batch, over each sequence's three page
+// lists, with GQA (num_q_heads a multiple of num_kv_heads; query head h reads
+// KV head h / (num_q_heads / num_kv_heads)). Each pool gives a partial state
+// (output, log-sum-exp) and the states are merged exactly (merge_states.h).
+//   q:   [batch][num_q_heads][head_dim] FP16
+//   out: [batch][num_q_heads][head_dim] float
+//   lse: [batch][num_q_heads] float, natural log of sum_t exp(score_t);
+//        -inf for a sequence with no tokens (whose output is 0).
+// Accumulation is in double on the dequantized K/V (read_head), which makes
+// this the reference the CUDA kernels are held to.
+struct DecodeAttentionArgs {
+  std::span<const Half> q;
+  std::int32_t num_q_heads = 0;
+  float sm_scale = 0.0f;  // usually 1/sqrt(head_dim)
+  const std::array<PagedPoolTable, kNumPrecisions>* tables = nullptr;  // one layer
+  PoolViews pools{};
+  std::span<float> out;
+  std::span<float> lse;
+};
+void decode_attention(const DecodeAttentionArgs& args);
+
+}  // namespace mixkv::cpu
