@@ -3,7 +3,7 @@
         --benchmark_report_aggregates_only=true \
         --benchmark_out=cpu_decode.json --benchmark_out_format=json
     python3 benchmarks/plot_cpu_decode.py cpu_decode.json
-writes docs/benchmarks/cpu_decode.{json,png} and cpu-decode.md (medians)."""
+writes benchmarks/results/cpu_decode.{json,png} and cpu-decode.md (medians)."""
 import json
 import os
 import shutil
@@ -14,7 +14,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-DOCS = os.path.join(os.path.dirname(__file__), "..", "docs", "benchmarks")
+DOCS = os.path.join(os.path.dirname(__file__), "results")
 PLANS = ["fp16", "int4", "int2", "mixed", "dense fp32"]
 
 

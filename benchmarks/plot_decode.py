@@ -1,8 +1,8 @@
 """Plots and tabulates a device run of decode_bench (+ sdpa_bench), run here
 on the fetched JSON:
     python3 benchmarks/plot_decode.py RUN/decode_bench.json RUN/sdpa_bench.json
-writes docs/benchmarks/decode.png, decode.json (both inputs merged) and
-README.md (measured figures only)."""
+writes benchmarks/results/decode.png, decode.json (both inputs merged) and
+decode.md (measured figures only; docs/benchmarks.md shows them)."""
 import json
 import os
 import sys
@@ -15,7 +15,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 sys.path.insert(0, os.path.dirname(__file__))
 from summarize import load, rows  # noqa: E402
 
-DOCS = os.path.join(os.path.dirname(__file__), "..", "docs", "benchmarks")
+DOCS = os.path.join(os.path.dirname(__file__), "results")
 PLANS = ["fp16", "int4", "int2", "mixed"]
 
 
@@ -96,9 +96,9 @@ def main():
         read_cells = f"{read_us:.1f} | {100.0 * read_us / r['time_us']:.0f}%" if read_us else "- | -"
         lines.append(f"| {r['context']:,} | {r['plan']} | {r['time_us']:.1f} | {r['bytes'] / 1e6:.1f} | "
                      f"{r['gbps']:.0f} | {r['pct_bw']:.1f}% | {read_cells} |")
-    with open(os.path.join(DOCS, "README.md"), "w") as f:
+    with open(os.path.join(DOCS, "decode.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
-    print("wrote", os.path.join(DOCS, "decode.png"), "decode.json", "README.md")
+    print("wrote", os.path.join(DOCS, "decode.png"), "decode.json", "decode.md")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Tabulates and plots a device run of `run_on_device.sh --shapes` (mixkv and
 torch SDPA on other models' head shapes), run here on the fetched folder:
     python3 benchmarks/plot_shapes.py RUN/shapes
-writes docs/benchmarks/shapes.md (measured figures only), shapes.json (the
+writes benchmarks/results/shapes.md (measured figures only), shapes.json (the
 inputs merged) and shapes.png."""
 import glob
 import json
@@ -13,7 +13,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-DOCS = os.path.join(os.path.dirname(__file__), "..", "docs", "benchmarks")
+DOCS = os.path.join(os.path.dirname(__file__), "results")
 PLANS = ["fp16", "int4", "int2", "mixed"]
 
 
@@ -43,11 +43,11 @@ def main():
         "# Decode on other models' head shapes",
         "",
         "Produced by `benchmarks/plot_shapes.py` from a `benchmarks/run_on_device.sh --shapes` run: one layer, "
-        "block 32, 19,600 tokens a sequence, the plans of the main benchmark (README.md), L2 flushed before every "
+        "block 32, 19,600 tokens a sequence, the plans of the main benchmark (docs/benchmarks.md), L2 flushed before every "
         "timed launch, median of 30 CUDA-event timings; SDPA is torch's `scaled_dot_product_attention` "
         "(enable_gqa) on dense FP16 K/V of the same tokens, timed the same way. %BW: bytes the plan reads over "
         "the time, against the machine's own read bandwidth. Heads are one GPU's (no tensor parallelism). "
-        "What limits each shape: docs/benchmarks/kernel-notes-log.md, stop 24.",
+        "What limits each shape: docs/kernels.md.",
         "",
         "| shape | q / KV heads | head_dim | batch | plan | us | %BW | x SDPA | items |",
         "|---|---|---:|---:|---|---:|---:|---:|---:|",

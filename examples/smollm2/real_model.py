@@ -46,7 +46,7 @@ plan is also scored on 16 more questions about the document, in three sets
 with their own reference answers (texts/*_questions.txt), pooled per set.
 docs/real-model.md has the results.
 
-  python3 examples/smollm2/real_model.py [--diagnose | --questions] [--json out.json] [--plot docs/real-model.png]
+  python3 examples/smollm2/real_model.py [--diagnose | --questions] [--json out.json] [--plot benchmarks/results/real-model.png]
 """
 
 from __future__ import annotations
