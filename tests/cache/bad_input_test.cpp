@@ -2,6 +2,10 @@
 // of errors.h, names the argument, and leaves the state as it was.
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
+#include <string>
+
 #include "cache_test_util.h"
 #include "mixkv/cache/kv_cache_manager.h"
 
@@ -40,8 +44,65 @@ TEST(BadInput, ConfigErrorsNameTheField) {
                                 "arena_bytes = 0");
   // 2^31 FP16 slots do not fit the int32 slot mapping.
   expect_error<InvalidArgument>(
-      [&] { (void)KVCacheManager(with([](CacheConfig& c) { c.arena_bytes = std::size_t{1} << 37; })); }, "arena_bytes");
+      [&] { (void)KVCacheManager(with([](CacheConfig& c) { c.arena_bytes = std::size_t{1} << 37; })); },
+      "arena_bytes = 137438953472 holds 2147483648 FP16 token slots, expected fewer than 2^31");
   EXPECT_NO_THROW((void)KVCacheManager(with([](CacheConfig& c) { c.arena_bytes = 4096 * 4 + 100; })));
+}
+
+// Sizes that would make the bookkeeping itself exhaust memory are refused
+// before anything is allocated (each of these would otherwise allocate
+// gigabytes): the slab count, the block ids of every pool, the swap pool.
+TEST(BadInput, ResourceSizedConfigFieldsAreBoundedFirst) {
+  auto with = [](auto change) {
+    CacheConfig c = tiny_config(2, 4);
+    change(c);
+    return c;
+  };
+  constexpr std::size_t kTiB = std::size_t{1} << 40;
+  expect_error<InvalidArgument>(
+      [&] {
+        (void)KVCacheManager(with([&](CacheConfig& c) {
+          c.slab_bytes = 1024;  // one FP16 block
+          c.arena_bytes = 2 * kTiB;
+        }));
+      },
+      "arena_bytes = 2199023255552 gives 2147483648 slabs of slab_bytes = 1024, expected fewer than 2^31 slabs");
+  expect_error<InvalidArgument>(
+      [&] {
+        (void)KVCacheManager(with([&](CacheConfig& c) {
+          c.slab_bytes = kTiB;
+          c.arena_bytes = kTiB;
+        }));
+      },
+      "slab_bytes = 1099511627776 holds 2863311530 INT4 blocks, expected fewer than 2^31");
+  expect_error<InvalidArgument>(
+      [&] {
+        (void)KVCacheManager(with([&](CacheConfig& c) {
+          c.slab_bytes = std::size_t{1} << 20;  // 1,024 FP16 blocks
+          c.arena_bytes = 2 * kTiB;
+        }));
+      },
+      "arena_bytes = 2199023255552 gives 2147483648 FP16 block ids (2097152 slabs of 1024), expected fewer than 2^31");
+
+  expect_error<InvalidArgument>([&] { (void)KVCacheManager(with([](CacheConfig& c) { c.swap_blocks = {-1, 0, 0}; })); },
+                                "swap_blocks[FP16] = -1, expected 0 <= swap_blocks < 2^31");
+  expect_error<InvalidArgument>(
+      [&] { (void)KVCacheManager(with([](CacheConfig& c) { c.swap_blocks = {0, 0, std::int64_t{1} << 31}; })); },
+      "swap_blocks[INT2] = 2147483648, expected 0 <= swap_blocks < 2^31");
+  constexpr std::int64_t kMax = (std::int64_t{1} << 31) - 1;
+  expect_error<InvalidArgument>(
+      [&] { (void)KVCacheManager(with([](CacheConfig& c) { c.swap_blocks = {kMax, kMax, kMax}; })); },
+      "swap_blocks = [FP16 2147483647, INT4 2147483647, INT2 2147483647] needs 3573412788608 bytes of host swap "
+      "buffer, expected at most the host's physical memory");
+  // One FP16 slot more than the host's memory holds.
+  const auto phys = static_cast<std::size_t>(::sysconf(_SC_PHYS_PAGES)) * static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
+  const auto slots = static_cast<std::int64_t>(phys / 1024 + 1);
+  if (slots <= kMax) {
+    expect_error<InvalidArgument>(
+        [&] { (void)KVCacheManager(with([&](CacheConfig& c) { c.swap_blocks = {slots, 0, 0}; })); },
+        "bytes of host swap buffer, expected at most the host's physical memory (" + std::to_string(phys) + " bytes)");
+  }
+  EXPECT_NO_THROW((void)KVCacheManager(with([](CacheConfig& c) { c.swap_blocks = {1024, 1024, 1024}; })));
 }
 
 class BadInputOnACache : public ::testing::Test {

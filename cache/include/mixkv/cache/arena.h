@@ -9,6 +9,10 @@
 
 namespace mixkv {
 
+namespace detail {
+struct ManagerTestAccess;
+}  // namespace detail
+
 // The slab bookkeeping of the one KV allocation: arena_bytes / slab_bytes
 // equal slabs (any remainder is unused), each free or owned by exactly one
 // pool. A pool grows by taking a free slab and hands back a slab whose blocks
@@ -46,6 +50,9 @@ class Arena {
   void check_invariants() const;
 
  private:
+  // Tests corrupt the bookkeeping through it to see check_invariants() fire.
+  friend struct detail::ManagerTestAccess;
+
   static constexpr std::int8_t kFree = -1;
 
   std::size_t slab_bytes_ = 0;

@@ -11,6 +11,10 @@
 
 namespace mixkv {
 
+namespace detail {
+struct ManagerTestAccess;
+}  // namespace detail
+
 // The blocks of one precision. The pool owns some of the arena's slabs; a
 // slab holds blocks_per_slab blocks of the pool's format, and
 // block id = slab * blocks_per_slab + index within the slab (pool_view.h).
@@ -84,6 +88,9 @@ class BlockPool {
   void describe(std::string& out) const;
 
  private:
+  // Tests corrupt the bookkeeping through it to see check_invariants() fire.
+  friend struct detail::ManagerTestAccess;
+
   using Hook = boost::intrusive::list_member_hook<boost::intrusive::link_mode<boost::intrusive::safe_link>>;
 
   struct Block {

@@ -19,6 +19,10 @@
 
 namespace mixkv {
 
+namespace detail {
+struct ManagerTestAccess;
+}  // namespace detail
+
 struct CacheConfig {
   CacheShape shape;
   std::size_t arena_bytes = 0;            // total KV memory, all pools together
@@ -220,6 +224,8 @@ class KVCacheManager {
   std::string describe_state() const;
 
  private:
+  // Tests corrupt the bookkeeping through it to see check_invariants() fire.
+  friend struct detail::ManagerTestAccess;
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };

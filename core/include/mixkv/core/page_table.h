@@ -9,6 +9,10 @@
 
 namespace mixkv {
 
+namespace detail {
+struct ManagerTestAccess;  // test-only access to the bookkeeping (tests/cache/manager_test_access.h)
+}  // namespace detail
+
 // The page lists of one sequence: per layer, the block ids it holds in each
 // pool, in order, plus how many tokens the layer's last FP16 block holds.
 //
@@ -90,6 +94,7 @@ class PageTable {
 
   // Equal page lists and fills (however the fills are stored).
   friend bool operator==(const PageTable& a, const PageTable& b);
+  friend struct detail::ManagerTestAccess;
 
  private:
   struct Layer {

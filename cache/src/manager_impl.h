@@ -1,0 +1,159 @@
+#pragma once
+// The manager's state, shared by its translation units (private header:
+// cache/src only, and the tests' corruption hook).
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <boost/unordered_map.hpp>
+
+#include "mixkv/cache/arena.h"
+#include "mixkv/cache/block_pool.h"
+#include "mixkv/cache/kv_cache_manager.h"
+#include "mixkv/core/checks.h"
+#include "mixkv/core/errors.h"
+#include "mixkv/core/page_table.h"
+
+namespace mixkv {
+namespace detail {
+
+inline std::size_t at(Precision p) { return static_cast<std::size_t>(pool_index(p)); }
+
+inline void require_slots_form(AppendSlots form) {
+  if (form != AppendSlots::PerLayer && form != AppendSlots::Compact) {
+    throw InvalidArgument("form = " + std::to_string(static_cast<int>(form)) +
+                          ", expected AppendSlots::PerLayer (0) or AppendSlots::Compact (1)");
+  }
+}
+
+inline std::string counts_text(const BlockCounts& counts) {
+  return "FP16 " + std::to_string(counts[0]) + ", INT4 " + std::to_string(counts[1]) + ", INT2 " +
+         std::to_string(counts[2]);
+}
+
+// A prompt is shared by forks; only demotion changes it (its plan), on a
+// private copy.
+struct Prompt {
+  TokenLayout layout;
+  PrecisionPlan plan;
+};
+
+struct Sequence {
+  std::shared_ptr<Prompt> prompt;
+  std::int32_t num_tokens = 0;
+  PageTable table;       // device block ids, or host swap slots while swapped
+  bool swapped = false;
+  // Set on both sides of a fork: only such sequences can share blocks, so
+  // the others append without looking at ref counts.
+  bool forked = false;
+  SequenceHandle handle{};
+  // Batch validation (require_ids) marks each sequence it has seen with the
+  // batch's epoch, instead of hashing the ids a second time; demote() marks
+  // the first listing of each sequence the same way.
+  mutable std::uint64_t seen_epoch = 0;
+  mutable std::size_t seen_index = 0;
+};
+
+// Host swap slots of one pool: a stack of free slots (slot 0 on top when
+// fresh) and a used flag per slot.
+struct SwapPool {
+  std::vector<std::int32_t> free;
+  std::vector<std::uint8_t> used;
+};
+
+// Block ids per pool, indexed by pool_index().
+using BlockIds = std::array<std::vector<std::int32_t>, kNumPrecisions>;
+
+// Capacity for `size` elements, doubling: for vectors that grow by one
+// element per call, reserved ahead of the change that adds it.
+template <typename T>
+void reserve_geometric(std::vector<T>& v, std::size_t size) {
+  if (v.capacity() < size) v.reserve(std::max(size, 2 * v.capacity()));
+}
+
+}  // namespace detail
+
+using detail::at;
+using detail::BlockIds;
+using detail::counts_text;
+using detail::Prompt;
+using detail::require_index;
+using detail::require_precision;
+using detail::require_slots_form;
+using detail::reserve_geometric;
+using detail::Sequence;
+using detail::SwapPool;
+
+struct KVCacheManager::Impl {
+  CacheConfig config;
+  Arena arena;
+  std::array<std::unique_ptr<BlockPool>, kNumPrecisions> pools;
+  // Node-based (Boost 1.81 has no unordered_node_map): a sequence's address,
+  // and so page_table(), stays valid while other sequences come and go.
+  boost::unordered_map<SequenceId, Sequence> sequences;
+  std::array<SwapPool, kNumPrecisions> swap;
+  mutable std::uint64_t epoch = 0;
+  // Handle registry: index -> sequence (null when free), with generations.
+  // free_handles has room for every handle (reserve_handle), so that
+  // free_sequence allocates nothing.
+  std::vector<Sequence*> handles;
+  std::vector<std::uint32_t> generations;
+  std::vector<std::int32_t> free_handles;
+
+  // append_tokens' scratch, kept between calls so that a decode step at a
+  // block boundary allocates nothing for it: the fresh block ids, one
+  // sequence's new tails ([layer], sized in the constructor), the sequences
+  // of the general path whose tail changed, and the rows of PerLayer slots
+  // ([layer], sized in the constructor).
+  BlockIds fresh_ids;
+  std::vector<std::int32_t> layer_ids;
+  std::vector<std::uint8_t> tail_changed;
+  std::vector<std::int32_t*> slot_rows;
+
+  void reserve_handle();
+  void register_handle(Sequence& seq);
+  void release_handle(const Sequence& seq);
+  AppendResult append(const std::vector<Sequence*>& all, AppendSlots form);
+  BlockCounts count_fresh(const std::vector<Sequence*>& seqs) const;
+  void prepare_general(const std::vector<Sequence*>& all, const std::vector<std::size_t>& general, bool any_forked,
+                       std::int64_t fresh_blocks, AppendResult& result);
+  void fill_general(const std::vector<Sequence*>& all, const std::vector<std::size_t>& general, bool any_forked,
+                    const std::vector<std::int32_t>& fresh, AppendResult& result);
+
+  explicit Impl(const CacheConfig& c);
+
+  std::int32_t num_layers() const { return config.shape.num_layers; }
+  std::int32_t block_size() const { return config.shape.block_size; }
+  BlockPool& pool(Precision p) { return *pools[at(p)]; }
+  const BlockPool& pool(Precision p) const { return *pools[at(p)]; }
+
+  const Sequence& find(SequenceId id, const char* name) const;
+  Sequence& find(SequenceId id, const char* name) { return const_cast<Sequence&>(std::as_const(*this).find(id, name)); }
+  // Validates a batch of distinct, device-resident ids; returns the sequences.
+  std::vector<const Sequence*> require_ids(std::span<const SequenceId> ids) const;
+  const Sequence& resident(SequenceId id, const char* name) const;
+  Sequence& resident(SequenceId id, const char* name) {
+    return const_cast<Sequence&>(std::as_const(*this).resident(id, name));
+  }
+  std::int64_t fp16_rank(const Prompt& prompt, std::int32_t layer, std::int32_t window) const;
+  std::int32_t block_index(const Prompt& prompt, std::int32_t layer, std::int32_t window, std::int64_t& rank) const;
+  std::optional<std::string> why_not(const Sequence& seq, std::int32_t layer, std::int32_t window,
+                                     Precision target) const;
+  void require_layer(std::int32_t layer) const { require_index("layer", layer, num_layers()); }
+  void require_prompt(const TokenLayout& layout, const PrecisionPlan& plan) const;
+  BlockCounts prompt_demand(const TokenLayout& layout, const PrecisionPlan& plan) const;
+
+  std::optional<std::string> shortfall(const BlockCounts& need) const;
+  void prepare_blocks(const BlockCounts& need, const std::string& what, BlockIds& ids);
+  void take_blocks(const BlockCounts& need, BlockIds& ids);
+  void grow(Precision p);
+  // check_invariants() for the handle registry as a whole.
+  void check_handles() const;
+};
+
+}  // namespace mixkv
