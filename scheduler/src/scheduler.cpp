@@ -2,150 +2,25 @@
 
 #include <algorithm>
 #include <cmath>
+#include <iterator>
 #include <limits>
 #include <optional>
-#include <queue>
+#include <span>
 #include <string>
-#include <tuple>
 #include <utility>
 
-#include <boost/intrusive/set.hpp>
-#include <boost/unordered/unordered_flat_map.hpp>
-#include <boost/unordered/unordered_flat_set.hpp>
-#include <boost/unordered_map.hpp>
-
 #include "mixkv/core/errors.h"
+#include "scheduler_impl.h"
 
 namespace mixkv {
-namespace {
 
-using SetHook = boost::intrusive::set_member_hook<boost::intrusive::link_mode<boost::intrusive::safe_link>>;
+using scheduler_detail::at;
+using scheduler_detail::counts_text;
+using scheduler_detail::Entry;
+using scheduler_detail::Queue;
 
-std::size_t at(Precision p) { return static_cast<std::size_t>(pool_index(p)); }
-
-// The scheduler's record of one live request.
-struct Entry {
-  // What a decode step touches, together at the front.
-  SequenceHandle handle;             // while in the cache
-  std::int32_t num_tokens = 0;       // tokens in the cache (prompt + appended decode tokens)
-  std::int32_t generated = 0;        // tokens generated
-  std::int32_t max_new_tokens = 1;
-  std::int32_t slot = -1;
-  std::int32_t decode_index = -1;    // position in Impl::decoding while Running
-  RequestState state = RequestState::Waiting;
-  bool done = false;                 // generated max_new_tokens; retired at the next step
-  RequestId id = 0;
-  const PageTable* table = nullptr;  // while resident in device memory
-
-  SetHook hook;  // in exactly one of waiting, running, swapped
-
-  // Fixed at add_request: the queue key and the request's limits.
-  std::int32_t neg_priority = 0;  // -priority under SchedulingPolicy::Priority, else 0
-  double arrival = 0.0;
-  std::int64_t order = 0;  // add_request order: the last tie-break
-  TokenLayout original;
-
-  // The prompt to prefill now: the original, plus the generated tokens as
-  // text after a recompute. The plan follows the manager's after demotions.
-  TokenLayout prompt;
-  PrecisionPlan plan;
-  BlockCounts demand{};  // cache.demand(prompt, plan)
-  std::vector<std::int32_t> window_starts;  // of prompt (text adds no window)
-
-  std::int32_t computed = 0;  // prompt rows computed
-  std::int32_t preemptions = 0;
-  std::int32_t bypassed = 0;  // steps in which requests behind it were admitted instead
-  // `generated` when it was last swapped out as the only request holding
-  // device memory, -1 if never: a second such swap-out with no token
-  // generated in between is a livelock (Impl::preempt).
-  std::int32_t lone_swap_at = -1;
-
-  // Demotion candidates: windows 1.. in ascending similarity score, and how
-  // far demotion has gone through them, FP16 -> INT4 and INT4 -> INT2.
-  std::vector<std::int32_t> demote_order;
-  std::size_t demote_cursor = 0;
-  std::size_t int2_cursor = 0;
-};
-
-struct KeyLess {
-  bool operator()(const Entry& a, const Entry& b) const {
-    return std::tie(a.neg_priority, a.arrival, a.order) < std::tie(b.neg_priority, b.arrival, b.order);
-  }
-};
-
-using Queue = boost::intrusive::multiset<Entry, boost::intrusive::member_hook<Entry, SetHook, &Entry::hook>,
-                                         boost::intrusive::compare<KeyLess>>;
-
-std::string counts_text(const BlockCounts& c) {
-  return "FP16 " + std::to_string(c[0]) + ", INT4 " + std::to_string(c[1]) + ", INT2 " + std::to_string(c[2]);
-}
-
-}  // namespace
-
-struct Scheduler::Impl {
-  KVCacheManager& cache;
-  SchedulerConfig config;
-  std::optional<WindowPlanner> planner;
-  std::int32_t num_layers = 0;
-  std::int32_t block_size = 0;
-  std::int64_t reserve_fp16 = 0;  // watermark, in FP16 blocks
-  // With demotion on, decode growth starts demoting while one slab is still
-  // obtainable: a demotion needs INT4 room, which FP16 growth would
-  // otherwise have taken to the last slab.
-  std::int64_t demote_headroom = 0;
-  std::int64_t fp16_limit = 0;  // FP16 blocks of the whole arena (fp16_room's bound)
-  // The planner's per-layer floors (PlannerConfig::min_precision; empty:
-  // none) bind demotion too: a layer kept at FP16 or INT4 by the user's
-  // choice is not demoted under pressure; preemption makes the room instead.
-  std::vector<Precision> floors;
-
-  boost::unordered_map<RequestId, Entry> entries;  // node-based: hooks need stable addresses
-  boost::unordered_flat_set<RequestId> retired;    // finished, cancelled or rejected
-  Queue waiting;
-  Queue running;  // Prefilling and Running, in key order (victims from the back)
-  // The Running ones again, unordered, for the decode step's one pass.
-  std::vector<Entry*> decoding;
-  std::int32_t prefilling = 0;
-  Queue swapped;
-  std::vector<std::int32_t> free_slots;  // stack
-  std::vector<Entry*> done;              // reached max_new_tokens last step
-  std::vector<FinishedRequest> finished_reports;
-  std::vector<RejectedRequest> rejected_reports;
-  std::vector<RequestId> last_decodes;
-  std::int64_t next_order = 0;
-  SchedulerStats stats;
-
-  Impl(KVCacheManager& c, SchedulerConfig cfg);
-
-  Entry& live(RequestId id, const char* name);
-  void plan_prefix(Entry& e) const;
-  BlockCounts footprint(const Entry& e, const PrecisionPlan& plan) const;
-  std::int64_t slabs_for(const BlockCounts& blocks) const;
-  std::optional<std::string> never_fits(const Entry& e) const;
-  std::int32_t chunk_end(const Entry& e, std::int32_t budget) const;
-  bool fits(const BlockCounts& blocks, bool with_reserve) const;
-
-  void set_state(Entry& e, RequestState state);
-  void take_slot(Entry& e);
-  void drop_slot(Entry& e);
-  void release(Entry& e);                    // frees memory, unlinks, erases
-  void retire(Entry& e, FinishReason reason);
-  // finish() and cancel(): false for a request already retired.
-  bool end_by_caller(RequestId id, FinishReason reason);
-  void reject(Entry& e, std::string reason);
-  void preempt(Entry& e, StepOutput& out);
-  void relieve(std::vector<Entry*>& decodes, std::int64_t& need, StepOutput& out);
-
-  bool below_floor(std::int32_t layer, Precision to) const {
-    return !floors.empty() && pool_index(to) > pool_index(floors[static_cast<std::size_t>(layer)]);
-  }
-  std::int64_t fp16_room(const BlockCounts& taken, std::int64_t freed) const;
-  void demote_for(std::int64_t need, std::int64_t target, const std::vector<Entry*>& decodes, StepOutput& out);
-  void schedule_chunk(Entry& e, std::int32_t end, StepOutput& out);
-  void build_metadata(const std::vector<Entry*>& decodes, StepOutput& out) const;
-};
-
-Scheduler::Impl::Impl(KVCacheManager& c, SchedulerConfig cfg) : cache(c), config(std::move(cfg)) {
+Scheduler::Impl::Impl(KVCacheManager& c, SchedulerConfig cfg, std::shared_ptr<PlanSource> source)
+    : cache(c), config(std::move(cfg)), planner(std::move(source)) {
   const CacheConfig& cc = cache.config();
   num_layers = cc.shape.num_layers;
   block_size = cc.shape.block_size;
@@ -169,18 +44,44 @@ Scheduler::Impl::Impl(KVCacheManager& c, SchedulerConfig cfg) : cache(c), config
   if (policy < 0 || policy > 1) bad("policy = " + std::to_string(policy) + ", expected FCFS (0) or Priority (1)");
   const auto mode = static_cast<int>(config.preemption);
   if (mode < 0 || mode > 1) bad("preemption = " + std::to_string(mode) + ", expected Recompute (0) or Swap (1)");
+  if (config.planner && planner) {
+    throw InvalidArgument(
+        "config.planner and planner are both given, expected at most one source of plans (config.planner builds "
+        "the CPU planner; pass a PlanSource for any other)");
+  }
   if (config.planner) {
     if (config.planner->window_size != block_size) {
       bad("planner.window_size = " + std::to_string(config.planner->window_size) + ", expected the cache's block_size " +
           std::to_string(block_size));
     }
-    planner.emplace(*config.planner);
-    if (planner->num_layers() != num_layers) {
-      bad("planner.sensitivities has " + std::to_string(planner->num_layers()) + " layers, expected " +
-          std::to_string(num_layers) + " (the cache's num_layers)");
-    }
+    planner = make_cpu_plan_source(*config.planner);
   }
-  if (planner) floors = config.planner->min_precision;
+  if (planner) {
+    // The same checks for any source: its plans must fit this cache, and
+    // its floors bind demotion.
+    const PlannerConfig& pc = planner->config();
+    const std::string name = config.planner ? "config.planner" : "planner.config()";
+    if (pc.window_size != block_size) {
+      throw InvalidArgument(name + ".window_size = " + std::to_string(pc.window_size) +
+                            ", expected the cache's block_size " + std::to_string(block_size));
+    }
+    if (pc.sensitivities.size() != static_cast<std::size_t>(num_layers)) {
+      throw InvalidArgument(name + ".sensitivities has " + std::to_string(pc.sensitivities.size()) +
+                            " layers, expected " + std::to_string(num_layers) + " (the cache's num_layers)");
+    }
+    if (!pc.min_precision.empty() && pc.min_precision.size() != static_cast<std::size_t>(num_layers)) {
+      throw InvalidArgument(name + ".min_precision has " + std::to_string(pc.min_precision.size()) +
+                            " layers, expected 0 or " + std::to_string(num_layers) + " (the cache's num_layers)");
+    }
+    for (std::size_t l = 0; l < pc.min_precision.size(); ++l) {
+      const int p = pool_index(pc.min_precision[l]);
+      if (p < 0 || p >= kNumPrecisions) {
+        throw InvalidArgument(name + ".min_precision[" + std::to_string(l) + "] = " + std::to_string(p) +
+                              ", expected FP16 (0), INT4 (1) or INT2 (2)");
+      }
+    }
+    floors = pc.min_precision;
+  }
   if (!cache.sequence_ids().empty()) {
     throw InvalidArgument("cache holds " + std::to_string(cache.sequence_ids().size()) +
                           " sequences, expected an empty cache for the scheduler to drive");
@@ -302,9 +203,11 @@ void Scheduler::Impl::drop_slot(Entry& e) {
 }
 
 void Scheduler::Impl::release(Entry& e) {
-  if (e.state == RequestState::Prefilling || e.state == RequestState::Running || e.state == RequestState::Swapped) {
-    cache.free_sequence(e.id);
-  }
+  // A sequence that vanished is not the scheduler's to free: the id may name
+  // another caller's sequence now.
+  const bool holds =
+      e.state == RequestState::Prefilling || e.state == RequestState::Running || e.state == RequestState::Swapped;
+  if (holds && !vanished(e)) cache.free_sequence(e.id);
   drop_slot(e);
   if (e.hook.is_linked()) {
     Queue& q = e.state == RequestState::Waiting ? waiting : (e.state == RequestState::Swapped ? swapped : running);
@@ -316,7 +219,7 @@ void Scheduler::Impl::release(Entry& e) {
 }
 
 void Scheduler::Impl::retire(Entry& e, FinishReason reason) {
-  finished_reports.push_back({e.id, reason, e.generated});
+  finished_reports.push_back({e.id, reason, e.generated, {}});
   if (reason == FinishReason::Cancelled) {
     ++stats.cancelled;
   } else {
@@ -331,258 +234,39 @@ void Scheduler::Impl::reject(Entry& e, std::string reason) {
   release(e);
 }
 
-void Scheduler::Impl::preempt(Entry& e, StepOutput& out) {
-  ++e.preemptions;
-  const bool alone = running.size() == 1;  // the only request in device memory
-  running.erase(running.iterator_to(e));
-  const BlockCounts held = cache.blocks_held(e.id);
-  const BlockCounts host = cache.free_swap_slots();
-  const bool swap = config.preemption == PreemptionMode::Swap && held[0] <= host[0] && held[1] <= host[1] &&
-                    held[2] <= host[2];
-  if (swap) {
-    // Demotions may have changed its footprint since admission: a request
-    // that can no longer complete in this cache ends here (as after a
-    // recompute below) instead of holding host slots until it comes back
-    // and fails again.
-    e.plan = cache.plan(e.id);
-    e.demand = cache.demand(e.prompt, e.plan);
-    if (auto reason = never_fits(e)) {
-      reject(e, *std::move(reason));
-      return;
-    }
-    // Swapped out alone, it comes back into a cache that nothing else
-    // changed. That is progress once (swap-in packs its blocks into as few
-    // slabs as possible); a second time without a token generated in
-    // between it is a livelock: the request cannot grow even alone.
-    if (alone && e.lone_swap_at == e.generated) {
-      reject(e, "it cannot store its next token even alone in the cache (" + std::to_string(e.num_tokens) +
-                    " tokens held: " + counts_text(held) + " blocks; the whole cache holds " +
-                    std::to_string(cache.total_slabs()) + " slabs), and swapping it out and in again changes nothing");
-      return;
-    }
-    if (alone) e.lone_swap_at = e.generated;
-    const std::vector<SwapCopy> copies = cache.swap_out(e.id);
-    out.swap_out.insert(out.swap_out.end(), copies.begin(), copies.end());
-    out.swapped_out.push_back(e.id);
-    drop_slot(e);
-    set_state(e, RequestState::Swapped);
-    swapped.insert(e);
-    ++stats.preempted_swap;
-    return;
-  }
-  // Recompute: the prompt becomes the original plus every generated token
-  // (as FP16 text); the plan keeps its demotions.
-  e.plan = cache.plan(e.id);
-  cache.free_sequence(e.id);
-  drop_slot(e);
-  std::vector<Segment> segments(e.original.segments().begin(), e.original.segments().end());
-  if (e.generated > 0) {
-    if (segments.back().kind == TokenKind::Text) {
-      segments.back().length += e.generated;
-    } else {
-      segments.push_back({TokenKind::Text, e.generated});
-    }
-  }
-  e.prompt = TokenLayout(std::move(segments));
-  e.demand = cache.demand(e.prompt, e.plan);
-  e.computed = 0;
-  e.num_tokens = 0;
-  set_state(e, RequestState::Waiting);
-  out.preempted.push_back(e.id);
-  ++stats.preempted_recompute;
-  if (auto reason = never_fits(e)) {
-    reject(e, *std::move(reason));
-    return;
-  }
-  waiting.insert(e);
+void Scheduler::Impl::retire_vanished(Entry& e) {
+  if (e.done) std::replace(done.begin(), done.end(), &e, static_cast<Entry*>(nullptr));
+  std::string note = "request " + std::to_string(e.id) + "'s sequence left the cache outside the scheduler (" +
+                     std::string(to_string(e.state)) + ", " + std::to_string(e.generated) +
+                     " tokens generated): its KV memory is gone";
+  finished_reports.push_back({e.id, FinishReason::Cancelled, e.generated, std::move(note)});
+  ++stats.cancelled;
+  ++stats.vanished;
+  release(e);
 }
 
-// FP16 blocks the decode batch could have once the demotions' target blocks
-// `taken` are had and `freed` FP16 blocks are released: the largest r with
-// can_allocate(taken + {r, 0, 0}), plus `freed` (the freed blocks sit in
-// FP16 slabs, so after the demotions r + freed FP16 blocks can be had).
-// -1 when `taken` itself cannot be had. Exact: the manager's own query,
-// which counts slabs, not blocks.
-std::int64_t Scheduler::Impl::fp16_room(const BlockCounts& taken, std::int64_t freed) const {
-  if (!cache.can_allocate(taken)) return -1;
-  std::int64_t lo = 0;               // can be had
-  std::int64_t hi = fp16_limit + 1;  // cannot
-  BlockCounts probe = taken;
-  while (hi - lo > 1) {
-    const std::int64_t mid = lo + (hi - lo) / 2;
-    probe[0] = taken[0] + mid;
-    (cache.can_allocate(probe) ? lo : hi) = mid;
+// Every request that holds memory is looked at once a step where the
+// scheduler would touch its sequence next: swapped and prefilling ones at
+// the start of the step; Running ones (the bulk, at no cost on the common
+// path) when the decode batch's handles turn out stale, or before pressure
+// relief, which may touch any of them.
+void Scheduler::Impl::sweep_vanished(std::vector<Entry*>* decodes) {
+  std::vector<Entry*> gone;
+  for (Entry& e : swapped) {
+    if (vanished(e)) gone.push_back(&e);
   }
-  return lo + freed;
+  if (prefilling > 0 || decodes != nullptr) {
+    for (Entry& e : running) {
+      if ((decodes != nullptr || e.state == RequestState::Prefilling) && vanished(e)) gone.push_back(&e);
+    }
+  }
+  if (gone.empty()) return;
+  if (decodes != nullptr) {
+    std::erase_if(*decodes, [&](Entry* e) { return std::find(gone.begin(), gone.end(), e) != gone.end(); });
+  }
+  for (Entry* e : gone) retire_vanished(*e);
 }
 
-// Demotes windows of decoding requests, lowest similarity first across
-// requests, in one manager call (so a step's demotions may run in any
-// order), so that the decode batch's `need` FP16 blocks can be had, and if
-// possible `target` (need plus the headroom):
-//   1. FP16 windows to INT4: each frees one FP16 block, but its INT4 block
-//      may take a slab (4 FP16 blocks' worth in a small cache);
-//   2. once no FP16 window is left to demote, INT4 windows to INT2. These
-//      free FP16 room only through the INT4 slabs they empty, and their
-//      INT2 blocks must be had before any INT4 block is released.
-// After each demotion the FP16 room it leaves is computed exactly in slabs
-// (fp16_room; for step 2 plus the INT4 slabs emptied, following slab usage
-// through KVCacheManager::used_in_slab and window_block). The kept prefix is
-// the shortest that reaches `target`, else the one with the most room; a
-// prefix is kept only when it leaves at least `need` and more room than
-// there was: a demotion that costs a slab for less than a slab of relief is
-// never made (it could leave a lone request unable to grow at all). With
-// none kept, preemption follows. Never window 0, never text (neither is in
-// demote_order).
-void Scheduler::Impl::demote_for(std::int64_t need, std::int64_t target, const std::vector<Entry*>& decodes,
-                                 StepOutput& out) {
-  using Candidate = std::pair<float, Entry*>;
-  auto later = [](const Candidate& a, const Candidate& b) {
-    return std::tie(a.first, a.second->order) > std::tie(b.first, b.second->order);
-  };
-  using Heap = std::priority_queue<Candidate, std::vector<Candidate>, decltype(later)>;
-  const std::int64_t room_before = fp16_room({0, 0, 0}, 0);
-  std::vector<Demotion> demotions;
-  std::vector<std::int64_t> rooms;  // rooms[i]: FP16 room after demotions [0, i] (-1: targets not had)
-  const auto limit = static_cast<std::size_t>(config.max_demotions_per_step);
-  // One record per window looked at: a window whose demotions do not all
-  // survive the cut below is looked at again in a later step.
-  struct Looked {
-    Entry* entry;
-    std::size_t Entry::*cursor;
-    std::size_t cursor_before;
-    std::size_t end;  // demotions.size() after the window
-  };
-  std::vector<Looked> looked;
-  // Each demoted request's footprint (footprint()) with its demotions so
-  // far: a prefix that leaves one above the whole cache is not made, or the
-  // request could no longer complete alone (a FP16 -> INT4 demotion that
-  // lands in another request's INT4 slab gains room now and may cost this
-  // request a slab of its own later). A single demotion may cross a slab
-  // boundary that the rest of its window's demotions cross back, so this
-  // is checked per prefix, not per demotion.
-  boost::unordered_flat_map<const Entry*, BlockCounts> footprints;
-  const std::int64_t total_slabs = cache.total_slabs();
-  std::int64_t over = 0;               // requests whose footprint exceeds the cache now
-  std::vector<std::uint8_t> in_cache;  // in_cache[i]: no footprint above the cache after demotions [0, i]
-  // Room left by the demotions so far, -1 once their targets cannot be had.
-  auto room = [&] { return rooms.empty() ? room_before : rooms.back(); };
-  // Takes windows from a heap of each request's next candidate while the
-  // room is short of `target`, the targets can be had and the per-step limit
-  // allows: every layer of the window at `from` that can go to `to`.
-  // room_after() gives the room once demotions.back() is made. True when no
-  // candidate is left.
-  auto take = [&](std::size_t Entry::*cursor, Precision from, Precision to, auto&& room_after) {
-    Heap heap(later);
-    for (Entry* e : decodes) {
-      if (e->*cursor < e->demote_order.size()) heap.push({e->plan.score(e->demote_order[e->*cursor]), e});
-    }
-    auto more = [&] { return room() >= 0 && room() < target && demotions.size() < limit; };
-    while (!heap.empty() && more()) {
-      Entry* e = heap.top().second;
-      heap.pop();
-      const std::size_t before = e->*cursor;
-      const std::int32_t window = e->demote_order[before];
-      const PrecisionPlan& plan = cache.plan(e->id);
-      auto [fp, fresh] = footprints.try_emplace(e);
-      if (fresh) {
-        fp->second = footprint(*e, plan);
-        over += slabs_for(fp->second) > total_slabs ? 1 : 0;
-      }
-      std::int32_t layer = 0;
-      for (; layer < num_layers && demotions.size() < limit; ++layer) {
-        if (plan.at(layer, window) != from || below_floor(layer, to)) continue;
-        if (cache.why_not_demotable(e->id, layer, window, to)) continue;
-        const bool was_over = slabs_for(fp->second) > total_slabs;
-        --fp->second[at(from)];
-        ++fp->second[at(to)];
-        over += (slabs_for(fp->second) > total_slabs ? 1 : 0) - (was_over ? 1 : 0);
-        in_cache.push_back(over == 0 ? 1 : 0);
-        demotions.push_back({e->id, layer, window, to});
-        rooms.push_back(room_after());
-      }
-      // A window is done when all its layers were looked at; a later step
-      // finishes one the per-step limit cut short.
-      if (layer == num_layers) ++(e->*cursor);
-      looked.push_back({e, cursor, before, demotions.size()});
-      if (e->*cursor < e->demote_order.size()) heap.push({e->plan.score(e->demote_order[e->*cursor]), e});
-    }
-    return heap.empty();
-  };
-
-  // 1. FP16 -> INT4.
-  const bool fp16_done = take(&Entry::demote_cursor, Precision::FP16, Precision::INT4, [&] {
-    const auto n = static_cast<std::int64_t>(demotions.size());
-    return fp16_room({0, n, 0}, n);
-  });
-  const auto to_int4 = static_cast<std::int64_t>(demotions.size());
-
-  // 2. INT4 -> INT2: the room of the INT2 targets (exact) plus the INT4
-  // slabs whose last used block goes. Step 1's INT4 targets fill partly used
-  // INT4 slabs first, so up to to_int4 of the slabs counted as emptied that
-  // had free blocks may receive one and stay in use: those are not counted.
-  if (fp16_done && room() >= 0 && room() < target) {
-    const PoolStats int4 = cache.pool_stats(Precision::INT4);
-    const std::int64_t fp16_per_slab = cache.pool_stats(Precision::FP16).blocks_per_slab;
-    boost::unordered_flat_map<std::int32_t, std::int32_t> used;  // INT4 slab -> used blocks left
-    std::int64_t emptied_full = 0;     // emptied INT4 slabs that had no free block
-    std::int64_t emptied_partial = 0;  // emptied INT4 slabs that had free blocks
-    take(&Entry::int2_cursor, Precision::INT4, Precision::INT2, [&] {
-      const Demotion& d = demotions.back();
-      const std::int32_t slab = cache.window_block(d.id, d.layer, d.window) / int4.blocks_per_slab;
-      auto [it, fresh] = used.try_emplace(slab, 0);
-      if (fresh) it->second = cache.used_in_slab(Precision::INT4, slab);
-      if (--it->second == 0) {
-        (cache.used_in_slab(Precision::INT4, slab) == int4.blocks_per_slab ? emptied_full : emptied_partial) += 1;
-      }
-      const std::int64_t n = static_cast<std::int64_t>(demotions.size()) - to_int4;
-      const std::int64_t r = fp16_room({0, to_int4, n}, to_int4);
-      const std::int64_t emptied = emptied_full + std::max<std::int64_t>(emptied_partial - to_int4, 0);
-      return r < 0 ? r : r + emptied * fp16_per_slab;
-    });
-  }
-
-  // The prefix to make: the shortest that reaches `target`, else the one
-  // with the most room; only one that leaves `need`, gains room and leaves
-  // every request able to complete.
-  std::size_t n = 0;
-  std::int64_t best = room_before;
-  for (std::size_t i = 0; i < rooms.size(); ++i) {
-    if (in_cache[i] == 0 || rooms[i] < need || rooms[i] <= best) continue;
-    n = i + 1;
-    best = rooms[i];
-    if (best >= target) break;
-  }
-  // Windows with a demotion cut off are looked at again later (in reverse,
-  // so a request's cursor goes back to its first such window).
-  for (auto it = looked.rbegin(); it != looked.rend(); ++it) {
-    if (it->end > n) it->entry->*(it->cursor) = it->cursor_before;
-  }
-  if (n == 0) return;
-  demotions.resize(n);
-  const std::vector<DemoteOp> ops = cache.demote(demotions);
-  out.demotions.insert(out.demotions.end(), ops.begin(), ops.end());
-  stats.demotions += static_cast<std::int64_t>(ops.size());
-  boost::unordered_flat_set<RequestId> changed;
-  for (const Demotion& d : demotions) {
-    if (changed.insert(d.id).second) out.tables_changed.push_back(d.id);
-  }
-}
-
-// Makes room for `need` new FP16 blocks of the decode batch: demotion first
-// (if enabled), then preemption of the lowest-ranked running requests.
-void Scheduler::Impl::relieve(std::vector<Entry*>& decodes, std::int64_t& need, StepOutput& out) {
-  if (demote_headroom > 0) demote_for(need, need + demote_headroom, decodes, out);
-  while (!cache.can_allocate({need, 0, 0}) && !running.empty()) {
-    Entry& victim = *std::prev(running.end());
-    if (victim.state == RequestState::Running) {
-      const auto it = std::find(decodes.begin(), decodes.end(), &victim);
-      decodes.erase(it);
-      if (victim.num_tokens % block_size == 0) need -= num_layers;
-    }
-    preempt(victim, out);
-  }
-}
 
 void Scheduler::Impl::schedule_chunk(Entry& e, std::int32_t end, StepOutput& out) {
   PrefillChunk chunk;
@@ -605,44 +289,13 @@ void Scheduler::Impl::schedule_chunk(Entry& e, std::int32_t end, StepOutput& out
   out.prefills.push_back(std::move(chunk));
 }
 
-// Full CSR of the decode batch, from the page tables the entries hold (no
-// look-ups): O(blocks of the batch), the part of a step that grows with context.
-void Scheduler::Impl::build_metadata(const std::vector<Entry*>& decodes, StepOutput& out) const {
-  DecodeMetadata& meta = out.metadata;
-  const std::size_t n = decodes.size();
-  meta.batch_size = static_cast<std::int32_t>(n);
-  meta.layers.resize(static_cast<std::size_t>(num_layers));
-  std::vector<const PageTable*> tables;
-  tables.reserve(n);
-  for (const Entry* e : decodes) tables.push_back(e->table);
-  for (std::int32_t layer = 0; layer < num_layers; ++layer) {
-    for (const Precision p : kAllPrecisions) {
-      PagedPoolTable& t = meta.layers[static_cast<std::size_t>(layer)][at(p)];
-      t.indptr.resize(n + 1);
-      t.last_block_len.resize(n);
-      std::int32_t total = 0;
-      t.indptr[0] = 0;
-      for (std::size_t i = 0; i < n; ++i) {
-        total += static_cast<std::int32_t>(tables[i]->blocks(layer, p).size());
-        t.indptr[i + 1] = total;
-      }
-      t.indices.resize(static_cast<std::size_t>(total));
-      for (std::size_t i = 0; i < n; ++i) {
-        const auto blocks = tables[i]->blocks(layer, p);
-        std::copy(blocks.begin(), blocks.end(), t.indices.begin() + t.indptr[i]);
-        const std::int32_t last = p == Precision::FP16 ? tables[i]->fp16_tail_fill(layer) : block_size;
-        t.last_block_len[i] = blocks.empty() ? 0 : last;
-      }
-    }
-  }
-}
-
-Scheduler::Scheduler(KVCacheManager& cache, SchedulerConfig config)
-    : impl_(std::make_unique<Impl>(cache, std::move(config))) {}
+Scheduler::Scheduler(KVCacheManager& cache, SchedulerConfig config, std::shared_ptr<PlanSource> planner)
+    : impl_(std::make_unique<Impl>(cache, std::move(config), std::move(planner))) {}
 Scheduler::~Scheduler() = default;
 
 const SchedulerConfig& Scheduler::config() const { return impl_->config; }
 const KVCacheManager& Scheduler::cache() const { return impl_->cache; }
+std::shared_ptr<PlanSource> Scheduler::planner() const { return impl_->planner; }
 
 void Scheduler::add_request(const Request& r) {
   Impl& s = *impl_;
@@ -673,7 +326,13 @@ void Scheduler::add_request(const Request& r) {
     if (!s.planner) {
       throw InvalidArgument(name + ": request.embeddings given but config.planner is not set, expected request.plan");
     }
-    plan = s.planner->plan(r.layout, *r.embeddings);
+    std::vector<PrecisionPlan> plans = s.planner->plan(std::span<const TokenLayout>(&r.layout, 1),
+                                                       std::span<const EmbeddingsView>(&*r.embeddings, 1));
+    if (plans.size() != 1) {
+      throw InvalidArgument(name + ": the planner returned " + std::to_string(plans.size()) +
+                            " plans for one request, expected 1");
+    }
+    plan = std::move(plans.front());
   } else {
     plan = *r.plan;
   }
@@ -681,7 +340,7 @@ void Scheduler::add_request(const Request& r) {
   try {
     demand = s.cache.demand(r.layout, plan);
   } catch (const InvalidArgument& e) {
-    throw InvalidArgument(name + ": request." + e.what());
+    throw InvalidArgument(name + (r.embeddings ? ": the planner's plan: " : ": request.") + e.what());
   }
 
   Entry& e = s.entries[r.id];
@@ -716,6 +375,7 @@ StepOutput Scheduler::step() {
     if (e != nullptr) s.retire(*e, FinishReason::Length);
   }
   s.done.clear();
+  s.sweep_vanished(nullptr);
 
   std::int32_t budget = s.config.max_num_batched_tokens;
 
@@ -741,11 +401,21 @@ StepOutput Scheduler::step() {
   };
   std::int64_t need = list_batch();
   if (!s.cache.can_allocate({need + s.demote_headroom, 0, 0})) {
+    s.sweep_vanished(&decodes);
+    need = list_batch();
     s.relieve(decodes, need, out);
     need = list_batch();
   }
-  out.append = s.cache.append_tokens(std::span<const SequenceHandle>(handles),
-                                     s.config.per_layer_slots ? AppendSlots::PerLayer : AppendSlots::Compact);
+  const AppendSlots form = s.config.per_layer_slots ? AppendSlots::PerLayer : AppendSlots::Compact;
+  try {
+    out.append = s.cache.append_tokens(std::span<const SequenceHandle>(handles), form);
+  } catch (const UnknownId&) {
+    // A stale handle: that request's sequence vanished. The append changed
+    // nothing; without it the batch needs no more room than was ensured.
+    s.sweep_vanished(&decodes);
+    list_batch();
+    out.append = s.cache.append_tokens(std::span<const SequenceHandle>(handles), form);
+  }
   for (Entry* e : decodes) {
     ++e->num_tokens;
     ++e->generated;
@@ -881,129 +551,6 @@ SchedulerStats Scheduler::stats() const {
 bool Scheduler::has_unfinished() const {
   const Impl& s = *impl_;
   return !s.entries.empty() || !s.finished_reports.empty() || !s.rejected_reports.empty();
-}
-
-std::array<PagedPoolTable, kNumPrecisions> Scheduler::layer_metadata(std::int32_t layer) const {
-  const Impl& s = *impl_;
-  if (layer < 0 || layer >= s.num_layers) {
-    throw IndexOutOfRange("layer = " + std::to_string(layer) + ", expected 0 <= layer < " +
-                          std::to_string(s.num_layers));
-  }
-  std::array<PagedPoolTable, kNumPrecisions> tables;
-  for (const Precision p : kAllPrecisions) {
-    PagedPoolTable& t = tables[at(p)];
-    t.indptr.push_back(0);
-    for (const RequestId id : s.last_decodes) {
-      const PageTable& table = s.cache.page_table(id);
-      const auto blocks = table.blocks(layer, p);
-      t.indices.insert(t.indices.end(), blocks.begin(), blocks.end());
-      t.indptr.push_back(static_cast<std::int32_t>(t.indices.size()));
-      const std::int32_t last = p == Precision::FP16 ? table.fp16_tail_fill(layer) : s.block_size;
-      t.last_block_len.push_back(blocks.empty() ? 0 : last);
-    }
-  }
-  return tables;
-}
-
-void Scheduler::check_invariants() const {
-  const Impl& s = *impl_;
-  auto fail = [](const std::string& what) { throw InvariantViolation("scheduler: " + what); };
-  s.cache.check_invariants();
-  std::size_t in_queues = 0;
-  std::size_t resident = 0;
-  std::int32_t prefilling = 0;
-  std::size_t decoding = 0;
-  std::vector<std::uint8_t> slot_used(static_cast<std::size_t>(s.config.max_num_seqs), 0);
-  auto check_queue = [&](const Queue& q, std::initializer_list<RequestState> states, const char* name) {
-    for (const Entry& e : q) {
-      ++in_queues;
-      const std::string who = "request " + std::to_string(e.id) + " (" + std::string(to_string(e.state)) + ")";
-      if (std::find(states.begin(), states.end(), e.state) == states.end()) fail(who + " is on the " + name + " queue");
-      const auto it = s.entries.find(e.id);
-      if (it == s.entries.end() || &it->second != &e) fail(who + " is queued but not a live entry");
-      const bool on_device = e.state == RequestState::Prefilling || e.state == RequestState::Running;
-      if (s.cache.contains(e.id) != (e.state != RequestState::Waiting)) fail(who + ": the cache disagrees on its memory");
-      if (e.state == RequestState::Swapped && !s.cache.is_swapped(e.id)) fail(who + " is not swapped out in the cache");
-      if (on_device) {
-        ++resident;
-        if (s.cache.is_swapped(e.id)) fail(who + " is swapped out in the cache");
-        if (e.table != &s.cache.page_table(e.id)) fail(who + " holds a stale page table");
-        if (e.num_tokens != s.cache.num_tokens(e.id)) {
-          fail(who + " counts " + std::to_string(e.num_tokens) + " tokens, the cache " +
-               std::to_string(s.cache.num_tokens(e.id)));
-        }
-        if (e.slot < 0 || e.slot >= s.config.max_num_seqs || slot_used[static_cast<std::size_t>(e.slot)]) {
-          fail(who + " has slot " + std::to_string(e.slot) + ", out of range or shared");
-        }
-        slot_used[static_cast<std::size_t>(e.slot)] = 1;
-      } else if (e.slot != -1) {
-        fail(who + " holds slot " + std::to_string(e.slot) + " without device memory");
-      }
-      if (e.computed < 0 || e.computed > e.prompt.num_tokens()) fail(who + " computed " + std::to_string(e.computed));
-      if (e.state == RequestState::Running && e.computed != e.prompt.num_tokens()) fail(who + " runs before its prompt is done");
-      if (e.state == RequestState::Prefilling && e.computed == e.prompt.num_tokens()) fail(who + " prefills a done prompt");
-      if (e.generated > e.max_new_tokens) fail(who + " generated more than max_new_tokens");
-      const bool listed = e.decode_index >= 0 && static_cast<std::size_t>(e.decode_index) < s.decoding.size() &&
-                          s.decoding[static_cast<std::size_t>(e.decode_index)] == &e;
-      if (listed != (e.state == RequestState::Running)) fail(who + " is wrongly (un)listed for decoding");
-      prefilling += e.state == RequestState::Prefilling ? 1 : 0;
-      decoding += e.state == RequestState::Running ? 1 : 0;
-    }
-  };
-  check_queue(s.waiting, {RequestState::Waiting}, "waiting");
-  check_queue(s.running, {RequestState::Prefilling, RequestState::Running}, "running");
-  check_queue(s.swapped, {RequestState::Swapped}, "swapped");
-  if (prefilling != s.prefilling || decoding != s.decoding.size()) {
-    fail("counts " + std::to_string(s.prefilling) + " prefilling and " + std::to_string(s.decoding.size()) +
-         " decoding requests, the queues hold " + std::to_string(prefilling) + " and " + std::to_string(decoding));
-  }
-  if (in_queues != s.entries.size()) {
-    fail(std::to_string(s.entries.size()) + " live requests but " + std::to_string(in_queues) + " queued");
-  }
-  if (s.cache.sequence_ids().size() != s.running.size() + s.swapped.size()) {
-    fail("the cache holds " + std::to_string(s.cache.sequence_ids().size()) + " sequences, the scheduler " +
-         std::to_string(s.running.size() + s.swapped.size()));
-  }
-  if (resident > static_cast<std::size_t>(s.config.max_num_seqs)) fail("more than max_num_seqs hold memory");
-  if (s.free_slots.size() + resident != static_cast<std::size_t>(s.config.max_num_seqs)) {
-    fail(std::to_string(s.free_slots.size()) + " free slots + " + std::to_string(resident) + " used != max_num_seqs");
-  }
-  for (const std::int32_t slot : s.free_slots) {
-    if (slot < 0 || slot >= s.config.max_num_seqs || slot_used[static_cast<std::size_t>(slot)]) {
-      fail("free slot " + std::to_string(slot) + " is out of range, used or listed twice");
-    }
-    slot_used[static_cast<std::size_t>(slot)] = 1;
-  }
-}
-
-std::string Scheduler::describe_state() const {
-  const Impl& s = *impl_;
-  std::string out;
-  auto queue = [&](const Queue& q, const char* name) {
-    out += name;
-    out += ":";
-    // Plain += keeps GCC 12's -Wrestrict false positive on `" " + std::to_string(..)` away.
-    for (const Entry& e : q) {
-      out += ' ';
-      out += std::to_string(e.id);
-      out += '(';
-      out += to_string(e.state);
-      out += ' ';
-      out += std::to_string(e.computed);
-      out += '/';
-      out += std::to_string(e.prompt.num_tokens());
-      out += " gen ";
-      out += std::to_string(e.generated);
-      out += " slot ";
-      out += std::to_string(e.slot);
-      out += ')';
-    }
-    out += "\n";
-  };
-  queue(s.waiting, "waiting");
-  queue(s.running, "running");
-  queue(s.swapped, "swapped");
-  return out + s.cache.describe_state();
 }
 
 }  // namespace mixkv

@@ -8,10 +8,12 @@
 
 #include <cmath>
 #include <map>
+#include <memory>
 #include <random>
 
 #include "../cache/cache_test_util.h"
 #include "engine_sim.h"
+#include "scheduler_test_util.h"
 #include "mixkv/scheduler/scheduler.h"
 
 namespace mixkv {
@@ -19,40 +21,9 @@ namespace {
 
 using test::expect_error;
 
-// 2 layers, 1 KV head, head_dim 16, block_size 16; 4 KiB slabs: 4 FP16,
-// 10 INT4 or 16 INT2 blocks.
-CacheConfig tiny(std::int32_t slabs, BlockCounts swap = {}) {
-  CacheConfig c;
-  c.shape = CacheShape{2, 1, 16, 16};
-  c.slab_bytes = 4096;
-  c.arena_bytes = 4096 * static_cast<std::size_t>(slabs);
-  c.swap_blocks = swap;
-  c.fp16_windows_first = true;
-  return c;
-}
-
-Request request(RequestId id, std::vector<Segment> segments, std::int32_t max_new, Precision fill = Precision::FP16) {
-  Request r;
-  r.id = id;
-  r.layout = TokenLayout(std::move(segments));
-  PrecisionPlan plan(2, r.layout.num_windows(16), fill);
-  for (std::int32_t w = 0; w < plan.num_windows(); ++w) {
-    plan.set_score(w, 1.0f - 0.1f * static_cast<float>(w));
-    for (std::int32_t l = 0; l < 2; ++l) plan.set(l, w, w == 0 ? Precision::FP16 : fill);
-  }
-  r.plan = std::move(plan);
-  r.max_new_tokens = max_new;
-  r.arrival_time = static_cast<double>(id);
-  return r;
-}
-
-SchedulerConfig base_config() {
-  SchedulerConfig c;
-  c.max_num_seqs = 8;
-  c.max_num_batched_tokens = 64;
-  c.watermark = 0.0;
-  return c;
-}
+using test::base_config;
+using test::request;
+using test::tiny;
 
 // Runs to completion; returns every attention output.
 std::map<std::tuple<RequestId, std::int64_t, std::int32_t>, std::vector<float>> serve(
@@ -114,7 +85,9 @@ TEST(Scheduler, ForcedPreemptionChangesNoFp16Result) {
     SchedulerStats small_stats;
     const auto small = serve(tiny(12, {20, 4, 4}), config, work, &small_stats);
     EXPECT_GT(small_stats.preempted_recompute + small_stats.preempted_swap, 0) << "the tiny cache forced nothing";
-    if (mode == PreemptionMode::Swap) EXPECT_GT(small_stats.preempted_swap, 0);
+    if (mode == PreemptionMode::Swap) {
+      EXPECT_GT(small_stats.preempted_swap, 0);
+    }
     expect_same_outputs(big, small, small_stats.preempted_recompute, 2);
   }
 }
@@ -286,8 +259,9 @@ TEST(Scheduler, DemotionTakesTheLeastSimilarWindowsFirstAndNeverWindowZero) {
 
 // Runs `requests` to the end on `cache`; returns every demotion in order.
 std::vector<DemoteOp> demotions_of(KVCacheManager& cache, const std::vector<Request>& requests,
-                                   SchedulerStats& stats, const SchedulerConfig& config = base_config()) {
-  Scheduler sched(cache, config);
+                                   SchedulerStats& stats, const SchedulerConfig& config = base_config(),
+                                   std::shared_ptr<PlanSource> source = nullptr) {
+  Scheduler sched(cache, config, std::move(source));
   test::EngineSim engine(sched);
   for (const Request& r : requests) sched.add_request(r);
   std::vector<DemoteOp> ops;
@@ -412,6 +386,23 @@ TEST(Scheduler, DemotionNeverGoesBelowThePlannersLayerFloor) {
     EXPECT_GT(stats.preempted_recompute, 0);
     EXPECT_EQ(stats.finished, 2);
   }
+}
+
+// The floors of a plan source given to the constructor bind demotion the
+// same way: layer 0 held at FP16 is never demoted.
+TEST(Scheduler, DemotionNeverGoesBelowAnInjectedSourcesLayerFloor) {
+  KVCacheManager cache(tiny(11));
+  PlannerConfig planner;
+  planner.window_size = 16;
+  planner.sensitivities = {0.5, 0.5};
+  planner.min_precision = {Precision::FP16, Precision::INT2};
+  SchedulerStats stats;
+  const std::vector<DemoteOp> ops =
+      demotions_of(cache, {windowed(1, 4, 10, 160), request(2, {{TokenKind::Text, 64}}, 120)}, stats, base_config(),
+                   make_cpu_plan_source(planner));
+  for (const DemoteOp& op : ops) EXPECT_EQ(op.layer, 1) << "window " << op.window;
+  EXPECT_EQ(ops.size(), 3u);  // layer 1's windows 1..3 to INT4
+  EXPECT_EQ(stats.finished, 2);
 }
 
 TEST(Scheduler, PriorityPolicyAdmitsTheMostUrgentFirst) {

@@ -21,8 +21,8 @@ struct Request {
   TokenLayout layout;
   // Exactly one of the two: the WindowQuant plan of the prompt, or its
   // embeddings ([layout.num_tokens(), hidden], read only during
-  // add_request()) for the scheduler's planner (SchedulerConfig::planner)
-  // to plan from.
+  // add_request()) for the scheduler's plan source (its constructor's
+  // `planner`, or SchedulerConfig::planner) to plan from.
   std::optional<PrecisionPlan> plan;
   std::optional<EmbeddingsView> embeddings;
   std::int32_t max_new_tokens = 1;  // >= 1; the first comes out of the prefill

@@ -6,11 +6,16 @@
 #include <vector>
 
 #include "mixkv/cache/kv_cache_manager.h"
+#include "mixkv/planner/plan_source.h"
 #include "mixkv/scheduler/request.h"
 #include "mixkv/scheduler/scheduler_config.h"
 #include "mixkv/scheduler/step_output.h"
 
 namespace mixkv {
+
+namespace test {
+struct SchedulerAccess;  // tests/scheduler/scheduler_access.h
+}
 
 // A request's progress.
 struct RequestStatus {
@@ -30,7 +35,8 @@ struct SchedulerStats {
   std::int32_t swapped = 0;
   std::int64_t finished = 0;
   std::int64_t rejected = 0;
-  std::int64_t cancelled = 0;
+  std::int64_t cancelled = 0;  // by cancel(), and those whose sequence vanished
+  std::int64_t vanished = 0;   // sequences that left the cache outside the scheduler
   std::int64_t preempted_recompute = 0;
   std::int64_t preempted_swap = 0;
   std::int64_t demotions = 0;  // (window, layer) demotions
@@ -54,26 +60,51 @@ struct SchedulerStats {
 // while the scheduler lives, nothing else may add, free, append, swap or
 // demote sequences there. Engines read it (pool_view, page tables).
 //
+// A request whose sequence vanishes from the cache all the same (another
+// caller freed it, or freed it and added another sequence under its id)
+// cannot go on: its KV memory is gone. check_invariants() reports the
+// inconsistency until the next step(), which retires the request as
+// finished with FinishReason::Cancelled and FinishedRequest::note saying
+// why (what an engine does for an aborted request fits: stop sampling,
+// return what was generated, hold nothing), counts it in stats().vanished,
+// frees nothing of the cache (a sequence added under the id is not the
+// scheduler's) and serves every other request as before. A request whose
+// last token had already come out is reported as Length all the same, and
+// cancel() or finish() of such a request succeed with the caller's reason.
+//
 // Every public call validates its input and throws the typed errors of
-// cache/errors.h naming the argument; a call that throws changes nothing.
+// mixkv/core/errors.h naming the argument; a call that throws changes
+// nothing.
 class Scheduler {
  public:
-  // InvalidArgument naming the config field, or `cache` when it holds
-  // sequences; the planner config is validated by WindowPlanner.
-  Scheduler(KVCacheManager& cache, SchedulerConfig config);
+  // Plans for requests that come with embeddings are taken from `planner`
+  // (make_cpu_plan_source, gpu::make_cuda_plan_source, or the engine's own),
+  // or from a CPU planner built from config.planner; giving both is an
+  // InvalidArgument naming them. Either way the source's config() must
+  // match the cache (window_size == block_size, one sensitivity per layer,
+  // min_precision empty or one per layer), and its min_precision floors
+  // bind demotion. InvalidArgument naming the config field, or `cache` when
+  // it holds sequences; config.planner itself is validated by WindowPlanner.
+  Scheduler(KVCacheManager& cache, SchedulerConfig config, std::shared_ptr<PlanSource> planner = nullptr);
   ~Scheduler();
   Scheduler(const Scheduler&) = delete;
   Scheduler& operator=(const Scheduler&) = delete;
 
   const SchedulerConfig& config() const;
   const KVCacheManager& cache() const;
+  // Where plans come from (the given source, or the one config.planner
+  // built); null when requests must bring their plans.
+  std::shared_ptr<PlanSource> planner() const;
 
   // Queues a request. InvalidArgument (naming request.<field>) for a
   // malformed one: an id that is live, an empty layout, both or neither of
   // plan/embeddings, a plan of the wrong shape, embeddings without a
-  // planner, max_new_tokens < 1. A request that can never fit the cache (or
-  // the token budget without chunking) is accepted and reported in the
-  // next step's `rejected` with the reason.
+  // planner, max_new_tokens < 1. Embeddings are planned through the plan
+  // source, whose errors pass through unchanged (nothing is queued); a
+  // source that returns other than one plan of the layout's shape is an
+  // InvalidArgument naming "the planner". A request that can never fit the
+  // cache (or the token budget without chunking) is accepted and reported
+  // in the next step's `rejected` with the reason.
   void add_request(const Request& request);
 
   // Schedules the next step (step_output.h).
@@ -109,6 +140,7 @@ class Scheduler {
   std::string describe_state() const;
 
  private:
+  friend struct test::SchedulerAccess;  // corrupts Impl to prove each invariant check can fail
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };

@@ -40,8 +40,8 @@ struct SchedulerConfig {
   // Under memory pressure, first demote the lowest-similarity FP16 windows
   // of running requests to INT4, then (once no FP16 window is left) INT4
   // windows to INT2 as far as that gives FP16 room; never window 0 or text,
-  // never a layer below planner->min_precision. Preempt only when that is
-  // not enough.
+  // never a layer below the plan source's min_precision. Preempt only when
+  // that is not enough.
   bool demote_under_pressure = true;
   // Demotions (one window of one layer each) one step may make.
   std::int32_t max_demotions_per_step = 4096;
@@ -65,7 +65,10 @@ struct SchedulerConfig {
   // Fill PrefillChunk::mappings. Off, an engine asks the cache
   // (KVCacheManager::prefill_mapping) itself; simulations skip them.
   bool build_mappings = true;
-  // Plans requests that come with embeddings instead of a plan.
+  // Plans requests that come with embeddings instead of a plan: the CPU
+  // planner (make_cpu_plan_source) under this config. Any other source (the
+  // GPU planner) is passed to the Scheduler's constructor instead; at most
+  // one of the two.
   std::optional<PlannerConfig> planner;
 };
 

@@ -27,6 +27,10 @@ struct FinishedRequest {
   RequestId id = 0;
   FinishReason reason = FinishReason::Length;
   std::int32_t generated = 0;  // tokens generated
+  // Empty, unless the scheduler ended the request itself: Cancelled because
+  // its sequence vanished from the cache (scheduler.h), e.g. "request 7's
+  // sequence left the cache outside the scheduler ...".
+  std::string note;
 };
 
 struct RejectedRequest {

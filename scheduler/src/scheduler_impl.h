@@ -1,0 +1,164 @@
+#pragma once
+// The scheduler's private state, shared by its source files (scheduler.cpp:
+// requests and steps; pressure.cpp: demotion and preemption; metadata.cpp:
+// CSR decode metadata; invariants.cpp: the checker) and by the tests'
+// access hook (tests/scheduler/scheduler_access.h), which corrupts it to
+// prove that every check can fail.
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include <boost/intrusive/set.hpp>
+#include <boost/unordered/unordered_flat_set.hpp>
+#include <boost/unordered_map.hpp>
+
+#include "mixkv/planner/plan_source.h"
+#include "mixkv/scheduler/scheduler.h"
+
+namespace mixkv {
+namespace scheduler_detail {
+
+using SetHook = boost::intrusive::set_member_hook<boost::intrusive::link_mode<boost::intrusive::safe_link>>;
+
+inline std::size_t at(Precision p) { return static_cast<std::size_t>(pool_index(p)); }
+
+// The scheduler's record of one live request.
+struct Entry {
+  // What a decode step touches, together at the front.
+  SequenceHandle handle;             // while in the cache
+  std::int32_t num_tokens = 0;       // tokens in the cache (prompt + appended decode tokens)
+  std::int32_t generated = 0;        // tokens generated
+  std::int32_t max_new_tokens = 1;
+  std::int32_t slot = -1;
+  std::int32_t decode_index = -1;    // position in Impl::decoding while Running
+  RequestState state = RequestState::Waiting;
+  bool done = false;                 // generated max_new_tokens; retired at the next step
+  RequestId id = 0;
+  const PageTable* table = nullptr;  // while resident in device memory
+
+  SetHook hook;  // in exactly one of waiting, running, swapped
+
+  // Fixed at add_request: the queue key and the request's limits.
+  std::int32_t neg_priority = 0;  // -priority under SchedulingPolicy::Priority, else 0
+  double arrival = 0.0;
+  std::int64_t order = 0;  // add_request order: the last tie-break
+  TokenLayout original;
+
+  // The prompt to prefill now: the original, plus the generated tokens as
+  // text after a recompute. The plan follows the manager's after demotions.
+  TokenLayout prompt;
+  PrecisionPlan plan;
+  BlockCounts demand{};  // cache.demand(prompt, plan)
+  std::vector<std::int32_t> window_starts;  // of prompt (text adds no window)
+
+  std::int32_t computed = 0;  // prompt rows computed
+  std::int32_t preemptions = 0;
+  std::int32_t bypassed = 0;  // steps in which requests behind it were admitted instead
+  // `generated` when it was last swapped out as the only request holding
+  // device memory, -1 if never: a second such swap-out with no token
+  // generated in between is a livelock (Impl::preempt).
+  std::int32_t lone_swap_at = -1;
+
+  // Demotion candidates: windows 1.. in ascending similarity score, and how
+  // far demotion has gone through them, FP16 -> INT4 and INT4 -> INT2.
+  std::vector<std::int32_t> demote_order;
+  std::size_t demote_cursor = 0;
+  std::size_t int2_cursor = 0;
+};
+
+struct KeyLess {
+  bool operator()(const Entry& a, const Entry& b) const {
+    return std::tie(a.neg_priority, a.arrival, a.order) < std::tie(b.neg_priority, b.arrival, b.order);
+  }
+};
+
+using Queue = boost::intrusive::multiset<Entry, boost::intrusive::member_hook<Entry, SetHook, &Entry::hook>,
+                                         boost::intrusive::compare<KeyLess>>;
+
+inline std::string counts_text(const BlockCounts& c) {
+  return "FP16 " + std::to_string(c[0]) + ", INT4 " + std::to_string(c[1]) + ", INT2 " + std::to_string(c[2]);
+}
+
+}  // namespace scheduler_detail
+
+struct Scheduler::Impl {
+  using Entry = scheduler_detail::Entry;
+  using Queue = scheduler_detail::Queue;
+
+  KVCacheManager& cache;
+  SchedulerConfig config;
+  // Plans requests that come with embeddings (null: none).
+  std::shared_ptr<PlanSource> planner;
+  std::int32_t num_layers = 0;
+  std::int32_t block_size = 0;
+  std::int64_t reserve_fp16 = 0;  // watermark, in FP16 blocks
+  // With demotion on, decode growth starts demoting while one slab is still
+  // obtainable: a demotion needs INT4 room, which FP16 growth would
+  // otherwise have taken to the last slab.
+  std::int64_t demote_headroom = 0;
+  std::int64_t fp16_limit = 0;  // FP16 blocks of the whole arena (fp16_room's bound)
+  // The planner's per-layer floors (PlannerConfig::min_precision; empty:
+  // none) bind demotion too: a layer kept at FP16 or INT4 by the user's
+  // choice is not demoted under pressure; preemption makes the room instead.
+  std::vector<Precision> floors;
+
+  boost::unordered_map<RequestId, Entry> entries;  // node-based: hooks need stable addresses
+  boost::unordered_flat_set<RequestId> retired;    // finished, cancelled or rejected
+  Queue waiting;
+  Queue running;  // Prefilling and Running, in key order (victims from the back)
+  // The Running ones again, unordered, for the decode step's one pass.
+  std::vector<Entry*> decoding;
+  std::int32_t prefilling = 0;
+  Queue swapped;
+  std::vector<std::int32_t> free_slots;  // stack
+  std::vector<Entry*> done;              // reached max_new_tokens last step
+  std::vector<FinishedRequest> finished_reports;
+  std::vector<RejectedRequest> rejected_reports;
+  std::vector<RequestId> last_decodes;
+  std::int64_t next_order = 0;
+  SchedulerStats stats;
+
+  Impl(KVCacheManager& c, SchedulerConfig cfg, std::shared_ptr<PlanSource> source);
+
+  Entry& live(RequestId id, const char* name);
+  BlockCounts footprint(const Entry& e, const PrecisionPlan& plan) const;
+  std::int64_t slabs_for(const BlockCounts& blocks) const;
+  std::optional<std::string> never_fits(const Entry& e) const;
+  std::int32_t chunk_end(const Entry& e, std::int32_t budget) const;
+  bool fits(const BlockCounts& blocks, bool with_reserve) const;
+
+  void set_state(Entry& e, RequestState state);
+  void take_slot(Entry& e);
+  void drop_slot(Entry& e);
+  void release(Entry& e);                    // frees memory, unlinks, erases
+  void retire(Entry& e, FinishReason reason);
+  // finish() and cancel(): false for a request already retired.
+  bool end_by_caller(RequestId id, FinishReason reason);
+  void reject(Entry& e, std::string reason);
+
+  // Whether the sequence the scheduler put in the cache for `e` (which holds
+  // memory) is gone: freed, or freed and replaced under the same id.
+  bool vanished(const Entry& e) const { return !cache.contains(e.id) || cache.handle(e.id) != e.handle; }
+  // Retires `e`, whose sequence vanished, as Cancelled with a note.
+  void retire_vanished(Entry& e);
+  // Retires the vanished among the swapped and the prefilling requests, and
+  // with `decodes` the Running ones, dropping them from `decodes` too.
+  void sweep_vanished(std::vector<Entry*>* decodes);
+
+  // Memory pressure (pressure.cpp).
+  void preempt(Entry& e, StepOutput& out);
+  void relieve(std::vector<Entry*>& decodes, std::int64_t& need, StepOutput& out);
+  bool below_floor(std::int32_t layer, Precision to) const {
+    return !floors.empty() && pool_index(to) > pool_index(floors[static_cast<std::size_t>(layer)]);
+  }
+  std::int64_t fp16_room(const BlockCounts& taken, std::int64_t freed) const;
+  void demote_for(std::int64_t need, std::int64_t target, const std::vector<Entry*>& decodes, StepOutput& out);
+
+  void schedule_chunk(Entry& e, std::int32_t end, StepOutput& out);
+  void build_metadata(const std::vector<Entry*>& decodes, StepOutput& out) const;  // metadata.cpp
+};
+
+}  // namespace mixkv
