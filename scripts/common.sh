@@ -14,3 +14,8 @@ configure_and_build() {
         -DMIXKV_CUDA="$MIXKV_CUDA" "$@"
   cmake --build "$dir" -j "$MIXKV_JOBS"
 }
+
+# Whether a CUDA GPU is visible (nvidia-smi lists one).
+gpu_present() {
+  command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU '
+}
