@@ -1,4 +1,4 @@
-// GPU benchmark of the CUDA backend (issue 3), run on the device machine by
+// GPU benchmark of the CUDA backend, run on the device machine by
 // run_on_device.sh. Shapes: 28 query heads, 4 KV heads, head_dim 128,
 // block 32 (--heads Q/KV, --head-dim 64 or 256, --block 16 or 64 for other
 // models' shapes; --heads-per-item 8 or 16 forces the plan's item width);

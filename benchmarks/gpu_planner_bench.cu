@@ -38,9 +38,10 @@
 #include <string>
 #include <vector>
 
-#include "mixkv/planner/window_planner.h"
 #include "mixkv/kernels/bandwidth.h"
 #include "mixkv/planner/cuda_window_planner.h"
+#include "mixkv/planner/window_planner.h"
+#include "pairwise_similarity.h"
 
 namespace {
 
@@ -138,7 +139,7 @@ const char* type_name(ElementType t) {
   return t == ElementType::F32 ? "F32" : (t == ElementType::F16 ? "F16" : "BF16");
 }
 
-Result run(ElementType type, cudaStream_t stream, cublasHandle_t cublas) {
+Result run(ElementType type, cudaStream_t stream, mixkv::bench::PairwiseSimilarity& pairwise) {
   const mixkv::TokenLayout layout({{mixkv::TokenKind::Text, 14},
                                    {mixkv::TokenKind::Visual, kFrames * kTokensPerFrame},
                                    {mixkv::TokenKind::Text, 50}});
@@ -259,12 +260,12 @@ Result run(ElementType type, cudaStream_t stream, cublasHandle_t cublas) {
   std::vector<double> pairwise_ms;
   for (int i = 0; i < kPairwiseRuns + 1; ++i) {
     check(cudaEventRecord(start, stream), "cudaEventRecord");
-    mixkv::gpu::window_similarity_pairwise(layouts, views_of(i % kBuffers), kWindow, scores, cublas, stream);
+    pairwise.run(layouts, views_of(i % kBuffers), kWindow, scores, stream);
     check(cudaEventRecord(stop, stream), "cudaEventRecord");
     check(cudaEventSynchronize(stop), "cudaEventSynchronize");
     float ms = 0;
     check(cudaEventElapsedTime(&ms, start, stop), "cudaEventElapsedTime");
-    if (i > 0) pairwise_ms.push_back(ms);  // the first call warms cuBLAS and the pool
+    if (i > 0) pairwise_ms.push_back(ms);  // the first call warms cuBLAS and grows the scratch
   }
 
   Result r;
@@ -307,20 +308,20 @@ int main(int argc, char** argv) {
     }
     cudaDeviceProp prop{};
     check(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
-    // Keep stream-ordered allocations (the pairwise search's scratch) in the
-    // pool between runs, so that they are not timed as fresh allocations.
+    // Keep stream-ordered allocations (the planner's buffers, the pairwise
+    // search's scratch) in the pool once freed, so that no later growth is
+    // timed as a fresh allocation from the driver.
     cudaMemPool_t pool;
     check(cudaDeviceGetDefaultMemPool(&pool, 0), "cudaDeviceGetDefaultMemPool");
     std::uint64_t keep_all = UINT64_MAX;
     check(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep_all), "cudaMemPoolSetAttribute");
     cudaStream_t stream;
     check(cudaStreamCreate(&stream), "cudaStreamCreate");
-    cublasHandle_t cublas;
-    if (cublasCreate(&cublas) != CUBLAS_STATUS_SUCCESS) throw std::runtime_error("cublasCreate failed");
+    mixkv::bench::PairwiseSimilarity pairwise;
 
     std::vector<Result> results;
     for (const ElementType t : {ElementType::F16, ElementType::BF16, ElementType::F32}) {
-      results.push_back(run(t, stream, cublas));
+      results.push_back(run(t, stream, pairwise));
     }
 
     std::printf("WindowQuant planner, %d frames x %d tokens, hidden %d, 64 text tokens, %d layers, window %d, %s\n",
@@ -384,7 +385,6 @@ int main(int argc, char** argv) {
       out << "  ]\n}\n";
       if (!out) throw std::runtime_error(std::string("cannot write ") + argv[1]);
     }
-    cublasDestroy(cublas);
     cudaStreamDestroy(stream);
     return all_match ? 0 : 1;
   } catch (const std::exception& e) {

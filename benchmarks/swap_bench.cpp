@@ -1,4 +1,4 @@
-// GPU swap path (issue 5): gpu::swap_blocks moving the lists that
+// GPU swap path: gpu::swap_blocks moving the lists that
 // KVCacheManager::swap_out / swap_in return, against the PCIe ceiling a
 // user would compare with: ONE contiguous cudaMemcpyAsync of the same bytes
 // between the device and pinned host memory. Also shown: one cudaMemcpyAsync

@@ -3,7 +3,11 @@
 // through mixkv.ops.paged_decode_attention), and DeviceStoreMapping.
 #include "cuda_cache.h"
 
+#include <array>
+#include <memory>
+#include <optional>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include <pybind11/stl.h>
@@ -13,9 +17,34 @@
 #include "host_arrays.h"
 #include "mixkv/kernels/decode_plan.h"
 #include "mixkv/kernels/device_page_tables.h"
+#include "mixkv/kernels/detail/cuda_check.h"
 #include "mixkv/kernels/store.h"
 
 namespace mixkv::python {
+
+namespace {
+
+// Plan -> the tables it reads, for every DecodePlan made from Python (the
+// constructor keeps the tables alive as long as the plan). A plan's entry is
+// written when it is made, so one at a freed plan's address is replaced
+// before it can be looked up. Guarded by the GIL.
+std::unordered_map<const gpu::DecodePlan*, const gpu::DevicePageTables*>& plan_tables() {
+  static auto* map = new std::unordered_map<const gpu::DecodePlan*, const gpu::DevicePageTables*>();
+  return *map;
+}
+
+std::array<std::int32_t, kNumPrecisions> pool_blocks_of(const PoolLayout& layout) {
+  std::array<std::int32_t, kNumPrecisions> blocks{};
+  for (int p = 0; p < kNumPrecisions; ++p) blocks[p] = layout.pools[p].num_blocks;
+  return blocks;
+}
+
+}  // namespace
+
+const gpu::DevicePageTables* tables_of(const gpu::DecodePlan& plan) {
+  const auto it = plan_tables().find(&plan);
+  return it == plan_tables().end() ? nullptr : it->second;
+}
 
 DeviceKVCache::DeviceKVCache(CacheConfig config)
     : KVCacheManager(config), device_(current_device()), arena_(config.arena_bytes) {
@@ -50,41 +79,96 @@ void bind_cuda_cache(py::module_& cuda) {
           },
           "The host swap pool (swap_bytes() of pinned host memory) as a NumPy uint8 array without a copy, or None "
           "when config.swap_blocks is all 0. Bytes copied by ops.swap_blocks are there once its stream has passed "
-          "the copy.");
+          "the copy.")
+      .def(
+          "check_status",
+          [](const DeviceKVCache& cache, py::handle stream) {
+            const cudaStream_t s = stream_arg(stream);
+            {
+              py::gil_scoped_release release;
+              MIXKV_CUDA_CHECK(cudaStreamSynchronize(s));
+            }
+            cache.status().raise_if_set(s);
+          },
+          py::arg("stream") = py::none(),
+          "Synchronizes the stream, then raises IndexError for the first id out of range that a kernel of "
+          "ops.append, copy_blocks, demote or swap_blocks met on this cache since the last report (the kernel "
+          "skipped that row), naming the op, the argument, the row and the limit. Every op on the cache raises "
+          "such a report before it starts too.");
 
   py::class_<gpu::PageTableConfig>(cuda, "PageTableConfig", "Capacity of DevicePageTables.")
-      .def(py::init([](std::int32_t num_layers, std::int32_t max_sequences, std::int32_t max_blocks_per_sequence) {
-             return gpu::PageTableConfig{num_layers, max_sequences, max_blocks_per_sequence};
+      .def(py::init([](std::int32_t num_layers, std::int32_t max_sequences, std::int32_t max_blocks_per_sequence,
+                       std::optional<std::array<std::int32_t, kNumPrecisions>> pool_blocks) {
+             gpu::PageTableConfig c;
+             c.num_layers = num_layers;
+             c.max_sequences = max_sequences;
+             c.max_blocks_per_sequence = max_blocks_per_sequence;
+             if (pool_blocks) c.pool_blocks = *pool_blocks;
+             return c;
            }),
-           py::arg("num_layers"), py::arg("max_sequences"), py::arg("max_blocks_per_sequence"))
+           py::arg("num_layers"), py::arg("max_sequences"), py::arg("max_blocks_per_sequence"),
+           py::arg("pool_blocks") = py::none())
       .def_readwrite("num_layers", &gpu::PageTableConfig::num_layers)
       .def_readwrite("max_sequences", &gpu::PageTableConfig::max_sequences, "sequence slots (the batch capacity)")
       .def_readwrite("max_blocks_per_sequence", &gpu::PageTableConfig::max_blocks_per_sequence,
-                     "per (layer, pool): the longest page list");
+                     "per (layer, pool): the longest page list")
+      .def_property(
+          "pool_blocks",
+          [](const gpu::PageTableConfig& c) -> py::object {
+            if (!c.bounded()) return py::none();
+            return py::cast(std::vector<std::int32_t>(c.pool_blocks.begin(), c.pool_blocks.end()));
+          },
+          [](gpu::PageTableConfig& c, std::optional<std::array<std::int32_t, kNumPrecisions>> blocks) {
+            c.pool_blocks = blocks ? *blocks
+                                   : std::array<std::int32_t, kNumPrecisions>{gpu::PageTableConfig::kNoBound,
+                                                                              gpu::PageTableConfig::kNoBound,
+                                                                              gpu::PageTableConfig::kNoBound};
+          },
+          "[FP16, INT4, INT2]: block ids below these are accepted (the arena's blocks of each pool), or None "
+          "when not given: then DevicePageTables takes them from cache= or from the first sync().");
 
   py::class_<gpu::DevicePageTables>(
       cuda, "DevicePageTables",
       "Device-resident page tables, one padded row per (layer, pool, sequence slot), with a host mirror. Edits "
-      "record only what differs from the mirror; upload() sends exactly those, so a step costs O(changes).")
-      .def(py::init<const gpu::PageTableConfig&>(), py::arg("config"))
-      .def_property_readonly("config", &gpu::DevicePageTables::config)
+      "record only what differs from the mirror; upload() sends exactly those, so a step costs O(changes). Block "
+      "ids are checked against the pools' sizes (config.pool_blocks, or those of `cache`), so that decode never "
+      "reads outside the arena.")
+      .def(py::init([](const gpu::PageTableConfig& config, const KVCacheManager* cache) {
+             if (cache == nullptr) return std::make_unique<gpu::DevicePageTables>(config);
+             return std::make_unique<gpu::DevicePageTables>(config, cache->arena_layout());
+           }),
+           py::arg("config"), py::arg("cache") = py::none(),
+           "With `cache` (a DeviceKVCache), config.pool_blocks is taken from its arena.")
+      .def_property_readonly(
+          "config", [](const gpu::DevicePageTables& t) { return t.config(); }, "A copy of the configuration.")
       .def(
           "set_blocks",
           [](gpu::DevicePageTables& t, std::int32_t slot, std::int32_t layer, Precision pool, py::handle blocks,
              std::int32_t last_block_len) {
+            // A list set by hand must be checked against the arena it will be
+            // read from: tables without that bound refuse it.
+            if (!t.config().bounded()) {
+              throw InvalidArgument(
+                  "DevicePageTables.set_blocks: the tables have no pool bound: expected tables made with cache= or "
+                  "config.pool_blocks, or a sync() from the cache first");
+            }
             const std::vector<std::int32_t> ids = index_vector(blocks, "set_blocks: blocks");
             t.set_blocks(slot, layer, pool, ids, last_block_len);
           },
           py::arg("slot"), py::arg("layer"), py::arg("pool"), py::arg("blocks"), py::arg("last_block_len") = 0,
           "Sets the page list of (slot, layer, pool); last_block_len is the FP16 tail fill (ignored for quantized "
-          "pools).")
+          "pools). Raises IndexError for a block id outside [0, config.pool_blocks[pool]).")
       .def(
           "sync",
           [](gpu::DevicePageTables& t, std::int32_t slot, const KVCacheManager& manager, SequenceId id) {
-            t.sync(slot, manager.page_table(id));
+            const PageTable& table = manager.page_table(id);
+            const std::array<std::int32_t, kNumPrecisions> bound = pool_blocks_of(manager.arena_layout());
+            if (t.config().pool_blocks != bound) t.set_pool_blocks(bound);
+            t.sync(slot, table);
           },
           py::arg("slot"), py::arg("manager"), py::arg("id"),
-          "Every (layer, pool) list of sequence `id` of `manager` into `slot`.")
+          "Every (layer, pool) list of sequence `id` of `manager` into `slot`; the tables take the bound of "
+          "`manager`'s pools.")
       .def("clear", &gpu::DevicePageTables::clear, py::arg("slot"), "Empties every list of `slot`.")
       .def("pending_updates", &gpu::DevicePageTables::pending_updates, "Entries changed since the last upload.")
       .def(
@@ -134,21 +218,26 @@ void bind_cuda_cache(py::module_& cuda) {
       "Paged decode attention's plan/run split: plan() once per decode step on the host from the tables' host "
       "mirror (uploads the work list asynchronously), then mixkv.ops.paged_decode_attention(cache, plan, layer, "
       "...) per layer: one launch over every pool and split-KV chunk, then one merge.")
-      .def(py::init<const gpu::DecodePlanConfig&, const gpu::DevicePageTables&>(), py::arg("config"),
-           py::arg("tables"), py::keep_alive<1, 3>(),
+      .def(py::init([](const gpu::DecodePlanConfig& config, const gpu::DevicePageTables& tables) {
+             auto plan = std::make_unique<gpu::DecodePlan>(config, tables);
+             plan_tables()[plan.get()] = &tables;
+             return plan;
+           }),
+           py::arg("config"), py::arg("tables"), py::keep_alive<1, 3>(),
            "Raises ValueError naming the field for a bad shape or one without a built kernel.")
       .def(
           "plan",
           [](gpu::DecodePlan& p, py::handle slots, py::handle stream) {
             const std::vector<std::int32_t> ids = index_vector(slots, "plan: slots");
-            const cudaStream_t s = stream_arg(stream);
-            py::gil_scoped_release release;
-            p.plan(ids, s);
+            // The GIL stays held: plan() reads the tables' host mirror, which
+            // another thread's set_blocks or sync could rewrite meanwhile.
+            p.plan(ids, stream_arg(stream));
           },
           py::arg("slots"), py::arg("stream") = py::none(),
           "slots[i]: the page-table slot of batch entry i. Raises ValueError for a batch over max_batch or a slot "
           "out of range, MemoryError when a layer needs more work items than its capacity.")
-      .def_property_readonly("config", &gpu::DecodePlan::config)
+      .def_property_readonly(
+          "config", [](const gpu::DecodePlan& p) { return p.config(); }, "A copy of the configuration.")
       .def_property_readonly("batch_size", &gpu::DecodePlan::batch_size)
       .def("num_items", &gpu::DecodePlan::num_items, py::arg("layer"))
       .def("num_split_items", &gpu::DecodePlan::num_split_items, py::arg("layer"))
@@ -162,10 +251,26 @@ void bind_cuda_cache(py::module_& cuda) {
       .def(py::init<>())
       .def(
           "upload",
-          [](gpu::DeviceStoreMapping& d, const StoreMapping& mapping, std::int32_t block_size, py::handle stream) {
-            d.upload(mapping, block_size, stream_arg(stream));
+          [](gpu::DeviceStoreMapping& d, const StoreMapping& mapping, std::int32_t block_size, py::handle stream,
+             const KVCacheManager* cache) {
+            // `mapping` was converted while the GIL is held and is this
+            // call's own: nothing can change it between the checks and the copy.
+            const cudaStream_t s = stream_arg(stream);
+            if (cache == nullptr) {
+              d.upload(mapping, block_size, s);
+              return;
+            }
+            if (block_size != cache->config().shape.block_size) {
+              throw InvalidArgument("DeviceStoreMapping.upload: block_size = " + std::to_string(block_size) +
+                                    ": expected the cache's block_size " +
+                                    std::to_string(cache->config().shape.block_size));
+            }
+            d.upload(mapping, cache->arena_layout(), s);
           },
-          py::arg("mapping"), py::arg("block_size"), py::arg("stream") = py::none())
+          py::arg("mapping"), py::arg("block_size"), py::arg("stream") = py::none(), py::arg("cache") = py::none(),
+          "Validates and copies `mapping`; with `cache`, also every slot and block id against its pools "
+          "(IndexError). ops.store_prefill checks the mapping's largest ids against the cache it stores into "
+          "either way.")
       .def_property_readonly("rows", [](const gpu::DeviceStoreMapping& d) {
         gpu::StorePrefillArgs args;
         d.fill(args);

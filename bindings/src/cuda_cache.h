@@ -3,9 +3,18 @@
 #include <optional>
 
 #include "mixkv/kernels/device_arena.h"
+#include "mixkv/kernels/device_status.h"
 #include "mixkv/kernels/swap.h"
 
+namespace mixkv::gpu {
+class DecodePlan;
+class DevicePageTables;
+}  // namespace mixkv::gpu
+
 namespace mixkv::python {
+
+// The tables a DecodePlan made from Python reads (null for another plan).
+const gpu::DevicePageTables* tables_of(const gpu::DecodePlan& plan);
 
 // The CUDA backend's cache: a KVCacheManager with a device arena (one
 // cudaMalloc of config.arena_bytes on the device current at construction)
@@ -21,12 +30,17 @@ class DeviceKVCache : public KVCacheManager {
   // Null without a swap pool.
   const gpu::PinnedSwapBuffer* swap() const { return swap_ ? &*swap_ : nullptr; }
   gpu::DeviceSwapList& swap_list() { return swap_list_; }
+  // Where the cache's ops record an out-of-range id found on the device;
+  // every op raises a recorded one before it starts (mutable: recording is
+  // not a change of the cache).
+  gpu::DeviceStatus& status() const { return status_; }
 
  private:
   int device_ = 0;
   gpu::DeviceArena arena_;
   std::optional<gpu::PinnedSwapBuffer> swap_;
   gpu::DeviceSwapList swap_list_;
+  mutable gpu::DeviceStatus status_;
 };
 
 }  // namespace mixkv::python

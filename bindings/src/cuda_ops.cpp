@@ -4,6 +4,7 @@
 // synchronizing; index arrays (slots, copies, moves) are device int32 arrays
 // too, so that nothing is copied behind the caller's back.
 #include <cmath>
+#include <cstdint>
 #include <optional>
 #include <string>
 #include <vector>
@@ -14,6 +15,7 @@
 #include "mixkv/core/errors.h"
 #include "mixkv/kernels/decode_plan.h"
 #include "mixkv/kernels/demote.h"
+#include "mixkv/kernels/device_page_tables.h"
 #include "mixkv/kernels/merge_states.h"
 #include "mixkv/kernels/store.h"
 #include "mixkv/kernels/swap.h"
@@ -23,7 +25,22 @@ namespace {
 
 static_assert(sizeof(BlockCopy) == 2 * sizeof(std::int32_t), "BlockCopy crosses as int32 [count, 2]");
 
-CudaContext context(const DeviceKVCache& cache, py::handle stream) { return {cache.device(), stream_arg(stream)}; }
+// The context of an op on `cache`. An out-of-range id that an earlier op's
+// kernel recorded is raised here, before this op does anything: the kernel
+// skipped that row, and the caller learns of it at the first op after the
+// stream ran it (or at DeviceKVCache.check_status()).
+CudaContext context(const DeviceKVCache& cache, py::handle stream) {
+  const CudaContext ctx{cache.device(), stream_arg(stream)};
+  cache.status().raise_if_set(ctx.stream);
+  return ctx;
+}
+
+bool bytes_overlap(const void* a, std::size_t a_bytes, const void* b, std::size_t b_bytes) {
+  if (a_bytes == 0 || b_bytes == 0) return false;
+  const auto x = reinterpret_cast<std::uintptr_t>(a);
+  const auto y = reinterpret_cast<std::uintptr_t>(b);
+  return x < y + b_bytes && y < x + a_bytes;
+}
 
 void store_prefill(const DeviceKVCache& cache, py::handle k, py::handle v, const gpu::DeviceStoreMapping& mapping,
                    py::handle stream) {
@@ -37,6 +54,7 @@ void store_prefill(const DeviceKVCache& cache, py::handle k, py::handle v, const
   args.v = cuda_input<Half>(v, "store_prefill: v", dims, ctx);
   args.pools = cache.pools();
   args.stream = ctx.stream;
+  // The mapping's largest ids are checked against this cache's pools here.
   gpu::store_prefill(args);
 }
 
@@ -53,6 +71,7 @@ void append(const DeviceKVCache& cache, py::handle k, py::handle v, py::handle s
   args.v = cuda_input<Half>(v, "append: v", dims, ctx);
   args.fp16_pool = cache.pools()[pool_index(Precision::FP16)];
   args.stream = ctx.stream;
+  args.status = &cache.status();
   gpu::append(args);
 }
 
@@ -65,6 +84,7 @@ void copy_blocks(const DeviceKVCache& cache, py::handle copies, Precision p, py:
   args.count = static_cast<std::int32_t>(shape[0]);
   args.pool = cache.pools()[pool_index(p)];
   args.stream = ctx.stream;
+  args.status = &cache.status();
   gpu::copy_blocks(args);
 }
 
@@ -79,7 +99,25 @@ void demote(const DeviceKVCache& cache, py::handle moves, Precision src, Precisi
   args.src_pool = pools[pool_index(src)];
   args.dst_pool = pools[pool_index(dst)];
   args.stream = ctx.stream;
+  args.status = &cache.status();
   gpu::demote(args);
+}
+
+// The tables a plan reads must not accept ids past this cache's pools (they
+// were bounded by the cache they were built from: cache= or sync()).
+void check_tables_bound(const DeviceKVCache& cache, const gpu::DecodePlan& plan) {
+  const gpu::DevicePageTables* tables = tables_of(plan);
+  if (tables == nullptr || !tables->config().bounded()) return;  // unbounded tables hold no ids (set_blocks refuses)
+  const PoolLayout layout = cache.arena_layout();
+  for (const Precision p : kAllPrecisions) {
+    const std::int32_t bound = tables->config().pool_blocks[pool_index(p)];
+    const std::int32_t blocks = layout.pools[pool_index(p)].num_blocks;
+    if (bound > blocks) {
+      throw IndexOutOfRange("paged_decode_attention: plan's tables accept " + std::string(to_string(p)) +
+                            " block ids below " + std::to_string(bound) + ": expected at most the cache's " +
+                            std::to_string(blocks) + " blocks of that pool (tables bound to another cache?)");
+    }
+  }
 }
 
 py::tuple paged_decode_attention(const DeviceKVCache& cache, const gpu::DecodePlan& plan, std::int32_t layer,
@@ -98,6 +136,7 @@ py::tuple paged_decode_attention(const DeviceKVCache& cache, const gpu::DecodePl
     throw IndexOutOfRange("paged_decode_attention: layer = " + std::to_string(layer) + ", expected 0 <= layer < " +
                           std::to_string(c.num_layers));
   }
+  check_tables_bound(cache, plan);
   const CudaContext ctx = context(cache, stream);
   const std::int64_t batch = plan.batch_size();
   gpu::DecodeRunArgs args;
@@ -110,6 +149,18 @@ py::tuple paged_decode_attention(const DeviceKVCache& cache, const gpu::DecodePl
   if (!lse.is_none()) {
     args.lse = cuda_output<float>(lse, "paged_decode_attention: lse",
                                   {{batch, "plan.batch_size"}, {c.num_q_heads, "num_q_heads"}}, ctx);
+  }
+  // The kernel writes out and lse from different CTAs and reads q while
+  // others write: shared bytes would give wrong values (merge_states rejects
+  // the same).
+  const std::size_t rows = static_cast<std::size_t>(batch) * c.num_q_heads;
+  if (args.lse != nullptr) {
+    if (bytes_overlap(args.out, rows * c.head_dim * sizeof(Half), args.lse, rows * sizeof(float))) {
+      throw InvalidArgument("paged_decode_attention: out overlaps lse: expected disjoint memory");
+    }
+    if (bytes_overlap(args.q, rows * c.head_dim * sizeof(Half), args.lse, rows * sizeof(float))) {
+      throw InvalidArgument("paged_decode_attention: lse overlaps q: expected disjoint memory");
+    }
   }
   args.sm_scale = sm_scale.value_or(1.0f / std::sqrt(static_cast<float>(c.head_dim)));
   args.pools = cache.pools();
@@ -132,6 +183,7 @@ void swap_blocks(DeviceKVCache& cache, const std::vector<SwapCopy>& copies, Swap
   args.device = cache.pools();
   args.host = cache.swap()->device_views(cache.swap_layout());
   args.stream = ctx.stream;
+  args.status = &cache.status();
   gpu::swap_blocks(args);
 }
 
@@ -191,15 +243,20 @@ void bind_cuda_ops(py::module_& ops) {
           py::arg("stream") = py::none(),
           "CUDA: one decode token per sequence, float16 [batch, num_kv_heads, head_dim], into FP16 slots given as "
           "a CUDA int32 array [batch] (a row of AppendResult.slots moved to the device); a slot of -1 pads the batch "
-          "(that row is not written: a graph captured at a larger batch than the step's).");
+          "(that row is not written: a graph captured at a larger batch than the step's). A slot outside the FP16 pool "
+          "is skipped on the device and raised as IndexError by the next op on the cache or by "
+          "DeviceKVCache.check_status().");
   ops.def("copy_blocks", &copy_blocks, py::arg("cache"), py::arg("copies"), py::arg("precision") = Precision::FP16,
           py::kw_only(), py::arg("stream") = py::none(),
-          "CUDA: whole-block copies inside the FP16 pool; copies is a CUDA int32 array [count, 2] of (src, dst).");
+          "CUDA: whole-block copies inside the FP16 pool; copies is a CUDA int32 array [count, 2] of (src, dst). A "
+          "copy with an id outside the pool is skipped on the device and raised as IndexError by the next op on "
+          "the cache or by DeviceKVCache.check_status().");
   ops.def("demote", &demote, py::arg("cache"), py::arg("moves"), py::arg("src"), py::arg("dst"), py::kw_only(),
           py::arg("stream") = py::none(),
           "CUDA: requantizes blocks into a lower precision, (src, dst) one of (FP16, INT4), (FP16, INT2), (INT4, "
           "INT2); moves is a CUDA int32 array [count, 2] of (src block id, dst block id). Meant for a stream of its "
-          "own so that decode is not stalled.");
+          "own so that decode is not stalled. A move with an id outside its pool is skipped on the device and raised "
+          "as IndexError by the next op on the cache or by DeviceKVCache.check_status().");
   ops.def("swap_blocks", &swap_blocks, py::arg("cache"), py::arg("copies"), py::arg("direction"), py::kw_only(),
           py::arg("stream") = py::none(),
           "CUDA: copies whole blocks between the device arena and the cache's pinned host swap pool "
@@ -212,7 +269,8 @@ void bind_cuda_ops(py::module_& ops) {
           "CUDA: decode attention of one layer for the batch planned by `plan` (a mixkv.cuda.DecodePlan): q and out "
           "float16 CUDA [batch, num_q_heads, head_dim], lse optional float32 [batch, num_q_heads] (natural log). "
           "fixed_grid sizes the launch for the plan's capacity so a captured CUDA graph survives re-plans. "
-          "Returns (out, lse).");
+          "Returns (out, lse). Raises ValueError when out and lse overlap, IndexError when the plan's tables "
+          "accept ids past this cache's pools.");
   ops.def("merge_states", &merge_states, py::arg("out_a"), py::arg("lse_a"), py::arg("out_b"), py::arg("lse_b"),
           py::kw_only(), py::arg("out") = py::none(), py::arg("lse") = py::none(), py::arg("stream") = py::none(),
           "CUDA: the same merge on float32 CUDA arrays; out and lse are required (pass out_a, lse_a to merge in "

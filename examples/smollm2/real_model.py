@@ -680,7 +680,7 @@ EQ8_MEASURED = f"WindowQuant, measured s_l (alpha {EQ8_MEASURED_ALPHA:g})"
 # most, within a byte budget. 0.225x, near uniform INT2's 0.198x, was set
 # after seeing the sweep's floors on the same held-out answer; 0.275x was
 # picked on the held-out and test question sets and then scored once on the
-# confirmation set (docs/real-model.md, stop 28).
+# confirmation set (docs/real-model.md).
 FLOOR_BUDGET = 0.225
 TARGET_FLOOR_BUDGET = 0.275
 # More budgets, chunk-scored on the question sets only.
@@ -976,11 +976,11 @@ def chunk_score(model: SmolLM2, backend, prompt: Prompt, plan, ks, vs):
 # Questions about the same document, each with its own reference answer
 # (texts/): (name, file, when it was written). The held-out and test sets
 # chose TARGET_FLOOR_BUDGET; the confirmation set was written after that and
-# scored once (docs/real-model.md, stop 28).
+# scored once (docs/real-model.md).
 QUESTION_SETS = (
-    ("held-out", "heldout_questions.txt", "stop 27, after alpha 8 and the 0.225x budget were fixed"),
-    ("test", "test_questions.txt", "stop 28, before any of its measurements"),
-    ("confirmation", "confirm_questions.txt", "stop 28, after the 0.275x budget was chosen on the two sets above"),
+    ("held-out", "heldout_questions.txt", "written after alpha 8 and the 0.225x budget were fixed"),
+    ("test", "test_questions.txt", "written before any measurement of the budget rule"),
+    ("confirmation", "confirm_questions.txt", "written after the 0.275x budget was chosen on the two sets above"),
 )
 
 

@@ -5,8 +5,8 @@
 #include <string>
 #include <vector>
 
-#include "cuda_check.cuh"
-#include "device_buffer.cuh"
+#include "mixkv/kernels/detail/cuda_check.h"
+#include "mixkv/kernels/detail/device_buffer.h"
 
 namespace mixkv::gpu {
 namespace {

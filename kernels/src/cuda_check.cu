@@ -1,4 +1,4 @@
-#include "cuda_check.cuh"
+#include "mixkv/kernels/detail/cuda_check.h"
 
 #include <string>
 

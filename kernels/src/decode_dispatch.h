@@ -1,7 +1,9 @@
 #pragma once
-// THE dispatch point of the decode kernels: runtime (head_dim, block_size)
-// -> template instance. Unbuilt shapes throw InvalidArgument
-// "Unsupported head_dim: N" / "Unsupported block_size: N".
+// THE dispatch point of the decode kernels: runtime (head_dim, block_size,
+// n-tiles) -> template instance. The built instances are the list in
+// kernels/CMakeLists.txt, one generated decode_instance_d*_s*.cu an entry;
+// decode_dispatch.cu looks a shape up in that list. Unbuilt shapes throw
+// InvalidArgument "Unsupported head_dim: N" / "Unsupported block_size: N".
 #include <cuda_runtime_api.h>
 
 #include "decode_params.cuh"
@@ -25,12 +27,9 @@ bool decode_supports_two_tiles(int head_dim, int block_size);
 int launch_decode(const DecodeParams& params, int head_dim, int block_size, int n_tiles, int grid,
                   cudaStream_t stream);
 
-// Per head_dim (decode_instances_d*.cu): switch on block_size and n-tiles.
-bool decode_d64_supports(int block_size, int n_tiles);
-bool decode_d128_supports(int block_size, int n_tiles);
-bool decode_d256_supports(int block_size, int n_tiles);
-int launch_decode_d64(const DecodeParams& params, int block_size, int n_tiles, int grid, cudaStream_t stream);
-int launch_decode_d128(const DecodeParams& params, int block_size, int n_tiles, int grid, cudaStream_t stream);
-int launch_decode_d256(const DecodeParams& params, int block_size, int n_tiles, int grid, cudaStream_t stream);
+// One instance's launcher (decode_launch.cuh), explicitly instantiated only
+// in its generated file, so that the dispatch compiles no kernel.
+template <int D, int S, int NT>
+int launch_decode_kernel(const DecodeParams& params, int grid, cudaStream_t stream);
 
 }  // namespace mixkv::gpu::detail

@@ -9,7 +9,7 @@
 //   S^T[token][head] = K[token][:] . Q^T          (m16n8k16, k = channels)
 //   O^T[chan][head] += V^T[chan][token] . P^T     (m16n8k16, k = tokens)
 // P^T comes out of the S^T accumulators through movmatrix (a register
-// transpose). Dequantization is folded (kernel-notes.md): per-channel K
+// transpose). Dequantization is folded (docs/kernels.md): per-channel K
 // scales multiply Q (q' = q * s_c, one half2 multiply per fragment) and the
 // K minimums become one extra MMA per k-step (sum_c q_c m_c); per-token V
 // scales multiply P and the V minimums a per-head scalar sum_t p_t m_t
@@ -71,10 +71,8 @@ struct DecodeTile {
   // need more bytes in flight than an INT4 warp: when every CTA slot of the
   // GPU is busy (kBusyGpu), one block, or deeper INT2 prefetches lengthen
   // the memory latency that the INT4 and FP16 warps of a mixed plan wait
-  // on (b64 x 19,600 mixed: 184 us with 4 INT2 blocks in flight, 180 with
-  // 2, 175 with 1; INT2 alone 127-128 us in all three); otherwise as many
-  // bytes as an INT4 block (with fewer warps an SM, 1 was 5% slower at b8
-  // x 65,536 and 2 the fastest; kernel-notes-log v28).
+  // on; otherwise as many bytes as an INT4 block, which fewer warps an SM
+  // need to keep memory busy.
   template <Precision P, bool kBusyGpu = false>
   static constexpr int stages() {
     const int fit = cmin(8, kRingBytes / unit_bytes<P>());
@@ -1011,8 +1009,7 @@ __global__ void __launch_bounds__(kDecodeThreads, DecodeTile<D, S, NT>::kMinCtas
   // Each thread combines 16-byte vectors (4 channels of one head); the
   // per-head weights are recomputed per vector (4 exp2) rather than shared
   // through another barrier. This runs once per CTA on batch 1's critical
-  // path: per element with a division and a log it took ~3 us (timeline,
-  // kernel-notes-log.md v15), per vector ~1 us.
+  // path, so the division and the log are paid a vector, not an element.
   constexpr float kLn2 = 0.6931471805599453f;
   constexpr int kVecsPerHead = D / 4;
   for (int v = threadIdx.x; v < group * kVecsPerHead; v += kDecodeThreads) {

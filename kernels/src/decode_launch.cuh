@@ -1,7 +1,9 @@
 #pragma once
 // Launch of one paged_decode_kernel instance; included only by the
-// decode_instances_d*.cu files (each instantiates its head_dim).
-#include "cuda_check.cuh"
+// decode_instance_d*_s*.cu files that kernels/CMakeLists.txt generates (each
+// instantiates launch_decode_kernel, declared in decode_dispatch.h, for one
+// head_dim and block_size).
+#include "mixkv/kernels/detail/cuda_check.h"
 #include "decode_kernel.cuh"
 
 namespace mixkv::gpu::detail {

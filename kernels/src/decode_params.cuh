@@ -57,8 +57,8 @@ struct DecodeParams {
   // The plan: this layer's items are items[range.x .. range.x + range.y).
   // A graph-capturable launch reads the range on the device (item_range),
   // so a replay sees the latest plan; a direct launch passes it by value
-  // (item_range null), which takes one dependent global load (~1 us with
-  // L2 cold) off the front of every CTA.
+  // (item_range null), which takes one dependent global load off the
+  // front of every CTA.
   const DecodeWorkItem* items = nullptr;
   const int2* item_range = nullptr;
   int2 launch_range{0, 0};

@@ -11,72 +11,18 @@
 #include <utility>
 #include <vector>
 
-#include "cuda_check.cuh"
+#include "mixkv/kernels/detail/cuda_check.h"
 #include "decode_dispatch.h"
+#include "decode_heuristics.h"
 #include "decode_params.cuh"
-#include "device_buffer.cuh"
+#include "mixkv/kernels/detail/device_buffer.h"
 #include "mixkv/core/block_format.h"
 
 namespace mixkv::gpu {
-namespace detail {
-
-void check_decode_supported(int head_dim, int block_size) {
-  bool supported = false;
-  switch (head_dim) {
-    case 64: supported = decode_d64_supports(block_size, 1); break;
-    case 128: supported = decode_d128_supports(block_size, 1); break;
-    case 256: supported = decode_d256_supports(block_size, 1); break;
-    default: throw InvalidArgument("Unsupported head_dim: " + std::to_string(head_dim));
-  }
-  if (!supported) throw InvalidArgument("Unsupported block_size: " + std::to_string(block_size));
-}
-
-bool decode_supports_two_tiles(int head_dim, int block_size) {
-  switch (head_dim) {
-    case 64: return decode_d64_supports(block_size, 2);
-    case 128: return decode_d128_supports(block_size, 2);
-    case 256: return decode_d256_supports(block_size, 2);
-    default: return false;
-  }
-}
-
-int launch_decode(const DecodeParams& params, int head_dim, int block_size, int n_tiles, int grid,
-                  cudaStream_t stream) {
-  switch (head_dim) {
-    case 64: return launch_decode_d64(params, block_size, n_tiles, grid, stream);
-    case 128: return launch_decode_d128(params, block_size, n_tiles, grid, stream);
-    case 256: return launch_decode_d256(params, block_size, n_tiles, grid, stream);
-    default: throw InvalidArgument("Unsupported head_dim: " + std::to_string(head_dim));
-  }
-}
-
-}  // namespace detail
-
 namespace {
 
 using detail::DecodeWorkItem;
 using detail::require;
-
-// Fewest blocks of an automatically split chunk: two per warp of the CTA.
-constexpr std::int32_t kMinBlocksPerChunk = 8;
-// Resident decode CTAs per SM a small batch's split aims for.
-constexpr int kSmallBatchCtasPerSm = 2;
-// Pairs of at most this many INT4 blocks' work are not worth splitting when
-// they fill the SMs evenly (plan_layer): 4,096 tokens at 32 a block. In
-// blocks, not tokens: at block 16 the mixed plan's 4,096-token pairs (256
-// blocks) ran 6.6% slower as one item each (INT2 9.5% faster).
-constexpr std::int64_t kShortPairBlocks = 128;
-// Fewest (sequence, KV head) pairs of max_batch for which the default item
-// width is 16 query heads (two n-tiles) rather than 8. With fewer, items are
-// short split chunks whose latency, not the batch's instructions, sets the
-// time, and 8 heads an item gives twice the CTAs for them. Measured on the
-// H200 (64 / 4 and 96 / 8 query / KV heads, 19,600 tokens; kernel-notes-log,
-// stop 24):
-// 16 against 8 heads an item +10 to +14% at 4 and 8 pairs, -6 to +7% at 16
-// (FP16 the +7%), -11 to -16% at 32, -19 to -22% at 64 (quantized plans;
-// FP16 within 1.4%); at 65,536 tokens the quantized plans equal at 4 pairs,
-// better from 8 (FP16 +5.5% at 8, within 1.7% from 16).
-constexpr int kWideItemMinPairs = 16;
 
 std::string field(const char* name, std::int64_t value, const char* expected) {
   return std::string("DecodePlan: config.") + name + " = " + std::to_string(value) + ": expected " + expected;
@@ -173,14 +119,10 @@ DecodePlan::DecodePlan(const DecodePlanConfig& config, const DevicePageTables& t
     return field("max_heads_per_item", config.max_heads_per_item, "8: no two-tile instance is built for head_dim ") +
            std::to_string(config.head_dim) + ", block_size " + std::to_string(config.block_size);
   });
-  // The fewest equal tiles of at most max_heads query heads (with 16 a
-  // group of 12 is one item, 32 two of 16; with 8, 16 is 2 x 8, 12 is
-  // 2 x 6 and a prime 11 is 11 x 1).
   const std::int32_t full_group = config.num_q_heads / config.num_kv_heads;
-  const bool wide = two_tiles_built && config.max_batch * config.num_kv_heads >= kWideItemMinPairs;
-  const int max_heads = config.max_heads_per_item != 0 ? config.max_heads_per_item
-                                                       : detail::kHeadsPerTileHost * (wide ? 2 : 1);
-  while (full_group % s.head_tiles != 0 || full_group / s.head_tiles > max_heads) ++s.head_tiles;
+  const int max_heads = detail::decode_max_heads(config.max_heads_per_item, two_tiles_built,
+                                                 static_cast<std::int64_t>(config.max_batch) * config.num_kv_heads);
+  s.head_tiles = detail::decode_head_tiles(full_group, max_heads);
   s.group = full_group / s.head_tiles;
   const std::int32_t pairs = config.max_batch * config.num_kv_heads * s.head_tiles;
   s.max_items = config.max_items_per_layer > 0
@@ -221,29 +163,9 @@ void DecodePlan::Impl::plan_layer(int layer, int target_items, std::int32_t shar
   const auto batch = static_cast<std::int32_t>(next_slots.size());
   std::int64_t total_bytes = static_cast<std::int64_t>(batch) * c.num_q_heads * c.head_dim * 2;  // q
 
-  // Work of one block (per KV head) of each pool, in bytes: what it reads
-  // plus its instructions at kBytesPerInstruction. A warp runs its blocks
-  // one after another and the quantized ones are issue- and latency-bound,
-  // so chunks of equal *bytes* gave batch 1's INT2 items 11-12 blocks (3 in
-  // a row per warp) against 4 FP16 units (1 per warp). Static SASS of the
-  // D = 128, S = 32 loops (v6): 650 instructions per INT4 or INT2 block,
-  // 550 per 16-token FP16 unit; scaled by D and S for other shapes. At 16
-  // bytes per instruction every pool's chunk of batch 1 x 19,600 (mixed
-  // plan, 93 chunks) held <= 8 blocks or FP16 units with those counts: 2
-  // per warp. INT2 now counts 550: since the codes became subnormals
-  // (kernel-notes-log v26) an INT2 block takes 0.88x the time it did, and
-  // 0.88 x (its bytes + 16 x 650) is its bytes + 16 x 550; INT4 blocks
-  // wait on memory and kept their time. (Measured against the mixed plan:
-  // b64 x 19,600 1.2% faster, b1 and b8 unchanged.)
-  constexpr std::int64_t kBytesPerInstruction = 16;
-  const std::int64_t int4_instructions = 650LL * c.head_dim / 128 * S / 32;
-  const std::int64_t int2_instructions = 550LL * c.head_dim / 128 * S / 32;
-  const std::int64_t fp16_instructions = 550LL * c.head_dim / 128 * S / 16;
-  const std::int64_t work[3] = {fp16_block_bytes + kBytesPerInstruction * fp16_instructions,
-                                int4_block_bytes + kBytesPerInstruction * int4_instructions,
-                                int2_block_bytes + kBytesPerInstruction * int2_instructions};
-
-  // Work per KV head of each sequence.
+  // Work per KV head of each sequence (decode_heuristics.h).
+  const std::array<std::int64_t, 3> work =
+      detail::decode_block_work(c.head_dim, S, fp16_block_bytes, int4_block_bytes, int2_block_bytes);
   cost.resize(batch);
   counts.resize(batch);
   fills.resize(batch);
@@ -263,24 +185,8 @@ void DecodePlan::Impl::plan_layer(int layer, int target_items, std::int32_t shar
   }
   out.bytes = total_bytes;
 
-  // One item per pair, all of them resident, as many on every SM, when
-  // the pairs' work is equal (within 5%) and either waits on memory (INT2
-  // blocks, bound by the instructions they issue, <= 1/4 of the work) or
-  // is short (<= kShortPairBlocks INT4 blocks' work): a memory-bound
-  // pair's CTA streams at the rate of every other, and a short pair's split
-  // pieces would pay their starts and merges on little work. Measured at
-  // b64 (256 pairs, 2 CTAs an SM on 132 SMs at block 16 and 32, 2 of 2 at
-  // block 64), one item per pair against the shares: INT4 x 19,600 -1.7%
-  // to -3.4% and FP16 -1.3% to -2.0% at every block size, x 65,536 within
-  // 0.7%; at block 32 INT2 x 2,048 / 4,096 / 8,192 -20% / -11% / -4.5%,
-  // x 19,600 equal, x 65,536 +3%, the mixed plan (46% of its work INT2)
-  // -9% / -1% at 2,048 / 4,096, equal at 6,144, +3 to +12% from 8,192 on;
-  // at block 64 x 4,096 INT2 -18%, mixed -4%; at b48 and b80 (1-2 and 2-3
-  // CTAs an SM) every plan slower (kernel-notes-log, stop 23).
-  const bool memory_bound = int2_cost * 4 <= total_cost;
-  const bool short_pairs = max_cost <= kShortPairBlocks * work[1];
-  const bool one_per_pair = whole_pairs && (memory_bound || short_pairs) &&
-                            static_cast<double>(max_cost) * kvh * batch <= 1.05 * static_cast<double>(total_cost);
+  const bool one_per_pair =
+      detail::decode_one_item_per_pair(whole_pairs, total_cost, int2_cost, max_cost, kvh, batch, work[1]);
   const int tiles = head_tiles;
   // As chunks, every pair's count rounds to 1: its work is at most 1.05x
   // the mean.
@@ -385,7 +291,9 @@ void DecodePlan::Impl::plan_layer(int layer, int target_items, std::int32_t shar
         cuts.assign(1, 0);
         for (auto k = static_cast<std::int64_t>(start / share) + 1; k < shares && k * share < start + cost[b]; ++k) {
           const std::int32_t cut = block_at(b, std::llround(k * share) - start);
-          if (cut - cuts.back() >= kMinBlocksPerChunk && n_total - cut >= kMinBlocksPerChunk) cuts.push_back(cut);
+          if (cut - cuts.back() >= detail::kMinBlocksPerChunk && n_total - cut >= detail::kMinBlocksPerChunk) {
+            cuts.push_back(cut);
+          }
         }
         cuts.push_back(n_total);
         starts.clear();
@@ -408,19 +316,10 @@ void DecodePlan::Impl::plan_layer(int layer, int target_items, std::int32_t shar
     // Chunks: each (sequence, KV head) cut into chunks of equal work.
     for (int b = 0; b < batch; ++b) {
       const std::int32_t n_total = counts[b][0] + counts[b][1] + counts[b][2];
-      int chunks = 1;
-      if (c.chunks_per_sequence > 0) {
-        chunks = c.chunks_per_sequence;
-      } else if (total_cost > 0) {
-        chunks = static_cast<int>(
-            std::llround(static_cast<double>(cost[b]) * kvh / total_cost * target_items / (kvh * tiles)));
-      }
-      // A chunk pays a fixed latency (item, page table, first data, merge)
-      // that a warp with one block cannot hide: at batch 1 x 4,096 the split
-      // into 16 chunks (8 blocks) beat 93 (1.4 blocks) by 5 us
-      // (decode_bench --chunk-sweep on the H200, kernel-notes-log.md v9).
-      if (c.chunks_per_sequence == 0) chunks = std::min(chunks, std::max(1, n_total / kMinBlocksPerChunk));
-      chunks = std::clamp(chunks, 1, std::min(detail::kMaxMergePieces, std::max(1, n_total)));
+      const int chunks =
+          c.chunks_per_sequence > 0
+              ? std::clamp(c.chunks_per_sequence, 1, std::min(detail::kMaxMergePieces, std::max(1, n_total)))
+              : detail::decode_pair_chunks(cost[b], total_cost, kvh, target_items, tiles, n_total);
       // Chunk boundaries at equal work along FP16 | INT4 | INT2.
       cuts.assign(1, 0);
       for (int k = 1; k < chunks; ++k) {
@@ -467,45 +366,13 @@ void DecodePlan::plan(std::span<const std::int32_t> slots, cudaStream_t stream) 
   s.next_slots.assign(slots.begin(), slots.end());
   // Items of unsplit (sequence, KV head) pairs: one per head tile.
   const int pairs = static_cast<int>(slots.size()) * c.num_kv_heads * s.head_tiles;
-  // Items to aim for: whole waves of resident CTAs. With equal sequences,
-  // c chunks per pair give pairs * c items in ceil(pairs * c / wave) waves;
-  // take the smallest c that fills those waves to >= 93% (batch 64: 3
-  // chunks, 768 items in 2 waves of 396). When fewer pairs than SMs must
-  // be split many ways, a wave counts 2 CTAs per SM: every extra piece adds
-  // merge work and fixed latency, and at batch 1 x 19,600 and x 65,536 the
-  // split into 64 chunks (256 items) beat 93 (372) by 1-2 us
-  // (kernel-notes-log.md v9).
-  const int wave = (pairs < c.num_sms ? std::min(s.ctas_per_sm, kSmallBatchCtasPerSm) : s.ctas_per_sm) * c.num_sms;
-  int target = pairs;
-  if (pairs < 4 * wave) {
-    double best = 0.0;
-    const int c_max = std::max(1, 3 * ((wave + pairs - 1) / pairs));
-    for (int chunks = 1; chunks <= c_max; ++chunks) {
-      const int items = pairs * chunks;
-      const double efficiency = static_cast<double>(items) / (((items + wave - 1) / wave) * wave);
-      if (efficiency > best + 1e-9) {
-        best = efficiency;
-        target = items;
-      }
-      if (efficiency >= 0.93) break;
-    }
-  }
-  target = std::min(target, s.max_items);
-  // With a pair for every SM, the work is cut into one equal share per
-  // resident CTA instead (a pair cut where a share ends; plan_layer): 3
-  // chunks of unequal pairs left the last of 2 waves ragged (b64 x 19,600
-  // mixed 203.6 us, shares 188.8), and short contexts paid a start and a
-  // merge per chunk (b64 x 4,096 INT4 55.2 -> 50.4 us; kernel-notes-log v23-v24).
-  // A share's pieces run as one item per head tile, side by side.
+  // The work model of decode_heuristics.h: chunks filling whole waves of
+  // resident CTAs, or one equal share a CTA slot, or one item a pair.
+  const int wave = detail::decode_wave(pairs, c.num_sms, s.ctas_per_sm);
+  const int target = std::min(detail::decode_target_items(pairs, wave), s.max_items);
   const std::int32_t shares =
-      c.chunks_per_sequence == 0 && pairs >= c.num_sms && pairs + wave <= s.max_items && wave < detail::kMaxMergePieces
-          ? wave / s.head_tiles
-          : 0;
-  // Whole pairs (plan_layer): at least 2 CTAs on every SM, all resident,
-  // the SMs' counts within 5% of equal.
-  const int per_sm = (pairs + c.num_sms - 1) / c.num_sms;
-  const bool whole_pairs =
-      shares > 0 && per_sm >= 2 && per_sm <= s.ctas_per_sm && pairs >= 0.95 * per_sm * c.num_sms;
+      detail::decode_shares(pairs, wave, c.num_sms, s.max_items, s.head_tiles, c.chunks_per_sequence != 0);
+  const bool whole_pairs = detail::decode_whole_pairs(pairs, c.num_sms, s.ctas_per_sm, shares);
   for (int layer = 0; layer < c.num_layers; ++layer) s.plan_layer(layer, target, shares, whole_pairs);
   std::swap(s.slots, s.next_slots);
   std::swap(s.layers, s.next_layers);

@@ -1,8 +1,9 @@
 #include "mixkv/kernels/demote.h"
 
+#include <cstdint>
 #include <string>
 
-#include "cuda_check.cuh"
+#include "mixkv/kernels/detail/cuda_check.h"
 #include "quantize.cuh"
 
 namespace mixkv::gpu {
@@ -14,11 +15,26 @@ constexpr int kThreads = 128;
 
 // Reads one head of `src` as floats (FP16 widened, INT4 dequantized with
 // the reference's min + scale * code), then quantizes it into `dst`.
-__global__ void __launch_bounds__(kThreads) demote_kernel(const BlockCopy* moves, PoolView src, PoolView dst) {
+__global__ void __launch_bounds__(kThreads)
+    demote_kernel(const BlockCopy* moves, PoolView src, PoolView dst, DeviceStatusView status) {
   extern __shared__ __align__(16) float tile[];  // QuantTile<float>: K, V rows at pitch, then scratch
   const int heads = src.format.num_kv_heads;
-  const BlockCopy move = moves[blockIdx.x / heads];
-  const int head = blockIdx.x % heads;
+  const int row = static_cast<int>(blockIdx.x) / heads;
+  const BlockCopy move = moves[row];
+  const int head = static_cast<int>(blockIdx.x) % heads;
+  // Ids from a device array are checked once a CTA, before any barrier (the
+  // whole CTA leaves together): an id past its pool would read or write
+  // outside the arena and lose the context.
+  const auto src_limit = static_cast<std::uint32_t>(src.num_blocks);
+  const auto dst_limit = static_cast<std::uint32_t>(dst.num_blocks);
+  const bool bad_src = id_out_of_range(move.src, src_limit);
+  if (bad_src || id_out_of_range(move.dst, dst_limit)) {
+    if (threadIdx.x == 0 && head == 0) {
+      report_out_of_range(status, StatusOp::Demote, bad_src ? StatusArg::MoveSrc : StatusArg::MoveDst, row,
+                          bad_src ? move.src : move.dst, bad_src ? src_limit : dst_limit);
+    }
+    return;
+  }
   const BlockFormat& f = src.format;
   const int S = f.block_size;
   const int D = f.head_dim;
@@ -79,6 +95,10 @@ void demote(const DemoteArgs& a) {
       });
   require(a.src_pool.blocks_per_slab >= 1 && a.dst_pool.blocks_per_slab >= 1,
           [&] { return std::string(fn) + ": blocks_per_slab: expected >= 1"; });
+  require(a.src_pool.num_blocks >= 0 && a.dst_pool.num_blocks >= 0, [&] {
+    return std::string(fn) + ": src_pool.num_blocks = " + std::to_string(a.src_pool.num_blocks) +
+           ", dst_pool.num_blocks = " + std::to_string(a.dst_pool.num_blocks) + ": expected >= 0";
+  });
   require(a.count >= 0, [&] { return std::string(fn) + ": count = " + std::to_string(a.count) + ": expected >= 0"; });
   if (a.count == 0) return;
   require(a.moves != nullptr, [&] { return std::string(fn) + ": moves is null: expected device [count] BlockCopy"; });
@@ -89,8 +109,13 @@ void demote(const DemoteArgs& a) {
     MIXKV_CUDA_CHECK(
         cudaFuncSetAttribute(demote_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   }
-  demote_kernel<<<static_cast<unsigned>(a.count) * s.num_kv_heads, kThreads, smem, a.stream>>>(a.moves, a.src_pool,
-                                                                                                a.dst_pool);
+  require(std::int64_t{a.count} * s.num_kv_heads < (std::int64_t{1} << 31), [&] {
+    return std::string(fn) + ": count * num_kv_heads = " + std::to_string(std::int64_t{a.count} * s.num_kv_heads) +
+           ": expected < 2^31 (one CTA per head of a move)";
+  });
+  const DeviceStatusView status = (a.status != nullptr ? *a.status : DeviceStatus::for_current_device()).view();
+  demote_kernel<<<static_cast<unsigned>(a.count) * s.num_kv_heads, kThreads, smem, a.stream>>>(
+      a.moves, a.src_pool, a.dst_pool, status);
   MIXKV_CUDA_CHECK_LAUNCH("demote_kernel");
 }
 

@@ -3,7 +3,7 @@
 #include <string>
 #include <utility>
 
-#include "cuda_check.cuh"
+#include "mixkv/kernels/detail/cuda_check.h"
 
 namespace mixkv::gpu {
 

@@ -3,11 +3,12 @@
 #include <boost/unordered/unordered_flat_map.hpp>
 
 #include <algorithm>
+#include <span>
 #include <string>
 #include <vector>
 
-#include "cuda_check.cuh"
-#include "device_buffer.cuh"
+#include "mixkv/kernels/detail/cuda_check.h"
+#include "mixkv/kernels/detail/device_buffer.h"
 
 namespace mixkv::gpu {
 namespace {
@@ -61,6 +62,21 @@ struct DevicePageTables::Impl {
     }
   }
 
+  // blocks[j] of a (layer, pool) list against the pool's bound; `what()`
+  // names the list, built only on failure (this runs on every sync).
+  template <typename Name>
+  void check_ids(std::string_view fn, Name&& what, int pool, std::span<const std::int32_t> blocks) const {
+    const std::int32_t bound = config.pool_blocks[pool];
+    for (std::size_t j = 0; j < blocks.size(); ++j) {
+      if (blocks[j] < 0 || blocks[j] >= bound) {
+        throw IndexOutOfRange(std::string(fn) + ": " + what() + "[" + std::to_string(j) + "] = " +
+                              std::to_string(blocks[j]) + ": expected a block id in [0, " +
+                              (bound == PageTableConfig::kNoBound ? std::string("2^31 - 1") : std::to_string(bound)) +
+                              ") of the " + std::string(to_string(kAllPrecisions[pool])) + " pool (pool_blocks)");
+      }
+    }
+  }
+
   void check_slot_layer(std::string_view fn, int slot, int layer) const {
     if (slot < 0 || slot >= config.max_sequences) {
       throw IndexOutOfRange(std::string(fn) + ": slot = " + std::to_string(slot) + ": expected [0, " +
@@ -73,6 +89,27 @@ struct DevicePageTables::Impl {
   }
 };
 
+namespace {
+
+void check_pool_blocks(std::string_view fn, const std::array<std::int32_t, kNumPrecisions>& pool_blocks) {
+  for (int p = 0; p < kNumPrecisions; ++p) {
+    detail::require(pool_blocks[p] > 0, [&] {
+      return std::string(fn) + ": pool_blocks[" + std::string(to_string(kAllPrecisions[p])) +
+             "] = " + std::to_string(pool_blocks[p]) + ": expected > 0 (the pool's blocks in the arena)";
+    });
+  }
+}
+
+PageTableConfig bound_by(PageTableConfig config, const PoolLayout& arena) {
+  for (int p = 0; p < kNumPrecisions; ++p) config.pool_blocks[p] = arena.pools[p].num_blocks;
+  return config;
+}
+
+}  // namespace
+
+DevicePageTables::DevicePageTables(PageTableConfig config, const PoolLayout& arena)
+    : DevicePageTables(bound_by(config, arena)) {}
+
 DevicePageTables::DevicePageTables(const PageTableConfig& config) : impl_(std::make_unique<Impl>()) {
   const auto positive = [](const char* name, std::int32_t value) {
     detail::require(value > 0, [&] {
@@ -82,6 +119,7 @@ DevicePageTables::DevicePageTables(const PageTableConfig& config) : impl_(std::m
   positive("num_layers", config.num_layers);
   positive("max_sequences", config.max_sequences);
   positive("max_blocks_per_sequence", config.max_blocks_per_sequence);
+  check_pool_blocks("DevicePageTables: config", config.pool_blocks);
   Impl& s = *impl_;
   s.config = config;
   s.table_entries = static_cast<std::size_t>(config.num_layers) * kNumPrecisions * config.max_sequences *
@@ -103,6 +141,29 @@ DevicePageTables::~DevicePageTables() = default;
 
 const PageTableConfig& DevicePageTables::config() const { return impl_->config; }
 
+void DevicePageTables::set_pool_blocks(const std::array<std::int32_t, kNumPrecisions>& pool_blocks) {
+  constexpr std::string_view fn = "DevicePageTables::set_pool_blocks";
+  check_pool_blocks(fn, pool_blocks);
+  Impl& s = *impl_;
+  for (std::int32_t layer = 0; layer < s.config.num_layers; ++layer) {
+    for (int p = 0; p < kNumPrecisions; ++p) {
+      for (std::int32_t slot = 0; slot < s.config.max_sequences; ++slot) {
+        const std::int32_t n = s.mirror[s.count_at(slot, layer, p)];
+        const std::int32_t* list = s.mirror.data() + s.table_at(slot, layer, p);
+        for (std::int32_t j = 0; j < n; ++j) {
+          if (list[j] >= pool_blocks[p]) {
+            throw IndexOutOfRange(std::string(fn) + ": pool_blocks[" + std::string(to_string(kAllPrecisions[p])) +
+                                  "] = " + std::to_string(pool_blocks[p]) + ": slot " + std::to_string(slot) +
+                                  ", layer " + std::to_string(layer) + " holds block " + std::to_string(list[j]) +
+                                  " at position " + std::to_string(j) + ": expected a bound above every held id");
+          }
+        }
+      }
+    }
+  }
+  s.config.pool_blocks = pool_blocks;
+}
+
 void DevicePageTables::set_blocks(std::int32_t slot, std::int32_t layer, Precision pool,
                                   std::span<const std::int32_t> blocks, std::int32_t last_block_len) {
   constexpr std::string_view fn = "DevicePageTables::set_blocks";
@@ -115,12 +176,7 @@ void DevicePageTables::set_blocks(std::int32_t slot, std::int32_t layer, Precisi
     return std::string(fn) + ": blocks has " + std::to_string(blocks.size()) +
            " entries: expected <= max_blocks_per_sequence = " + std::to_string(s.config.max_blocks_per_sequence);
   });
-  for (std::size_t j = 0; j < blocks.size(); ++j) {
-    detail::require(blocks[j] >= 0, [&] {
-      return std::string(fn) + ": blocks[" + std::to_string(j) + "] = " + std::to_string(blocks[j]) +
-             ": expected a block id >= 0";
-    });
-  }
+  s.check_ids(fn, [] { return std::string("blocks"); }, p, blocks);
   if (pool == Precision::FP16) {
     const bool ok = blocks.empty() ? last_block_len == 0 : last_block_len >= 1;
     detail::require(ok, [&] {
@@ -153,6 +209,9 @@ void DevicePageTables::sync(std::int32_t slot, const PageTable& table) {
                std::to_string(list.size()) + " " + std::string(to_string(p)) +
                " blocks: expected <= max_blocks_per_sequence = " + std::to_string(s.config.max_blocks_per_sequence);
       });
+      s.check_ids(
+          fn, [&] { return "table.blocks(" + std::to_string(layer) + ", " + std::string(to_string(p)) + ")"; },
+          pool_index(p), list);
     }
   }
   for (std::int32_t layer = 0; layer < s.config.num_layers; ++layer) {

@@ -1,8 +1,8 @@
 #pragma once
 // A pool as the CUDA kernels address it: the PoolView with its
 // blocks_per_slab as a FastDivisor, so that a block's address costs a
-// multiply-high instead of a runtime division (in the decode kernel that
-// division was 14% of the instructions).
+// multiply-high instead of a runtime division, which would be a large part
+// of the decode kernel's instructions.
 #include "fast_divisor.cuh"
 #include "mixkv/core/pool_view.h"
 

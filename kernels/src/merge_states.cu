@@ -2,7 +2,7 @@
 
 #include <string>
 
-#include "cuda_check.cuh"
+#include "mixkv/kernels/detail/cuda_check.h"
 
 namespace mixkv::gpu {
 namespace {

@@ -231,16 +231,15 @@ struct QuantTile {
 
 // quantize_tile with the code width fixed at compile time, so that every
 // shift and loop bound of the code passes is a constant and the loops unroll
-// (in v8 they were runtime values, recomputed per code). Codes are summed
+// (not recomputed per code). Codes are summed
 // into their words: they occupy disjoint bits, so + equals | and the shift
 // can fold into the add (IMAD/LEA); the biases of biased_code sum the same
 // way and leave with one subtraction per word.
 // kThreads: the CTA size. kHeadDim, kBlockSize: the tile shape where an
 // instance is built for it (see fixed_or), else 0: `format`'s. At a runtime
 // shape the loop bounds, strides and offsets are integer arithmetic and the
-// loops run with remainders (in v11 the generic instance's FP16 quantizer
-// was 1100 SASS instructions at INT4, 1339 at INT2; D 128, S 32's 593 and
-// 823 of nearly straight-line code).
+// loops run with remainders (about twice the instructions of a fixed
+// shape's nearly straight-line code).
 template <typename T, int kThreads, int kBits, int kHeadDim, int kBlockSize>
 __device__ void quantize_tile_bits(const BlockFormat& format, const T* tile, float* scratch, char* out) {
   using V = Vec4<T>;
@@ -363,7 +362,7 @@ __device__ void quantize_tile_bits(const BlockFormat& format, const T* tile, flo
     // S. Each half-warp holds one word: 16 adjacent quads of a row, 32 banks,
     // conflict-free. (Four words a warp would halve the store transactions
     // again, but put rows a multiple of 8 apart, same banks, into one
-    // half-warp; rotating their rows took 64 registers: 8 CTAs per SM, not 9.)
+    // half-warp; rotating their rows costs registers, and a CTA an SM.)
     const int k_words = S / kPerWord;  // per channel
     const int lanes_per_quad = k_words % 2 == 0 ? 2 : 1;
     const int quads_per_unit = 32 / lanes_per_quad;

@@ -3,13 +3,12 @@
 // from global memory through registers: store_prefill's path at the shapes
 // built for it. The CTA-wide quantizer of quantize.cuh stages a whole tile
 // in shared memory and runs a statistics pass and a code pass with barriers
-// between them; with a few tiles per CTA taken in sequence, its SMs spent
-// most of the time of a 19,600-token layer waiting on tile loads and
-// barriers (0.68 eligible warps a scheduler, DRAM 48%). Here a warp owns a
-// fixed share of one tile, loads it with all its loads in flight at once,
-// and needs no barrier: the groups a share holds are whole, or complete
-// within the warp by shuffles. Codes and (scale, min) are those of
-// quantize.cuh bit for bit (the same group_params and biased_code).
+// between them; with a few tiles per CTA taken in sequence, its SMs spend
+// most of a long layer's time waiting on tile loads and barriers. Here a
+// warp owns a fixed share of one tile, loads it with all its loads in
+// flight at once, and needs no barrier: the groups a share holds are whole,
+// or complete within the warp by shuffles. Codes and (scale, min) are those
+// of quantize.cuh bit for bit (the same group_params and biased_code).
 #include <cuda_fp16.h>
 
 #include <cstdint>

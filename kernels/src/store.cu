@@ -6,8 +6,8 @@
 #include <string>
 #include <vector>
 
-#include "cuda_check.cuh"
-#include "device_buffer.cuh"
+#include "mixkv/kernels/detail/cuda_check.h"
+#include "mixkv/kernels/detail/device_buffer.h"
 #include "device_math.cuh"
 #include "device_pool.cuh"
 #include "quantize.cuh"
@@ -326,6 +326,8 @@ struct AppendParams {
   const uint4* v;
   const std::int32_t* slots;
   PoolView pool;
+  std::uint32_t slot_limit;  // FP16 slots of the pool: num_blocks * block_size, at most 2^31
+  DeviceStatusView status;
 };
 
 __global__ void append_kernel(const __grid_constant__ AppendParams p) {
@@ -333,15 +335,33 @@ __global__ void append_kernel(const __grid_constant__ AppendParams p) {
   const int chunks_per_head = f.head_dim / 8;
   const int chunks_per_row = f.num_kv_heads * chunks_per_head;
   const std::int32_t slot = p.slots[blockIdx.x];
-  if (slot < 0) return;  // a padding row
+  if (slot == -1) return;  // a padding row
+  // A slot from a device array is checked here, once a row: an id past the
+  // pool would write outside the arena and lose the context.
+  if (id_out_of_range(slot, p.slot_limit)) {
+    if (threadIdx.x == 0) {
+      report_out_of_range(p.status, StatusOp::Append, StatusArg::Fp16Slot, static_cast<std::int32_t>(blockIdx.x),
+                          slot, p.slot_limit);
+    }
+    return;
+  }
   const std::size_t base = static_cast<std::size_t>(blockIdx.x) * chunks_per_row;
   for (int i = threadIdx.x; i < chunks_per_row; i += blockDim.x) {
     copy_row(p.pool, slot, p.k + base, p.v + base, i, chunks_per_head);
   }
 }
 
-__global__ void copy_blocks_kernel(const BlockCopy* copies, PoolView pool) {
+__global__ void copy_blocks_kernel(const BlockCopy* copies, PoolView pool, DeviceStatusView status) {
   const BlockCopy c = copies[blockIdx.x];
+  const auto limit = static_cast<std::uint32_t>(pool.num_blocks);
+  const bool bad_src = id_out_of_range(c.src, limit);
+  if (bad_src || id_out_of_range(c.dst, limit)) {
+    if (threadIdx.x == 0) {
+      report_out_of_range(status, StatusOp::CopyBlocks, bad_src ? StatusArg::CopySrc : StatusArg::CopyDst,
+                          static_cast<std::int32_t>(blockIdx.x), bad_src ? c.src : c.dst, limit);
+    }
+    return;
+  }
   const uint4* src = reinterpret_cast<const uint4*>(pool.block(c.src));
   uint4* dst = reinterpret_cast<uint4*>(pool.block(c.dst));
   const std::size_t chunks = pool.format.block_bytes() / 16;
@@ -428,6 +448,13 @@ void check_pool(const char* fn, const char* name, const PoolView& pool, Precisio
   });
   require(pool.format.num_kv_heads >= 1, [&] { return prefix() + ".format.num_kv_heads: expected >= 1"; });
   require(pool.blocks_per_slab >= 1, [&] { return prefix() + ".blocks_per_slab: expected >= 1"; });
+  require(pool.num_blocks >= 0, [&] {
+    return prefix() + ".num_blocks = " + std::to_string(pool.num_blocks) + ": expected >= 0 (the blocks the arena holds)";
+  });
+}
+
+DeviceStatusView status_view(DeviceStatus* status) {
+  return (status != nullptr ? *status : DeviceStatus::for_current_device()).view();
 }
 
 }  // namespace
@@ -462,6 +489,15 @@ void store_prefill(const StorePrefillArgs& a) {
           [&] { return std::string(fn) + ": int4_windows is null"; });
   require(a.num_int2_windows == 0 || a.int2_windows != nullptr,
           [&] { return std::string(fn) + ": int2_windows is null"; });
+  for (int i = 0; i < kNumPrecisions; ++i) {
+    if (a.max_block_ids[i] >= a.pools[i].num_blocks) {
+      throw IndexOutOfRange(std::string(fn) + ": max_block_ids[" + std::string(to_string(kAllPrecisions[i])) +
+                            "] = " + std::to_string(a.max_block_ids[i]) +
+                            ": the mapping addresses that block, expected block ids in [0, " +
+                            std::to_string(a.pools[i].num_blocks) + ") of pools[" +
+                            std::string(to_string(kAllPrecisions[i])) + "] (a mapping uploaded for another cache?)");
+    }
+  }
 
   StoreParams p;
   p.k = reinterpret_cast<const uint4*>(a.k);
@@ -544,34 +580,71 @@ struct DeviceStoreMapping::Impl {
   std::int32_t rows = 0;
   std::int32_t num_fp16_rows = 0;
   std::int32_t num_windows[2] = {0, 0};
+  std::array<std::int32_t, kNumPrecisions> max_block_ids{-1, -1, -1};
   std::vector<RowSlot> staged_rows;  // the host side of fp16_rows, reused
   detail::DeviceBuffer<RowSlot> fp16_rows;
   detail::DeviceBuffer<WindowSlot> windows[2];
+
+  void upload(const StoreMapping& mapping, std::int32_t block_size, const PoolLayout* arena, cudaStream_t stream);
 };
 
 DeviceStoreMapping::DeviceStoreMapping() : impl_(std::make_unique<Impl>()) {}
 DeviceStoreMapping::~DeviceStoreMapping() = default;
 
 void DeviceStoreMapping::upload(const StoreMapping& mapping, std::int32_t block_size, cudaStream_t stream) {
+  impl_->upload(mapping, block_size, nullptr, stream);
+}
+
+void DeviceStoreMapping::upload(const StoreMapping& mapping, const PoolLayout& arena, cudaStream_t stream) {
+  impl_->upload(mapping, arena.pools[0].format.block_size, &arena, stream);
+}
+
+void DeviceStoreMapping::Impl::upload(const StoreMapping& mapping, std::int32_t block_size, const PoolLayout* arena,
+                                      cudaStream_t stream) {
   constexpr const char* fn = "DeviceStoreMapping::upload";
   require(block_size >= 16,
           [&] { return std::string(fn) + ": block_size = " + std::to_string(block_size) + ": expected >= 16"; });
+  require(mapping.fp16_slots.size() <= static_cast<std::size_t>(INT32_MAX), [&] {
+    return std::string(fn) + ": mapping.fp16_slots has " + std::to_string(mapping.fp16_slots.size()) +
+           " rows: expected <= 2^31 - 1";
+  });
+  // Ids accepted per pool: [0, limit); without the arena only the sign is known.
+  std::array<std::int64_t, kNumPrecisions> limit{INT32_MAX, INT32_MAX, INT32_MAX};
+  if (arena != nullptr) {
+    for (int p = 0; p < kNumPrecisions; ++p) limit[p] = arena->pools[p].num_blocks;
+  }
+  const std::int64_t slot_limit = arena != nullptr ? limit[0] * block_size : std::int64_t{INT32_MAX} + 1;
   const auto rows = static_cast<std::int32_t>(mapping.fp16_slots.size());
+  std::array<std::int32_t, kNumPrecisions> max_ids{-1, -1, -1};
   std::vector<int> covered(rows, 0);
   for (std::int32_t r = 0; r < rows; ++r) {
-    require(mapping.fp16_slots[r] >= -1, [&] {
-      return std::string(fn) + ": mapping.fp16_slots[" + std::to_string(r) +
-             "] = " + std::to_string(mapping.fp16_slots[r]) + ": expected a slot >= 0, or -1 for a quantized row";
+    const std::int32_t slot = mapping.fp16_slots[r];
+    require(slot >= -1, [&] {
+      return std::string(fn) + ": mapping.fp16_slots[" + std::to_string(r) + "] = " + std::to_string(slot) +
+             ": expected a slot >= 0, or -1 for a quantized row";
     });
+    if (slot >= slot_limit) {
+      throw IndexOutOfRange(std::string(fn) + ": mapping.fp16_slots[" + std::to_string(r) + "] = " +
+                            std::to_string(slot) + ": expected a slot in [0, " + std::to_string(slot_limit) +
+                            ") of the FP16 pool (" + std::to_string(limit[0]) + " blocks of " +
+                            std::to_string(block_size) + " tokens), or -1 for a quantized row");
+    }
+    if (slot >= 0) max_ids[0] = std::max(max_ids[0], slot / block_size);
   }
   const std::vector<WindowSlot>* lists[2] = {&mapping.int4_windows, &mapping.int2_windows};
   const char* names[2] = {"mapping.int4_windows", "mapping.int2_windows"};
   for (int which = 0; which < 2; ++which) {
+    const int pool = which + 1;
     for (std::size_t w = 0; w < lists[which]->size(); ++w) {
       const WindowSlot& s = (*lists[which])[w];
       const auto at = [&] { return std::string(fn) + ": " + names[which] + "[" + std::to_string(w) + "]"; };
-      require(s.block_id >= 0, [&] { return at() + ".block_id = " + std::to_string(s.block_id) + ": expected >= 0"; });
-      require(s.first_row >= 0 && s.first_row + block_size <= rows, [&] {
+      if (s.block_id < 0 || s.block_id >= limit[pool]) {
+        throw IndexOutOfRange(at() + ".block_id = " + std::to_string(s.block_id) + ": expected a block id in [0, " +
+                              std::to_string(limit[pool]) + ") of the " +
+                              std::string(to_string(kAllPrecisions[pool])) + " pool");
+      }
+      max_ids[pool] = std::max(max_ids[pool], s.block_id);
+      require(s.first_row >= 0 && s.first_row <= rows - block_size, [&] {
         return at() + ".first_row = " + std::to_string(s.first_row) + ": expected a row in [0, rows - block_size]";
       });
       for (std::int32_t r = s.first_row; r < s.first_row + block_size; ++r) {
@@ -587,28 +660,32 @@ void DeviceStoreMapping::upload(const StoreMapping& mapping, std::int32_t block_
              std::to_string(r);
     });
   }
-  Impl& s = *impl_;
-  s.staged_rows.clear();
+  staged_rows.clear();
   for (std::int32_t r = 0; r < rows; ++r) {
-    if (mapping.fp16_slots[r] >= 0) s.staged_rows.push_back({r, mapping.fp16_slots[r]});
+    if (mapping.fp16_slots[r] >= 0) staged_rows.push_back({r, mapping.fp16_slots[r]});
   }
-  const auto fp16_rows = static_cast<std::int32_t>(s.staged_rows.size());
-  s.fp16_rows.reserve(std::max(fp16_rows, 1));
-  if (fp16_rows > 0) {
-    MIXKV_CUDA_CHECK(cudaMemcpyAsync(s.fp16_rows.get(), s.staged_rows.data(), fp16_rows * sizeof(RowSlot),
+  const auto n_fp16 = static_cast<std::int32_t>(staged_rows.size());
+  // Grow every buffer before the first copy, so that an allocation failure
+  // leaves the previous upload whole.
+  fp16_rows.reserve(std::max(n_fp16, 1));
+  for (int which = 0; which < 2; ++which) {
+    windows[which].reserve(std::max<std::size_t>(lists[which]->size(), 1));
+  }
+  if (n_fp16 > 0) {
+    MIXKV_CUDA_CHECK(cudaMemcpyAsync(fp16_rows.get(), staged_rows.data(), n_fp16 * sizeof(RowSlot),
                                      cudaMemcpyHostToDevice, stream));
   }
   for (int which = 0; which < 2; ++which) {
     const auto n = static_cast<std::int32_t>(lists[which]->size());
-    s.windows[which].reserve(std::max(n, 1));
     if (n > 0) {
-      MIXKV_CUDA_CHECK(cudaMemcpyAsync(s.windows[which].get(), lists[which]->data(), n * sizeof(WindowSlot),
+      MIXKV_CUDA_CHECK(cudaMemcpyAsync(windows[which].get(), lists[which]->data(), n * sizeof(WindowSlot),
                                        cudaMemcpyHostToDevice, stream));
     }
-    s.num_windows[which] = n;
+    num_windows[which] = n;
   }
-  s.rows = rows;
-  s.num_fp16_rows = fp16_rows;
+  this->rows = rows;
+  num_fp16_rows = n_fp16;
+  max_block_ids = max_ids;
   // Pageable source memory: cudaMemcpyAsync returns once it is staged, so
   // `mapping` may be released right after this call, and staged_rows
   // rewritten by the next upload.
@@ -623,6 +700,7 @@ void DeviceStoreMapping::fill(StorePrefillArgs& args) const {
   args.num_int4_windows = s.num_windows[0];
   args.int2_windows = s.windows[1].get();
   args.num_int2_windows = s.num_windows[1];
+  args.max_block_ids = s.max_block_ids;
 }
 
 void append(const AppendArgs& a) {
@@ -632,8 +710,10 @@ void append(const AppendArgs& a) {
   require(a.k != nullptr && a.v != nullptr, "append: k, v: expected device [batch][num_kv_heads][head_dim] halves");
   check_rows_aligned("append", a.k, a.v);
   require(a.fp16_slots != nullptr, "append: fp16_slots is null: expected device [batch] slots");
+  const std::int64_t slots = std::int64_t{a.fp16_pool.num_blocks} * a.fp16_pool.format.block_size;
   AppendParams p{reinterpret_cast<const uint4*>(a.k), reinterpret_cast<const uint4*>(a.v), a.fp16_slots,
-                 a.fp16_pool};
+                 a.fp16_pool, static_cast<std::uint32_t>(std::min<std::int64_t>(slots, std::int64_t{1} << 31)),
+                 status_view(a.status)};
   append_kernel<<<a.batch, kThreads, 0, a.stream>>>(p);
   MIXKV_CUDA_CHECK_LAUNCH("append_kernel");
 }
@@ -643,7 +723,7 @@ void copy_blocks(const CopyBlocksArgs& a) {
   require(a.count >= 0, [&] { return "copy_blocks: count = " + std::to_string(a.count) + ": expected >= 0"; });
   if (a.count == 0) return;
   require(a.copies != nullptr, "copy_blocks: copies is null: expected device [count] BlockCopy");
-  copy_blocks_kernel<<<a.count, 256, 0, a.stream>>>(a.copies, a.pool);
+  copy_blocks_kernel<<<a.count, 256, 0, a.stream>>>(a.copies, a.pool, status_view(a.status));
   MIXKV_CUDA_CHECK_LAUNCH("copy_blocks_kernel");
 }
 

@@ -7,8 +7,8 @@
 
 #include <boost/unordered/unordered_flat_map.hpp>
 
-#include "cuda_check.cuh"
-#include "device_buffer.cuh"
+#include "mixkv/kernels/detail/cuda_check.h"
+#include "mixkv/kernels/detail/device_buffer.h"
 
 namespace mixkv::gpu {
 namespace {
@@ -30,6 +30,7 @@ struct SwapParams {
   bool to_host;
   PoolView device[kNumPrecisions];
   PoolView host[kNumPrecisions];
+  DeviceStatusView status;
 };
 
 // One CTA per copy at a time (grid-stride over the list); its threads move
@@ -39,6 +40,23 @@ __global__ void __launch_bounds__(kThreads) swap_blocks_kernel(const __grid_cons
   for (std::int32_t i = blockIdx.x; i < p.count; i += gridDim.x) {
     const SwapCopy c = p.copies[i];
     const int pool = pool_index(c.pool);
+    // Entries are checked once a copy (the whole CTA skips together): a raw
+    // list could name a block past either buffer.
+    if (id_out_of_range(pool, kNumPrecisions)) {
+      if (threadIdx.x == 0) report_out_of_range(p.status, StatusOp::SwapBlocks, StatusArg::SwapPool, i, pool, kNumPrecisions);
+      continue;
+    }
+    const auto device_limit = static_cast<std::uint32_t>(p.device[pool].num_blocks);
+    const auto host_limit = static_cast<std::uint32_t>(p.host[pool].num_blocks);
+    const bool bad_device = id_out_of_range(c.device_block, device_limit);
+    if (bad_device || id_out_of_range(c.host_slot, host_limit)) {
+      if (threadIdx.x == 0) {
+        report_out_of_range(p.status, StatusOp::SwapBlocks,
+                            bad_device ? StatusArg::SwapDeviceBlock : StatusArg::SwapHostSlot, i,
+                            bad_device ? c.device_block : c.host_slot, bad_device ? device_limit : host_limit);
+      }
+      continue;
+    }
     uint4* on_device = reinterpret_cast<uint4*>(p.device[pool].block(c.device_block));
     uint4* on_host = reinterpret_cast<uint4*>(p.host[pool].block(c.host_slot));
     const uint4* src = p.to_host ? on_device : on_host;
@@ -78,6 +96,8 @@ void check_pools(const char* fn, const char* name, const DevicePools& pools) {
             [&] { return at() + ".format: expected num_kv_heads, head_dim and block_size >= 1"; });
     require(v.blocks_per_slab >= 1,
             [&] { return at() + ".blocks_per_slab = " + std::to_string(v.blocks_per_slab) + ": expected >= 1"; });
+    require(v.num_blocks >= 0,
+            [&] { return at() + ".num_blocks = " + std::to_string(v.num_blocks) + ": expected >= 0"; });
     require(aligned16(v.base) && v.slab_bytes % 16 == 0 && v.format.block_bytes() % 16 == 0,
             [&] { return at() + ": base, slab_bytes and block_bytes must be multiples of 16 (16-byte vector copies)"; });
   }
@@ -178,6 +198,7 @@ void swap_blocks(const SwapBlocksArgs& a) {
     p.device[i] = a.device[i];
     p.host[i] = a.host[i];
   }
+  p.status = (a.status != nullptr ? *a.status : DeviceStatus::for_current_device()).view();
   const auto grid = static_cast<unsigned>(std::min(a.count, kMaxCtas));
   swap_blocks_kernel<<<grid, kThreads, 0, a.stream>>>(p);
   MIXKV_CUDA_CHECK_LAUNCH("swap_blocks_kernel");

@@ -8,6 +8,7 @@
 
 #include <cstddef>
 #include <cstring>
+#include <initializer_list>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -55,16 +56,35 @@ class DeviceVector {
   std::size_t count_ = 0;
 };
 
+// The views of a TestArena with num_blocks set as the manager sets it
+// (every slab of the arena times the pool's blocks a slab): ids below it
+// address bytes inside the arena, whichever pool owns the slab.
+inline PoolViews bounded_views(TestArena& host) {
+  PoolViews views = host.views();
+  for (PoolView& v : views) {
+    v.num_blocks = static_cast<std::int32_t>(host.bytes().size() / v.slab_bytes) * v.blocks_per_slab;
+  }
+  return views;
+}
+
+// The same as a PoolLayout (no base), what DeviceStoreMapping::upload and
+// DevicePageTables take from the manager.
+inline PoolLayout layout_of(TestArena& host) {
+  PoolLayout layout;
+  layout.bytes = host.bytes().size();
+  layout.pools = bounded_views(host);
+  for (PoolView& v : layout.pools) v.base = nullptr;
+  return layout;
+}
+
 // The device twin of a TestArena: same bytes, same slab arithmetic.
 struct DeviceArenaCopy {
   gpu::DeviceArena arena;
   gpu::DevicePools pools;
   explicit DeviceArenaCopy(TestArena& host) : arena(host.bytes().size()) {
     upload(host);
-    for (int i = 0; i < kNumPrecisions; ++i) {
-      pools[i] = host.views()[i];
-      pools[i].base = arena.base();
-    }
+    pools = bounded_views(host);
+    for (PoolView& v : pools) v.base = arena.base();
   }
   void upload(TestArena& host) {
     cuda_ok(cudaMemcpy(arena.base(), host.bytes().data(), host.bytes().size(), cudaMemcpyHostToDevice), "H2D arena");
@@ -104,5 +124,25 @@ inline ErrorStats row_errors(const std::vector<float>& out, const std::vector<fl
 }
 
 inline std::vector<float> halves_to_floats(const std::vector<Half>& h) { return widen(h); }
+
+// The context survived: no sticky error, and the device still synchronizes.
+inline void expect_context_usable(const char* after) {
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess) << "after " << after;
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess) << "after " << after;
+}
+
+// Runs `call`, which must throw E with a message holding every one of `parts`.
+template <class E, class Call>
+void expect_error_naming(Call&& call, std::initializer_list<std::string> parts) {
+  try {
+    call();
+    ADD_FAILURE() << "did not throw; expected a message naming " << *parts.begin();
+  } catch (const E& e) {
+    for (const std::string& part : parts) {
+      EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << "message does not name '" << part
+                                                                      << "': " << e.what();
+    }
+  }
+}
 
 }  // namespace mixkv::test

@@ -5,12 +5,14 @@
 // block's dequantized values (cpu::read_head).
 #include <gtest/gtest.h>
 
+#include <climits>
 #include <limits>
 
 #include "cuda_test_util.h"
 #include "mixkv/cpu/merge_states.h"
 #include "mixkv/cpu/quantize.h"
 #include "mixkv/kernels/demote.h"
+#include "mixkv/kernels/device_status.h"
 #include "mixkv/kernels/merge_states.h"
 
 namespace mixkv::test {
@@ -142,6 +144,49 @@ INSTANTIATE_TEST_SUITE_P(Pairs, DemoteCuda,
                                   std::string(to_string(info.param.dst)) + "_D" + std::to_string(info.param.dim) +
                                   "_S" + std::to_string(info.param.block);
                          });
+
+// demote with a src or dst one past its pool, far past it, negative: that
+// move is skipped and raised by the status (naming moves[1], the value and
+// the pool's limit); the other moves give the bytes a launch of only them
+// gives, the context survives and the status is clear after the report.
+TEST(DemoteCudaBadIds, SkippedRecordedAndRaised) {
+  MIXKV_REQUIRE_CUDA();
+  const int heads = 2, dim = 128, block = 32;
+  TestArena arena(heads, dim, block, {4, 4, 4}, 5);
+  Rng rng(6);
+  for (auto& b : arena.bytes()) b = static_cast<std::byte>(rng() & 0x3b);  // finite FP16 values
+  const PoolViews host = bounded_views(arena);
+  const BlockCopy first{arena.alloc(Precision::FP16), arena.alloc(Precision::INT4)};
+  const BlockCopy last{arena.alloc(Precision::FP16), arena.alloc(Precision::INT4)};
+  const std::vector<BlockCopy> good = {first, last};
+  DeviceArenaCopy reference(arena);
+  DeviceVector<BlockCopy> dgood(good);
+  gpu::demote({dgood.get(), 2, reference.pools[0], reference.pools[1], nullptr});
+  const std::vector<std::byte> expected = reference.download();
+
+  gpu::DeviceStatus status;
+  for (const bool dst : {false, true}) {
+    const std::int32_t limit = host[dst ? 1 : 0].num_blocks;
+    for (const std::int32_t bad : {limit, limit + 1, 1 << 30, INT32_MAX, -1, INT32_MIN}) {
+      SCOPED_TRACE(std::string(dst ? "dst " : "src ") + std::to_string(bad));
+      DeviceArenaCopy device(arena);
+      const BlockCopy wrong = dst ? BlockCopy{first.src, bad} : BlockCopy{bad, last.dst};
+      const std::vector<BlockCopy> moves = {first, wrong, last};
+      DeviceVector<BlockCopy> dmoves(moves);
+      gpu::demote({dmoves.get(), 3, device.pools[0], device.pools[1], nullptr, &status});
+      expect_error_naming<IndexOutOfRange>(
+          [&] { status.check(nullptr); },
+          {std::string("demote: moves[1].") + (dst ? "dst" : "src") + " = " + std::to_string(bad),
+           "[0, " + std::to_string(limit) + ")"});
+      expect_context_usable("demote with a bad id");
+      EXPECT_TRUE(device.download() == expected);
+      // The next valid demote on the same context is exact.
+      gpu::demote({dgood.get(), 2, device.pools[0], device.pools[1], nullptr, &status});
+      EXPECT_NO_THROW(status.check(nullptr));
+      EXPECT_TRUE(device.download() == expected);
+    }
+  }
+}
 
 TEST(DemoteCudaBadInput, RejectsPromotion) {
   gpu::DemoteArgs args;

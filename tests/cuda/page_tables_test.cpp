@@ -2,9 +2,11 @@
 // and an upload sends only the entries that changed (O(changes)).
 #include <gtest/gtest.h>
 
+#include <climits>
 #include <numeric>
 
 #include "cuda_test_util.h"
+#include "mixkv/cache/kv_cache_manager.h"
 #include "mixkv/kernels/device_page_tables.h"
 
 namespace mixkv::test {
@@ -64,9 +66,73 @@ TEST(DevicePageTablesCuda, BadInputChangesNothing) {
   const std::vector<std::int32_t> too_long(5, 1);
   MIXKV_EXPECT_INVALID(tables.set_blocks(0, 0, Precision::INT4, too_long), "max_blocks_per_sequence");
   const std::vector<std::int32_t> negative = {1, -3};
-  MIXKV_EXPECT_INVALID(tables.set_blocks(0, 0, Precision::INT4, negative), "blocks[1]");
+  expect_error_naming<IndexOutOfRange>([&] { tables.set_blocks(0, 0, Precision::INT4, negative); },
+                                       {"blocks[1] = -3"});
   EXPECT_THROW(tables.set_blocks(2, 0, Precision::INT4, negative), IndexOutOfRange);
   EXPECT_EQ(tables.pending_updates(), 0u);
+}
+
+// With the arena's bound (from a PoolLayout or config.pool_blocks), a block
+// one past the pool, far past it or negative is an IndexOutOfRange naming
+// the entry and the bound, from set_blocks and from sync, and nothing
+// changes: the mirror, the pending entries and the device copy stay as they
+// were, so decode can never read outside the arena.
+TEST(DevicePageTablesCuda, BlockIdsOutsideTheArenaAreRejected) {
+  MIXKV_REQUIRE_CUDA();
+  CacheConfig c;
+  c.shape = CacheShape{2, 1, 64, 16};
+  c.slab_bytes = std::size_t{1} << 16;
+  c.arena_bytes = c.slab_bytes * 3;
+  KVCacheManager manager(c);
+  const PoolLayout layout = manager.arena_layout();
+  gpu::DevicePageTables tables({2, 2, 8}, layout);
+  for (const Precision p : kAllPrecisions) {
+    EXPECT_EQ(tables.config().pool_blocks[pool_index(p)], layout.pools[pool_index(p)].num_blocks);
+  }
+  const std::vector<std::int32_t> held = {0, 1};
+  tables.set_blocks(1, 0, Precision::INT2, held);
+  tables.upload(nullptr);
+  const gpu::DeviceTablesView view = tables.device_view();
+  for (const Precision p : kAllPrecisions) {
+    const std::int32_t limit = layout.pools[pool_index(p)].num_blocks;
+    for (const std::int32_t bad : {limit, limit + 1, 1 << 30, INT32_MAX, -1, INT32_MIN}) {
+      SCOPED_TRACE(std::string(to_string(p)) + " " + std::to_string(bad));
+      const std::vector<std::int32_t> list = {limit - 1, bad};
+      const std::size_t pending = tables.pending_updates();
+      expect_error_naming<IndexOutOfRange>(
+          [&] { tables.set_blocks(1, 0, p, list, p == Precision::FP16 ? 1 : 0); },
+          {"blocks[1] = " + std::to_string(bad), "[0, " + std::to_string(limit) + ")"});
+      EXPECT_EQ(tables.pending_updates(), pending);
+      EXPECT_EQ(tables.num_blocks(1, 0, p), p == Precision::INT2 ? 2 : 0);
+    }
+    // The last block of each pool is accepted.
+    const std::vector<std::int32_t> edge = {limit - 1};
+    EXPECT_NO_THROW(tables.set_blocks(0, 1, p, edge, p == Precision::FP16 ? 1 : 0));
+  }
+  EXPECT_EQ(tables.upload(nullptr), 7u);  // three lists of one block, three counts, one fill
+  EXPECT_EQ(device_row(view, 0, pool_index(Precision::INT2), 1, 2), held);
+  EXPECT_EQ(device_int(view.counts + (0 * kNumPrecisions + pool_index(Precision::INT2)) * 2 + 1), 2);
+
+  // sync: a page table holding one id past the INT4 pool changes nothing.
+  PageTable table(2, 16);
+  table.push_block(0, Precision::FP16, 3, 16);
+  table.push_block(1, Precision::INT4, layout.pools[1].num_blocks, 16);
+  expect_error_naming<IndexOutOfRange>([&] { tables.sync(0, table); },
+                                       {"table.blocks(1, INT4)[0] = " + std::to_string(layout.pools[1].num_blocks)});
+  EXPECT_EQ(tables.pending_updates(), 0u);
+  EXPECT_EQ(tables.num_blocks(0, 0, Precision::FP16), 0);
+  EXPECT_EQ(tables.num_blocks(0, 1, Precision::FP16), 1);
+
+  // A narrower bound must stay above every id held; a bound of 0 is no bound.
+  expect_error_naming<IndexOutOfRange>(
+      [&] { tables.set_pool_blocks({layout.pools[0].num_blocks, 1, layout.pools[2].num_blocks}); },
+      {"pool_blocks[INT4] = 1", "holds block"});
+  EXPECT_EQ(tables.config().pool_blocks[1], layout.pools[1].num_blocks);
+  expect_error_naming<InvalidArgument>([&] { tables.set_pool_blocks({0, 1, 1}); }, {"pool_blocks[FP16] = 0"});
+  gpu::PageTableConfig zero{1, 1, 1};
+  zero.pool_blocks = {4, 0, 4};
+  MIXKV_EXPECT_INVALID(gpu::DevicePageTables{zero}, "pool_blocks[INT4] = 0");
+  expect_context_usable("rejected page-table edits");
 }
 
 }  // namespace

@@ -4,11 +4,13 @@
 // both sides apply quant_math.h with IEEE division and no FMA contraction).
 #include <gtest/gtest.h>
 
+#include <climits>
 #include <cmath>
 #include <tuple>
 
 #include "cuda_test_util.h"
 #include "mixkv/cpu/store.h"
+#include "mixkv/kernels/device_status.h"
 #include "mixkv/kernels/store.h"
 
 namespace mixkv::test {
@@ -61,7 +63,7 @@ void expect_store_matches_cpu(const StoreCase& c, Edit edit) {
   std::vector<Half> v = random_halves(rng, values, 0.5);
   edit(k, v);
 
-  cpu::store_prefill(k, v, mapping, arena.views());
+  cpu::store_prefill(k, v, mapping, bounded_views(arena));
 
   DeviceVector<Half> dk(k), dv(v);
   gpu::DeviceStoreMapping dmap;
@@ -147,7 +149,7 @@ TEST(AppendCuda, MatchesCpu) {
   auto k = random_halves(rng, static_cast<std::size_t>(batch) * heads * dim);
   const auto v = random_halves(rng, k.size());
   for (int i = 0; i < batch; i += 3) k[static_cast<std::size_t>(i) * heads * dim + 5] = Half{0x7e00};
-  cpu::append(k, v, slots, arena.view(Precision::FP16));
+  cpu::append(k, v, slots, bounded_views(arena)[0]);
   DeviceVector<Half> dk(k), dv(v);
   DeviceVector<std::int32_t> ds(slots);
   gpu::AppendArgs args{dk.get(), dv.get(), ds.get(), batch, device.pools[0], nullptr};
@@ -165,9 +167,189 @@ TEST(CopyBlocksCuda, MatchesCpu) {
   DeviceArenaCopy device(arena);
   std::vector<BlockCopy> copies;
   for (int i = 0; i < 3; ++i) copies.push_back({arena.alloc(Precision::FP16), arena.alloc(Precision::FP16)});
-  cpu::copy_blocks(copies, arena.view(Precision::FP16));
+  cpu::copy_blocks(copies, bounded_views(arena)[0]);
   DeviceVector<BlockCopy> dc(copies);
   gpu::copy_blocks({dc.get(), static_cast<std::int32_t>(copies.size()), device.pools[0], nullptr});
+  EXPECT_TRUE(device.download() == arena.bytes());
+}
+
+// Ids the kernels cannot trust: one past the end, far past it, negative.
+std::vector<std::int32_t> bad_ids(std::int32_t limit) {
+  return {limit, limit + 1, 1 << 30, INT32_MAX, -2, INT32_MIN};
+}
+
+// append with a slot one past the FP16 pool, far past it and negative
+// (other than -1, padding): the kernel skips that row and records it; the
+// host raises it as IndexOutOfRange naming the row, the value and the limit.
+// The other rows land exactly, the context survives, the status is clear
+// after the report, and the next append is exact. Without args.status the
+// offence goes to the current device's default status.
+TEST(AppendCudaBadSlots, SkippedRecordedAndRaised) {
+  MIXKV_REQUIRE_CUDA();
+  const int heads = 2, dim = 64, block = 32, batch = 3;
+  TestArena arena(heads, dim, block, {16, 1, 1}, 4);
+  DeviceArenaCopy device(arena);
+  const PoolViews host = bounded_views(arena);
+  const std::int32_t limit = host[0].num_blocks * block;
+  Rng rng(8);
+  gpu::DeviceStatus status;
+  auto run = [&](std::int32_t bad, gpu::DeviceStatus* where) {
+    std::vector<std::int32_t> slots = {arena.alloc(Precision::FP16) * block + 1, bad,
+                                       arena.alloc(Precision::FP16) * block + 2};
+    const auto k = random_halves(rng, static_cast<std::size_t>(batch) * heads * dim);
+    const auto v = random_halves(rng, k.size());
+    std::vector<std::int32_t> valid = slots;
+    valid[1] = -1;
+    cpu::append(k, v, valid, host[0]);
+    DeviceVector<Half> dk(k), dv(v);
+    DeviceVector<std::int32_t> ds(slots);
+    gpu::append({dk.get(), dv.get(), ds.get(), batch, device.pools[0], nullptr, where});
+  };
+  for (const std::int32_t bad : bad_ids(limit)) {
+    SCOPED_TRACE("slot " + std::to_string(bad));
+    run(bad, &status);
+    expect_error_naming<IndexOutOfRange>([&] { status.check(nullptr); },
+                                         {"append: fp16_slots[1] = " + std::to_string(bad),
+                                          "[0, " + std::to_string(limit) + ")"});
+    EXPECT_FALSE(status.offence().has_value());
+    expect_context_usable("append with a bad slot");
+    EXPECT_TRUE(device.download() == arena.bytes()) << "a row other than the bad one differs, or the bad one landed";
+  }
+  run(limit, nullptr);
+  expect_error_naming<IndexOutOfRange>([&] { gpu::DeviceStatus::for_current_device().check(nullptr); },
+                                       {"fp16_slots[1] = " + std::to_string(limit)});
+  // A valid append afterwards: exact, and nothing to report.
+  run(-1, &status);
+  EXPECT_NO_THROW(status.check(nullptr));
+  EXPECT_NO_THROW(gpu::DeviceStatus::for_current_device().check(nullptr));
+  EXPECT_TRUE(device.download() == arena.bytes());
+}
+
+// copy_blocks with a src or dst one past the pool, far past it, negative:
+// that copy is skipped and raised by the status, the others are exact.
+TEST(CopyBlocksCudaBadIds, SkippedRecordedAndRaised) {
+  MIXKV_REQUIRE_CUDA();
+  const int heads = 2, dim = 64, block = 32;
+  TestArena arena(heads, dim, block, {8, 1, 1}, 9);
+  Rng rng(1);
+  for (auto& b : arena.bytes()) b = static_cast<std::byte>(rng() & 0x3b);
+  DeviceArenaCopy device(arena);
+  const PoolViews host = bounded_views(arena);
+  const std::int32_t limit = host[0].num_blocks;
+  const BlockCopy first{arena.alloc(Precision::FP16), arena.alloc(Precision::FP16)};
+  const BlockCopy last{arena.alloc(Precision::FP16), arena.alloc(Precision::FP16)};
+  const std::vector<BlockCopy> good = {first, last};
+  cpu::copy_blocks(good, host[0]);
+  gpu::DeviceStatus status;
+  for (const bool dst : {false, true}) {
+    for (const std::int32_t bad : bad_ids(limit)) {
+      SCOPED_TRACE(std::string(dst ? "dst " : "src ") + std::to_string(bad));
+      const BlockCopy wrong = dst ? BlockCopy{first.src, bad} : BlockCopy{bad, last.dst};
+      const std::vector<BlockCopy> copies = {first, wrong, last};
+      DeviceVector<BlockCopy> dc(copies);
+      gpu::copy_blocks({dc.get(), 3, device.pools[0], nullptr, &status});
+      expect_error_naming<IndexOutOfRange>(
+          [&] { status.check(nullptr); },
+          {std::string("copy_blocks: copies[1].") + (dst ? "dst" : "src") + " = " + std::to_string(bad),
+           "[0, " + std::to_string(limit) + ")"});
+      expect_context_usable("copy_blocks with a bad id");
+      EXPECT_TRUE(device.download() == arena.bytes());
+    }
+  }
+  DeviceVector<BlockCopy> dc(good);
+  gpu::copy_blocks({dc.get(), 2, device.pools[0], nullptr, &status});
+  EXPECT_NO_THROW(status.check(nullptr));
+  EXPECT_TRUE(device.download() == arena.bytes());
+}
+
+// A mapping's slots and window ids are checked on the host when the upload
+// knows the arena: one past, far past, negative are typed errors naming the
+// element and the limit, and the previous upload stays. A mapping uploaded
+// without the arena is checked at store_prefill against the pools it would
+// write: nothing is launched then.
+TEST(StoreCudaBadIds, CheckedOnTheHostBeforeUploadAndLaunch) {
+  MIXKV_REQUIRE_CUDA();
+  const int heads = 2, dim = 128, block = 32, rows = 3 * block;
+  TestArena arena(heads, dim, block, {4, 4, 4}, 2);
+  DeviceArenaCopy device(arena);
+  const PoolLayout layout = layout_of(arena);
+  StoreMapping good;
+  good.fp16_slots.assign(rows, -1);
+  const std::int32_t fp16_block = arena.alloc(Precision::FP16);
+  for (int r = 0; r < block; ++r) good.fp16_slots[r] = fp16_block * block + r;
+  good.int4_windows = {{arena.alloc(Precision::INT4), block}};
+  good.int2_windows = {{arena.alloc(Precision::INT2), 2 * block}};
+  gpu::DeviceStoreMapping dmap;
+  dmap.upload(good, layout, nullptr);
+  gpu::StorePrefillArgs before;
+  dmap.fill(before);
+
+  const std::int32_t slot_limit = layout.pools[0].num_blocks * block;
+  for (const std::int32_t bad : bad_ids(slot_limit)) {
+    SCOPED_TRACE("slot " + std::to_string(bad));
+    StoreMapping m = good;
+    m.fp16_slots[5] = bad;
+    if (bad < -1) {
+      MIXKV_EXPECT_INVALID(dmap.upload(m, layout, nullptr), "mapping.fp16_slots[5] = " + std::to_string(bad));
+    } else {
+      expect_error_naming<IndexOutOfRange>([&] { dmap.upload(m, layout, nullptr); },
+                                           {"mapping.fp16_slots[5] = " + std::to_string(bad),
+                                            "[0, " + std::to_string(slot_limit) + ")"});
+    }
+  }
+  for (const Precision p : {Precision::INT4, Precision::INT2}) {
+    const std::int32_t limit = layout.pools[pool_index(p)].num_blocks;
+    for (const std::int32_t bad : bad_ids(limit)) {
+      SCOPED_TRACE(std::string(to_string(p)) + " block " + std::to_string(bad));
+      StoreMapping m = good;
+      (p == Precision::INT4 ? m.int4_windows : m.int2_windows)[0].block_id = bad;
+      const std::string name = p == Precision::INT4 ? "mapping.int4_windows[0].block_id = "
+                                                    : "mapping.int2_windows[0].block_id = ";
+      expect_error_naming<IndexOutOfRange>([&] { dmap.upload(m, layout, nullptr); },
+                                           {name + std::to_string(bad), "[0, " + std::to_string(limit) + ")"});
+    }
+  }
+  gpu::StorePrefillArgs after;
+  dmap.fill(after);
+  EXPECT_EQ(after.rows, before.rows);
+  EXPECT_EQ(after.num_fp16_rows, before.num_fp16_rows);
+  EXPECT_EQ(after.num_int4_windows, before.num_int4_windows);
+  EXPECT_EQ(after.num_int2_windows, before.num_int2_windows);
+  EXPECT_EQ(after.max_block_ids, before.max_block_ids);
+
+  // Uploaded without the arena (only the sign checked): store_prefill
+  // refuses the INT2 window one past the pool before launching anything.
+  StoreMapping past = good;
+  past.int2_windows[0].block_id = layout.pools[2].num_blocks;
+  dmap.upload(past, block, nullptr);
+  Rng rng(3);
+  const std::size_t values = static_cast<std::size_t>(rows) * heads * dim;
+  DeviceVector<Half> dk(random_halves(rng, values)), dv(random_halves(rng, values));
+  gpu::StorePrefillArgs args;
+  args.k = dk.get();
+  args.v = dv.get();
+  dmap.fill(args);
+  args.pools = device.pools;
+  expect_error_naming<IndexOutOfRange>([&] { gpu::store_prefill(args); },
+                                       {"max_block_ids[INT2] = " + std::to_string(layout.pools[2].num_blocks),
+                                        "[0, " + std::to_string(layout.pools[2].num_blocks) + ")"});
+  expect_context_usable("a refused store_prefill");
+  EXPECT_TRUE(device.download() == arena.bytes()) << "a refused store_prefill wrote";
+
+  // The valid mapping afterwards stores exactly what the CPU stores.
+  dmap.upload(good, layout, nullptr);
+  gpu::StorePrefillArgs ok;
+  ok.k = dk.get();
+  ok.v = dv.get();
+  dmap.fill(ok);
+  ok.pools = device.pools;
+  gpu::store_prefill(ok);
+  cuda_ok(cudaDeviceSynchronize(), "store_prefill");
+  // The same K/V on the host: the device copies hold what random_halves gave.
+  std::vector<Half> k(values), v(values);
+  cuda_ok(cudaMemcpy(k.data(), dk.get(), values * sizeof(Half), cudaMemcpyDeviceToHost), "D2H k");
+  cuda_ok(cudaMemcpy(v.data(), dv.get(), values * sizeof(Half), cudaMemcpyDeviceToHost), "D2H v");
+  cpu::store_prefill(k, v, good, bounded_views(arena));
   EXPECT_TRUE(device.download() == arena.bytes());
 }
 

@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <array>
+#include <climits>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -25,6 +26,7 @@
 #include "mixkv/cpu/swap.h"
 #include "mixkv/kernels/decode_plan.h"
 #include "mixkv/kernels/device_page_tables.h"
+#include "mixkv/kernels/device_status.h"
 #include "mixkv/kernels/store.h"
 #include "mixkv/kernels/swap.h"
 
@@ -482,6 +484,73 @@ TEST(SwapCudaBadInput, RejectedListLaunchesNothingAndEmptyListIsANoOp) {
     EXPECT_EQ(dv[pool_index(p)].block(1) - cache.pinned.device(), hv[pool_index(p)].block(1) - cache.pinned.host());
   }
   EXPECT_EQ(cache.pinned.bytes(), cache.manager.swap_bytes());
+}
+
+// A list given raw (not through DeviceSwapList, which checks on the host)
+// with a device block or host slot one past its pool, far past it or
+// negative, or a pool out of range: the kernel skips that copy and records
+// it, the host raises IndexOutOfRange naming copies[1] and the limit, the
+// other copies are exact and the context survives. Host slots of a pool
+// whose swap pool is empty are all out of range.
+TEST(SwapCudaBadIds, RawListEntriesAreCheckedInTheKernel) {
+  MIXKV_REQUIRE_CUDA();
+  CacheConfig config = small_config();
+  config.swap_blocks = {2, 3, 0};
+  DeviceCache cache(config);
+  Rng rng(5);
+  std::vector<std::byte> mirror(cache.manager.config().arena_bytes);
+  for (auto& b : mirror) b = static_cast<std::byte>(rng() | 1);
+  cuda_ok(cudaMemcpy(cache.arena.base(), mirror.data(), mirror.size(), cudaMemcpyHostToDevice), "H2D");
+  const PoolLayout arena = cache.manager.arena_layout();
+  const PoolLayout swap = cache.manager.swap_layout();
+  const std::vector<SwapCopy> good = {{Precision::FP16, 3, 1}, {Precision::INT4, 5, 2}};
+  std::vector<std::byte> expected(cache.manager.swap_bytes(), std::byte{0});
+  cpu::swap_blocks(good, SwapDirection::DeviceToHost, views_over(cache.manager, mirror.data(), false),
+                   views_over(cache.manager, expected.data(), true));
+
+  struct Case {
+    SwapCopy copy;
+    std::string name;
+    std::int64_t limit;
+  };
+  std::vector<Case> cases;
+  const std::int32_t blocks = arena.pools[1].num_blocks;
+  const std::int32_t slots = swap.pools[1].num_blocks;
+  for (const std::int32_t bad : {blocks, blocks + 1, 1 << 30, INT32_MAX, -1, INT32_MIN}) {
+    cases.push_back({{Precision::INT4, bad, 0}, "copies[1].device_block = " + std::to_string(bad), blocks});
+  }
+  for (const std::int32_t bad : {slots, slots + 1, 1 << 30, INT32_MAX, -1, INT32_MIN}) {
+    cases.push_back({{Precision::INT4, 0, bad}, "copies[1].host_slot = " + std::to_string(bad), slots});
+  }
+  cases.push_back({{Precision::INT2, 0, 0}, "copies[1].host_slot = 0", 0});  // the INT2 swap pool is empty
+  cases.push_back({{static_cast<Precision>(7), 0, 0}, "copies[1].pool = 7", 3});
+  gpu::DeviceStatus status;
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    std::memset(cache.pinned.host(), 0, cache.manager.swap_bytes());
+    const std::vector<SwapCopy> copies = {good[0], c.copy, good[1]};
+    DeviceVector<SwapCopy> list(copies);
+    gpu::SwapBlocksArgs args;
+    args.copies = list.get();
+    args.count = 3;
+    args.direction = SwapDirection::DeviceToHost;
+    args.device = cache.pools;
+    args.host = cache.pinned.device_views(swap);
+    args.status = &status;
+    gpu::swap_blocks(args);
+    expect_error_naming<IndexOutOfRange>([&] { status.check(nullptr); },
+                                         {"swap_blocks: " + c.name, c.name.find(".pool") != std::string::npos
+                                                                        ? std::string("FP16 (0)")
+                                                                        : "[0, " + std::to_string(c.limit) + ")"});
+    expect_context_usable("swap_blocks with a bad entry");
+    EXPECT_TRUE(cache.swap_bytes() == expected);
+    EXPECT_TRUE(cache.arena_bytes() == mirror);
+  }
+  // The next swap through the checked list is exact.
+  std::memset(cache.pinned.host(), 0, cache.manager.swap_bytes());
+  cache.run_swap(good, SwapDirection::DeviceToHost);
+  EXPECT_TRUE(cache.swap_bytes() == expected);
+  EXPECT_NO_THROW(gpu::DeviceStatus::for_current_device().check(nullptr));
 }
 
 }  // namespace

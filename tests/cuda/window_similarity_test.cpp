@@ -1,18 +1,20 @@
 // The CUDA planner against the CPU planner and the paper's double loop.
 #include "mixkv/planner/cuda_window_planner.h"
 
-#include <cublas_v2.h>
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <ostream>
 #include <vector>
 
 #include "../planner/planner_test_util.h"
 #include "mixkv/core/errors.h"
+#include "mixkv/planner/cuda_plan_source.h"
 #include "mixkv/planner/window_planner.h"
+#include "pairwise_similarity.h"
 
 namespace mixkv {
 namespace {
@@ -367,13 +369,11 @@ TEST_F(CudaPlannerTest, PairwiseCublasSearchAgreesWithNormalizedMeans) {
   for (const TokenLayout& l : batch.layouts) windows += static_cast<std::size_t>(l.num_windows(32));
   float* d_scores = nullptr;
   cuda_ok(cudaMalloc(&d_scores, windows * 4));
-  cublasHandle_t cublas = nullptr;
-  ASSERT_EQ(cublasCreate(&cublas), CUBLAS_STATUS_SUCCESS);
-  gpu::window_similarity_pairwise(batch.layouts, batch.device_views, 32, d_scores, cublas, stream_);
+  bench::PairwiseSimilarity search;
+  search.run(batch.layouts, batch.device_views, 32, d_scores, stream_);
   std::vector<float> pairwise(windows);
   cuda_ok(cudaMemcpyAsync(pairwise.data(), d_scores, windows * 4, cudaMemcpyDeviceToHost, stream_));
   cuda_ok(cudaStreamSynchronize(stream_));
-  cublasDestroy(cublas);
   cudaFree(d_scores);
 
   std::size_t w = 0;
@@ -382,6 +382,45 @@ TEST_F(CudaPlannerTest, PairwiseCublasSearchAgreesWithNormalizedMeans) {
     for (const double e : exact) EXPECT_NEAR(pairwise[w++], e, 1e-5) << "request " << r;
   }
   EXPECT_EQ(w, windows);
+}
+
+// What the scheduler sees: plans through the PlanSource interface, from
+// device embeddings, with the CPU planner's decisions under either batch
+// policy; an empty batch and a failed call as the CPU source has them.
+TEST_F(CudaPlannerTest, PlanSourceGivesTheCpuPlannersDecisions) {
+  const Batch batch(ElementType::BF16, 320, 16);
+  for (const BatchPolicy policy : {BatchPolicy::PerRequest, BatchPolicy::MajorityVote}) {
+    const PlannerConfig config = config_for(16, 6, policy);
+    const std::shared_ptr<PlanSource> source = gpu::make_cuda_plan_source(config, stream_);
+    EXPECT_EQ(source->config().sensitivities, config.sensitivities);
+    EXPECT_EQ(source->config().min_precision, config.min_precision);
+    EXPECT_EQ(source->config().batch_policy, policy);
+
+    const WindowPlanner cpu_planner(config);
+    const std::vector<PrecisionPlan> plans = source->plan(batch.layouts, batch.device_views);
+    const std::vector<PrecisionPlan> cpu = cpu_planner.plan(batch.layouts, batch.host_views);
+    ASSERT_EQ(plans.size(), cpu.size());
+    // The CPU planner's rule (and vote) on the GPU's scores gives the GPU's
+    // plans exactly; the scores themselves agree to float rounding.
+    std::vector<PrecisionPlan> expected;
+    for (std::size_t r = 0; r < plans.size(); ++r) {
+      ASSERT_EQ(plans[r].num_windows(), cpu[r].num_windows()) << "request " << r;
+      std::vector<float> scores;
+      for (std::int32_t i = 0; i < plans[r].num_windows(); ++i) {
+        EXPECT_NEAR(plans[r].score(i), cpu[r].score(i), 1e-6) << "request " << r << " window " << i;
+        scores.push_back(plans[r].score(i));
+      }
+      expected.push_back(cpu_planner.plan_from_scores(scores));
+    }
+    if (policy == BatchPolicy::MajorityVote) majority_vote(expected);
+    EXPECT_EQ(plans, expected);
+
+    EXPECT_TRUE(source->plan({}, {}).empty());
+    std::vector<EmbeddingsView> short_rows = batch.device_views;
+    short_rows[2].num_tokens -= 1;
+    expect_error<InvalidArgument>([&] { source->plan(batch.layouts, short_rows); }, "embeddings[2].num_tokens");
+    EXPECT_EQ(source->plan(batch.layouts, batch.device_views), plans);
+  }
 }
 
 TEST_F(CudaPlannerTest, LayerSensitivityMatchesTheCpu) {

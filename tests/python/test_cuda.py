@@ -371,3 +371,141 @@ def test_a_decode_step_captured_in_a_cuda_graph_replays_for_smaller_batches(rng)
             torch.cuda.synchronize()
             assert relative_error(static_out[layer, :n].float().cpu().numpy(), want) < 5e-3, (step_ids, layer)
         assert used_blocks_equal(host, device, ids), step_ids
+
+
+# ---- ids out of range (issue: memory safety of the CUDA ops) ----
+
+FP16_BLOCK_BYTES = SHAPE.num_kv_heads * SHAPE.head_dim * SHAPE.block_size * 2 * 2
+
+
+def fp16_blocks(cfg):
+    """Ids in [0, this) address the arena through the FP16 pool's view."""
+    return (cfg.arena_bytes // cfg.slab_bytes) * (cfg.slab_bytes // FP16_BLOCK_BYTES)
+
+
+def int32_cuda(rows):
+    return cuda(np.array(rows, np.int64).astype(np.int32))
+
+
+def test_append_out_of_range_slots_are_skipped_and_raised(rng):
+    """One past the pool, far past it and negative: the kernel skips the row, the next op (or
+    check_status) raises IndexError naming it; the other row lands; the context survives."""
+    host, device, _ = pair(rng, LAYOUTS[:2], PLANS[:2])
+    limit = fp16_blocks(config()) * SHAPE.block_size
+    for bad in [limit, limit + 1, 2**30, 2**31 - 1, -2, -2**31]:
+        host_result = host.append_tokens([0])
+        device_result = device.append_tokens([0])
+        slots = device_result.slots[0].tolist() + [bad]
+        k, v = random_kv(rng, 2, SHAPE.num_kv_heads, SHAPE.head_dim)
+        ops.append(host, k[:1], v[:1], host_result.slots[0])
+        ops.append(device, cuda(k), cuda(v), int32_cuda(slots))
+        with pytest.raises(IndexError, match=rf"append: fp16_slots\[1\] = {bad}: expected a slot in \[0, {limit}\)"):
+            device.check_status()
+        device.check_status()  # reported once
+        for layer in range(1, SHAPE.num_layers):
+            k, v = random_kv(rng, 1, SHAPE.num_kv_heads, SHAPE.head_dim)
+            ops.append(host, k, v, host_result.slots[layer])
+            ops.append(device, cuda(k), cuda(v), cuda(device_result.slots[layer]))
+        assert used_blocks_equal(host, device, [0, 1])
+    # Raised by the next op too, before it runs.
+    k, v = random_kv(rng, 1, SHAPE.num_kv_heads, SHAPE.head_dim)
+    ops.append(device, cuda(k), cuda(v), int32_cuda([limit]))
+    torch.cuda.synchronize()
+    with pytest.raises(IndexError, match=r"fp16_slots\[0\]"):
+        ops.copy_blocks(device, int32_cuda(np.zeros((0, 2))))
+    device.check_status()
+    assert used_blocks_equal(host, device, [0, 1])
+
+
+@pytest.mark.parametrize("column", [0, 1])
+def test_copy_blocks_and_demote_out_of_range_ids_are_skipped_and_raised(rng, column):
+    host, device, _ = pair(rng)
+    before = device_arena(device)
+    limit = fp16_blocks(config())
+    for bad in [limit, limit + 1, 2**30, 2**31 - 1, -1, -2**31]:
+        row = [0, 0]
+        row[column] = bad
+        ops.copy_blocks(device, int32_cuda([row]))
+        with pytest.raises(IndexError, match=rf"copy_blocks: copies\[0\]\.{'dst' if column else 'src'} = {bad}"):
+            device.check_status()
+        if column == 0:
+            ops.demote(device, int32_cuda([[bad, 0]]), P.FP16, P.INT4)
+            with pytest.raises(IndexError, match=rf"demote: moves\[0\]\.src = {bad}: expected a block id in \[0, {limit}\)"):
+                device.check_status()
+        elif bad < 0 or bad >= 2**30:
+            ops.demote(device, int32_cuda([[0, bad]]), P.FP16, P.INT2)
+            with pytest.raises(IndexError, match=rf"demote: moves\[0\]\.dst = {bad}"):
+                device.check_status()
+    assert np.array_equal(device_arena(device), before), "a skipped copy or move wrote the arena"
+    # The context still works: a decode over the untouched cache matches the CPU.
+    plan = decode_plan(device, [0, 1, 2], 28)
+    q = rng.standard_normal((3, 28, SHAPE.head_dim)).astype(np.float16)
+    out = torch.empty((3, 28, SHAPE.head_dim), dtype=torch.float16, device="cuda")
+    ops.paged_decode_attention(device, plan, 0, cuda(q), out=out)
+    want, _ = reference_decode(host, host.decode_metadata([0, 1, 2]), 0, q, 1 / np.sqrt(SHAPE.head_dim))
+    torch.cuda.synchronize()
+    assert relative_error(out.float().cpu().numpy(), want) < 5e-3
+
+
+def test_store_mappings_and_page_tables_are_checked_on_the_host(rng):
+    host, device, _ = pair(rng, LAYOUTS[:1], PLANS[:1])
+    before = device_arena(device)
+    limit = fp16_blocks(config())
+    good = device.prefill_mapping(0, 0)
+    mapping = mc.DeviceStoreMapping()
+    for bad in [limit * SHAPE.block_size, 2**30]:
+        m = device.prefill_mapping(0, 0)
+        m.fp16_slots = [bad] + m.fp16_slots.tolist()[1:]
+        with pytest.raises(IndexError, match=r"mapping\.fp16_slots\[0\]"):
+            mapping.upload(m, SHAPE.block_size, cache=device)
+        # Uploaded without the cache: store_prefill refuses before launching.
+        mapping.upload(m, SHAPE.block_size)
+        k, v = random_kv(rng, len(good.fp16_slots), SHAPE.num_kv_heads, SHAPE.head_dim)
+        with pytest.raises(IndexError, match=r"store_prefill: max_block_ids\[FP16\]"):
+            ops.store_prefill(device, cuda(k), cuda(v), mapping)
+    with pytest.raises(ValueError, match=r"fp16_slots\[0\] = -2"):
+        m = device.prefill_mapping(0, 0)
+        m.fp16_slots = [-2] + m.fp16_slots.tolist()[1:]
+        mapping.upload(m, SHAPE.block_size, cache=device)
+
+    config_ = mc.PageTableConfig(SHAPE.num_layers, max_sequences=2, max_blocks_per_sequence=8)
+    with pytest.raises(ValueError, match="no pool bound"):
+        mc.DevicePageTables(config_).set_blocks(0, 0, P.FP16, [0], 1)
+    tables = mc.DevicePageTables(config_, cache=device)
+    assert tables.config.pool_blocks[0] == limit
+    for bad in [limit, limit + 1, 2**30, -1]:
+        with pytest.raises(IndexError, match=rf"blocks\[1\] = {bad}: expected a block id in \[0, {limit}\)"):
+            tables.set_blocks(0, 0, P.FP16, [0, bad], 1)
+    assert tables.pending_updates() == 0
+    # Tables bound by sync() from the cache; a decode still works on this context.
+    plan = decode_plan(device, [0], 28)
+    q = torch.randn((1, 28, SHAPE.head_dim), dtype=torch.float16, device="cuda")
+    out = torch.empty_like(q)
+    ops.paged_decode_attention(device, plan, 0, q, out=out)
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all()
+    assert np.array_equal(device_arena(device), before)
+
+
+def test_decode_rejects_overlapping_out_and_lse(rng):
+    _, device, _ = pair(rng, LAYOUTS[:1], PLANS[:1])
+    plan = decode_plan(device, [0], 4)
+    q = torch.randn((1, 4, SHAPE.head_dim), dtype=torch.float16, device="cuda")
+    buffer = torch.empty(4 * SHAPE.head_dim * 2, dtype=torch.float16, device="cuda")
+    out = buffer[: 4 * SHAPE.head_dim].view(1, 4, SHAPE.head_dim)
+    lse = buffer.view(torch.float32)[:4].view(1, 4)
+    with pytest.raises(ValueError, match="out overlaps lse"):
+        ops.paged_decode_attention(device, plan, 0, q, out=out, lse=lse)
+
+
+def test_cuda_configs_are_copies():
+    cfg = mc.PageTableConfig(2, 4, 8)
+    tables = mc.DevicePageTables(cfg)
+    tables.config.max_sequences = 99
+    assert tables.config.max_sequences == 4
+    cfg.max_sequences = 77
+    assert tables.config.max_sequences == 4
+    plan = mc.DecodePlan(mc.DecodePlanConfig(2, 4, SHAPE.num_kv_heads, SHAPE.head_dim, SHAPE.block_size, 4),
+                         tables)
+    plan.config.max_batch = 99
+    assert plan.config.max_batch == 4

@@ -5,6 +5,7 @@
 
 #include "mixkv/core/op_types.h"
 #include "mixkv/core/pool_view.h"
+#include "mixkv/kernels/device_status.h"
 
 namespace mixkv::gpu {
 
@@ -19,9 +20,13 @@ struct DemoteArgs {
   PoolView src_pool{};
   PoolView dst_pool{};
   cudaStream_t stream = nullptr;
+  // Where a src outside [0, src_pool.num_blocks) or a dst outside [0,
+  // dst_pool.num_blocks) is recorded; null: DeviceStatus::for_current_device().
+  DeviceStatus* status = nullptr;
 };
 // Throws InvalidArgument unless (src, dst) is (FP16, INT4), (FP16, INT2) or
-// (INT4, INT2) with the same num_kv_heads, head_dim and block_size.
+// (INT4, INT2) with the same num_kv_heads, head_dim and block_size. The
+// kernel skips a move with an id out of range and records it in the status.
 void demote(const DemoteArgs& args);
 
 }  // namespace mixkv::gpu

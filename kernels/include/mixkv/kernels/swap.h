@@ -9,6 +9,7 @@
 #include "mixkv/core/op_types.h"
 #include "mixkv/core/pool_view.h"
 #include "mixkv/kernels/device_arena.h"
+#include "mixkv/kernels/device_status.h"
 
 namespace mixkv::gpu {
 
@@ -58,11 +59,17 @@ struct SwapBlocksArgs {
   DevicePools device{};  // the arena's pools (DeviceArena::pool_views)
   DevicePools host{};    // PinnedSwapBuffer::device_views
   cudaStream_t stream = nullptr;
+  // Where an entry out of range is recorded; null:
+  // DeviceStatus::for_current_device().
+  DeviceStatus* status = nullptr;
 };
 // Throws InvalidArgument naming the field for pools that are null, of
 // another precision or format than their index and their twin, or not
 // 16-byte aligned, for count < 0 and a null list; nothing is launched then.
-// The list's entries are trusted: DeviceSwapList::upload validated them.
+// DeviceSwapList::upload validated its entries on the host; the kernel
+// still checks each entry's pool, device block and host slot against the
+// pools' num_blocks (a list given raw), skips one out of range and records
+// it in the status.
 void swap_blocks(const SwapBlocksArgs& args);
 
 // A swap_out/swap_in list on the device, validated on the host (the role

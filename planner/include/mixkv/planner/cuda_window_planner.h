@@ -2,7 +2,6 @@
 // WindowQuant section 1 on the GPU (docs/planner.md): eq. 8 similarity through
 // normalized means, eqs. 10-11 thresholds and the precision rule, batched over
 // requests, with the same decisions as the CPU WindowPlanner.
-#include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
@@ -29,6 +28,7 @@ namespace mixkv::gpu {
 // plan() does all three. One batch at a time per planner: prepare() while a
 // batch is in flight throws. Results are deterministic (no atomics in any
 // sum) and equal the CPU planner's up to float rounding of the scores.
+// gpu::make_cuda_plan_source (cuda_plan_source.h) serves it to the scheduler.
 class CudaWindowPlanner {
  public:
   // Validates `config` as WindowPlanner does and uploads its per-layer
@@ -68,17 +68,6 @@ class CudaWindowPlanner {
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };
-
-// Eq. 8 the paper's way, for reference and benchmarks: every text token
-// against every window token, as one cuBLAS SGEMM per request of the
-// normalized text rows [N, D] by the normalized window rows [W S, D]^T,
-// followed by the mean over each window's N x S block. O(N M D) work where
-// CudaWindowPlanner does O((N + M) D). Writes each request's scores, batch
-// order, to `scores` (device memory, one float per window). Stream-ordered:
-// scratch comes from cudaMallocAsync on `stream`, which the cuBLAS handle is
-// set to. Validation as window_similarity().
-void window_similarity_pairwise(std::span<const TokenLayout> layouts, std::span<const EmbeddingsView> embeddings,
-                                std::int32_t window_size, float* scores, cublasHandle_t cublas, cudaStream_t stream);
 
 // Eq. 9 on the device, batched over layers, as mixkv::layer_sensitivity()
 // (device pointers in the views). Returns after synchronizing `stream`.

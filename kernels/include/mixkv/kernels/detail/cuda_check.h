@@ -1,7 +1,8 @@
 #pragma once
-// CUDA / cuBLAS error handling: every runtime call of the backend goes
-// through these so that a failure surfaces as mixkv::DeviceError naming the
-// call, never as a silently ignored status.
+// CUDA error handling of the CUDA backend and the GPU planner (a detail
+// header: not part of the API). Every runtime call goes through these so that
+// a failure surfaces as mixkv::DeviceError (OutOfMemory for an allocation)
+// naming the call and its file and line, never as an ignored status.
 #include <cuda_runtime.h>
 
 #include <concepts>
