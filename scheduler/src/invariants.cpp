@@ -46,6 +46,10 @@ void Scheduler::check_invariants() const {
           fail(who + " counts " + std::to_string(e.num_tokens) + " tokens, the cache " +
                std::to_string(s.cache.num_tokens(e.id)));
         }
+        // The decode need counts copy-on-write copies only for marked requests.
+        if (!e.shares_tail && s.tail_shared(e)) {
+          fail(who + " shares a partly filled FP16 tail but is not marked as forked");
+        }
         if (e.slot < 0 || e.slot >= s.config.max_num_seqs || slot_used[static_cast<std::size_t>(e.slot)]) {
           fail(who + " has slot " + std::to_string(e.slot) + ", out of range or shared");
         }

@@ -179,9 +179,14 @@ void Scheduler::Impl::demote_for(std::int64_t need, std::int64_t target, const s
         over += slabs_for(fp->second) > total_slabs ? 1 : 0;
       }
       std::int32_t layer = 0;
+      bool shared = false;
       for (; layer < num_layers && demotions.size() < limit; ++layer) {
         if (plan.at(layer, window) != from || below_floor(layer, to)) continue;
-        if (cache.why_not_demotable(e->id, layer, window, to)) continue;
+        if (cache.why_not_demotable(e->id, layer, window, to)) {
+          const std::int32_t block = cache.window_block(e->id, layer, window);
+          shared = shared || (block >= 0 && cache.ref_count(from, block) > 1);
+          continue;
+        }
         const bool was_over = slabs_for(fp->second) > total_slabs;
         --fp->second[at(from)];
         ++fp->second[at(to)];
@@ -191,10 +196,14 @@ void Scheduler::Impl::demote_for(std::int64_t need, std::int64_t target, const s
         rooms.push_back(room_after());
       }
       // A window is done when all its layers were looked at; a later step
-      // finishes one the per-step limit cut short.
-      if (layer == num_layers) ++(e->*cursor);
+      // finishes one the per-step limit cut short. A window shared with a
+      // fork sibling becomes demotable once the siblings leave, so the
+      // request's demotion stops there for this step and resumes there.
+      if (layer == num_layers && !shared) ++(e->*cursor);
       looked.push_back({e, cursor, before, demotions.size()});
-      if (e->*cursor < e->demote_order.size()) heap.push({e->plan.score(e->demote_order[e->*cursor]), e});
+      if (!shared && e->*cursor < e->demote_order.size()) {
+        heap.push({e->plan.score(e->demote_order[e->*cursor]), e});
+      }
     }
     return heap.empty();
   };
@@ -264,12 +273,12 @@ void Scheduler::Impl::relieve(std::vector<Entry*>& decodes, std::int64_t& need, 
   if (demote_headroom > 0) demote_for(need, need + demote_headroom, decodes, out);
   while (!cache.can_allocate({need, 0, 0}) && !running.empty()) {
     Entry& victim = *std::prev(running.end());
-    if (victim.state == RequestState::Running) {
-      const auto it = std::find(decodes.begin(), decodes.end(), &victim);
-      decodes.erase(it);
-      if (victim.num_tokens % block_size == 0) need -= num_layers;
-    }
+    const bool decoding = victim.state == RequestState::Running;
+    if (decoding) decodes.erase(std::find(decodes.begin(), decodes.end(), &victim));
     preempt(victim, out);
+    // Its own new tails, and the copies of the tails it shared, are no
+    // longer needed.
+    if (decoding) need = decode_need(decodes);
   }
 }
 

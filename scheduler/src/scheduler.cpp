@@ -313,9 +313,9 @@ void Scheduler::add_request(const Request& r) {
   if (!std::isfinite(r.arrival_time)) {
     throw InvalidArgument(name + ": request.arrival_time is not finite, expected a time on the engine's clock");
   }
-  if (r.plan.has_value() == r.embeddings.has_value()) {
-    throw InvalidArgument(name + ": request has " + (r.plan ? "both a plan and embeddings" : "neither plan nor embeddings") +
-                          ", expected exactly one of request.plan and request.embeddings");
+  if (r.plan && r.embeddings) {
+    throw InvalidArgument(name + ": request has both a plan and embeddings, expected at most one of request.plan and "
+                          "request.embeddings");
   }
   if (static_cast<std::int64_t>(r.layout.num_tokens()) + r.max_new_tokens > std::numeric_limits<std::int32_t>::max()) {
     throw InvalidArgument(name + ": request.max_new_tokens = " + std::to_string(r.max_new_tokens) +
@@ -333,8 +333,11 @@ void Scheduler::add_request(const Request& r) {
                             " plans for one request, expected 1");
     }
     plan = std::move(plans.front());
-  } else {
+  } else if (r.plan) {
     plan = *r.plan;
+  } else {
+    // A text prompt (or visual tokens nobody planned): all FP16, scores 0.
+    plan = PrecisionPlan(s.num_layers, r.layout.num_windows(s.block_size), Precision::FP16);
   }
   BlockCounts demand{};
   try {
@@ -384,20 +387,23 @@ StepOutput Scheduler::step() {
   // relief (rare) changes the batch and it is listed again.
   std::vector<Entry*> decodes = s.decoding;
   std::vector<SequenceHandle> handles;
+  bool sharing = false;  // some request of the batch may share an FP16 tail (fork)
   auto list_batch = [&] {
     const std::size_t n = decodes.size();
     out.decodes.resize(n);
     out.decode_slots.resize(n);
     handles.resize(n);
     std::int64_t opening = 0;
+    sharing = false;
     for (std::size_t i = 0; i < n; ++i) {
       const Entry* e = decodes[i];
       out.decodes[i] = e->id;
       out.decode_slots[i] = e->slot;
       handles[i] = e->handle;
       opening += e->num_tokens % s.block_size == 0 ? 1 : 0;  // every layer opens an FP16 block
+      sharing = sharing || e->shares_tail;
     }
-    return opening * s.num_layers;
+    return opening * s.num_layers + (sharing ? s.tail_copies(decodes) : 0);
   };
   std::int64_t need = list_batch();
   if (!s.cache.can_allocate({need + s.demote_headroom, 0, 0})) {
@@ -417,6 +423,7 @@ StepOutput Scheduler::step() {
     out.append = s.cache.append_tokens(std::span<const SequenceHandle>(handles), form);
   }
   for (Entry* e : decodes) {
+    if (sharing && e->shares_tail) e->shares_tail = s.tail_shared(*e);
     ++e->num_tokens;
     ++e->generated;
     if (e->generated >= e->max_new_tokens) {
@@ -505,6 +512,7 @@ StepOutput Scheduler::step() {
     }
   }
 
+  if (!s.forked.empty()) s.list_forked(out);
   if (s.config.build_metadata) s.build_metadata(decodes, out);
   s.last_decodes = out.decodes;
   out.finished = std::move(s.finished_reports);

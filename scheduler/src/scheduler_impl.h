@@ -1,7 +1,7 @@
 #pragma once
 // The scheduler's private state, shared by its source files (scheduler.cpp:
-// requests and steps; pressure.cpp: demotion and preemption; metadata.cpp:
-// CSR decode metadata; invariants.cpp: the checker) and by the tests'
+// requests and steps; fork.cpp: forks; pressure.cpp: demotion and
+// preemption; metadata.cpp: CSR decode metadata; invariants.cpp: the checker) and by the tests'
 // access hook (tests/scheduler/scheduler_access.h), which corrupts it to
 // prove that every check can fail.
 #include <cstdint>
@@ -36,6 +36,11 @@ struct Entry {
   std::int32_t decode_index = -1;    // position in Impl::decoding while Running
   RequestState state = RequestState::Waiting;
   bool done = false;                 // generated max_new_tokens; retired at the next step
+  // Set by fork() on parent and child: its partly filled FP16 tails may be
+  // shared, so its next token may cost a copy (Impl::tail_copies). Cleared
+  // after an append once its tails are private; an unset flag means private
+  // tails (check_invariants), which keeps the decode need O(1) a request.
+  bool shares_tail = false;
   RequestId id = 0;
   const PageTable* table = nullptr;  // while resident in device memory
 
@@ -118,6 +123,7 @@ struct Scheduler::Impl {
   std::vector<FinishedRequest> finished_reports;
   std::vector<RejectedRequest> rejected_reports;
   std::vector<RequestId> last_decodes;
+  std::vector<RequestId> forked;  // children since the last step, for tables_changed
   std::int64_t next_order = 0;
   SchedulerStats stats;
 
@@ -156,6 +162,17 @@ struct Scheduler::Impl {
   }
   std::int64_t fp16_room(const BlockCounts& taken, std::int64_t freed) const;
   void demote_for(std::int64_t need, std::int64_t target, const std::vector<Entry*>& decodes, StepOutput& out);
+
+  // Forks (fork.cpp): whether a partly filled FP16 tail of `e` (resident,
+  // not vanished) is shared; the FP16 blocks the copy-on-write of shared
+  // tails costs the batch `decodes` (exactly what append_tokens takes: the
+  // first ref - 1 holders of a shared tail in the batch copy it); the
+  // decode need (new tails at block boundaries plus those copies); the
+  // forked children still on the device, appended to out.tables_changed.
+  bool tail_shared(const Entry& e) const;
+  std::int64_t tail_copies(const std::vector<Entry*>& decodes) const;
+  std::int64_t decode_need(const std::vector<Entry*>& decodes) const;
+  void list_forked(StepOutput& out);
 
   void schedule_chunk(Entry& e, std::int32_t end, StepOutput& out);
   void build_metadata(const std::vector<Entry*>& decodes, StepOutput& out) const;  // metadata.cpp

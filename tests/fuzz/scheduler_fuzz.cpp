@@ -7,14 +7,14 @@
 // watermark, demotion, swap or recompute, look-ahead, metadata, sometimes a
 // planner; sometimes a malformed field), the rest up to 200 calls, valid
 // and invalid, with request ids from a small range: add_request (plans,
-// embeddings, both, neither, bad shapes), step, finish, cancel, status,
-// contains, stats, layer_metadata.
+// embeddings, both, neither, bad shapes), step, fork, finish, cancel,
+// status, contains, stats, layer_metadata.
 //
 // Every step's output is applied to a shadow of the KV memory in the order
 // step_output.h gives (demotions, swap out, swap in, copy-on-write, prefill
 // chunks, decode appends), with each token's tag a function of (request,
 // position), so a request recomputed after preemption writes the same tags
-// again. Checked after every call: Scheduler::check_invariants() (the
+// again; a forked child has its parent's tags below the fork point. Checked after every call: Scheduler::check_invariants() (the
 // manager's and the scheduler's); the call returned or threw a typed error,
 // and a throwing or const call left describe_state() unchanged; cancel and
 // finish are idempotent; a request is reported (finished or rejected) at most
@@ -28,6 +28,7 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "fuzz_support.h"
@@ -107,6 +108,7 @@ class Harness {
         case 3: case 4: case 5: step(); break;
         case 6: unchanged = !end_request(/*cancel=*/true); break;
         case 7: unchanged = !end_request(/*cancel=*/false); break;
+        case 8: unchanged = !fork(); break;
         default: inspect(); unchanged = true; break;
       }
       check(before, unchanged);
@@ -117,8 +119,13 @@ class Harness {
  private:
   RequestId any_id() { return in_.ConsumeIntegralInRange<RequestId>(-1, kMaxId); }
   // The tag of a request's token: the same for a recompute of that position.
-  Tag token(RequestId id, std::int64_t position) const {
-    return mix(static_cast<Tag>(id + 2) * 0x9E3779B97F4A7C15ULL ^ generation_.at(id) * 0xBF58476D1CE4E5B9ULL ^
+  Tag token(RequestId id, std::int64_t position) const { return token(id, generation_.at(id), position); }
+  Tag token(RequestId id, Tag generation, std::int64_t position) const {
+    const auto it = lineage_.find({id, generation});
+    if (it != lineage_.end() && position < it->second.tokens) {
+      return token(it->second.parent, it->second.parent_generation, position);
+    }
+    return mix(static_cast<Tag>(id + 2) * 0x9E3779B97F4A7C15ULL ^ generation * 0xBF58476D1CE4E5B9ULL ^
                static_cast<Tag>(position) * 0x94D049BB133111EBULL);
   }
 
@@ -250,6 +257,26 @@ class Harness {
     if (++reports_[id] > adds_[id]) finding("request " + std::to_string(id) + " reported more often than added");
   }
 
+  // A fork counts as an add of the child: reported once, its tokens below
+  // the fork point its parent's.
+  bool fork() {
+    const RequestId parent = any_id();
+    const RequestId child = any_id();
+    const std::int32_t more = in_.ConsumeIntegralInRange<std::int32_t>(-2, 40);
+    const std::int64_t tokens = cache_.contains(parent) ? cache_.num_tokens(parent) : 0;
+    if (tracing) {
+      std::fprintf(stderr, "fork parent %lld child %lld max_new_tokens %d\n", static_cast<long long>(parent),
+                   static_cast<long long>(child), more);
+    }
+    const Outcome outcome = attempt("fork", [&] { sched_.fork(parent, child, more); });
+    if (outcome == Outcome::UnknownId && sched_.contains(parent)) finding("fork: UnknownId for a live parent");
+    if (outcome == Outcome::IndexOutOfRange) finding("fork threw IndexOutOfRange");
+    if (outcome != Outcome::Ok) return false;
+    lineage_[{child, ++generation_[child]}] = Fork{parent, generation_.at(parent), tokens};
+    ++adds_[child];
+    return true;
+  }
+
   bool end_request(bool cancel) {
     const RequestId id = any_id();
     bool ended = false;
@@ -318,6 +345,12 @@ class Harness {
   std::int64_t steps_ = 0;
   std::map<RequestId, Tag> generation_;  // add_request calls that succeeded, per id
   std::map<RequestId, int> adds_;
+  struct Fork {
+    RequestId parent;
+    Tag parent_generation;
+    std::int64_t tokens;  // the parent's at the fork
+  };
+  std::map<std::pair<RequestId, Tag>, Fork> lineage_;  // (child, its generation) -> its fork
   std::map<RequestId, int> reports_;
 };
 

@@ -6,6 +6,8 @@
 // output. K/V/q values are a pure function of (request, position, layer,
 // head, channel), so a request recomputed after preemption writes the same
 // values again, and two runs of one workload can be compared output by output.
+// A forked request (inherit()) takes its parent's values before the fork
+// point, the tokens it shares, and its own after.
 //
 // It also holds the scheduler to its promises about bytes: a block swapped
 // out comes back bit-identical (hash at swap_out == hash after swap_in).
@@ -20,6 +22,7 @@
 #include <cstring>
 #include <map>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "mixkv/core/half.h"
@@ -142,6 +145,8 @@ class EngineSim {
     }
     if (!attention) return;
     const std::int32_t q_heads = 2 * heads;
+    std::vector<RequestId> owners(batch);
+    for (std::size_t b = 0; b < batch; ++b) owners[b] = source(out.decodes[b], positions[b]);
     std::vector<Half> q(batch * static_cast<std::size_t>(q_heads) * dim);
     std::vector<float> o(q.size());
     std::vector<float> lse(batch * static_cast<std::size_t>(q_heads));
@@ -149,7 +154,7 @@ class EngineSim {
       for (std::size_t b = 0; b < batch; ++b) {
         for (std::int32_t h = 0; h < q_heads; ++h) {
           for (std::int32_t c = 0; c < dim; ++c) {
-            q[(b * q_heads + h) * dim + c] = value_of(key_of(out.decodes[b], positions[b], layer, h, c, 7));
+            q[(b * q_heads + h) * dim + c] = value_of(key_of(owners[b], positions[b], layer, h, c, 7));
           }
         }
       }
@@ -176,6 +181,11 @@ class EngineSim {
   std::int64_t blocks_swapped_back() const { return blocks_swapped_back_; }
   std::int64_t prefill_rows() const { return prefill_rows_; }
   void forget(RequestId id) { swapped_.erase(id); }
+  // `child` holds `parent`'s values at positions below `tokens`: call after
+  // Scheduler::fork with the parent's token count (or to build a reference
+  // request with the values a forked one has).
+  void inherit(RequestId child, RequestId parent, std::int64_t tokens) { lineage_[child] = {parent, tokens}; }
+  void inherit(RequestId child, RequestId parent) { inherit(child, parent, cache_.num_tokens(parent)); }
 
  private:
   std::size_t block_bytes(Precision p) const { return pools_[pool_index(p)].format.block_bytes(); }
@@ -224,17 +234,27 @@ class EngineSim {
     const std::int32_t dim = shape_.head_dim;
     std::size_t i = 0;
     for (std::int64_t pos = from; pos < to; ++pos) {
+      const RequestId owner = source(id, pos);
       for (std::int32_t h = 0; h < heads; ++h) {
         for (std::int32_t c = 0; c < dim; ++c, ++i) {
-          k[i] = value_of(key_of(id, pos, layer, h, c, 1));
-          v[i] = value_of(key_of(id, pos, layer, h, c, 2));
+          k[i] = value_of(key_of(owner, pos, layer, h, c, 1));
+          v[i] = value_of(key_of(owner, pos, layer, h, c, 2));
         }
       }
     }
   }
 
+  // Whose values `id` has at `position`: its own, or an ancestor's below a fork point.
+  RequestId source(RequestId id, std::int64_t position) const {
+    for (auto it = lineage_.find(id); it != lineage_.end() && position < it->second.second; it = lineage_.find(id)) {
+      id = it->second.first;
+    }
+    return id;
+  }
+
   const Scheduler& sched_;
   const KVCacheManager& cache_;
+  std::map<RequestId, std::pair<RequestId, std::int64_t>> lineage_;  // child -> (parent, tokens at the fork)
   CacheShape shape_;
   std::vector<std::byte> arena_;
   std::vector<std::byte> host_;

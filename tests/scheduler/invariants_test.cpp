@@ -103,6 +103,16 @@ TEST_F(Corrupted, RunningRequestWhoseSequenceWasFreed) {
   expect_violation("request 1 (Running): the cache disagrees on its memory");
 }
 
+// A shared partly filled FP16 tail only among requests marked as forked:
+// the decode need counts copy-on-write copies for those alone.
+TEST_F(Corrupted, SharedTailOfAnUnmarkedRequest) {
+  busy();
+  sched().fork(1, 9);
+  ASSERT_NO_THROW(sched().check_invariants());
+  entry(9).shares_tail = false;
+  expect_violation("request 9 (Running) shares a partly filled FP16 tail but is not marked as forked");
+}
+
 TEST_F(Corrupted, WaitingRequestThatHoldsMemory) {
   busy();
   cache().add_sequence(3, TokenLayout({{TokenKind::Text, 4}}), PrecisionPlan(2, 0));

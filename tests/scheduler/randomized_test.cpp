@@ -1,7 +1,8 @@
 // A randomized serving simulation: 10,000 requests of mixed sizes and plans
-// arrive over time at a cache small enough to force demotion, swapping and
-// preemption by recompute; the engine (engine_sim.h) applies every step on
-// real bytes. After every step the scheduler's and the manager's invariants
+// (some text-only, with no plan: all FP16) arrive over time at a cache small
+// enough to force demotion, swapping and preemption by recompute; a few
+// percent fork 1-3 children once their prompt is done (parallel sampling);
+// the engine (engine_sim.h) applies every step on real bytes. After every step the scheduler's and the manager's invariants
 // hold and every pool conserves its blocks; at the end every request has
 // finished or been rejected with a reason, exactly once, and every pool is
 // whole again. Swapped blocks come back bit-identical (EngineSim checks).
@@ -12,8 +13,11 @@
 #include <map>
 #include <random>
 #include <set>
+#include <string>
+#include <vector>
 
 #include "engine_sim.h"
+#include "mixkv/core/errors.h"
 #include "mixkv/scheduler/scheduler.h"
 
 namespace mixkv {
@@ -76,7 +80,8 @@ class Simulation {
         plan.set(layer, win, win == 0 || p < 5 ? Precision::FP16 : (p < 8 ? Precision::INT4 : Precision::INT2));
       }
     }
-    r.plan = std::move(plan);
+    // Some come with no plan: stored all FP16.
+    if (pick(0, 99) >= 8) r.plan = std::move(plan);
     r.max_new_tokens = pick(0, 4) == 0 ? pick(40, 160) : pick(1, 30);
     r.priority = pick(0, 3);
     r.arrival_time = static_cast<double>(id);
@@ -92,6 +97,7 @@ class Simulation {
       for (int k = pick(0, 2); k > 0 && next < w_.requests; --k) {
         if (pick(0, 9) < 6) {
           sched_.add_request(make_request(next));
+          if (pick(0, 99) < 3) to_fork_[next] = pick(1, 3);
           live_.insert(next++);
         }
       }
@@ -123,6 +129,8 @@ class Simulation {
       ASSERT_NO_THROW(sched_.check_invariants()) << "after step " << steps;
       check_conservation();
       if (testing::Test::HasFatalFailure()) return;
+      if (fork_ready()) ASSERT_NO_THROW(sched_.check_invariants()) << "after the forks of step " << steps;
+      if (testing::Test::HasFatalFailure()) return;
       ASSERT_LT(steps, 2'000'000) << "the simulation does not drain";
     }
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -138,10 +146,13 @@ class Simulation {
         static_cast<long long>(int4_to_int2_), seconds);
     std::printf("cancelled/finished by the engine in state: waiting %d, prefilling %d, running %d, swapped %d\n",
                 cancelled_in_[0], cancelled_in_[1], cancelled_in_[2], cancelled_in_[3]);
+    std::printf("%lld children forked (%lld refused for want of a slot), %lld preemptions of forked requests\n",
+                static_cast<long long>(st.forks), static_cast<long long>(slot_refusals_),
+                static_cast<long long>(forked_preempted_));
 
-    // Every request left exactly once, rejected ones with a reason.
-    EXPECT_EQ(reported_.size(), static_cast<std::size_t>(w_.requests));
-    for (RequestId id = 0; id < w_.requests; ++id) EXPECT_EQ(reported_.count(id), 1u) << "request " << id;
+    // Every request and child left exactly once, rejected ones with a reason.
+    EXPECT_EQ(reported_.size(), static_cast<std::size_t>(w_.requests + st.forks));
+    for (RequestId id = 0; id < w_.requests + st.forks; ++id) EXPECT_EQ(reported_.count(id), 1u) << "request " << id;
     // No leak: every pool full, no ref count left, the host pool whole.
     for (const Precision p : kAllPrecisions) {
       EXPECT_EQ(cache_.pool_stats(p).used_blocks, 0) << to_string(p);
@@ -155,13 +166,62 @@ class Simulation {
     EXPECT_GT(st.demotions, 0);
     EXPECT_GT(int4_to_int2_, 0);
     EXPECT_GT(st.rejected, 0);
+    EXPECT_GT(st.forks, 0);
+    EXPECT_GT(forked_preempted_, 0);
     for (int s = 0; s < 4; ++s) EXPECT_GT(cancelled_in_[s], 0) << "no cancel in state " << s;
   }
 
  private:
   int pick(int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng_); }
 
+  // Requests marked to fork do so once they run (their prompt done): 1-3
+  // children, with the parent's remaining tokens or a length of their own.
+  // Without a free slot the fork waits for a later step. True when some
+  // request forked.
+  bool fork_ready() {
+    bool forked = false;
+    for (auto it = to_fork_.begin(); it != to_fork_.end();) {
+      const RequestId parent = it->first;
+      if (!sched_.contains(parent)) {
+        it = to_fork_.erase(it);
+        continue;
+      }
+      const RequestStatus st = sched_.status(parent);
+      if (st.state != RequestState::Running) {
+        ++it;
+        continue;
+      }
+      const RequestId child = w_.requests + sched_.stats().forks;
+      const std::int32_t more = pick(0, 1) == 0 ? -1 : pick(1, 40);
+      try {
+        sched_.fork(parent, child, more);
+      } catch (const OutOfMemory&) {
+        ++slot_refusals_;
+        ++it;
+        continue;
+      } catch (const InvalidArgument& e) {
+        // -1 for a parent at its last token, or a child too long to ever
+        // complete alone: refused by name, nothing else is expected.
+        const std::string what = e.what();
+        EXPECT_TRUE(what.find("has generated all") != std::string::npos ||
+                    what.find("could never complete alone") != std::string::npos)
+            << what;
+        ++it;
+        continue;
+      }
+      engine_.inherit(child, parent);
+      live_.insert(child);
+      family_.insert(parent);
+      family_.insert(child);
+      forked = true;
+      if (--it->second == 0) it = to_fork_.erase(it);
+    }
+    return forked;
+  }
+
   void record(const StepOutput& out) {
+    for (const RequestId id : out.swapped_out) forked_preempted_ += family_.contains(id) ? 1 : 0;
+    for (const RequestId id : out.preempted) forked_preempted_ += family_.contains(id) ? 1 : 0;
     for (const FinishedRequest& f : out.finished) {
       EXPECT_TRUE(reported_.insert(f.id).second) << "request " << f.id << " reported twice";
       live_.erase(f.id);
@@ -204,15 +264,34 @@ class Simulation {
     }
   }
 
-  // Per pool: blocks held by the scheduler's requests == used blocks, and
-  // host slots held by swapped requests == slots not free.
+  // Per pool: distinct blocks held by the scheduler's requests == used
+  // blocks, each held by as many requests as its ref count (forks share),
+  // and host slots held by swapped requests (never shared) == slots not free.
   void check_conservation() {
     BlockCounts device{};
     BlockCounts host{};
     for (const SequenceId id : cache_.sequence_ids()) {
+      if (!cache_.is_swapped(id)) continue;
       const BlockCounts held = cache_.blocks_held(id);
-      BlockCounts& into = cache_.is_swapped(id) ? host : device;
-      for (int p = 0; p < kNumPrecisions; ++p) into[p] += held[p];
+      for (int p = 0; p < kNumPrecisions; ++p) host[p] += held[p];
+    }
+    for (const Precision p : kAllPrecisions) {
+      // Block ids stay below the arena's slabs times the pool's blocks a slab.
+      holders_.resize(static_cast<std::size_t>(cache_.total_slabs()) * cache_.pool_stats(p).blocks_per_slab);
+      touched_.clear();
+      for (const SequenceId id : cache_.sequence_ids()) {
+        if (cache_.is_swapped(id)) continue;
+        for (std::int32_t layer = 0; layer < cache_.config().shape.num_layers; ++layer) {
+          for (const std::int32_t b : cache_.blocks(id, layer, p)) {
+            if (holders_[static_cast<std::size_t>(b)]++ == 0) touched_.push_back(b);
+          }
+        }
+      }
+      device[pool_index(p)] = static_cast<std::int64_t>(touched_.size());
+      for (const std::int32_t b : touched_) {
+        ASSERT_EQ(cache_.ref_count(p, b), holders_[static_cast<std::size_t>(b)]) << to_string(p) << " block " << b;
+        holders_[static_cast<std::size_t>(b)] = 0;
+      }
     }
     const BlockCounts free_host = cache_.free_swap_slots();
     for (const Precision p : kAllPrecisions) {
@@ -231,6 +310,12 @@ class Simulation {
   std::set<RequestId> live_;
   std::set<RequestId> reported_;
   int cancelled_in_[5] = {};
+  std::vector<std::int32_t> holders_;  // [block]: holders (check_conservation; zero between calls)
+  std::vector<std::int32_t> touched_;
+  std::map<RequestId, int> to_fork_;  // parent -> children still to fork
+  std::set<RequestId> family_;        // requests that forked or were forked
+  std::int64_t slot_refusals_ = 0;
+  std::int64_t forked_preempted_ = 0;
   std::int64_t int4_to_int2_ = 0;
 };
 

@@ -447,9 +447,6 @@ TEST(Scheduler, BadInputIsRefusedByNameAndChangesNothing) {
   refused(request(1, {{TokenKind::Text, 4}}, 3), "request.id = 1 is a live request");
   Request r = request(2, {{TokenKind::Text, 4}}, 0);
   refused(r, "request.max_new_tokens = 0");
-  r = request(2, {{TokenKind::Text, 4}}, 3);
-  r.plan.reset();
-  refused(r, "neither plan nor embeddings");
   r = request(2, {{TokenKind::Visual, 40}}, 3);
   r.plan = PrecisionPlan(2, 5);
   refused(r, "request.plan.num_windows() = 5");

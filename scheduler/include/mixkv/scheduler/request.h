@@ -19,10 +19,13 @@ struct Request {
   RequestId id = 0;
   // The prompt: e.g. (system text, visual tokens of the video, question).
   TokenLayout layout;
-  // Exactly one of the two: the WindowQuant plan of the prompt, or its
+  // At most one of the two: the WindowQuant plan of the prompt, or its
   // embeddings ([layout.num_tokens(), hidden], read only during
   // add_request()) for the scheduler's plan source (its constructor's
-  // `planner`, or SchedulerConfig::planner) to plan from.
+  // `planner`, or SchedulerConfig::planner) to plan from. With neither, the
+  // prompt is stored all FP16 (every window of every layer, scores 0): what
+  // a text prompt means, and the safe choice for visual tokens nobody
+  // planned.
   std::optional<PrecisionPlan> plan;
   std::optional<EmbeddingsView> embeddings;
   std::int32_t max_new_tokens = 1;  // >= 1; the first comes out of the prefill

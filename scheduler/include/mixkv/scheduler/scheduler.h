@@ -40,6 +40,7 @@ struct SchedulerStats {
   std::int64_t preempted_recompute = 0;
   std::int64_t preempted_swap = 0;
   std::int64_t demotions = 0;  // (window, layer) demotions
+  std::int64_t forks = 0;      // successful fork() calls
   std::int64_t decode_tokens = 0;
   std::int64_t prefill_tokens = 0;
 };
@@ -96,10 +97,11 @@ class Scheduler {
   // built); null when requests must bring their plans.
   std::shared_ptr<PlanSource> planner() const;
 
-  // Queues a request. InvalidArgument (naming request.<field>) for a
-  // malformed one: an id that is live, an empty layout, both or neither of
-  // plan/embeddings, a plan of the wrong shape, embeddings without a
-  // planner, max_new_tokens < 1. Embeddings are planned through the plan
+  // Queues a request. A request with neither plan nor embeddings (a text
+  // prompt) is stored all FP16. InvalidArgument (naming request.<field>)
+  // for a malformed one: an id that is live, an empty layout, both plan and
+  // embeddings, a plan of the wrong shape, embeddings without a planner,
+  // max_new_tokens < 1. Embeddings are planned through the plan
   // source, whose errors pass through unchanged (nothing is queued); a
   // source that returns other than one plan of the layout's shape is an
   // InvalidArgument naming "the planner". A request that can never fit the
@@ -109,6 +111,28 @@ class Scheduler {
 
   // Schedules the next step (step_output.h).
   StepOutput step();
+
+  // Parallel sampling and beam-like branching: `child` becomes a Running
+  // request that shares every block of `parent` (KVCacheManager::fork, no
+  // block allocated now) and decodes from the next step on. It has its own
+  // page-table slot (listed in the next step's tables_changed), the
+  // parent's generated count, priority and arrival time, and generates
+  // `max_new_tokens` more tokens (-1: as many as the parent has left), so
+  // status(child).generated and FinishedRequest::generated count the
+  // parent's tokens before the fork too. The partly filled FP16 tail the
+  // two share is copied on the next append (StepOutput::append.copies),
+  // under the usual memory pressure policy. A forked request is served,
+  // preempted and cancelled like any other: recompute prefills its prompt
+  // plus its generated tokens as its own sequence; swap-out gives it
+  // private copies; cancelling one leaves the others their shared blocks.
+  // Errors (nothing changed): UnknownId for a parent that is not live;
+  // InvalidArgument for a parent that is not Running (its prompt not fully
+  // prefilled, or swapped out), a child id that is live (or held by the
+  // cache), max_new_tokens 0 or below -1, -1 for a parent with no token
+  // left, or a child that could never complete alone in the cache;
+  // OutOfMemory when max_num_seqs requests already hold device memory (no
+  // free slot).
+  void fork(RequestId parent, RequestId child, std::int32_t max_new_tokens = -1);
 
   // The engine ends a request (EOS, stop string): frees everything it holds,
   // in any state; reported in the next step's `finished` as Stopped.
@@ -134,7 +158,9 @@ class Scheduler {
   // The manager's invariants plus the scheduler's own: every request in
   // exactly one queue matching its state, memory held exactly by Prefilling,
   // Running (device) and Swapped (host) requests, slots unique, running
-  // sequences within max_num_seqs. Throws InvariantViolation.
+  // sequences within max_num_seqs, a shared partly filled FP16 tail only
+  // among requests marked as forked (the ones whose copies the decode need
+  // counts). Throws InvariantViolation.
   void check_invariants() const;
   // Canonical text of the scheduler's queues and the manager's state.
   std::string describe_state() const;

@@ -71,8 +71,9 @@ struct StepOutput {
   std::vector<RequestId> preempted;    // preempted by recompute (blocks freed)
 
   // Requests whose page lists changed this step other than by appending
-  // (admitted, swapped in, demoted): an engine that mirrors page tables per
-  // slot (gpu::DevicePageTables::sync) refreshes these; appends it can
+  // (admitted, swapped in, demoted), and those forked since the previous
+  // step that still hold device memory: an engine that mirrors page tables
+  // per slot (gpu::DevicePageTables::sync) refreshes these; appends it can
   // apply from append.slots.
   std::vector<RequestId> tables_changed;
 
