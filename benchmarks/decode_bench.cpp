@@ -174,6 +174,7 @@ int main(int argc, char** argv) {
     pools[p].slab_bytes = region;
     pools[p].blocks_per_slab = static_cast<std::int32_t>(region / formats[p].block_bytes());
     pools[p].format = formats[p];
+    pools[p].num_blocks = 3 * pools[p].blocks_per_slab;  // ids within the whole arena
   }
 
   // Prompt K/V for one sequence of max_ctx tokens, [token][kv_head][dim].
@@ -259,7 +260,9 @@ int main(int argc, char** argv) {
           std::iota(free_ids[p].begin(), free_ids[p].end(), p * pools[p].blocks_per_slab);
           std::shuffle(free_ids[p].begin(), free_ids[p].end(), rng);
         }
-        gpu::DevicePageTables tables({1, batch, max_blocks});
+        gpu::PageTableConfig table_config{1, batch, max_blocks};
+        for (int p = 0; p < 3; ++p) table_config.pool_blocks[p] = pools[p].num_blocks;
+        gpu::DevicePageTables tables(table_config);
         gpu::DeviceStoreMapping dmap;
         double store_us = 0.0, store_bytes = 0.0, store_host_us = 0.0, read_same_us = 0.0;
         for (int b = 0; b < batch; ++b) {

@@ -420,6 +420,17 @@ void DecodePlan::run(const DecodeRunArgs& args) const {
                      std::to_string(c.head_dim) + ", block_size " + std::to_string(c.block_size);
             });
     require(pool.blocks_per_slab >= 1, [&] { return name() + ".blocks_per_slab: expected >= 1"; });
+    // The tables accept ids below their bound only, so a bound within the
+    // pool keeps every block the kernel reads inside the arena.
+    const std::int32_t bound = s.tables->config().pool_blocks[pool_index(p)];
+    require(bound <= pool.num_blocks, [&] {
+      if (bound == PageTableConfig::kNoBound) {
+        return name() + ": the page tables have no block-id bound: expected DevicePageTables built with the "
+                        "arena's PoolLayout (or set_pool_blocks) so that decode never reads outside the arena";
+      }
+      return name() + ".num_blocks = " + std::to_string(pool.num_blocks) + ": expected >= the page tables' bound " +
+             std::to_string(bound) + " (pool_blocks)";
+    });
   }
 
   const DeviceTablesView view = s.tables->device_view();

@@ -84,7 +84,7 @@ DecodeResult run_gpu(TestArena& arena, const PlacedBatch& placed, const std::vec
   const BlockFormat f = arena.format(Precision::FP16);
   const auto batch = static_cast<std::int32_t>(placed.tables[0].indptr.size() - 1);
   DeviceArenaCopy device(arena);
-  gpu::DevicePageTables tables({layers, batch, longest_list(placed)});
+  gpu::DevicePageTables tables({layers, batch, longest_list(placed)}, layout_of(arena));
   fill_tables(tables, placed, layer);
   tables.upload(nullptr);
   gpu::DecodePlanConfig config;
@@ -409,7 +409,7 @@ TEST(DecodeCudaGraph, CapturedRunSurvivesReplanning) {
   const DecodeResult ref = cpu_decode(arena, placed, q, qh, scale);
 
   DeviceArenaCopy device(arena);
-  gpu::DevicePageTables tables({1, 2, longest_list(placed)});
+  gpu::DevicePageTables tables({1, 2, longest_list(placed)}, layout_of(arena));
   gpu::DecodePlanConfig config{1, qh, kvh, dim, block, 2, 0, 0, 0};
   gpu::DecodePlan plan(config, tables);
   cudaStream_t stream;

@@ -170,7 +170,7 @@ std::vector<std::uint32_t> decode_bits(DeviceCache& cache, const std::vector<Seq
       }
     }
   }
-  gpu::DevicePageTables tables({kLayers, batch, longest});
+  gpu::DevicePageTables tables({kLayers, batch, longest}, cache.manager.arena_layout());
   for (std::int32_t i = 0; i < batch; ++i) tables.sync(i, cache.manager.page_table(ids[static_cast<std::size_t>(i)]));
   tables.upload(nullptr);
   gpu::DecodePlanConfig config;
