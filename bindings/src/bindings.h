@@ -7,6 +7,15 @@ namespace mixkv::python {
 
 namespace py = pybind11;
 
+// The metaclass of every class of the module: pybind11's, except that
+// Class.__new__ raises AttributeError. Class(...) calls the type's tp_new
+// slot and then __init__; Class.__new__(Class) alone would make an object
+// without a C++ value, whose first use pybind11 answers with uninitialized
+// memory (a crash, not an error). Python subclasses still work: they
+// inherit the slot, not the attribute.
+py::handle init_only_metaclass();
+inline py::metaclass init_only() { return py::metaclass(init_only_metaclass()); }
+
 void bind_errors(py::module_& m);
 void bind_cache_shape(py::module_& m);
 void bind_token_layout(py::module_& m);

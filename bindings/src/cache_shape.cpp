@@ -47,7 +47,7 @@ void bind_cache_shape(py::module_& m) {
   m.def("bits_of", &bits_of, py::arg("precision"), "Bits of one stored value: 16, 4 or 2.");
   m.def("is_quantized", &is_quantized, py::arg("precision"), "True for INT4 and INT2.");
 
-  py::class_<CacheShape>(m, "CacheShape",
+  py::class_<CacheShape>(m, "CacheShape", init_only(),
                          "Geometry every pool of a cache shares. block_size is also the WindowQuant window.")
       .def(py::init([](std::int32_t num_layers, std::int32_t num_kv_heads, std::int32_t head_dim,
                        std::int32_t block_size) { return CacheShape{num_layers, num_kv_heads, head_dim, block_size}; }),
@@ -66,7 +66,7 @@ void bind_cache_shape(py::module_& m) {
                ", block_size=" + std::to_string(s.block_size) + ")";
       });
 
-  py::class_<CacheConfig>(m, "CacheConfig", "A cache: its shape, the bytes of its one arena, the slab size.")
+  py::class_<CacheConfig>(m, "CacheConfig", init_only(), "A cache: its shape, the bytes of its one arena, the slab size.")
       .def(py::init([](const CacheShape& shape, std::size_t arena_bytes, std::size_t slab_bytes,
                        const BlockCounts& swap_blocks, bool fp16_windows_first) {
              return CacheConfig{shape, arena_bytes, slab_bytes, swap_blocks, fp16_windows_first};
@@ -87,7 +87,7 @@ void bind_cache_shape(py::module_& m) {
                ", fp16_windows_first=" + (c.fp16_windows_first ? "True" : "False") + ")";
       });
 
-  py::class_<BlockFormat>(m, "BlockFormat", "Byte layout of one block of a precision (block_format.h).")
+  py::class_<BlockFormat>(m, "BlockFormat", init_only(), "Byte layout of one block of a precision (block_format.h).")
       .def(py::init([](Precision precision, std::int32_t num_kv_heads, std::int32_t head_dim, std::int32_t block_size) {
              return BlockFormat{precision, num_kv_heads, head_dim, block_size};
            }),
@@ -148,7 +148,7 @@ void bind_cache_shape(py::module_& m) {
   m.def("bytes_per_token_per_head", &bytes_per_token_per_head, py::arg("precision"), py::arg("head_dim"),
         py::arg("block_size"), "Bytes one token of one KV head takes in a precision, metadata included.");
 
-  py::class_<PoolStats>(m, "PoolStats", "Usage of one pool.")
+  py::class_<PoolStats>(m, "PoolStats", init_only(), "Usage of one pool.")
       .def_readonly("block_bytes", &PoolStats::block_bytes)
       .def_readonly("blocks_per_slab", &PoolStats::blocks_per_slab)
       .def_readonly("slabs", &PoolStats::slabs, "Slabs this pool holds now.")

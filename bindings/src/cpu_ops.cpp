@@ -2,8 +2,13 @@
 // queries are float16 (mixkv::Half bit for bit), outputs float32. Every
 // array is checked (dtype, shape, C-contiguity, writability) before the C++
 // call, which then checks the values (slots, NaN) itself. Long calls release
-// the GIL; the arrays passed stay referenced by the call, but must not be
-// resized or mutated by another thread meanwhile.
+// the GIL, after copying every mapping, page table and copy list they read
+// into values of their own while still holding it: another thread may edit
+// the Python objects meanwhile without changing what was validated. The K/V
+// and query arrays are read in place (copying a prefill would double its
+// cost); they stay referenced by the call, and must not be written by
+// another thread meanwhile (quant_math.h keeps even that free of undefined
+// behaviour: a NaN written after the check codes as 0).
 #include <cmath>
 #include <optional>
 #include <string>
@@ -29,7 +34,8 @@ namespace {
 
 using std::string;
 
-void store_prefill(const HostKVCache& cache, py::handle k, py::handle v, const StoreMapping& mapping) {
+void store_prefill(const HostKVCache& cache, py::handle k, py::handle v, const StoreMapping& mapping_object) {
+  const StoreMapping mapping = mapping_object;  // the snapshot the call validates and uses
   const CacheShape& s = cache.config().shape;
   const auto rows = static_cast<std::int64_t>(mapping.fp16_slots.size());
   const auto kk = input_array<Half>(k, "store_prefill: k",
@@ -89,11 +95,14 @@ py::tuple paged_decode_attention(const HostKVCache& cache, const DecodeMetadata&
   const auto o = output_array<float>(out, "paged_decode_attention: out",
                                      {{batch, "batch"}, {q_heads, "num_q_heads"}, {s.head_dim, "head_dim"}});
   const auto l = output_array<float>(lse, "paged_decode_attention: lse", {{batch, "batch"}, {q_heads, "num_q_heads"}});
+  // The layer's tables as they are now: another thread may assign to
+  // md.table(...).indices while the GIL is released.
+  const std::array<PagedPoolTable, kNumPrecisions> tables = metadata.layers[layer];
   cpu::DecodeAttentionArgs args;
   args.q = qq.values;
   args.num_q_heads = static_cast<std::int32_t>(q_heads);
   args.sm_scale = sm_scale.value_or(1.0f / std::sqrt(static_cast<float>(s.head_dim)));
-  args.tables = &metadata.layers[layer];
+  args.tables = &tables;
   args.pools = cache.pools();
   args.out = o.values;
   args.lse = l.values;

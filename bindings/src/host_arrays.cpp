@@ -12,6 +12,13 @@ namespace {
   throw InvalidArgument(std::string(where) + ": " + what);
 }
 
+// A NumPy bool scalar (numpy.bool_): its dtype's kind is 'b'.
+bool is_numpy_bool(py::handle obj) {
+  if (!py::hasattr(obj, "dtype") || py::isinstance<py::array>(obj)) return false;
+  const py::object dtype = obj.attr("dtype");
+  return py::hasattr(dtype, "kind") && std::string(py::str(dtype.attr("kind"))) == "b";
+}
+
 }  // namespace
 
 std::string shape_text(std::span<const py::ssize_t> shape) {
@@ -83,7 +90,12 @@ std::vector<std::int32_t> index_vector(py::handle obj, std::string_view where) {
   values.reserve(seq.size());
   for (std::size_t i = 0; i < seq.size(); ++i) {
     const py::object item = seq[i];
-    // operator.index semantics: Python ints and NumPy integer scalars, not floats.
+    // operator.index semantics: Python ints and NumPy integer scalars, not
+    // floats, and not bools: True is an int to Python, but a slot of True is
+    // a bug in the caller, never slot 1.
+    if (PyBool_Check(item.ptr()) || (!PyLong_CheckExact(item.ptr()) && is_numpy_bool(item))) {
+      throw InvalidArgument(std::string(where) + "[" + std::to_string(i) + "]: expected an int, got " + type_name(item));
+    }
     if (!PyIndex_Check(item.ptr())) {
       throw InvalidArgument(std::string(where) + "[" + std::to_string(i) + "]: expected an int, got " + type_name(item));
     }

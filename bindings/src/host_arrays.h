@@ -85,7 +85,7 @@ HostArray<T> output_array(py::handle obj, std::string_view where, std::initializ
 py::array_t<float> new_float_array(std::vector<py::ssize_t> shape);
 
 // Block ids / slots: an int32 NumPy array of one dimension, or a sequence of
-// Python ints (each checked to fit int32).
+// Python ints (each checked to fit int32; bools are refused).
 std::vector<std::int32_t> index_vector(py::handle obj, std::string_view where);
 
 // Copies of C++ index vectors as NumPy int32 arrays.

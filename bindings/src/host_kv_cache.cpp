@@ -43,7 +43,7 @@ PoolViews HostKVCache::swap_pools() const {
 
 void bind_host_kv_cache(py::module_& m) {
   py::class_<HostKVCache, KVCacheManager>(
-      m, "KVCache",
+      m, "KVCache", init_only(),
       "A KVCacheManager with host memory for its arena: the cache of the CPU backend, which mixkv.ops fill and "
       "read with NumPy arrays.")
       .def(py::init<CacheConfig>(), py::arg("config"))

@@ -45,7 +45,7 @@ PagedPoolTable& metadata_table(DecodeMetadata& md, std::int32_t layer, Precision
 }  // namespace
 
 void bind_kv_cache_manager(py::module_& m) {
-  py::class_<WindowSlot>(m, "WindowSlot", "One quantized window to store: its block and the row of its first token.")
+  py::class_<WindowSlot>(m, "WindowSlot", init_only(), "One quantized window to store: its block and the row of its first token.")
       .def(py::init([](std::int32_t block_id, std::int32_t first_row) { return WindowSlot{block_id, first_row}; }),
            py::arg("block_id"), py::arg("first_row"))
       .def_readwrite("block_id", &WindowSlot::block_id)
@@ -56,7 +56,7 @@ void bind_kv_cache_manager(py::module_& m) {
           py::is_operator())
       .def("__repr__", &window_slot_repr);
 
-  py::class_<StoreMapping>(m, "StoreMapping",
+  py::class_<StoreMapping>(m, "StoreMapping", init_only(),
                            "Where each K/V row of a prefill goes in one layer: an FP16 slot per row (block_id * "
                            "block_size + offset, or -1 for a row of a quantized window) and one block per "
                            "INT4/INT2 window.")
@@ -76,7 +76,7 @@ void bind_kv_cache_manager(py::module_& m) {
                ")";
       });
 
-  py::class_<BlockCopy>(m, "BlockCopy", "A whole-block copy inside one pool (copy-on-write after fork).")
+  py::class_<BlockCopy>(m, "BlockCopy", init_only(), "A whole-block copy inside one pool (copy-on-write after fork).")
       .def(py::init([](std::int32_t src, std::int32_t dst) { return BlockCopy{src, dst}; }), py::arg("src"),
            py::arg("dst"))
       .def_readwrite("src", &BlockCopy::src)
@@ -88,7 +88,7 @@ void bind_kv_cache_manager(py::module_& m) {
         return "BlockCopy(src=" + std::to_string(c.src) + ", dst=" + std::to_string(c.dst) + ")";
       });
 
-  py::class_<SwapCopy>(m, "SwapCopy",
+  py::class_<SwapCopy>(m, "SwapCopy", init_only(),
                        "One block moved between a device pool and the host swap pool (swap_out / swap_in).")
       .def(py::init([](Precision pool, std::int32_t device_block, std::int32_t host_slot) {
              return SwapCopy{pool, device_block, host_slot};
@@ -102,7 +102,7 @@ void bind_kv_cache_manager(py::module_& m) {
                ", host_slot=" + std::to_string(c.host_slot) + ")";
       });
 
-  py::class_<Demotion>(m, "Demotion", "One window of one layer to move to a lower precision (demote()).")
+  py::class_<Demotion>(m, "Demotion", init_only(), "One window of one layer to move to a lower precision (demote()).")
       .def(py::init([](SequenceId id, std::int32_t layer, std::int32_t window, Precision target) {
              return Demotion{id, layer, window, target};
            }),
@@ -112,7 +112,7 @@ void bind_kv_cache_manager(py::module_& m) {
       .def_readwrite("window", &Demotion::window, "1 .. num_windows - 1 (window 0 always stays FP16)")
       .def_readwrite("target", &Demotion::target);
 
-  py::class_<DemoteOp>(m, "DemoteOp",
+  py::class_<DemoteOp>(m, "DemoteOp", init_only(),
                        "The requantization one Demotion asks of ops.demote: src_block of the src pool into "
                        "dst_block of the dst pool (the manager has already moved the window).")
       .def_readonly("id", &DemoteOp::id)
@@ -134,7 +134,7 @@ void bind_kv_cache_manager(py::module_& m) {
       .value("Compact", AppendSlots::Compact, "the compact form only: O(batch) outside block boundaries")
       .finalize();
 
-  py::class_<AppendResult>(m, "AppendResult", "What append_tokens() allocated for one decode token per sequence.")
+  py::class_<AppendResult>(m, "AppendResult", init_only(), "What append_tokens() allocated for one decode token per sequence.")
       .def_property_readonly(
           "slots", [](const AppendResult& r) { return slots_array(r.slots); },
           "int32 array [num_layers, batch]: FP16 slot of sequence i's new token in each layer (empty with "
@@ -154,7 +154,7 @@ void bind_kv_cache_manager(py::module_& m) {
                     "list[BlockCopy]: shared, partly filled FP16 tails to copy (ops.copy_blocks) before the "
                     "new tokens are written.");
 
-  py::class_<PagedPoolTable>(m, "PagedPoolTable",
+  py::class_<PagedPoolTable>(m, "PagedPoolTable", init_only(),
                              "The page lists of a batch for one (layer, pool) in CSR form (FlashInfer's paged_kv_t).")
       .def(py::init<>())
       .def_property(
@@ -170,19 +170,21 @@ void bind_kv_cache_manager(py::module_& m) {
           [](PagedPoolTable& t, py::handle v) { t.last_block_len = index_vector(v, "PagedPoolTable.last_block_len"); },
           "int32 [batch]: valid tokens in each sequence's last block (0 if it has none)");
 
-  py::class_<DecodeMetadata>(m, "DecodeMetadata", "Page tables of a decode batch, per layer and pool.")
+  py::class_<DecodeMetadata>(m, "DecodeMetadata", init_only(), "Page tables of a decode batch, per layer and pool.")
       .def_readonly("batch_size", &DecodeMetadata::batch_size)
       .def_property_readonly("num_layers", [](const DecodeMetadata& md) { return md.layers.size(); })
       .def("table", &metadata_table, py::arg("layer"), py::arg("precision"), py::return_value_policy::reference_internal,
            "The table of (layer, pool), by reference: assigning its fields changes this metadata.");
 
-  py::class_<KVCacheManager>(m, "KVCacheManager",
+  py::class_<KVCacheManager>(m, "KVCacheManager", init_only(),
                              "The bookkeeping of a KV cache: arena slabs, the three pools, every sequence's page "
                              "tables. It never touches KV bytes (mixkv.KVCache adds host memory for them). Every "
                              "call validates its input and raises naming the argument; a call that raises changes "
                              "nothing.")
       .def(py::init<CacheConfig>(), py::arg("config"))
-      .def_property_readonly("config", &KVCacheManager::config)
+      .def_property_readonly(
+          "config", [](const KVCacheManager& self) -> CacheConfig { return self.config(); },
+          "A copy: editing it changes nothing here (configure a new object with it).")
       .def_property_readonly("total_slabs", &KVCacheManager::total_slabs)
       .def_property_readonly("free_slabs", &KVCacheManager::free_slabs)
       .def("format", &KVCacheManager::format, py::arg("precision"))

@@ -10,7 +10,7 @@
 namespace mixkv::python {
 
 void bind_precision_plan(py::module_& m) {
-  py::class_<PrecisionPlan>(m, "PrecisionPlan",
+  py::class_<PrecisionPlan>(m, "PrecisionPlan", init_only(),
                             "Precision of every (layer, visual window) of one request, with the eq. 8 score per "
                             "window that chose it. Tokens outside full windows are FP16 and not part of the plan.")
       .def(py::init<>(), "An empty plan (0 layers, 0 windows).")

@@ -61,7 +61,7 @@ void bind_scheduler(py::module_& m) {
       .finalize();
 
   const SchedulerConfig defaults;
-  py::class_<SchedulerConfig>(m, "SchedulerConfig", "Configuration of a Scheduler (scheduler_config.h).")
+  py::class_<SchedulerConfig>(m, "SchedulerConfig", init_only(), "Configuration of a Scheduler (scheduler_config.h).")
       .def(py::init([](std::int32_t max_num_seqs, std::int32_t max_num_batched_tokens, bool chunked_prefill,
                        SchedulingPolicy policy, double watermark, bool demote_under_pressure,
                        std::int32_t max_demotions_per_step, PreemptionMode preemption, std::int32_t lookahead,
@@ -110,7 +110,7 @@ void bind_scheduler(py::module_& m) {
       .def_readwrite("build_mappings", &SchedulerConfig::build_mappings, "fill PrefillChunk.mappings")
       .def_readwrite("planner", &SchedulerConfig::planner);
 
-  py::class_<PyRequest>(m, "Request",
+  py::class_<PyRequest>(m, "Request", init_only(),
                         "A generation request: its prompt layout and exactly one of a plan or the prompt's "
                         "embeddings (a NumPy array [num_tokens, hidden], for the scheduler's planner).")
       .def(py::init([](RequestId id, const TokenLayout& layout, std::optional<PrecisionPlan> plan,
@@ -147,7 +147,7 @@ void bind_scheduler(py::module_& m) {
           "arrival_time", [](const PyRequest& r) { return r.request.arrival_time; },
           [](PyRequest& r, double v) { r.request.arrival_time = v; });
 
-  py::class_<PrefillChunk>(m, "PrefillChunk", "Prompt rows [start, end) of a request computed in this step.")
+  py::class_<PrefillChunk>(m, "PrefillChunk", init_only(), "Prompt rows [start, end) of a request computed in this step.")
       .def_readonly("id", &PrefillChunk::id)
       .def_readonly("slot", &PrefillChunk::slot, "the request's page-table slot")
       .def_readonly("start", &PrefillChunk::start)
@@ -155,15 +155,15 @@ void bind_scheduler(py::module_& m) {
       .def_readonly("last", &PrefillChunk::last, "completes the prompt: the engine samples a token")
       .def_readonly("mappings", &PrefillChunk::mappings,
                     "[layer] StoreMapping of rows [start, end): chunk row r is mapping row r - start");
-  py::class_<FinishedRequest>(m, "FinishedRequest", "A request that left: why, and how many tokens it generated.")
+  py::class_<FinishedRequest>(m, "FinishedRequest", init_only(), "A request that left: why, and how many tokens it generated.")
       .def_readonly("id", &FinishedRequest::id)
       .def_readonly("reason", &FinishedRequest::reason)
       .def_readonly("generated", &FinishedRequest::generated);
-  py::class_<RejectedRequest>(m, "RejectedRequest", "A request that can never fit, with the reason.")
+  py::class_<RejectedRequest>(m, "RejectedRequest", init_only(), "A request that can never fit, with the reason.")
       .def_readonly("id", &RejectedRequest::id)
       .def_readonly("reason", &RejectedRequest::reason);
 
-  py::class_<StepOutput>(m, "StepOutput",
+  py::class_<StepOutput>(m, "StepOutput", init_only(),
                          "What the engine does in one step, in this order: demotions (ops.demote), swap_out copies, "
                          "swap_in copies (ops.swap_blocks), append.copies (ops.copy_blocks), then the forward pass: "
                          "prefill chunks (store_prefill through their mappings) and the decode batch (append K/V at "
@@ -185,14 +185,14 @@ void bind_scheduler(py::module_& m) {
       .def_readonly("num_batched_tokens", &StepOutput::num_batched_tokens)
       .def_readonly("metadata", &StepOutput::metadata, "decode metadata of `decodes` (when build_metadata)");
 
-  py::class_<RequestStatus>(m, "RequestStatus", "A request's progress.")
+  py::class_<RequestStatus>(m, "RequestStatus", init_only(), "A request's progress.")
       .def_readonly("state", &RequestStatus::state)
       .def_readonly("prompt_tokens", &RequestStatus::prompt_tokens)
       .def_readonly("computed_tokens", &RequestStatus::computed_tokens)
       .def_readonly("generated", &RequestStatus::generated)
       .def_readonly("slot", &RequestStatus::slot)
       .def_readonly("preemptions", &RequestStatus::preemptions);
-  py::class_<SchedulerStats>(m, "SchedulerStats", "Queue sizes and counters since the scheduler was made.")
+  py::class_<SchedulerStats>(m, "SchedulerStats", init_only(), "Queue sizes and counters since the scheduler was made.")
       .def_readonly("steps", &SchedulerStats::steps)
       .def_readonly("waiting", &SchedulerStats::waiting)
       .def_readonly("prefilling", &SchedulerStats::prefilling)
@@ -207,13 +207,15 @@ void bind_scheduler(py::module_& m) {
       .def_readonly("decode_tokens", &SchedulerStats::decode_tokens)
       .def_readonly("prefill_tokens", &SchedulerStats::prefill_tokens);
 
-  py::class_<Scheduler>(m, "Scheduler",
+  py::class_<Scheduler>(m, "Scheduler", init_only(),
                         "The continuous-batching scheduler over `cache` (which must start empty; while the scheduler "
                         "lives nothing else may add, free, append, swap or demote its sequences). add_request() as "
                         "requests arrive, step() once per engine step, finish() on EOS.")
       .def(py::init<KVCacheManager&, SchedulerConfig>(), py::arg("cache"), py::arg("config") = SchedulerConfig{},
            py::keep_alive<1, 2>())
-      .def_property_readonly("config", &Scheduler::config)
+      .def_property_readonly(
+          "config", [](const Scheduler& self) -> SchedulerConfig { return self.config(); },
+          "A copy: editing it changes nothing here (configure a new object with it).")
       .def(
           "add_request",
           [](Scheduler& s, const PyRequest& r) {

@@ -18,7 +18,7 @@ void bind_token_layout(py::module_& m) {
       .value("Visual", TokenKind::Visual, "cut into windows of block_size tokens (WindowQuant)")
       .finalize();
 
-  py::class_<Segment>(m, "Segment", "A run of `length` tokens of one kind.")
+  py::class_<Segment>(m, "Segment", init_only(), "A run of `length` tokens of one kind.")
       .def(py::init([](TokenKind kind, std::int32_t length) { return Segment{kind, length}; }), py::arg("kind"),
            py::arg("length"))
       .def_readwrite("kind", &Segment::kind)
@@ -29,7 +29,7 @@ void bind_token_layout(py::module_& m) {
                std::to_string(s.length) + ")";
       });
 
-  py::class_<TokenLayout>(m, "TokenLayout",
+  py::class_<TokenLayout>(m, "TokenLayout", init_only(),
                           "The prompt of one request as ordered runs of text and visual tokens. Each visual segment "
                           "is cut into windows from its own start; a visual tail shorter than a window stays FP16.")
       .def(py::init<std::vector<Segment>>(), py::arg("segments"),

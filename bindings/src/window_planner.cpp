@@ -64,7 +64,7 @@ void bind_window_planner(py::module_& m) {
       .value("MajorityVote", BatchPolicy::MajorityVote, "every (layer, window) takes the precision most chose")
       .finalize();
 
-  py::class_<LayerThresholds>(m, "LayerThresholds", "T_low <= T_high of one layer (eqs. 10-11).")
+  py::class_<LayerThresholds>(m, "LayerThresholds", init_only(), "T_low <= T_high of one layer (eqs. 10-11).")
       .def_readonly("low", &LayerThresholds::low)
       .def_readonly("high", &LayerThresholds::high)
       .def(py::self == py::self)
@@ -73,7 +73,7 @@ void bind_window_planner(py::module_& m) {
                ", high=" + std::string(py::repr(py::float_(t.high))) + ")";
       });
 
-  py::class_<PlannerConfig>(m, "PlannerConfig", "Configuration of a WindowPlanner.")
+  py::class_<PlannerConfig>(m, "PlannerConfig", init_only(), "Configuration of a WindowPlanner.")
       .def(py::init([](std::vector<double> sensitivities, std::int32_t window_size, double alpha,
                        std::vector<Precision> min_precision, BatchPolicy batch_policy) {
              return PlannerConfig{window_size, alpha, std::move(sensitivities), std::move(min_precision),
@@ -88,12 +88,14 @@ void bind_window_planner(py::module_& m) {
                      "empty, or the lowest precision allowed per layer")
       .def_readwrite("batch_policy", &PlannerConfig::batch_policy);
 
-  py::class_<WindowPlanner>(m, "WindowPlanner",
+  py::class_<WindowPlanner>(m, "WindowPlanner", init_only(),
                             "Plans requests (WindowQuant section 1): from prompt embeddings to the PrecisionPlan that "
                             "KVCacheManager.add_sequence allocates. Stateless after construction.")
       .def(py::init<PlannerConfig>(), py::arg("config"),
            "Raises ValueError naming the field of an invalid configuration.")
-      .def_property_readonly("config", &WindowPlanner::config)
+      .def_property_readonly(
+          "config", [](const WindowPlanner& self) -> PlannerConfig { return self.config(); },
+          "A copy: editing it changes nothing here (configure a new object with it).")
       .def_property_readonly("num_layers", &WindowPlanner::num_layers)
       .def_property_readonly(
           "thresholds",
@@ -185,7 +187,7 @@ void bind_window_planner(py::module_& m) {
       "In place, as the C++ call: every (layer, window position) takes the precision most plans chose (ties to "
       "the more precise). Raises ValueError, changing nothing, when the plans differ in layers.");
 
-  py::class_<PlanStats>(m, "PlanStats", "What a plan costs in the cache: exactly what add_sequence allocates.")
+  py::class_<PlanStats>(m, "PlanStats", init_only(), "What a plan costs in the cache: exactly what add_sequence allocates.")
       .def_readonly("layer_blocks", &PlanStats::layer_blocks, "[layer][FP16, INT4, INT2] blocks")
       .def_readonly("blocks", &PlanStats::blocks, "[FP16, INT4, INT2] blocks over all layers (= demand)")
       .def_readonly("pool_bytes", &PlanStats::pool_bytes)
@@ -195,7 +197,7 @@ void bind_window_planner(py::module_& m) {
   m.def("plan_stats", &plan_stats, py::arg("layout"), py::arg("plan"), py::arg("shape"),
         "Blocks and bytes a plan costs. Raises ValueError for a plan that does not match the shape and layout.");
 
-  py::class_<BudgetedPlan>(m, "BudgetedPlan", "A plan fitted to a KV byte budget by whole-layer floors.")
+  py::class_<BudgetedPlan>(m, "BudgetedPlan", init_only(), "A plan fitted to a KV byte budget by whole-layer floors.")
       .def_readonly("plan", &BudgetedPlan::plan)
       .def_readonly("floored_layers", &BudgetedPlan::floored_layers, "the prefix of layer_order that fit")
       .def_readonly("stats", &BudgetedPlan::stats, "plan_stats of plan");

@@ -1,6 +1,7 @@
 #include "mixkv/cpu/decode_attention.h"
 
 #include <cmath>
+#include <functional>
 #include <limits>
 #include <string>
 #include <vector>
@@ -17,11 +18,11 @@ constexpr double kEmpty = -std::numeric_limits<double>::infinity();
 
 std::string table_name(Precision p) { return "tables[" + std::string(to_string(p)) + "]"; }
 
-// CSR well-formedness, the batch size shared by all pools, block ids >= 0
-// (upper bounds are not checkable: a PoolView does not know which slabs its
-// pool owns), and last_block_len: FP16 lists end in a block holding
-// 1..block_size tokens; quantized blocks are always full.
-void check_table(const PagedPoolTable& table, Precision p, std::size_t batch, std::int32_t block_size) {
+// CSR well-formedness, the batch size shared by all pools, block ids in
+// [0, pool.num_blocks), and last_block_len: FP16 lists end in a block
+// holding 1..block_size tokens; quantized blocks are always full.
+void check_table(const PagedPoolTable& table, Precision p, std::size_t batch, const PoolView& pool) {
+  const std::int32_t block_size = pool.format.block_size;
   const std::string name = table_name(p);
   if (table.indptr.size() != batch + 1) {
     invalid(kFn, ": ", name, ".indptr has ", table.indptr.size(), " entries: expected batch + 1 = ", batch + 1,
@@ -38,8 +39,9 @@ void check_table(const PagedPoolTable& table, Precision p, std::size_t batch, st
     invalid(kFn, ": ", name, ".indptr[", batch, "] = ", table.indptr[batch], ": expected indices.size() = ",
             table.indices.size());
   }
+  const std::string pool_name = detail::pool_name(p);
   for (std::size_t j = 0; j < table.indices.size(); ++j) {
-    if (table.indices[j] < 0) invalid(kFn, ": ", name, ".indices[", j, "] = ", table.indices[j], ": expected a block id >= 0");
+    detail::check_block(kFn, table.indices[j], pool, pool_name, name, ".indices[", j, "]");
   }
   if (table.last_block_len.size() != batch) {
     invalid(kFn, ": ", name, ".last_block_len has ", table.last_block_len.size(), " entries: expected batch = ", batch);
@@ -57,6 +59,17 @@ void check_table(const PagedPoolTable& table, Precision p, std::size_t batch, st
       invalid(kFn, ": ", name, ".last_block_len[", i, "] = ", len, ": expected block_size = ", block_size,
               " (quantized blocks are full)");
     }
+  }
+}
+
+// Outputs are written while q is still read, and out and lse row by row:
+// any overlap would read or keep elements already overwritten.
+void check_disjoint(std::string_view a_name, std::span<const std::byte> a, std::string_view b_name,
+                    std::span<const std::byte> b) {
+  if (a.empty() || b.empty()) return;
+  const std::less<const std::byte*> before;
+  if (before(a.data(), b.data() + b.size()) && before(b.data(), a.data() + a.size())) {
+    invalid(kFn, ": ", a_name, " overlaps ", b_name, ": expected disjoint memory");
   }
 }
 
@@ -110,7 +123,7 @@ void decode_attention(const DecodeAttentionArgs& args) {
 
   if (tables[0].indptr.empty()) invalid(kFn, ": tables[FP16].indptr is empty: expected batch + 1 entries");
   const std::size_t batch = tables[0].indptr.size() - 1;
-  for (Precision p : kAllPrecisions) check_table(tables[pool_index(p)], p, batch, block_size);
+  for (Precision p : kAllPrecisions) check_table(tables[pool_index(p)], p, batch, args.pools[pool_index(p)]);
 
   if (args.num_q_heads < 1 || args.num_q_heads % kv_heads != 0) {
     invalid(kFn, ": num_q_heads = ", args.num_q_heads, ": expected a positive multiple of num_kv_heads = ", kv_heads);
@@ -122,6 +135,9 @@ void decode_attention(const DecodeAttentionArgs& args) {
   check_size("q", args.q.size(), batch * q_heads * dim, "batch * num_q_heads * head_dim");
   check_size("out", args.out.size(), batch * q_heads * dim, "batch * num_q_heads * head_dim");
   check_size("lse", args.lse.size(), batch * q_heads, "batch * num_q_heads");
+  check_disjoint("out", std::as_bytes(args.out), "lse", std::as_bytes(args.lse));
+  check_disjoint("out", std::as_bytes(args.out), "q", std::as_bytes(args.q));
+  check_disjoint("lse", std::as_bytes(args.lse), "q", std::as_bytes(args.q));
   detail::check_finite(kFn, "q", args.q);
 
   const std::int32_t group = args.num_q_heads / kv_heads;

@@ -53,6 +53,55 @@ template <typename... Parts>
   throw InvalidArgument(message);
 }
 
+// Throws IndexOutOfRange unless 0 <= value < limit (or value == -1 where
+// `padding` names what -1 means): "fn: name = v, expected 0 <= name < limit
+// (what)". The name is assembled from `name` only on failure, so checking
+// every id of a page table costs a compare.
+template <typename... NameParts>
+void check_index(std::string_view function, std::int64_t value, std::int64_t limit, std::string_view what,
+                 std::string_view padding, const NameParts&... name) {
+  if ((value >= 0 && value < limit) || (!padding.empty() && value == -1)) return;
+  std::string n;
+  (append_part(n, name), ...);
+  std::string message;
+  for (std::string_view part : {function, std::string_view(": "), std::string_view(n), std::string_view(" = ")}) {
+    message.append(part);
+  }
+  append_part(message, value);
+  message.append(", expected ");
+  if (!padding.empty()) {
+    message.append("-1 (");
+    message.append(padding);
+    message.append(") or ");
+  }
+  message.append("0 <= ");
+  message.append(n);
+  message.append(" < ");
+  append_part(message, limit);
+  message.append(" (");
+  message.append(what);
+  message.append(")");
+  throw IndexOutOfRange(message);
+}
+
+// Block ids of `pool`: [0, num_blocks), the ids that address bytes inside its buffer.
+template <typename... NameParts>
+void check_block(std::string_view function, std::int64_t id, const PoolView& pool, std::string_view pool_name,
+                 const NameParts&... name) {
+  if (id >= 0 && id < pool.num_blocks) return;
+  check_index(function, id, pool.num_blocks, std::string(pool_name) + ".num_blocks", {}, name...);
+}
+
+// FP16 token slots of `pool`: [0, num_blocks * block_size); -1 passes where
+// `padding` is not empty.
+template <typename... NameParts>
+void check_slot(std::string_view function, std::int64_t slot, const PoolView& pool, std::string_view pool_name,
+                std::string_view padding, const NameParts&... name) {
+  const std::int64_t limit = static_cast<std::int64_t>(pool.num_blocks) * pool.format.block_size;
+  if (slot >= 0 && slot < limit) return;
+  check_index(function, slot, limit, std::string(pool_name) + ".num_blocks * block_size", padding, name...);
+}
+
 inline bool is_finite(Half h) { return (h.bits & 0x7c00u) != 0x7c00u; }
 
 // Throws InvalidArgument naming `name` at the first NaN or infinity;
@@ -88,6 +137,7 @@ inline void check_pool(std::string_view function, std::string_view name, const P
   }
   check_format(function, std::string(name) + ".format", pool.format);
   if (pool.base == nullptr) invalid(function, ": ", name, ".base is null: expected the arena's first byte");
+  if (pool.num_blocks < 0) invalid(function, ": ", name, ".num_blocks = ", pool.num_blocks, ": expected >= 0");
   if (pool.blocks_per_slab < 1) {
     invalid(function, ": ", name, ".blocks_per_slab = ", pool.blocks_per_slab, ": expected >= 1");
   }
@@ -138,6 +188,10 @@ void write_head_unchecked(const BlockFormat& format, const Half* k, const Half* 
 void read_head_unchecked(const BlockFormat& format, const std::byte* head_region, float* k_out, float* v_out);
 // Quantizes [block_size][head_dim] float K/V into a quantized head (demote).
 void quantize_head_floats(const BlockFormat& format, const float* k, const float* v, std::byte* head_region);
+// Empty when quantize_head_floats can store K/V in `format` (every value
+// finite, every group's FP16 min and step finite), else what is wrong
+// ("K channel 3 ...") for a message.
+std::string unquantizable_floats(const BlockFormat& format, const float* k, const float* v);
 
 // The merge rule of two attention states over disjoint key sets (natural
 // log), evaluated in double. Empty states (lse = -inf) are handled by

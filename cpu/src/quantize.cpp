@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "detail.h"
@@ -163,6 +164,47 @@ void write_head_unchecked(const BlockFormat& format, const Half* k, const Half* 
 
 void quantize_head_floats(const BlockFormat& format, const float* k, const float* v, std::byte* head_region) {
   quantize_head(format, k, v, static_cast<std::size_t>(format.head_dim), head_region);
+}
+
+std::string unquantizable_floats(const BlockFormat& format, const float* k, const float* v) {
+  const int tokens = format.block_size;
+  const int dim = format.head_dim;
+  const int max_code = mixkv::max_code(format.precision);
+  // The group's stored min and step must be finite halves, so that every
+  // code is computed from finite numbers and dequantizes to a finite value.
+  auto bad_group = [&](float lo, float hi) {
+    if (!std::isfinite(lo) || !std::isfinite(hi)) return true;
+    const GroupParams params = group_params(lo, hi, max_code);
+    return !std::isfinite(half_to_float(params.min)) || !std::isfinite(half_to_float(params.scale));
+  };
+  auto text = [](const auto&... parts) {
+    std::string s;
+    (append_part(s, parts), ...);
+    return s;
+  };
+  for (int c = 0; c < dim; ++c) {
+    float lo = k[c];
+    float hi = k[c];
+    for (int t = 0; t < tokens; ++t) {
+      const float x = k[static_cast<std::size_t>(t) * dim + c];
+      if (std::isnan(x)) return text("K token ", t, " channel ", c, " is NaN");
+      lo = std::min(lo, x);
+      hi = std::max(hi, x);
+    }
+    if (bad_group(lo, hi)) return text("K channel ", c, " spans [", lo, ", ", hi, "]");
+  }
+  for (int t = 0; t < tokens; ++t) {
+    const float* row = v + static_cast<std::size_t>(t) * dim;
+    float lo = row[0];
+    float hi = row[0];
+    for (int c = 0; c < dim; ++c) {
+      if (std::isnan(row[c])) return text("V token ", t, " channel ", c, " is NaN");
+      lo = std::min(lo, row[c]);
+      hi = std::max(hi, row[c]);
+    }
+    if (bad_group(lo, hi)) return text("V token ", t, " spans [", lo, ", ", hi, "]");
+  }
+  return {};
 }
 
 void read_head_unchecked(const BlockFormat& format, const std::byte* head_region, float* k_out, float* v_out) {

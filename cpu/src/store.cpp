@@ -61,23 +61,21 @@ void store_prefill(std::span<const Half> k, std::span<const Half> v, const Store
   // one quantized window that covers it.
   std::vector<std::int32_t> covered(rows, 0);
   std::vector<std::int32_t> fp16_slots;
+  const PoolView& fp16_pool = pools[pool_index(Precision::FP16)];
   for (std::size_t r = 0; r < rows; ++r) {
     const std::int32_t slot = mapping.fp16_slots[r];
-    if (slot < -1) {
-      invalid(fn, ": mapping.fp16_slots[", r, "] = ", slot, ": expected a slot >= 0, or -1 for a quantized row");
-    }
+    detail::check_slot(fn, slot, fp16_pool, "pools[FP16]", "a quantized row", "mapping.fp16_slots[", r, "]");
     if (slot >= 0) fp16_slots.push_back(slot);
   }
   check_unique(fn, "mapping.fp16_slots", std::move(fp16_slots));
   for (Precision p : {Precision::INT4, Precision::INT2}) {
     const auto& windows = p == Precision::INT4 ? mapping.int4_windows : mapping.int2_windows;
     const std::string name = std::string("mapping.") + (p == Precision::INT4 ? "int4_windows" : "int2_windows");
+    const std::string pool_name = detail::pool_name(p);
     std::vector<std::int32_t> block_ids;
     for (std::size_t w = 0; w < windows.size(); ++w) {
       const WindowSlot& window = windows[w];
-      if (window.block_id < 0) {
-        invalid(fn, ": ", name, "[", w, "].block_id = ", window.block_id, ": expected a block id >= 0");
-      }
+      detail::check_block(fn, window.block_id, pools[pool_index(p)], pool_name, name, "[", w, "].block_id");
       const std::size_t last = static_cast<std::size_t>(window.first_row) + fp16.block_size;
       if (window.first_row < 0 || last > rows) {
         invalid(fn, ": ", name, "[", w, "].first_row = ", window.first_row,
@@ -104,7 +102,6 @@ void store_prefill(std::span<const Half> k, std::span<const Half> v, const Store
   detail::check_finite(fn, "v", v);
 
   const std::size_t stride = row_halves(fp16);
-  const PoolView& fp16_pool = pools[pool_index(Precision::FP16)];
   for (std::size_t r = 0; r < rows; ++r) {
     if (mapping.fp16_slots[r] >= 0) write_fp16_row(fp16_pool, mapping.fp16_slots[r], &k[r * stride], &v[r * stride]);
   }
@@ -131,9 +128,7 @@ void append(std::span<const Half> k, std::span<const Half> v, std::span<const st
   const std::size_t stride = row_halves(f);
   std::vector<std::int32_t> written;
   for (std::size_t i = 0; i < fp16_slots.size(); ++i) {
-    if (fp16_slots[i] < -1) {
-      invalid(fn, ": fp16_slots[", i, "] = ", fp16_slots[i], ": expected a slot >= 0, or -1 for a padding row");
-    }
+    detail::check_slot(fn, fp16_slots[i], fp16_pool, "fp16_pool", "a padding row", "fp16_slots[", i, "]");
     if (fp16_slots[i] < 0) continue;  // padding rows may hold anything
     written.push_back(fp16_slots[i]);
     detail::check_finite(fn, "k", k.subspan(i * stride, stride), i * stride);
@@ -153,8 +148,8 @@ void copy_blocks(std::span<const BlockCopy> copies, const PoolView& pool) {
   std::vector<std::int32_t> destinations;
   for (std::size_t i = 0; i < copies.size(); ++i) {
     const BlockCopy& copy = copies[i];
-    if (copy.src < 0) invalid(fn, ": copies[", i, "].src = ", copy.src, ": expected a block id >= 0");
-    if (copy.dst < 0) invalid(fn, ": copies[", i, "].dst = ", copy.dst, ": expected a block id >= 0");
+    detail::check_block(fn, copy.src, pool, "pool", "copies[", i, "].src");
+    detail::check_block(fn, copy.dst, pool, "pool", "copies[", i, "].dst");
     if (copy.src == copy.dst) invalid(fn, ": copies[", i, "] copies block ", copy.src, " onto itself: expected src != dst");
     sources.push_back(copy.src);
     destinations.push_back(copy.dst);

@@ -154,8 +154,8 @@ TEST(Demote, CpuRequantizesExactlyAsWriteHead) {
   // One slab per pool in a 3-slab arena: FP16 block 0 (slab 0), INT4 block
   // in slab 1, INT2 block in slab 2.
   std::vector<std::byte> arena(3 * 4096);
-  PoolViews pools{PoolView{arena.data(), 4096, 4, fp16}, PoolView{arena.data(), 4096, 10, int4},
-                       PoolView{arena.data(), 4096, 16, int2}};
+  PoolViews pools{PoolView{arena.data(), 4096, 4, fp16, 3 * 4}, PoolView{arena.data(), 4096, 10, int4, 3 * 10},
+                       PoolView{arena.data(), 4096, 16, int2, 3 * 16}};
   cpu::write_head(fp16, k.data(), v.data(), 16, pools[0].block(0));
   const DemoteOp to4{1, 0, 1, Precision::FP16, 0, Precision::INT4, 10};
   cpu::demote(std::span<const DemoteOp>(&to4, 1), pools);

@@ -83,7 +83,12 @@ class TestArena {
       }
     }
     bytes_.assign(owner.size() * slab_bytes_, kPoison);
-    for (PoolView& view : views_) view.base = bytes_.data();
+    // Every id of every slab addresses bytes inside the arena, as the
+    // manager's pool_view() bounds it: slabs * blocks_per_slab.
+    for (PoolView& view : views_) {
+      view.base = bytes_.data();
+      view.num_blocks = static_cast<std::int32_t>(owner.size()) * view.blocks_per_slab;
+    }
     for (auto& ids : free_) std::shuffle(ids.begin(), ids.end(), rng_);
   }
 
@@ -313,6 +318,18 @@ inline QualityData quality_data() {
   }
   return data;
 }
+
+// Asserts that a call throws IndexOutOfRange whose message names `name`.
+#define MIXKV_EXPECT_OUT_OF_RANGE(call, name)                                                   \
+  do {                                                                                          \
+    try {                                                                                       \
+      call;                                                                                     \
+      ADD_FAILURE() << #call << " did not throw";                                               \
+    } catch (const ::mixkv::IndexOutOfRange& error) {                                           \
+      EXPECT_NE(std::string(error.what()).find(name), std::string::npos)                        \
+          << "message does not name '" << (name) << "': " << error.what();                      \
+    }                                                                                           \
+  } while (0)
 
 // Asserts that a call throws InvalidArgument whose message names `name`.
 #define MIXKV_EXPECT_INVALID(call, name)                                                        \

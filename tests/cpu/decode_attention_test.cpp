@@ -421,6 +421,17 @@ class DecodeBadInput : public ::testing::Test {
     EXPECT_EQ(out_, std::vector<float>(out_.size(), 42.0f)) << name;
     EXPECT_EQ(lse_, std::vector<float>(lse_.size(), 42.0f)) << name;
   }
+  // The same for IndexOutOfRange (a block id outside its pool).
+  template <typename Mutate>
+  void expect_out_of_range(Mutate mutate, const std::string& name) {
+    cpu::DecodeAttentionArgs args = args_;
+    auto tables = placed_.tables;
+    args.tables = &tables;
+    mutate(args, tables);
+    MIXKV_EXPECT_OUT_OF_RANGE(cpu::decode_attention(args), name);
+    EXPECT_EQ(out_, std::vector<float>(out_.size(), 42.0f)) << name;
+    EXPECT_EQ(lse_, std::vector<float>(lse_.size(), 42.0f)) << name;
+  }
 
   TestArena arena_;
   PlacedBatch placed_;
@@ -443,12 +454,61 @@ TEST_F(DecodeBadInput, Tables) {
   expect_rejected([](auto&, Tables& t) { t[2].indptr[0] = 1; }, "tables[INT2].indptr[0]");
   expect_rejected([](auto&, Tables& t) { std::swap(t[0].indptr[1], t[0].indptr[2]); }, "tables[FP16].indptr[");
   expect_rejected([](auto&, Tables& t) { t[0].indices.push_back(0); }, "tables[FP16].indptr[2]");
-  expect_rejected([](auto&, Tables& t) { t[1].indices[0] = -1; }, "tables[INT4].indices[0]");
   expect_rejected([](auto&, Tables& t) { t[2].last_block_len.pop_back(); }, "tables[INT2].last_block_len has");
   expect_rejected([](auto&, Tables& t) { t[0].last_block_len[0] = 0; }, "tables[FP16].last_block_len[0]");
   expect_rejected([](auto&, Tables& t) { t[0].last_block_len[1] = kBlock + 1; }, "tables[FP16].last_block_len[1]");
   expect_rejected([](auto&, Tables& t) { t[1].last_block_len[0] = kBlock - 1; }, "tables[INT4].last_block_len[0]");
   expect_rejected([](auto&, Tables& t) { t[2].last_block_len[1] = 3; }, "tables[INT2].last_block_len[1]");
+}
+
+// Every page-table id is checked against its pool's num_blocks, from below
+// and above: one past the last block, far past it, negative.
+TEST_F(DecodeBadInput, BlockIdsOutsideTheirPool) {
+  for (Precision p : kAllPrecisions) {
+    const int i = pool_index(p);
+    const std::int32_t n = arena_.view(p).num_blocks;
+    const std::string name = "tables[" + std::string(to_string(p)) + "].indices[0]";
+    for (std::int32_t bad : {n, n + 1, 1000000, std::numeric_limits<std::int32_t>::max(), -1, -1000000,
+                             std::numeric_limits<std::int32_t>::min()}) {
+      expect_out_of_range([&](auto&, Tables& t) { t[i].indices[0] = bad; },
+                          name + " = " + std::to_string(bad) + ", expected 0 <= " + name + " < " + std::to_string(n));
+    }
+  }
+  // The last block of each pool is in range (and in the arena).
+  auto tables = placed_.tables;
+  for (Precision p : kAllPrecisions) tables[pool_index(p)].indices[0] = arena_.view(p).num_blocks - 1;
+  cpu::DecodeAttentionArgs args = args_;
+  args.tables = &tables;
+  EXPECT_NO_THROW(cpu::decode_attention(args));
+}
+
+// out, lse and q are read and written row by row: any overlap is refused,
+// as merge_states refuses it.
+TEST_F(DecodeBadInput, OverlappingOutputs) {
+  std::vector<float> both(out_.size() + lse_.size(), 42.0f);
+  const std::span<float> whole(both);
+  expect_rejected(
+      [&](auto& a, Tables&) {
+        a.out = whole.first(out_.size());
+        a.lse = whole.subspan(out_.size() - 1, lse_.size());
+      },
+      "out overlaps lse");
+  expect_rejected(
+      [&](auto& a, Tables&) {
+        a.out = whole.first(out_.size());
+        a.lse = whole.first(lse_.size());
+      },
+      "out overlaps lse");
+  std::vector<float> big(out_.size() + q_.size());
+  const std::span<Half> q_in_big(reinterpret_cast<Half*>(big.data() + out_.size() - 4), q_.size());
+  std::copy(q_.begin(), q_.end(), q_in_big.begin());
+  expect_rejected(
+      [&](auto& a, Tables&) {
+        a.q = q_in_big;
+        a.out = std::span<float>(big).first(out_.size());
+      },
+      "out overlaps q");
+  EXPECT_EQ(both, std::vector<float>(both.size(), 42.0f));
 }
 
 TEST_F(DecodeBadInput, ShapesAndScalars) {

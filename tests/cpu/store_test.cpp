@@ -2,6 +2,8 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <limits>
+#include <string>
 
 #include "cpu_test_util.h"
 
@@ -182,6 +184,10 @@ class StoreBadInput : public ::testing::Test {
     MIXKV_EXPECT_INVALID(cpu::store_prefill(k_, v_, mapping, arena_.views()), name);
     EXPECT_EQ(arena_.bytes(), before_);
   }
+  void expect_out_of_range(const StoreMapping& mapping, const std::string& name) {
+    MIXKV_EXPECT_OUT_OF_RANGE(cpu::store_prefill(k_, v_, mapping, arena_.views()), name);
+    EXPECT_EQ(arena_.bytes(), before_);
+  }
 
   TestArena arena_;
   std::vector<Half> k_, v_;
@@ -200,13 +206,13 @@ TEST_F(StoreBadInput, StorePrefill) {
   MIXKV_EXPECT_INVALID(cpu::store_prefill(k_, short_k, mapping_, arena_.views()), "v has");
   StoreMapping m = mapping_;
   m.fp16_slots[35] = -2;
-  expect_rejected(m, "mapping.fp16_slots[35]");
+  expect_out_of_range(m, "mapping.fp16_slots[35] = -2, expected -1 (a quantized row) or 0 <= mapping.fp16_slots[35]");
   m = mapping_;
   m.fp16_slots[35] = m.fp16_slots[36];
   expect_rejected(m, "mapping.fp16_slots");
   m = mapping_;
   m.int4_windows[0].block_id = -1;
-  expect_rejected(m, "mapping.int4_windows[0].block_id");
+  expect_out_of_range(m, "mapping.int4_windows[0].block_id = -1");
   m = mapping_;
   m.int2_windows[0].first_row = 30;  // runs past row 39 and over FP16 rows
   expect_rejected(m, "mapping.int2_windows[0]");
@@ -265,7 +271,7 @@ TEST_F(StoreBadInput, Append) {
   const std::vector<std::int32_t> slots = {3, 17};
   MIXKV_EXPECT_INVALID(cpu::append(std::span(k).first(kRow), v, slots, pool), "k has");
   MIXKV_EXPECT_INVALID(cpu::append(k, std::span(v).first(kRow), slots, pool), "v has");
-  MIXKV_EXPECT_INVALID(cpu::append(k, v, std::vector<std::int32_t>{3, -2}, pool), "fp16_slots[1] = -2");
+  MIXKV_EXPECT_OUT_OF_RANGE(cpu::append(k, v, std::vector<std::int32_t>{3, -2}, pool), "fp16_slots[1] = -2");
   MIXKV_EXPECT_INVALID(cpu::append(k, v, std::vector<std::int32_t>{3, 3}, pool), "fp16_slots");
   MIXKV_EXPECT_INVALID(cpu::append(k, v, slots, arena_.view(Precision::INT4)), "fp16_pool.format.precision");
   std::vector<Half> bad = k;
@@ -275,12 +281,61 @@ TEST_F(StoreBadInput, Append) {
   EXPECT_EQ(arena_.bytes(), before_);
 }
 
+// Ids one past the end, far past it, at INT32_MAX, negative: each names the
+// argument and the limit; the arena keeps every byte.
+TEST_F(StoreBadInput, IdsAreBoundedByTheirPool) {
+  const std::int32_t fp16_blocks = arena_.view(Precision::FP16).num_blocks;
+  const std::int32_t slots = fp16_blocks * kBlock;
+  for (std::int32_t bad : {slots, slots + 1, 1000000, std::numeric_limits<std::int32_t>::max(), -2, -1000000,
+                           std::numeric_limits<std::int32_t>::min()}) {
+    StoreMapping m = mapping_;
+    m.fp16_slots[33] = bad;
+    expect_out_of_range(m, "mapping.fp16_slots[33] = " + std::to_string(bad) +
+                               ", expected -1 (a quantized row) or 0 <= mapping.fp16_slots[33] < " +
+                               std::to_string(slots));
+  }
+  for (Precision p : {Precision::INT4, Precision::INT2}) {
+    const std::int32_t n = arena_.view(p).num_blocks;
+    const std::string name = p == Precision::INT4 ? "mapping.int4_windows[0].block_id" : "mapping.int2_windows[0].block_id";
+    for (std::int32_t bad : {n, n + 1, 1000000, std::numeric_limits<std::int32_t>::max(), -1,
+                             std::numeric_limits<std::int32_t>::min()}) {
+      StoreMapping m = mapping_;
+      (p == Precision::INT4 ? m.int4_windows : m.int2_windows)[0].block_id = bad;
+      expect_out_of_range(m, name + " = " + std::to_string(bad) + ", expected 0 <= " + name + " < " + std::to_string(n));
+    }
+  }
+
+  const PoolView& pool = arena_.view(Precision::FP16);
+  const std::vector<Half> k(2 * kRow), v(2 * kRow);
+  for (std::int32_t bad : {slots, 1000000, -2}) {
+    MIXKV_EXPECT_OUT_OF_RANGE(cpu::append(k, v, std::vector<std::int32_t>{-1, bad}, pool),
+                              "fp16_slots[1] = " + std::to_string(bad) + ", expected -1 (a padding row) or 0 <= fp16_slots[1] < " +
+                                  std::to_string(slots));
+  }
+  using Copies = std::vector<BlockCopy>;
+  for (std::int32_t bad : {fp16_blocks, 1000000, std::numeric_limits<std::int32_t>::max()}) {
+    MIXKV_EXPECT_OUT_OF_RANGE(cpu::copy_blocks(Copies{{1, 2}, {3, bad}}, pool),
+                              "copies[1].dst = " + std::to_string(bad) + ", expected 0 <= copies[1].dst < " +
+                                  std::to_string(fp16_blocks));
+    MIXKV_EXPECT_OUT_OF_RANGE(cpu::copy_blocks(Copies{{bad, 2}}, pool), "copies[0].src = " + std::to_string(bad));
+  }
+  // A view that addresses nothing refuses every id.
+  PoolView empty = pool;
+  empty.num_blocks = 0;
+  MIXKV_EXPECT_OUT_OF_RANGE(cpu::copy_blocks(Copies{{0, 1}}, empty), "copies[0].src = 0, expected 0 <= copies[0].src < 0");
+  EXPECT_EQ(arena_.bytes(), before_);
+
+  // The last slot and the last block are in range, and inside the arena.
+  EXPECT_NO_THROW(cpu::append(k, v, std::vector<std::int32_t>{slots - 1, -1}, pool));
+  EXPECT_NO_THROW(cpu::copy_blocks(Copies{{0, fp16_blocks - 1}}, pool));
+}
+
 TEST_F(StoreBadInput, CopyBlocks) {
   const PoolView& pool = arena_.view(Precision::FP16);
   using Copies = std::vector<BlockCopy>;
   MIXKV_EXPECT_INVALID(cpu::copy_blocks(Copies{{1, 2}, {4, 4}}, pool), "copies[1]");
-  MIXKV_EXPECT_INVALID(cpu::copy_blocks(Copies{{-1, 2}}, pool), "copies[0].src");
-  MIXKV_EXPECT_INVALID(cpu::copy_blocks(Copies{{1, -3}}, pool), "copies[0].dst");
+  MIXKV_EXPECT_OUT_OF_RANGE(cpu::copy_blocks(Copies{{-1, 2}}, pool), "copies[0].src = -1");
+  MIXKV_EXPECT_OUT_OF_RANGE(cpu::copy_blocks(Copies{{1, -3}}, pool), "copies[0].dst = -3");
   MIXKV_EXPECT_INVALID(cpu::copy_blocks(Copies{{1, 2}, {3, 2}}, pool), "copies[].dst");
   MIXKV_EXPECT_INVALID(cpu::copy_blocks(Copies{{1, 2}, {2, 3}}, pool), "copies[0].dst");
   PoolView broken = pool;

@@ -57,9 +57,14 @@ MIXKV_HOST_DEVICE inline float quant_bias(float min, float inverse_step) { retur
 // high clamp fires where the scale rounded down by more than the rounding
 // slack, i.e. for FP16 scales in the subnormal range (up to y = 22.5 at
 // INT4), and for float input.
+// NaN (a NaN input, or inf * 0 from an infinite input or minimum) codes as
+// 0: a float-to-int conversion of NaN is undefined, so it never reaches one.
+// The ops reject such input before quantizing (store: NaN/inf K/V; demote: a
+// source block whose group min or step FP16 cannot hold); this is the last
+// line, for any caller that does not.
 MIXKV_HOST_DEVICE inline int quant_code(float x, float inverse_step, float bias, int max_code) {
   const float q = floorf(fmaf(x, inverse_step, bias));
-  return q < 0.0f ? 0 : (q > static_cast<float>(max_code) ? max_code : static_cast<int>(q));
+  return !(q >= 0.0f) ? 0 : (q > static_cast<float>(max_code) ? max_code : static_cast<int>(q));
 }
 
 MIXKV_HOST_DEVICE inline float dequant(int code, float scale, float min) {

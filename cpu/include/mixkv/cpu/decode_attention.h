@@ -18,6 +18,9 @@ namespace mixkv::cpu {
 //        -inf for a sequence with no tokens (whose output is 0).
 // Accumulation is in double on the dequantized K/V (read_head), which makes
 // this the reference the CUDA kernels are held to.
+// Throws IndexOutOfRange for a page-table block id outside [0, num_blocks)
+// of its pool, InvalidArgument for malformed tables, sizes, NaN/inf in q, or
+// out, lse and q overlapping; nothing is written then.
 struct DecodeAttentionArgs {
   std::span<const Half> q;
   std::int32_t num_q_heads = 0;
