@@ -1,0 +1,66 @@
+#pragma once
+#include <cstdint>
+#include <memory>
+
+#include "mixkv/engine/backend.h"
+#include "mixkv/planner/plan_source.h"
+#include "mixkv/scheduler/scheduler.h"
+
+namespace mixkv {
+
+struct EngineConfig {
+  CacheConfig cache;
+  SchedulerConfig scheduler;
+  std::int32_t num_q_heads = 0;
+  BackendKind backend = BackendKind::CPU;
+  std::int32_t cuda_device = 0;
+  float sm_scale = 0.0f;                     // BackendConfig::sm_scale (0: 1/sqrt(head_dim))
+  std::int32_t max_blocks_per_sequence = 0;  // BackendConfig::max_blocks_per_sequence (CUDA)
+};
+
+// A serving engine's loop over mixkv: the scheduler and a backend. Each step
+//   const StepOutput& s = engine.step();     // schedules and applies memory moves
+//   for layer: engine.store(layer, k, v);    // rows of s.prefills, concatenated
+//              engine.attend(layer, q, k, v, out);  // the batch s.decodes
+//   then the engine samples, and calls finish()/cancel()/fork() as needed.
+class Engine {
+ public:
+  // Throws InvalidArgument naming the field (scheduler and cache configs
+  // as their owners check them; num_q_heads not a positive multiple of
+  // num_kv_heads).
+  explicit Engine(EngineConfig config, std::shared_ptr<PlanSource> planner = nullptr);
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  const EngineConfig& config() const;
+  Scheduler& scheduler();
+  const Scheduler& scheduler() const;
+  Backend& backend();
+  const KVCacheManager& cache() const;
+
+  // A request with a plan, embeddings, or neither (FP16).
+  void add_request(const Request& request);
+  // Parallel sampling: `child` shares every block of the running `parent`.
+  void fork(RequestId parent, RequestId child, std::int32_t max_new_tokens = -1);
+  bool finish(RequestId id);
+  bool cancel(RequestId id);
+  bool has_unfinished() const;
+
+  // The next step, its memory moves already applied by the backend. The
+  // reference stays valid until the next step().
+  const StepOutput& step();
+  // store()/attend() check their arrays against that step (rows = the sum
+  // of its chunks' lengths, batch = decodes.size(), dtype, device) and
+  // throw InvalidArgument naming the argument, before any step too; then
+  // the backend's checks and ops (backend.h).
+  void store(std::int32_t layer, const TensorView& k, const TensorView& v);
+  void attend(std::int32_t layer, const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
+              const TensorView* lse = nullptr);
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace mixkv

@@ -1,0 +1,128 @@
+// The CPU backend: a manager, a host arena and a host swap buffer, and the
+// ops of mixkv/cpu/ over them. Every call runs to completion.
+#include <cstdlib>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "mixkv/core/errors.h"
+#include "mixkv/core/half.h"
+#include "mixkv/cpu/decode_attention.h"
+#include "mixkv/cpu/demote.h"
+#include "mixkv/cpu/store.h"
+#include "mixkv/cpu/swap.h"
+#include "mixkv/engine/backend.h"
+#include "step_inputs.h"
+
+namespace mixkv {
+
+namespace {
+
+using engine_detail::StepInputs;
+
+// calloc: pages are touched only when KV bytes are written, and malloc's
+// 16-byte alignment is what every block format needs inside a slab.
+struct FreeBytes {
+  void operator()(std::byte* p) const { std::free(p); }
+};
+using HostBytes = std::unique_ptr<std::byte, FreeBytes>;
+
+HostBytes host_bytes(std::size_t bytes, const char* name) {
+  auto* p = static_cast<std::byte*>(std::calloc(bytes == 0 ? 1 : bytes, 1));
+  if (p == nullptr) {
+    throw OutOfMemory(std::string("make_cpu_backend: ") + name + " = " + std::to_string(bytes) +
+                      ": the host cannot allocate it, expected less");
+  }
+  return HostBytes(p);
+}
+
+class CpuBackend final : public Backend {
+ public:
+  explicit CpuBackend(const BackendConfig& config)
+      : config_((engine_detail::check_config("make_cpu_backend", config), config)),
+        manager_(config.cache),
+        arena_(host_bytes(config.cache.arena_bytes, "cache.arena_bytes")),
+        swap_(host_bytes(manager_.swap_bytes(), "swap_bytes()")),
+        pools_(manager_.arena_layout().at(arena_.get())),
+        host_pools_(manager_.swap_layout().at(swap_.get())) {}
+
+  BackendKind kind() const override { return BackendKind::CPU; }
+  const BackendConfig& config() const override { return config_; }
+  KVCacheManager& manager() override { return manager_; }
+  const KVCacheManager& manager() const override { return manager_; }
+
+  void store(std::int32_t layer, const TensorView& k, const TensorView& v) override {
+    engine_detail::check_store("CpuBackend::store", inputs_, config_, layer, k, v, DeviceKind::CPU, 0, alignof(Half));
+    if (inputs_.rows == 0) return;
+    cpu::store_prefill(halves(k), halves(v), inputs_.mappings[static_cast<std::size_t>(layer)], pools_);
+  }
+
+  void attend(std::int32_t layer, const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
+              const TensorView* lse) override {
+    engine_detail::check_attend("CpuBackend::attend", inputs_, config_, layer, q, k, v, out, lse, DeviceKind::CPU, 0,
+                                alignof(float));
+    const auto batch = static_cast<std::size_t>(inputs_.batch);
+    if (batch == 0) return;
+    const std::span<const std::int32_t> slots(inputs_.slots.data() + static_cast<std::size_t>(layer) * batch, batch);
+    cpu::append(halves(k), halves(v), slots, pools_[pool_index(Precision::FP16)]);
+    const auto rows = batch * static_cast<std::size_t>(config_.num_q_heads);
+    out_f32_.resize(rows * static_cast<std::size_t>(config_.cache.shape.head_dim));
+    lse_f32_.resize(rows);
+    cpu::DecodeAttentionArgs args;
+    args.q = halves(q);
+    args.num_q_heads = config_.num_q_heads;
+    args.sm_scale = engine_detail::sm_scale(config_);
+    args.tables = &metadata_.layers[static_cast<std::size_t>(layer)];
+    args.pools = pools_;
+    args.out = out_f32_;
+    args.lse = lse != nullptr ? std::span<float>(static_cast<float*>(lse->data), rows) : std::span<float>(lse_f32_);
+    cpu::decode_attention(args);
+    Half* o = static_cast<Half*>(out.data);
+    for (std::size_t i = 0; i < out_f32_.size(); ++i) o[i] = float_to_half(out_f32_[i]);
+  }
+
+  void set_stream(void*) override {}
+  void synchronize() override {}
+
+ protected:
+  void apply_step(const StepOutput& step, const Scheduler*) override {
+    engine_detail::check_step("CpuBackend::apply", step, manager_, config_);
+    // The ops check their lists before they write (a failed op writes
+    // nothing); the scheduler's lists pass those checks by construction.
+    cpu::demote(step.demotions, pools_);
+    cpu::swap_blocks(step.swap_out, SwapDirection::DeviceToHost, pools_, host_pools_);
+    cpu::swap_blocks(step.swap_in, SwapDirection::HostToDevice, pools_, host_pools_);
+    cpu::copy_blocks(step.append.copies, pools_[pool_index(Precision::FP16)]);
+    engine_detail::build_inputs(step, manager_, inputs_);
+    // Metadata as of this step, kept whole: a request cancelled before
+    // attend() leaves its blocks unused until the next step, so reading
+    // them then is still reading its tokens.
+    if (!step.metadata.layers.empty()) {
+      metadata_ = step.metadata;
+    } else {
+      metadata_ = manager_.decode_metadata(step.decodes);
+    }
+  }
+
+ private:
+  static std::span<const Half> halves(const TensorView& t) {
+    return {static_cast<const Half*>(t.data), static_cast<std::size_t>(t.numel())};
+  }
+
+  BackendConfig config_;
+  KVCacheManager manager_;
+  HostBytes arena_;
+  HostBytes swap_;
+  PoolViews pools_;
+  PoolViews host_pools_;
+  StepInputs inputs_;
+  DecodeMetadata metadata_;
+  std::vector<float> out_f32_;
+  std::vector<float> lse_f32_;
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> make_cpu_backend(const BackendConfig& config) { return std::make_unique<CpuBackend>(config); }
+
+}  // namespace mixkv

@@ -1,0 +1,332 @@
+// The CUDA backend: a manager, a device arena, a pinned host swap buffer,
+// device page tables and one decode plan a step, and the gpu:: ops over
+// them. Everything is enqueued on one stream; nothing here waits for the
+// device inside a step (the staging copies wait only for their own copy
+// two steps back).
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <array>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "mixkv/core/errors.h"
+#include "mixkv/engine/backend.h"
+#include "mixkv/kernels/decode_plan.h"
+#include "mixkv/kernels/demote.h"
+#include "mixkv/kernels/detail/device_buffer.h"
+#include "mixkv/kernels/device_arena.h"
+#include "mixkv/kernels/device_page_tables.h"
+#include "mixkv/kernels/device_status.h"
+#include "mixkv/kernels/store.h"
+#include "mixkv/kernels/swap.h"
+#include "step_inputs.h"
+
+namespace mixkv {
+
+namespace {
+
+using engine_detail::StepInputs;
+
+// Makes the backend's device current for one call and restores the
+// caller's afterwards, so that the caller's own device choice is untouched.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    MIXKV_CUDA_CHECK(cudaGetDevice(&previous_));
+    if (previous_ != device) MIXKV_CUDA_CHECK(cudaSetDevice(device));
+  }
+  ~DeviceGuard() { cudaSetDevice(previous_); }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_ = 0;
+};
+
+int current_device() {
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return device;
+}
+
+// Checks the config and selects its device before any CUDA member is built.
+const BackendConfig& select_device(const BackendConfig& config) {
+  engine_detail::check_config("make_cuda_backend", config);
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
+    cudaGetLastError();
+    throw InvalidArgument("make_cuda_backend: no CUDA device is visible: expected BackendKind::CPU on this machine");
+  }
+  if (config.cuda_device < 0 || config.cuda_device >= count) {
+    throw InvalidArgument("make_cuda_backend: cuda_device = " + std::to_string(config.cuda_device) +
+                          ": expected 0 <= cuda_device < " + std::to_string(count) + " (the visible devices)");
+  }
+  MIXKV_CUDA_CHECK(cudaSetDevice(config.cuda_device));
+  return config;
+}
+
+// Every layer of a sequence holds all of its tokens (at least ceil(tokens /
+// block_size) blocks), and a list of m blocks means more than (m - 1) *
+// block_size tokens; so num_layers * m blocks are held, at most the largest
+// pool's num_blocks (every slab in that pool).
+std::int32_t list_bound(const BackendConfig& config, const PoolLayout& arena) {
+  if (config.max_blocks_per_sequence > 0) return config.max_blocks_per_sequence;
+  std::int64_t most = 0;
+  for (const PoolView& p : arena.pools) most = std::max<std::int64_t>(most, p.num_blocks);
+  return static_cast<std::int32_t>(std::max<std::int64_t>(1, most / config.cache.shape.num_layers));
+}
+
+constexpr std::array<std::pair<Precision, Precision>, 3> kDemotePairs{
+    {{Precision::FP16, Precision::INT4}, {Precision::FP16, Precision::INT2}, {Precision::INT4, Precision::INT2}}};
+
+int demote_pair(const DemoteOp& op) {
+  for (std::size_t i = 0; i < kDemotePairs.size(); ++i) {
+    if (kDemotePairs[i].first == op.src_precision && kDemotePairs[i].second == op.dst_precision) {
+      return static_cast<int>(i);
+    }
+  }
+  return -1;
+}
+
+class CudaBackend final : public Backend {
+ public:
+  explicit CudaBackend(const BackendConfig& config)
+      : caller_device_(current_device()),
+        config_(select_device(config)),
+        device_(config.cuda_device),
+        manager_(config.cache),
+        layout_(manager_.arena_layout()),
+        arena_(config.cache.arena_bytes),
+        pools_(arena_.pool_views(layout_)),
+        tables_(gpu::PageTableConfig{config.cache.shape.num_layers, config.max_num_seqs, list_bound(config, layout_)},
+                layout_),
+        plan_(gpu::DecodePlanConfig{config.cache.shape.num_layers, config.num_q_heads, config.cache.shape.num_kv_heads,
+                                    config.cache.shape.head_dim, config.cache.shape.block_size, config.max_num_seqs},
+              tables_),
+        mappings_(static_cast<std::size_t>(config.cache.shape.num_layers)) {
+    if (manager_.swap_bytes() > 0) {
+      swap_.emplace(manager_.swap_layout());
+      host_pools_ = swap_->device_views(manager_.swap_layout());
+    }
+    cudaSetDevice(caller_device_);
+  }
+
+  ~CudaBackend() override {
+    // The members free device memory of this device.
+    cudaSetDevice(device_);
+  }
+
+  BackendKind kind() const override { return BackendKind::CUDA; }
+  const BackendConfig& config() const override { return config_; }
+  KVCacheManager& manager() override { return manager_; }
+  const KVCacheManager& manager() const override { return manager_; }
+
+  void store(std::int32_t layer, const TensorView& k, const TensorView& v) override {
+    engine_detail::check_store("CudaBackend::store", inputs_, config_, layer, k, v, DeviceKind::CUDA, device_, 16);
+    if (inputs_.rows == 0) return;
+    const DeviceGuard guard(device_);
+    gpu::StorePrefillArgs args;
+    mappings_[static_cast<std::size_t>(layer)].fill(args);
+    args.k = static_cast<const Half*>(k.data);
+    args.v = static_cast<const Half*>(v.data);
+    args.pools = pools_;
+    args.stream = stream_;
+    gpu::store_prefill(args);
+  }
+
+  void attend(std::int32_t layer, const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
+              const TensorView* lse) override {
+    engine_detail::check_attend("CudaBackend::attend", inputs_, config_, layer, q, k, v, out, lse, DeviceKind::CUDA,
+                                device_, 16);
+    if (inputs_.batch == 0) return;
+    const DeviceGuard guard(device_);
+    gpu::AppendArgs append;
+    append.k = static_cast<const Half*>(k.data);
+    append.v = static_cast<const Half*>(v.data);
+    append.fp16_slots = device_ints_.get() + slots_offset_ + static_cast<std::size_t>(layer) * inputs_.batch;
+    append.batch = inputs_.batch;
+    append.fp16_pool = pools_[pool_index(Precision::FP16)];
+    append.stream = stream_;
+    append.status = &status_;
+    gpu::append(append);
+    gpu::DecodeRunArgs run;
+    run.layer = layer;
+    run.q = static_cast<const Half*>(q.data);
+    run.out = static_cast<Half*>(out.data);
+    run.lse = lse != nullptr ? static_cast<float*>(lse->data) : nullptr;
+    run.sm_scale = engine_detail::sm_scale(config_);
+    run.pools = pools_;
+    run.stream = stream_;
+    plan_.run(run);
+  }
+
+  void set_stream(void* stream) override { stream_ = static_cast<cudaStream_t>(stream); }
+
+  void synchronize() override {
+    const DeviceGuard guard(device_);
+    status_.check(stream_);
+  }
+
+ protected:
+  void apply_step(const StepOutput& step, const Scheduler*) override {
+    constexpr const char* fn = "CudaBackend::apply";
+    const DeviceGuard guard(device_);
+    status_.raise_if_set(stream_);
+    engine_detail::check_step(fn, step, manager_, config_);
+    check_device_step(fn, step);
+    engine_detail::build_inputs(step, manager_, inputs_);
+    const auto batch = static_cast<std::size_t>(inputs_.batch);
+
+    // One copy a step for every id list the kernels read: the demote moves
+    // of each pool pair, the copy-on-write copies, then the append slots
+    // [layer][batch].
+    std::array<std::vector<BlockCopy>, kDemotePairs.size()> moves;
+    for (const DemoteOp& op : step.demotions) {
+      moves[static_cast<std::size_t>(demote_pair(op))].push_back({op.src_block, op.dst_block});
+    }
+    std::size_t ints = 0;
+    std::array<std::size_t, kDemotePairs.size() + 1> offsets{};
+    for (std::size_t i = 0; i < moves.size(); ++i) {
+      offsets[i] = ints;
+      ints += 2 * moves[i].size();
+    }
+    offsets[moves.size()] = ints;
+    ints += 2 * step.append.copies.size();
+    slots_offset_ = ints;
+    ints += inputs_.slots.size();
+    if (ints > 0) {
+      Staging& st = staging_[turn_];
+      turn_ ^= 1;
+      st.copied.synchronize();  // its copy from two steps back
+      st.ints.reserve(ints);
+      std::int32_t* h = st.ints.get();
+      for (std::size_t i = 0; i < moves.size(); ++i) {
+        std::copy_n(reinterpret_cast<const std::int32_t*>(moves[i].data()), 2 * moves[i].size(), h + offsets[i]);
+      }
+      std::copy_n(reinterpret_cast<const std::int32_t*>(step.append.copies.data()), 2 * step.append.copies.size(),
+                  h + offsets[moves.size()]);
+      std::copy(inputs_.slots.begin(), inputs_.slots.end(), h + slots_offset_);
+      device_ints_.reserve(ints, stream_);
+      MIXKV_CUDA_CHECK(
+          cudaMemcpyAsync(device_ints_.get(), h, ints * sizeof(std::int32_t), cudaMemcpyHostToDevice, stream_));
+      st.copied.record(stream_);
+    }
+
+    // 1. Demotions, one launch a pool pair.
+    for (std::size_t i = 0; i < moves.size(); ++i) {
+      if (moves[i].empty()) continue;
+      gpu::DemoteArgs args;
+      args.moves = reinterpret_cast<const BlockCopy*>(device_ints_.get() + offsets[i]);
+      args.count = static_cast<std::int32_t>(moves[i].size());
+      args.src_pool = pools_[pool_index(kDemotePairs[i].first)];
+      args.dst_pool = pools_[pool_index(kDemotePairs[i].second)];
+      args.stream = stream_;
+      args.status = &status_;
+      gpu::demote(args);
+    }
+    // 2, 3. Swaps, one launch a direction, each through its own list (an
+    // upload waits for its list's previous staging copy).
+    swap(step.swap_out, SwapDirection::DeviceToHost, swap_out_list_);
+    swap(step.swap_in, SwapDirection::HostToDevice, swap_in_list_);
+    // 4. Copy-on-write copies.
+    if (!step.append.copies.empty()) {
+      gpu::CopyBlocksArgs args;
+      args.copies = reinterpret_cast<const BlockCopy*>(device_ints_.get() + offsets[moves.size()]);
+      args.count = static_cast<std::int32_t>(step.append.copies.size());
+      args.pool = pools_[pool_index(Precision::FP16)];
+      args.stream = stream_;
+      args.status = &status_;
+      gpu::copy_blocks(args);
+    }
+    // Page tables of the batch (only entries that changed are uploaded),
+    // the decode plan, and every layer's prefill mapping.
+    for (std::size_t i = 0; i < batch; ++i) tables_.sync(step.decode_slots[i], manager_.page_table(step.decodes[i]));
+    tables_.upload(stream_);
+    if (batch > 0) plan_.plan(step.decode_slots, stream_);
+    if (inputs_.rows > 0) {
+      for (std::size_t l = 0; l < mappings_.size(); ++l) mappings_[l].upload(inputs_.mappings[l], layout_, stream_);
+    }
+  }
+
+ private:
+  struct Staging {
+    gpu::detail::PinnedBuffer<std::int32_t> ints;
+    gpu::detail::Event copied;
+  };
+
+  // What the device ops would refuse, refused before anything is enqueued.
+  void check_device_step(const char* fn, const StepOutput& step) const {
+    for (std::size_t i = 0; i < step.demotions.size(); ++i) {
+      if (demote_pair(step.demotions[i]) < 0) {
+        throw InvalidArgument(std::string(fn) + ": step.demotions[" + std::to_string(i) +
+                              "]: expected (FP16, INT4), (FP16, INT2) or (INT4, INT2) as (src, dst) precisions");
+      }
+    }
+    if (!swap_ && (!step.swap_out.empty() || !step.swap_in.empty())) {
+      throw InvalidArgument(std::string(fn) +
+                            ": step.swap_out / swap_in: expected none without a host swap pool (cache.swap_blocks)");
+    }
+    const std::int32_t bound = tables_.config().max_blocks_per_sequence;
+    for (std::size_t i = 0; i < step.decodes.size(); ++i) {
+      const PageTable& t = manager_.page_table(step.decodes[i]);
+      for (std::int32_t l = 0; l < t.num_layers(); ++l) {
+        for (const Precision p : kAllPrecisions) {
+          if (t.blocks(l, p).size() > static_cast<std::size_t>(bound)) {
+            throw InvalidArgument(std::string(fn) + ": step.decodes[" + std::to_string(i) + "] holds " +
+                                  std::to_string(t.blocks(l, p).size()) + " " + std::string(to_string(p)) +
+                                  " blocks in layer " + std::to_string(l) +
+                                  ": expected <= max_blocks_per_sequence = " + std::to_string(bound));
+          }
+        }
+      }
+    }
+  }
+
+  void swap(const std::vector<SwapCopy>& copies, SwapDirection direction, gpu::DeviceSwapList& list) {
+    if (copies.empty()) return;
+    list.upload(copies, direction, layout_, manager_.swap_layout(), stream_);
+    gpu::SwapBlocksArgs args;
+    list.fill(args);
+    args.device = pools_;
+    args.host = host_pools_;
+    args.stream = stream_;
+    args.status = &status_;
+    gpu::swap_blocks(args);
+  }
+
+  int caller_device_ = 0;  // current when the constructor ran, restored by it
+  BackendConfig config_;
+  int device_ = 0;
+  KVCacheManager manager_;
+  PoolLayout layout_;
+  gpu::DeviceArena arena_;
+  gpu::DevicePools pools_;
+  std::optional<gpu::PinnedSwapBuffer> swap_;
+  gpu::DevicePools host_pools_{};
+  gpu::DevicePageTables tables_;
+  gpu::DecodePlan plan_;
+  std::vector<gpu::DeviceStoreMapping> mappings_;  // [layer], uploaded in apply()
+  gpu::DeviceSwapList swap_out_list_;
+  gpu::DeviceSwapList swap_in_list_;
+  gpu::DeviceStatus status_;
+  std::array<Staging, 2> staging_;
+  int turn_ = 0;
+  gpu::detail::DeviceBuffer<std::int32_t> device_ints_;
+  std::size_t slots_offset_ = 0;
+  cudaStream_t stream_ = nullptr;
+  StepInputs inputs_;
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> make_cuda_backend(const BackendConfig& config) {
+  return std::make_unique<CudaBackend>(config);
+}
+
+}  // namespace mixkv
