@@ -11,16 +11,17 @@ two: memory per pool, tokens/s, and how often the generated tokens agree.
 
     python examples/llama_decode.py [--requests 6] [--frames 4] [--new-tokens 24] [--backend auto]
 
-Backends: `cpu`, mixkv's CPU backend (a KVCache, NumPy arrays); `cuda`, a
-DeviceKVCache with device page tables and one DecodePlan a step (the model
-stays in NumPy on the host; each layer's q/k/v go to the GPU as torch
-tensors); `auto` picks `cuda` where mixkv was built with CUDA and torch sees a
-GPU. Either way the scheduler drives the cache: demotions, swaps and
-copy-on-write copies are applied in the order StepOutput lists them.
+mixkv.Engine holds the cache and applies each step's memory moves (demotions,
+swaps, copy-on-write copies, page tables); the loop below only runs the model
+and hands the engine each layer's K/V/Q. Backends: `cpu`, the engine's CPU
+backend (NumPy arrays in and out); `cuda`, its CUDA backend (the model stays
+in NumPy on the host; each layer's q/k/v go to the GPU as torch tensors);
+`auto` picks `cuda` where mixkv was built with CUDA and torch sees a GPU.
+Attention outputs are float16 on both.
 
 Prefill attention (a chunk's rows over the prompt so far) is the engine's
 job, not mixkv's: it is done densely here, with the exact K/V, while the K/V
-go into the cache through the chunk's store mappings.
+go into the cache through Engine.store.
 """
 
 import argparse
@@ -31,7 +32,6 @@ import time
 import numpy as np
 
 import mixkv
-from mixkv import ops
 
 VOCAB = 512
 HIDDEN = 512
@@ -155,97 +155,6 @@ class Progress:
         sys.stderr.write("\n")
 
 
-class HostBackend:
-    """mixkv's CPU backend: a KVCache (manager + host arena), NumPy arrays; the
-    decode batch reads the scheduler's CSR metadata."""
-
-    name = "cpu"
-
-    def __init__(self, config, max_num_seqs, max_blocks):
-        self.cache = mixkv.KVCache(config)
-
-    def apply_moves(self, out, scheduler):
-        if out.demotions:
-            ops.demote(self.cache, out.demotions)
-        if out.swap_out:
-            ops.swap_blocks(self.cache, out.swap_out, ops.SwapDirection.DeviceToHost)
-        if out.swap_in:
-            ops.swap_blocks(self.cache, out.swap_in, ops.SwapDirection.HostToDevice)
-        if out.append.copies:
-            ops.copy_blocks(self.cache, out.append.copies)
-
-    def store(self, mapping, k, v):
-        ops.store_prefill(self.cache, k, v, mapping)
-
-    def begin_decode(self, out):
-        self.out = out
-
-    def attend(self, layer, q, k, v):
-        ops.append(self.cache, k, v, self.out.append.slots[layer])
-        return ops.paged_decode_attention(self.cache, self.out.metadata, layer, q.astype(np.float16))[0]
-
-
-class CudaBackend:
-    """mixkv's CUDA backend: a DeviceKVCache, page tables mirrored on the device
-    per scheduler slot (refreshed for StepOutput.tables_changed and the decodes,
-    uploaded as changes), one DecodePlan a step and one attention launch a
-    layer, all on torch's current stream."""
-
-    name = "cuda"
-
-    def __init__(self, config, max_num_seqs, max_blocks):
-        import torch
-        import mixkv.cuda as mc
-
-        self.torch = torch
-        self.cache = mc.DeviceKVCache(config)
-        shape = config.shape
-        self.tables = mc.DevicePageTables(mc.PageTableConfig(shape.num_layers, max_num_seqs, max_blocks))
-        self.plan = mc.DecodePlan(mc.DecodePlanConfig(shape.num_layers, Q_HEADS, shape.num_kv_heads, shape.head_dim,
-                                                      shape.block_size, max_num_seqs), self.tables)
-        self.mapping = mc.DeviceStoreMapping()
-        self.block_size = shape.block_size
-
-    def gpu(self, a):
-        return self.torch.from_numpy(np.ascontiguousarray(a)).cuda()
-
-    def apply_moves(self, out, scheduler):
-        # One demote launch per (source, destination) pool pair: the scheduler
-        # takes every destination before it frees any source, so their order
-        # does not matter.
-        moves = {}
-        for d in out.demotions:
-            moves.setdefault((d.src_precision, d.dst_precision), []).append((d.src_block, d.dst_block))
-        for (src, dst), pairs in moves.items():
-            ops.demote(self.cache, self.gpu(np.asarray(pairs, dtype=np.int32)), src, dst)
-        if out.swap_out:
-            ops.swap_blocks(self.cache, out.swap_out, ops.SwapDirection.DeviceToHost)
-        if out.swap_in:
-            ops.swap_blocks(self.cache, out.swap_in, ops.SwapDirection.HostToDevice)
-        if out.append.copies:
-            pairs = np.asarray([(c.src, c.dst) for c in out.append.copies], dtype=np.int32)
-            ops.copy_blocks(self.cache, self.gpu(pairs))
-        for rid in out.tables_changed:
-            self.tables.sync(scheduler.status(rid).slot, self.cache, rid)
-
-    def store(self, mapping, k, v):
-        self.mapping.upload(mapping, self.block_size)
-        ops.store_prefill(self.cache, self.gpu(k), self.gpu(v), self.mapping)
-
-    def begin_decode(self, out):
-        for rid, slot in zip(out.decodes, out.decode_slots):  # their new tokens' blocks
-            self.tables.sync(int(slot), self.cache, rid)
-        self.tables.upload()
-        self.plan.plan(out.decode_slots)
-        self.slots = self.gpu(out.append.slots)
-
-    def attend(self, layer, q, k, v):
-        ops.append(self.cache, self.gpu(k), self.gpu(v), self.slots[layer])
-        attn = self.torch.empty(q.shape, dtype=self.torch.float16, device="cuda")
-        ops.paged_decode_attention(self.cache, self.plan, layer, self.gpu(q.astype(np.float16)), out=attn)
-        return attn.float().cpu().numpy()
-
-
 def pick_backend(name):
     """'auto': CUDA where mixkv was built with it and torch sees a GPU."""
     if name in ("auto", "cuda") and mixkv.built_with_cuda:
@@ -254,17 +163,28 @@ def pick_backend(name):
             import mixkv.cuda as mc
 
             if mc.device_available() and torch.cuda.is_available():
-                return CudaBackend
+                return "cuda"
         except ImportError:
             pass
     if name == "cuda":
         raise SystemExit("--backend cuda: needs mixkv built with CUDA, torch and a visible GPU")
-    return HostBackend
+    return "cpu"
 
 
-def serve(model, requests, sensitivities, fp16_only, arena_bytes, backend=HostBackend, swap_blocks=0,
+def array_io(backend):
+    """How the NumPy model's arrays reach the engine and come back: as they are on the CPU backend, as torch
+    CUDA tensors on the CUDA one (attention outputs are float16 on both)."""
+    if backend == "cuda":
+        import torch
+
+        return (lambda a: torch.from_numpy(np.ascontiguousarray(a)).cuda(),
+                lambda t: t.float().cpu().numpy())
+    return (lambda a: a), (lambda a: a.astype(np.float32))
+
+
+def serve(model, requests, sensitivities, fp16_only, arena_bytes, backend="cpu", swap_blocks=0,
           preemption=mixkv.PreemptionMode.Recompute, forced=None):
-    """Runs the workload through mixkv.Scheduler on one backend; returns the generated tokens, the logits each
+    """Runs the workload through a mixkv.Engine on one backend; returns the generated tokens, the logits each
     came from, peak pool usage, scheduler counters and timings. `forced` (id -> tokens) feeds those tokens
     instead of the argmax, so that two runs see the same sequences and their logits can be compared."""
     shape = mixkv.CacheShape(LAYERS, KV_HEADS, HEAD_DIM, WINDOW)
@@ -272,13 +192,10 @@ def serve(model, requests, sensitivities, fp16_only, arena_bytes, backend=HostBa
                                fp16_windows_first=True)
     planner = mixkv.PlannerConfig(sensitivities, window_size=WINDOW,
                                   min_precision=[mixkv.Precision.FP16] * LAYERS if fp16_only else [])
-    max_num_seqs = 8
-    # The longest page list of one (request, layer, pool).
-    max_blocks = max(math.ceil((r["layout"].num_tokens + r["max_new_tokens"]) / WINDOW) for r in requests)
-    engine = backend(config, max_num_seqs, max_blocks)
-    scheduler = mixkv.Scheduler(engine.cache, mixkv.SchedulerConfig(max_num_seqs=max_num_seqs,
-                                                                    max_num_batched_tokens=384,
-                                                                    preemption=preemption, planner=planner))
+    engine = mixkv.Engine(config, mixkv.SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=384,
+                                                        preemption=preemption),
+                          num_q_heads=Q_HEADS, backend=backend, planner=planner)
+    to_engine, from_engine = array_io(backend)
     by_id = {r["id"]: r for r in requests}
     generated = {r["id"]: [] for r in requests}
     logits_of = {r["id"]: [] for r in requests}
@@ -296,49 +213,55 @@ def serve(model, requests, sensitivities, fp16_only, arena_bytes, backend=HostBa
         generated[rid].append(int(forced[rid][n]) if forced is not None else int(np.argmax(logits)))
 
     step = 0
-    while pending or scheduler.has_unfinished():
+    while pending or engine.has_unfinished():
         while pending and pending[0]["arrival_step"] <= step:
             r = pending.pop(0)
-            scheduler.add_request(mixkv.Request(r["id"], r["layout"], embeddings=r["embeddings"],
-                                                max_new_tokens=r["max_new_tokens"], arrival_time=step))
+            engine.add_request(r["id"], r["layout"], embeddings=r["embeddings"], max_new_tokens=r["max_new_tokens"],
+                               arrival_time=step)
         step += 1
-        out = scheduler.step()
-        engine.apply_moves(out, scheduler)  # 1-4: the memory moves the scheduler decided, in its order
+        out = engine.step()  # the scheduler's decisions, their memory moves already applied
         for rid in out.preempted:
             prefill_kv.pop(rid, None)
 
-        # 5a: prefill chunks. A recomputed prompt is the original prompt plus the generated tokens.
+        # Prefill chunks, layer by layer: each layer's K/V rows of every chunk go to the cache in one store.
+        # A recomputed prompt is the original prompt plus the generated tokens.
         start = time.perf_counter()
-        for chunk in out.prefills:
-            r = by_id[chunk.id]
-            prompt = np.concatenate([r["embeddings"], model.embed[generated[chunk.id]]])
-            h = prompt[chunk.start:chunk.end]
-            positions = np.arange(chunk.start, chunk.end)
-            if chunk.start == 0:
-                prefill_kv[chunk.id] = [(np.zeros((0, KV_HEADS, HEAD_DIM), np.float16),) * 2 for _ in range(LAYERS)]
+        if out.prefills:
+            hs, positions = [], []
+            for chunk in out.prefills:
+                r = by_id[chunk.request_id]
+                prompt = np.concatenate([r["embeddings"], model.embed[generated[chunk.request_id]]])
+                hs.append(prompt[chunk.start:chunk.end])
+                positions.append(np.arange(chunk.start, chunk.end))
+                if chunk.start == 0:
+                    prefill_kv[chunk.request_id] = [(np.zeros((0, KV_HEADS, HEAD_DIM), np.float16),) * 2
+                                                    for _ in range(LAYERS)]
             for layer in range(LAYERS):
-                q, k, v = model.qkv(layer, h, positions)
-                engine.store(chunk.mappings[layer], k, v)
-                old_k, old_v = prefill_kv[chunk.id][layer]
-                all_k, all_v = np.concatenate([old_k, k]), np.concatenate([old_v, v])
-                prefill_kv[chunk.id][layer] = (all_k, all_v)
-                h = model.finish_layer(layer, h, causal_attention(q, all_k, all_v, chunk.start))
-            if chunk.last:
-                sample(chunk.id, model.logits(h[-1]))
-                del prefill_kv[chunk.id]
+                qkv = [model.qkv(layer, h, p) for h, p in zip(hs, positions)]
+                engine.store(layer, to_engine(np.concatenate([k for _, k, _ in qkv])),
+                             to_engine(np.concatenate([v for _, _, v in qkv])))
+                for i, (chunk, (q, k, v)) in enumerate(zip(out.prefills, qkv)):
+                    old_k, old_v = prefill_kv[chunk.request_id][layer]
+                    all_k, all_v = np.concatenate([old_k, k]), np.concatenate([old_v, v])
+                    prefill_kv[chunk.request_id][layer] = (all_k, all_v)
+                    hs[i] = model.finish_layer(layer, hs[i], causal_attention(q, all_k, all_v, chunk.start))
+            for chunk, h in zip(out.prefills, hs):
+                if chunk.last:
+                    sample(chunk.request_id, model.logits(h[-1]))
+                    del prefill_kv[chunk.request_id]
         prefill_time += time.perf_counter() - start
 
-        # 5b: the decode batch: append each layer's K/V, then paged attention over the three pools.
+        # The decode batch: per layer, the engine appends the K/V and attends over the three pools.
         start = time.perf_counter()
         if out.decodes:
             ids = list(out.decodes)
             tokens = np.array([generated[i][-1] for i in ids])
             positions = np.array([by_id[i]["layout"].num_tokens + len(generated[i]) - 1 for i in ids])
             h = model.embed[tokens]
-            engine.begin_decode(out)
             for layer in range(LAYERS):
                 q, k, v = model.qkv(layer, h, positions)
-                h = model.finish_layer(layer, h, engine.attend(layer, q, k, v))
+                attn = engine.attend(layer, to_engine(q.astype(np.float16)), to_engine(k), to_engine(v))
+                h = model.finish_layer(layer, h, from_engine(attn))
             for i, logits in zip(ids, model.logits(h)):
                 sample(i, logits)
             decode_tokens += len(ids)
@@ -346,13 +269,13 @@ def serve(model, requests, sensitivities, fp16_only, arena_bytes, backend=HostBa
 
         for p in mixkv.Precision:
             peak[p] = max(peak[p], engine.cache.pool_stats(p).used_blocks)
-        stats = scheduler.stats()
+        stats = engine.stats()
         progress.update(sum(len(g) for g in generated.values()),
                         f"step {step}: running {stats.running}, prefilling {stats.prefilling}, "
                         f"waiting {stats.waiting}, demotions {stats.demotions}")
     progress.close()
-    scheduler.check_invariants()
-    stats = scheduler.stats()
+    engine.check_invariants()
+    stats = engine.stats()
     block_bytes = [engine.cache.format(p).block_bytes for p in mixkv.Precision]
     return dict(generated=generated, logits=logits_of, peak=peak, block_bytes=block_bytes, decode_time=decode_time,
                 prefill_time=prefill_time, decode_tokens=decode_tokens, prefill_tokens=stats.prefill_tokens,
@@ -385,7 +308,7 @@ def main():
     sensitivities = measured if args.sensitivity == "measured" else [float(args.sensitivity)] * LAYERS
     print(f"mixkv {mixkv.__version__}: {args.requests} requests of {requests[0]['layout'].num_tokens} prompt tokens, "
           f"{args.new_tokens} new tokens each; measured layer sensitivities {np.round(measured, 3).tolist()}, "
-          f"planning with {np.round(sensitivities, 3).tolist()}; {backend.name} backend")
+          f"planning with {np.round(sensitivities, 3).tolist()}; {backend} backend")
     runs = {}
     for name, fp16_only in (("WindowQuant", False), ("FP16", True)):
         print(f"{name} cache:")
@@ -415,7 +338,7 @@ def main():
         prefix += next((i for i, m in enumerate(matches) if not m), len(matches))
     print(f"{'tokens equal to FP16':24}{f'{same}/{total}':>14}{'-':>14}")
     print(f"{'  until 1st divergence':24}{f'{prefix}/{total}':>14}{'-':>14}")
-    attention = ("the CUDA kernels" if backend is CudaBackend
+    attention = ("the CUDA kernels" if backend == "cuda"
                  else "mixkv's CPU backend (float64 reference attention), not of the CUDA kernels")
     print(f"\nKV memory {kib[1] / kib[0]:.2f}x smaller with WindowQuant. Tokens/s are of this NumPy engine (the "
           f"model's matrices on the host) with attention on {attention}.")

@@ -63,6 +63,9 @@ else
   has_header gtest/gtest.h || need libgtest-dev libgmock-dev
   has_header benchmark/benchmark.h || need libbenchmark-dev
 fi
+# The Python bindings' DLPack header (bindings/src/dlpack.h), found by the
+# compiler's include path either way.
+has_header dlpack/dlpack.h || need libdlpack-dev
 command -v python3 >/dev/null || need python3
 python3 -c "import sysconfig, os, sys; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()['include'], 'Python.h')))" \
   2>/dev/null || need python3-dev

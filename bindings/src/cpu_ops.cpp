@@ -79,14 +79,15 @@ void swap_blocks(const HostKVCache& cache, const std::vector<SwapCopy>& copies, 
   cpu::swap_blocks(copies, direction, device, host);
 }
 
-py::tuple paged_decode_attention(const HostKVCache& cache, const DecodeMetadata& metadata, std::int32_t layer,
-                                 py::handle q, std::optional<float> sm_scale, py::object out, py::object lse) {
+// One layer's tables ([FP16, INT4, INT2], a copy: another thread may assign
+// to md.table(...).indices while the GIL is released).
+py::tuple decode_layer(const HostKVCache& cache, const std::array<PagedPoolTable, kNumPrecisions>& tables,
+                       py::handle q, std::optional<float> sm_scale, py::object out, py::object lse) {
   const CacheShape& s = cache.config().shape;
-  if (layer < 0 || static_cast<std::size_t>(layer) >= metadata.layers.size()) {
-    throw IndexOutOfRange("paged_decode_attention: layer = " + std::to_string(layer) + ", expected 0 <= layer < " +
-                          std::to_string(metadata.layers.size()) + " (metadata.num_layers)");
+  if (tables[0].indptr.empty()) {
+    throw InvalidArgument("paged_decode_attention: tables[FP16].indptr is empty: expected batch + 1 entries");
   }
-  const std::int64_t batch = metadata.batch_size;
+  const auto batch = static_cast<std::int64_t>(tables[0].indptr.size()) - 1;
   const auto qq = input_array<Half>(q, "paged_decode_attention: q",
                                     {{batch, "batch"}, {kAny, "num_q_heads"}, {s.head_dim, "head_dim"}});
   const py::ssize_t q_heads = qq.dim(1);
@@ -95,9 +96,6 @@ py::tuple paged_decode_attention(const HostKVCache& cache, const DecodeMetadata&
   const auto o = output_array<float>(out, "paged_decode_attention: out",
                                      {{batch, "batch"}, {q_heads, "num_q_heads"}, {s.head_dim, "head_dim"}});
   const auto l = output_array<float>(lse, "paged_decode_attention: lse", {{batch, "batch"}, {q_heads, "num_q_heads"}});
-  // The layer's tables as they are now: another thread may assign to
-  // md.table(...).indices while the GIL is released.
-  const std::array<PagedPoolTable, kNumPrecisions> tables = metadata.layers[layer];
   cpu::DecodeAttentionArgs args;
   args.q = qq.values;
   args.num_q_heads = static_cast<std::int32_t>(q_heads);
@@ -111,6 +109,29 @@ py::tuple paged_decode_attention(const HostKVCache& cache, const DecodeMetadata&
     cpu::decode_attention(args);
   }
   return py::make_tuple(out, lse);
+}
+
+py::tuple paged_decode_attention(const HostKVCache& cache, const DecodeMetadata& metadata, std::int32_t layer,
+                                 py::handle q, std::optional<float> sm_scale, py::object out, py::object lse) {
+  if (layer < 0 || static_cast<std::size_t>(layer) >= metadata.layers.size()) {
+    throw IndexOutOfRange("paged_decode_attention: layer = " + std::to_string(layer) + ", expected 0 <= layer < " +
+                          std::to_string(metadata.layers.size()) + " (metadata.num_layers)");
+  }
+  const std::array<PagedPoolTable, kNumPrecisions> tables = metadata.layers[static_cast<std::size_t>(layer)];
+  return decode_layer(cache, tables, q, sm_scale, std::move(out), std::move(lse));
+}
+
+// The tables of one layer as Scheduler.layer_metadata(layer) builds them
+// (SchedulerConfig.build_metadata off); `layer` names the layer they are of.
+py::tuple paged_decode_attention_layer(const HostKVCache& cache, std::array<PagedPoolTable, kNumPrecisions> tables,
+                                       std::int32_t layer, py::handle q, std::optional<float> sm_scale, py::object out,
+                                       py::object lse) {
+  const std::int32_t layers = cache.config().shape.num_layers;
+  if (layer < 0 || layer >= layers) {
+    throw IndexOutOfRange("paged_decode_attention: layer = " + std::to_string(layer) + ", expected 0 <= layer < " +
+                          std::to_string(layers) + " (shape.num_layers)");
+  }
+  return decode_layer(cache, tables, q, sm_scale, std::move(out), std::move(lse));
 }
 
 // Shapes (*states, head_dim) and (*states) taken from out_a.
@@ -188,6 +209,11 @@ void bind_cpu_ops(py::module_& ops) {
           "[batch, num_q_heads]), natural-log LSE, -inf for a sequence without tokens. sm_scale defaults to "
           "1/sqrt(head_dim). Accumulates in float64 on the dequantized K/V: the reference the CUDA kernel is held "
           "to.");
+  ops.def("paged_decode_attention", &paged_decode_attention_layer, py::arg("cache"), py::arg("metadata"),
+          py::arg("layer"), py::arg("q"), py::kw_only(), py::arg("sm_scale") = py::none(),
+          py::arg("out") = py::none(), py::arg("lse") = py::none(),
+          "The same over one layer's [FP16, INT4, INT2] tables, as Scheduler.layer_metadata(layer) returns them "
+          "(SchedulerConfig.build_metadata off).");
   ops.def("merge_states", &merge_states, py::arg("out_a"), py::arg("lse_a"), py::arg("out_b"), py::arg("lse_b"),
           py::kw_only(), py::arg("out") = py::none(), py::arg("lse") = py::none(),
           "Merges attention states of the same queries over disjoint keys: out (*states, head_dim) and lse "

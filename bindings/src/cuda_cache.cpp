@@ -57,7 +57,7 @@ void bind_cuda_cache(py::module_& cuda) {
            "True when the CUDA runtime sees at least one device.");
 
   py::class_<DeviceKVCache, KVCacheManager>(
-      cuda, "DeviceKVCache",
+      cuda, "DeviceKVCache", init_only(),
       "A KVCacheManager with a device arena (one cudaMalloc on the current device): the cache of the CUDA backend, "
       "which mixkv.ops fill and read with CUDA arrays.")
       .def(py::init<CacheConfig>(), py::arg("config"))
@@ -96,7 +96,7 @@ void bind_cuda_cache(py::module_& cuda) {
           "skipped that row), naming the op, the argument, the row and the limit. Every op on the cache raises "
           "such a report before it starts too.");
 
-  py::class_<gpu::PageTableConfig>(cuda, "PageTableConfig", "Capacity of DevicePageTables.")
+  py::class_<gpu::PageTableConfig>(cuda, "PageTableConfig", init_only(), "Capacity of DevicePageTables.")
       .def(py::init([](std::int32_t num_layers, std::int32_t max_sequences, std::int32_t max_blocks_per_sequence,
                        std::optional<std::array<std::int32_t, kNumPrecisions>> pool_blocks) {
              gpu::PageTableConfig c;
@@ -128,7 +128,7 @@ void bind_cuda_cache(py::module_& cuda) {
           "when not given: then DevicePageTables takes them from cache= or from the first sync().");
 
   py::class_<gpu::DevicePageTables>(
-      cuda, "DevicePageTables",
+      cuda, "DevicePageTables", init_only(),
       "Device-resident page tables, one padded row per (layer, pool, sequence slot), with a host mirror. Edits "
       "record only what differs from the mirror; upload() sends exactly those, so a step costs O(changes). Block "
       "ids are checked against the pools' sizes (config.pool_blocks, or those of `cache`), so that decode never "
@@ -185,7 +185,7 @@ void bind_cuda_cache(py::module_& cuda) {
           },
           py::arg("slot"), py::arg("layer"), py::arg("pool"), "Host mirror of one list (a copy).");
 
-  py::class_<gpu::DecodePlanConfig>(cuda, "DecodePlanConfig", "Shapes and capacity of a DecodePlan.")
+  py::class_<gpu::DecodePlanConfig>(cuda, "DecodePlanConfig", init_only(), "Shapes and capacity of a DecodePlan.")
       .def(py::init([](std::int32_t num_layers, std::int32_t num_q_heads, std::int32_t num_kv_heads,
                        std::int32_t head_dim, std::int32_t block_size, std::int32_t max_batch,
                        std::int32_t max_items_per_layer, std::int32_t num_sms, std::int32_t chunks_per_sequence,
@@ -214,7 +214,7 @@ void bind_cuda_cache(py::module_& cuda) {
                      "built and max_batch * num_kv_heads >= 16, else 8");
 
   py::class_<gpu::DecodePlan>(
-      cuda, "DecodePlan",
+      cuda, "DecodePlan", init_only(),
       "Paged decode attention's plan/run split: plan() once per decode step on the host from the tables' host "
       "mirror (uploads the work list asynchronously), then mixkv.ops.paged_decode_attention(cache, plan, layer, "
       "...) per layer: one launch over every pool and split-KV chunk, then one merge.")
@@ -245,7 +245,7 @@ void bind_cuda_cache(py::module_& cuda) {
            "Bytes one run of `layer` must read from HBM (codes, parameters, FP16 rows, tables, queries).");
 
   py::class_<gpu::DeviceStoreMapping>(
-      cuda, "DeviceStoreMapping",
+      cuda, "DeviceStoreMapping", init_only(),
       "A StoreMapping copied to the device once (validated on the host), for store_prefill. Reusing one object "
       "for every layer on one stream is safe: each upload is ordered after the previous launch.")
       .def(py::init<>())

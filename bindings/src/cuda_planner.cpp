@@ -34,12 +34,14 @@ std::vector<EmbeddingsView> device_embeddings(const py::sequence& list, const st
 
 void bind_cuda_planner(py::module_& cuda) {
   py::class_<gpu::CudaWindowPlanner>(
-      cuda, "CudaWindowPlanner",
+      cuda, "CudaWindowPlanner", init_only(),
       "WindowPlanner on the GPU: eq. 8 similarity through normalized means, thresholds, the precision rule (and "
       "the majority vote) for a batch of requests whose embeddings are CUDA arrays [tokens, hidden]. Same "
       "decisions as mixkv.WindowPlanner. One batch at a time.")
       .def(py::init<PlannerConfig>(), py::arg("config"))
-      .def_property_readonly("config", &gpu::CudaWindowPlanner::config)
+      .def_property_readonly(
+          "config", [](const gpu::CudaWindowPlanner& p) -> PlannerConfig { return p.config(); },
+          "A copy: editing it changes nothing here (configure a new object with it).")
       .def_property_readonly("num_layers", &gpu::CudaWindowPlanner::num_layers)
       .def(
           "plan",

@@ -158,7 +158,9 @@ void bind_scheduler(py::module_& m) {
   py::class_<FinishedRequest>(m, "FinishedRequest", init_only(), "A request that left: why, and how many tokens it generated.")
       .def_readonly("id", &FinishedRequest::id)
       .def_readonly("reason", &FinishedRequest::reason)
-      .def_readonly("generated", &FinishedRequest::generated);
+      .def_readonly("generated", &FinishedRequest::generated)
+      .def_readonly("note", &FinishedRequest::note,
+                    "Empty unless the scheduler ended the request itself (its sequence left the cache).");
   py::class_<RejectedRequest>(m, "RejectedRequest", init_only(), "A request that can never fit, with the reason.")
       .def_readonly("id", &RejectedRequest::id)
       .def_readonly("reason", &RejectedRequest::reason);
@@ -201,6 +203,8 @@ void bind_scheduler(py::module_& m) {
       .def_readonly("finished", &SchedulerStats::finished)
       .def_readonly("rejected", &SchedulerStats::rejected)
       .def_readonly("cancelled", &SchedulerStats::cancelled)
+      .def_readonly("vanished", &SchedulerStats::vanished)
+      .def_readonly("forks", &SchedulerStats::forks)
       .def_readonly("preempted_recompute", &SchedulerStats::preempted_recompute)
       .def_readonly("preempted_swap", &SchedulerStats::preempted_swap)
       .def_readonly("demotions", &SchedulerStats::demotions)
@@ -231,6 +235,10 @@ void bind_scheduler(py::module_& m) {
            "Ends a request (EOS): frees what it holds; False when it has already left; KeyError for an id never "
            "added.")
       .def("cancel", &Scheduler::cancel, py::arg("id"), "Cancels a request in any state; idempotent.")
+      .def("fork", &Scheduler::fork, py::arg("parent"), py::arg("child"), py::arg("max_new_tokens") = -1,
+           "Parallel sampling: `child` shares every block of the Running `parent` and decodes from the next step; "
+           "max_new_tokens counts its tokens after the fork (-1: as many as the parent has left). MemoryError "
+           "when no slot is free (retry later); ValueError/KeyError otherwise, changing nothing.")
       .def("contains", &Scheduler::contains, py::arg("id"))
       .def("__contains__", &Scheduler::contains, py::arg("id"))
       .def("status", &Scheduler::status, py::arg("id"))

@@ -66,7 +66,7 @@ def test_bad_requests_name_the_field(rng):
     sched = mixkv.Scheduler(cache)
     lay, emb = prompt(rng)
     with pytest.raises(ValueError, match="request"):
-        sched.add_request(mixkv.Request(1, lay))  # neither plan nor embeddings
+        sched.add_request(mixkv.Request(1, lay, plan=mixkv.PrecisionPlan(2, 6), embeddings=emb))  # both
     with pytest.raises(ValueError, match="embeddings"):
         sched.add_request(mixkv.Request(1, lay, embeddings=emb))  # no planner configured
     with pytest.raises(ValueError, match="request.embeddings: expected dtype"):
@@ -121,3 +121,47 @@ def test_demote_moves_a_window_and_ops_requantize_it(rng):
     want = reference.block(P.INT4, int(reference.blocks(1, 0, P.INT4)[0]))
     assert np.array_equal(got, want)
     cache.check_invariants()
+
+
+def test_text_only_requests_and_forks_through_python(rng):
+    """A request with neither plan nor embeddings is FP16; fork() shares the
+    parent's blocks; layer_metadata() feeds paged_decode_attention."""
+    cache = make_cache(arena_bytes=8 << 20, slab_bytes=256 << 10)
+    sched = mixkv.Scheduler(cache, mixkv.SchedulerConfig(max_num_batched_tokens=256, build_metadata=False))
+    sched.add_request(mixkv.Request(1, layout(("text", 40)), max_new_tokens=6))
+    out = sched.step()
+    assert [(c.id, c.start, c.end, c.last) for c in out.prefills] == [(1, 0, 40, True)]
+    shape = cache.config.shape
+    for layer in range(shape.num_layers):
+        k, v = random_kv(rng, 40, shape.num_kv_heads, shape.head_dim)
+        ops.store_prefill(cache, k, v, out.prefills[0].mappings[layer])
+    out = sched.step()
+    assert list(out.decodes) == [1]
+    with pytest.raises(KeyError):
+        sched.fork(99, 2)
+    before = sched.status(1).generated
+    sched.fork(1, 2, max_new_tokens=2)
+    with pytest.raises(ValueError):
+        sched.fork(1, 2)  # the child id is taken
+    assert sched.stats().forks == 1
+    shared = cache.blocks(1, 0, mixkv.Precision.FP16)
+    assert list(cache.blocks(2, 0, mixkv.Precision.FP16)) == list(shared)
+    assert cache.ref_count(mixkv.Precision.FP16, int(shared[0])) == 2
+    finished = []
+    while sched.has_unfinished():
+        out = sched.step()
+        if out.append.copies:
+            ops.copy_blocks(cache, out.append.copies)
+        for layer in range(shape.num_layers):
+            batch = len(out.decodes)
+            if batch == 0:
+                continue
+            k, v = random_kv(rng, batch, shape.num_kv_heads, shape.head_dim)
+            ops.append(cache, k, v, out.append.slots[layer])
+            q = rng.standard_normal((batch, 2 * shape.num_kv_heads, shape.head_dim)).astype(np.float16)
+            attn, lse = ops.paged_decode_attention(cache, sched.layer_metadata(layer), layer, q)
+            assert attn.shape == q.shape and np.isfinite(lse).all()
+        finished += [(f.id, f.generated) for f in out.finished]
+        sched.check_invariants()
+    assert sorted(finished) == [(1, 6), (2, before + 2)]  # the child counts the parent's tokens before the fork
+    assert all(cache.pool_stats(p).used_blocks == 0 for p in P)

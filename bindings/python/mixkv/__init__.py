@@ -133,3 +133,8 @@ __all__ = [
     "plan_stats",
     "window_similarity",
 ]
+
+# mixkv.Engine: the scheduler and a backend behind one object (engine.py).
+from .engine import BackendKind, CacheView, Engine, EngineStep, Finished, Prefill, Rejected  # noqa: E402
+
+__all__ += ["BackendKind", "CacheView", "Engine", "EngineStep", "Finished", "Prefill", "Rejected"]

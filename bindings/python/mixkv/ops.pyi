@@ -8,7 +8,17 @@ from typing import Any, Protocol, SupportsIndex, overload
 import numpy as np
 import numpy.typing as npt
 
-from ._core import BlockCopy, BlockFormat, DecodeMetadata, DemoteOp, KVCache, Precision, StoreMapping, SwapCopy
+from ._core import (
+    BlockCopy,
+    BlockFormat,
+    DecodeMetadata,
+    DemoteOp,
+    KVCache,
+    PagedPoolTable,
+    Precision,
+    StoreMapping,
+    SwapCopy,
+)
 from .cuda import DecodePlan, DeviceKVCache, DeviceStoreMapping
 
 class CudaArray(Protocol):
@@ -47,6 +57,17 @@ def copy_blocks(
 def paged_decode_attention(
     cache: KVCache,
     metadata: DecodeMetadata,
+    layer: int,
+    q: _F16,
+    *,
+    sm_scale: float | None = None,
+    out: _F32 | None = None,
+    lse: _F32 | None = None,
+) -> tuple[_F32, _F32]: ...
+@overload
+def paged_decode_attention(
+    cache: KVCache,
+    metadata: list[PagedPoolTable],
     layer: int,
     q: _F16,
     *,

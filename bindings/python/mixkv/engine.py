@@ -1,0 +1,535 @@
+"""mixkv.Engine: the scheduler and a backend (CPU or CUDA) behind one object.
+
+An engine author adds requests, calls ``step()`` once per model step, and per
+layer hands the model's K/V/Q to ``store()`` (prefill rows) and ``attend()``
+(the decode batch). Everything mixkv must do between two steps (demotions,
+swaps, copy-on-write copies, page tables, the decode plan) happens inside
+``step()``. Arrays cross through DLPack without copies: NumPy and torch CPU
+tensors on the CPU backend, torch and CuPy CUDA tensors on the CUDA backend.
+docs/python.md walks through a full loop.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any, NamedTuple, Optional, Union
+
+from . import _core
+from ._core import (
+    CacheConfig,
+    FinishReason,
+    InvalidArgument,
+    InvariantViolation,
+    PlannerConfig,
+    PrecisionPlan,
+    SchedulerConfig,
+    Segment,
+    TokenKind,
+    TokenLayout,
+    UnknownId,
+)
+
+try:
+    from . import _engine
+except ImportError as _error:  # a package built without engine/
+    _engine = None
+    _ENGINE_MISSING = str(_error)
+
+RequestKey = Union[str, int]
+
+__all__ = ["BackendKind", "CacheView", "Engine", "EngineConfig", "EngineStep", "Finished", "Prefill", "Rejected"]
+
+BackendKind = _engine.BackendKind if _engine is not None else None
+EngineConfig = _engine.EngineConfig if _engine is not None else None
+
+
+class Prefill(NamedTuple):
+    """Prompt rows [start, end) of a request computed in this step; ``last``:
+    they complete the prompt, so the model samples the request's next token
+    from the last row."""
+
+    request_id: RequestKey
+    start: int
+    end: int
+    last: bool
+
+
+class Finished(NamedTuple):
+    """A request that left: why (FinishReason), how many tokens it generated,
+    and a note when the scheduler ended it itself (empty otherwise)."""
+
+    request_id: RequestKey
+    reason: FinishReason
+    generated: int
+    note: str
+
+
+class Rejected(NamedTuple):
+    """A request that can never fit the cache, with the reason."""
+
+    request_id: RequestKey
+    reason: str
+
+
+class EngineStep:
+    """What the model runs in one step, its memory moves already applied.
+
+    ``prefills``: the prompt chunks (Prefill), in the order their rows are
+    concatenated for ``Engine.store``; ``prefill_rows`` rows in all.
+    ``decodes``: the requests of the decode batch, in batch order (row i of
+    ``Engine.attend``'s arrays is ``decodes[i]``). ``finished`` and
+    ``rejected``: requests that left since the previous step (their ids may
+    be used again from now on). ``swapped_out`` / ``swapped_in``: requests
+    whose blocks moved to / from host memory; ``preempted``: requests whose
+    blocks were freed, to be prefilled again later (their prompt then is the
+    original prompt followed by the tokens they had generated). Counts of
+    the moves applied: ``demotions``, ``swap_out_blocks``, ``swap_in_blocks``,
+    ``copies``.
+    """
+
+    __slots__ = ("step", "prefills", "prefill_rows", "decodes", "finished", "rejected", "swapped_out", "swapped_in",
+                 "preempted", "num_batched_tokens", "demotions", "swap_out_blocks", "swap_in_blocks", "copies")
+
+    def __init__(self, raw: dict, key_of) -> None:
+        self.step: int = raw["step"]
+        self.prefills: list[Prefill] = [Prefill(key_of(i), s, e, last) for i, s, e, last in raw["prefills"]]
+        self.prefill_rows: int = sum(p.end - p.start for p in self.prefills)
+        self.decodes: list[RequestKey] = [key_of(i) for i in raw["decodes"]]
+        self.finished: list[Finished] = [Finished(key_of(i), FinishReason(r), g, note)
+                                         for i, r, g, note in raw["finished"]]
+        self.rejected: list[Rejected] = [Rejected(key_of(i), why) for i, why in raw["rejected"]]
+        self.swapped_out: list[RequestKey] = [key_of(i) for i in raw["swapped_out"]]
+        self.swapped_in: list[RequestKey] = [key_of(i) for i in raw["swapped_in"]]
+        self.preempted: list[RequestKey] = [key_of(i) for i in raw["preempted"]]
+        self.num_batched_tokens: int = raw["num_batched_tokens"]
+        self.demotions: int = raw["num_demotions"]
+        self.swap_out_blocks: int = raw["num_swap_out"]
+        self.swap_in_blocks: int = raw["num_swap_in"]
+        self.copies: int = raw["num_copies"]
+
+    def __repr__(self) -> str:
+        return (f"EngineStep(step={self.step}, prefills={self.prefills}, decodes={self.decodes}, "
+                f"finished={self.finished}, rejected={self.rejected}, swapped_out={self.swapped_out}, "
+                f"swapped_in={self.swapped_in}, preempted={self.preempted}, demotions={self.demotions})")
+
+
+def _check_key(fn: str, arg: str, key: Any) -> RequestKey:
+    # bool is an int in Python; True as a request id is a bug, not id 1.
+    if isinstance(key, bool) or not isinstance(key, (str, int)):
+        raise InvalidArgument(f"{fn}: {arg}: expected a str or an int, got {type(key).__name__}")
+    return key
+
+
+def _check_int(fn: str, arg: str, value: Any, minimum: Optional[int] = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidArgument(f"{fn}: {arg}: expected an int, got {type(value).__name__}")
+    if minimum is not None and value < minimum:
+        raise InvalidArgument(f"{fn}: {arg} = {value}: expected >= {minimum}")
+    return value
+
+
+class _caller_ids:
+    """Prefixes the message of a C++ error with the call as the caller made
+    it: the scheduler's messages speak of the engine's internal int ids."""
+
+    def __init__(self, call: str) -> None:
+        self.call = call
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, error, tb) -> bool:
+        if error is not None and isinstance(error, (InvalidArgument, UnknownId, _core.OutOfMemory)):
+            message = error.args[0] if error.args else ""
+            if not str(message).startswith(("Engine.", "Engine:")):
+                raise kind(f"{self.call}: {message} (internal ids)") from None
+        return False
+
+
+def _library(array: Any) -> str:
+    return type(array).__module__.split(".", 1)[0]
+
+
+class CacheView:
+    """The engine's cache manager, read only: pool statistics, formats and
+    each request's blocks (by the caller's request ids). Changing the cache
+    is the engine's business (add_request, fork, finish, cancel)."""
+
+    __slots__ = ("_engine", "_manager")
+
+    def __init__(self, engine: "Engine", manager) -> None:
+        self._engine = engine
+        self._manager = manager
+
+    def _id(self, fn: str, request_id: RequestKey) -> int:
+        return self._engine._internal(f"Engine.cache.{fn}", "request_id", request_id)
+
+    @property
+    def config(self) -> CacheConfig:
+        """A copy of the cache's configuration."""
+        return self._manager.config
+
+    @property
+    def total_slabs(self) -> int:
+        return self._manager.total_slabs
+
+    @property
+    def free_slabs(self) -> int:
+        return self._manager.free_slabs
+
+    def format(self, precision):
+        """The BlockFormat of a pool."""
+        return self._manager.format(precision)
+
+    def pool_stats(self, precision):
+        """Blocks and slabs of a pool now (PoolStats)."""
+        return self._manager.pool_stats(precision)
+
+    def demand(self, layout: TokenLayout, plan: PrecisionPlan):
+        """Blocks per pool [FP16, INT4, INT2] a prompt needs over all layers."""
+        return self._manager.demand(layout, plan)
+
+    def can_allocate(self, blocks) -> bool:
+        return self._manager.can_allocate(blocks)
+
+    def holds(self, request_id: RequestKey) -> bool:
+        """Whether the request holds memory now (device blocks or host swap slots)."""
+        return self._manager.contains(self._id("holds", request_id))
+
+    def num_tokens(self, request_id: RequestKey) -> int:
+        return self._manager.num_tokens(self._id("num_tokens", request_id))
+
+    def plan(self, request_id: RequestKey) -> PrecisionPlan:
+        return self._manager.plan(self._id("plan", request_id))
+
+    def blocks(self, request_id: RequestKey, layer: int, precision):
+        """Block ids of (request, layer, pool) in order (NumPy int32)."""
+        return self._manager.blocks(self._id("blocks", request_id), layer, precision)
+
+    def blocks_held(self, request_id: RequestKey):
+        return self._manager.blocks_held(self._id("blocks_held", request_id))
+
+    def is_swapped(self, request_id: RequestKey) -> bool:
+        return self._manager.is_swapped(self._id("is_swapped", request_id))
+
+    def free_swap_slots(self):
+        return self._manager.free_swap_slots()
+
+    def check_invariants(self) -> None:
+        self._manager.check_invariants()
+
+    def describe_state(self) -> str:
+        return self._manager.describe_state()
+
+
+class Engine:
+    """A serving engine's loop over mixkv: the continuous-batching scheduler
+    and a backend holding the KV memory, on the CPU or a CUDA device.
+
+        engine = mixkv.Engine(cache_config, num_q_heads=32, backend="cpu")
+        engine.add_request("a", 120, max_new_tokens=64)        # a text prompt
+        while engine.has_unfinished():
+            step = engine.step()                               # memory moves applied
+            for layer in range(num_layers):
+                engine.store(layer, k_rows, v_rows)            # step.prefills' rows
+                out = engine.attend(layer, q, k, v)            # step.decodes' batch
+            ... sample; engine.finish(request_id) on EOS ...
+
+    ``cache_config`` (mixkv.CacheConfig) sizes the KV memory;
+    ``scheduler_config`` (mixkv.SchedulerConfig) the batches; ``planner``
+    (mixkv.PlannerConfig) plans the requests that come with embeddings
+    (the same as ``scheduler_config.planner``; give one of them).
+    ``num_q_heads`` is the model's query heads (a multiple of the cache's KV
+    heads). ``backend``: "cpu" or "cuda" (mixkv built with CUDA; ``device``
+    is the CUDA device). ``sm_scale``: attention scale (None: 1/sqrt(head_dim)).
+
+    Request ids are the caller's: str or int, unique among live requests.
+    Every bad argument raises mixkv.InvalidArgument (a ValueError) or
+    mixkv.UnknownId (a KeyError) naming it, and a call that raises changes
+    nothing.
+    """
+
+    def __init__(self, cache_config: CacheConfig, scheduler_config: Optional[SchedulerConfig] = None, *,
+                 num_q_heads: int, backend: Union[str, Any] = "cpu", planner: Optional[PlannerConfig] = None,
+                 device: int = 0, sm_scale: Optional[float] = None, max_blocks_per_sequence: int = 0) -> None:
+        fn = "Engine"
+        if _engine is None:
+            raise ImportError(f"mixkv.Engine is not part of this build of mixkv ({_ENGINE_MISSING})")
+        if not isinstance(cache_config, CacheConfig):
+            raise InvalidArgument(f"{fn}: cache_config: expected a mixkv.CacheConfig, got {type(cache_config).__name__}")
+        if scheduler_config is None:
+            scheduler_config = SchedulerConfig()
+        elif not isinstance(scheduler_config, SchedulerConfig):
+            raise InvalidArgument(
+                f"{fn}: scheduler_config: expected a mixkv.SchedulerConfig or None, got {type(scheduler_config).__name__}")
+        _check_int(fn, "num_q_heads", num_q_heads, 1)
+        _check_int(fn, "device", device, 0)
+        _check_int(fn, "max_blocks_per_sequence", max_blocks_per_sequence, 0)
+        if isinstance(backend, str) and backend.lower() in ("cpu", "cuda"):
+            kind = BackendKind.CPU if backend.lower() == "cpu" else BackendKind.CUDA
+        elif isinstance(backend, BackendKind):
+            kind = backend
+        else:
+            raise InvalidArgument(f"{fn}: backend: expected 'cpu' or 'cuda', got {backend!r}")
+        if kind == BackendKind.CUDA and not _engine.built_with_cuda:
+            raise InvalidArgument(f"{fn}: backend: 'cuda' needs mixkv built with CUDA (mixkv.built_with_cuda is "
+                                  "False): expected 'cpu'")
+        if planner is not None and not isinstance(planner, PlannerConfig):
+            raise InvalidArgument(f"{fn}: planner: expected a mixkv.PlannerConfig or None, got {type(planner).__name__}")
+        if planner is not None and scheduler_config.planner is not None:
+            raise InvalidArgument(f"{fn}: planner: given twice (scheduler_config.planner is set too): expected one")
+        if sm_scale is not None and (isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float))
+                                     or not sm_scale > 0):
+            raise InvalidArgument(f"{fn}: sm_scale = {sm_scale!r}: expected a positive number or None")
+        # EngineConfig holds copies: the caller's configs stay as they were.
+        config = EngineConfig(cache_config, scheduler_config, num_q_heads=num_q_heads, backend=kind,
+                              cuda_device=device, sm_scale=float(sm_scale or 0.0),
+                              max_blocks_per_sequence=max_blocks_per_sequence)
+        if planner is not None:
+            config.scheduler.planner = planner
+        self._core = _engine.Engine(config)
+        self._kind = kind
+        self._device = device
+        shape = cache_config.shape
+        self._num_q_heads = num_q_heads
+        self._head_dim = shape.head_dim
+        self._ids: dict[RequestKey, int] = {}   # live caller id -> internal id
+        self._keys: dict[int, RequestKey] = {}  # internal id -> caller id
+        self._retired: set[RequestKey] = set()  # caller ids that have left
+        self._next_id = 0
+        self._batch = 0  # rows of the last step's decode batch
+        self._cache = CacheView(self, self._core.cache)
+
+    # -- requests -------------------------------------------------------------------------------------------------
+    def _internal(self, fn: str, arg: str, key: Any) -> int:
+        _check_key(fn, arg, key)
+        internal = self._ids.get(key)
+        if internal is None:
+            raise UnknownId(f"{fn}: {arg} = {key!r}: not a live request of this engine")
+        return internal
+
+    def _new_id(self, fn: str, arg: str, key: Any) -> int:
+        _check_key(fn, arg, key)
+        if key in self._ids:
+            raise InvalidArgument(f"{fn}: {arg} = {key!r}: already a live request (an id can be used again once "
+                                  "step() has reported its request finished or rejected)")
+        internal = self._next_id
+        self._next_id += 1
+        return internal
+
+    def _bind(self, key: RequestKey, internal: int) -> None:
+        self._ids[key] = internal
+        self._keys[internal] = key
+        self._retired.discard(key)
+
+    def add_request(self, request_id: RequestKey, layout_or_num_tokens: Union[TokenLayout, int], *,
+                    plan: Optional[PrecisionPlan] = None, embeddings: Any = None, max_new_tokens: int,
+                    priority: int = 0, arrival_time: Optional[float] = None) -> None:
+        """Queues a request. ``layout_or_num_tokens``: the prompt's TokenLayout
+        (text and visual segments), or an int: a text-only prompt of that many
+        tokens. With a ``plan`` (PrecisionPlan) its windows are stored as it
+        says; with ``embeddings`` ([num_tokens, hidden] float32/float16/
+        bfloat16, any array on the host) the planner plans them; with neither
+        the prompt is stored FP16. ``arrival_time`` (None: time.monotonic())
+        orders admission. A request that can never fit is reported in the
+        next step's ``rejected``."""
+        fn = "Engine.add_request"
+        internal = self._new_id(fn, "request_id", request_id)
+        if isinstance(layout_or_num_tokens, TokenLayout):
+            layout = layout_or_num_tokens
+        elif isinstance(layout_or_num_tokens, int) and not isinstance(layout_or_num_tokens, bool):
+            _check_int(fn, "layout_or_num_tokens", layout_or_num_tokens, 1)
+            layout = TokenLayout([Segment(TokenKind.Text, layout_or_num_tokens)])
+        else:
+            raise InvalidArgument(f"{fn}: layout_or_num_tokens: expected a mixkv.TokenLayout or a number of text "
+                                  f"tokens, got {type(layout_or_num_tokens).__name__}")
+        if plan is not None and not isinstance(plan, PrecisionPlan):
+            raise InvalidArgument(f"{fn}: plan: expected a mixkv.PrecisionPlan or None, got {type(plan).__name__}")
+        _check_int(fn, "max_new_tokens", max_new_tokens, 1)
+        _check_int(fn, "priority", priority)
+        if arrival_time is None:
+            arrival_time = time.monotonic()
+        elif isinstance(arrival_time, bool) or not isinstance(arrival_time, (int, float)):
+            raise InvalidArgument(f"{fn}: arrival_time: expected a number or None, got {type(arrival_time).__name__}")
+        with _caller_ids(f"{fn}(request_id={request_id!r})"):
+            self._core.add_request(internal, layout, plan=plan, embeddings=embeddings, max_new_tokens=max_new_tokens,
+                                   priority=priority, arrival_time=float(arrival_time))
+        self._bind(request_id, internal)
+
+    def fork(self, parent_id: RequestKey, child_id: RequestKey, max_new_tokens: Optional[int] = None) -> None:
+        """Parallel sampling (n > 1): ``child_id`` becomes a running request
+        that shares every block of the running ``parent_id`` and decodes from
+        the next step on, ``max_new_tokens`` more tokens (None: as many as the
+        parent has left). Its generated count starts at the parent's."""
+        fn = "Engine.fork"
+        parent = self._internal(fn, "parent_id", parent_id)
+        child = self._new_id(fn, "child_id", child_id)
+        if max_new_tokens is not None:
+            _check_int(fn, "max_new_tokens", max_new_tokens, 1)
+        with _caller_ids(f"{fn}(parent_id={parent_id!r}, child_id={child_id!r})"):
+            self._core.fork(parent, child, -1 if max_new_tokens is None else max_new_tokens)
+        self._bind(child_id, child)
+
+    def _end(self, fn: str, request_id: RequestKey, call) -> bool:
+        _check_key(fn, "request_id", request_id)
+        internal = self._ids.get(request_id)
+        if internal is None:
+            if request_id in self._retired:
+                return False
+            raise UnknownId(f"{fn}: request_id = {request_id!r}: never added to this engine")
+        return call(internal)
+
+    def finish(self, request_id: RequestKey) -> bool:
+        """Ends a request (EOS, stop string): frees what it holds; reported in
+        the next step's ``finished`` as Stopped. False when it has already
+        left; UnknownId for an id never added."""
+        return self._end("Engine.finish", request_id, self._core.finish)
+
+    def cancel(self, request_id: RequestKey) -> bool:
+        """Cancels a request in any state; reported in the next step's
+        ``finished`` as Cancelled. False when it has already left."""
+        return self._end("Engine.cancel", request_id, self._core.cancel)
+
+    def has_unfinished(self) -> bool:
+        """Live requests, or reports still to come out of step()."""
+        return self._core.has_unfinished()
+
+    def __contains__(self, request_id: Any) -> bool:
+        """Whether ``request_id`` is live (added, not yet reported finished or rejected)."""
+        return not isinstance(request_id, bool) and isinstance(request_id, (str, int)) and request_id in self._ids
+
+    def status(self, request_id: RequestKey):
+        """A live request's progress (mixkv.RequestStatus)."""
+        return self._core.status(self._internal("Engine.status", "request_id", request_id))
+
+    def stats(self):
+        """The scheduler's queue sizes and counters (mixkv.SchedulerStats)."""
+        return self._core.stats()
+
+    # -- the step -------------------------------------------------------------------------------------------------
+    def _stream(self, fn: str, stream: Any) -> int:
+        """The cudaStream_t the CUDA backend enqueues on: ``stream`` (an int, a
+        torch.cuda.Stream or a cupy.cuda.Stream), else torch's current stream
+        when torch is imported, else CuPy's, else the legacy default (0)."""
+        if self._kind != BackendKind.CUDA:
+            return 0
+        if stream is None:
+            modules = sys.modules
+            if "torch" in modules:
+                return int(modules["torch"].cuda.current_stream(self._device).cuda_stream)
+            if "cupy" in modules:
+                return int(modules["cupy"].cuda.get_current_stream().ptr)
+            return 0
+        if isinstance(stream, int) and not isinstance(stream, bool):
+            return stream
+        for attribute in ("cuda_stream", "ptr"):
+            if hasattr(stream, attribute):
+                return int(getattr(stream, attribute))
+        raise InvalidArgument(f"{fn}: stream: expected None, an int (cudaStream_t), a torch.cuda.Stream or a "
+                              f"cupy.cuda.Stream, got {type(stream).__name__}")
+
+    def step(self, *, stream: Any = None) -> EngineStep:
+        """Schedules the next step and applies its memory moves (demotions,
+        swaps, copy-on-write copies, page tables, the decode plan; on the CUDA
+        backend enqueued on ``stream``). Returns what the model runs."""
+        raw = self._core.step(self._stream("Engine.step", stream))
+        result = EngineStep(raw, self._keys.__getitem__)
+        for key in [f.request_id for f in result.finished] + [r.request_id for r in result.rejected]:
+            internal = self._ids.pop(key, None)
+            if internal is not None:
+                del self._keys[internal]
+                self._retired.add(key)
+        self._batch = len(result.decodes)
+        return result
+
+    def store(self, layer: int, k: Any, v: Any, *, stream: Any = None) -> None:
+        """One layer's K and V of the step's prefill rows, the chunks'
+        rows concatenated in ``step.prefills`` order: float16
+        [prefill_rows, num_kv_heads, head_dim] arrays on the engine's device."""
+        self._core.store(layer, k, v, self._stream("Engine.store", stream))
+
+    def attend(self, layer: int, q: Any, k: Any, v: Any, out: Any = None, lse: Any = None, *,
+               stream: Any = None) -> Any:
+        """One layer of the decode batch: appends k, v (float16 [batch,
+        num_kv_heads, head_dim]) as the batch's newest tokens, then attends q
+        (float16 [batch, num_q_heads, head_dim]) over each request's tokens in
+        every pool. Writes and returns ``out`` (float16 [batch, num_q_heads,
+        head_dim]; allocated like q, with q's library and device, when not
+        given) and, when given, ``lse`` (float32 [batch, num_q_heads], the
+        natural-log sum of exponentials of the scaled scores)."""
+        s = self._stream("Engine.attend", stream)
+        if out is None:
+            out = self._empty_like(q)
+        self._core.attend(layer, q, k, v, out, lse, s)
+        return out
+
+    def _empty_like(self, q: Any) -> Any:
+        shape = (self._batch, self._num_q_heads, self._head_dim)
+        library = _library(q)
+        if library == "torch":
+            import torch
+
+            return torch.empty(shape, dtype=torch.float16, device=q.device)
+        if library == "cupy":
+            import cupy
+
+            with cupy.cuda.Device(q.device.id):
+                return cupy.empty(shape, dtype=cupy.float16)
+        if library == "numpy" or self._kind == BackendKind.CPU:
+            import numpy
+
+            return numpy.empty(shape, dtype=numpy.float16)
+        raise InvalidArgument(f"Engine.attend: out: cannot allocate an output like q ({type(q).__name__}): pass "
+                              "out= (float16 [batch, num_q_heads, head_dim] on the engine's device)")
+
+    def synchronize(self) -> None:
+        """Waits until everything enqueued so far has finished (CPU: returns at once)."""
+        self._core.synchronize()
+
+    # -- inspection -----------------------------------------------------------------------------------------------
+    @property
+    def cache(self) -> CacheView:
+        """The cache manager, read only (pool statistics, each request's blocks)."""
+        return self._cache
+
+    @property
+    def backend(self) -> str:
+        """'cpu' or 'cuda'."""
+        return "cuda" if self._kind == BackendKind.CUDA else "cpu"
+
+    @property
+    def device(self) -> int:
+        """The CUDA device (0 on the CPU backend)."""
+        return self._device
+
+    @property
+    def num_q_heads(self) -> int:
+        return self._num_q_heads
+
+    @property
+    def config(self):
+        """A copy of the engine's configuration (mixkv.engine.EngineConfig)."""
+        return self._core.config
+
+    def check_invariants(self) -> None:
+        """The cache's and the scheduler's invariants, and that every live
+        request id maps to a request the scheduler knows. Raises
+        mixkv.InvariantViolation naming the first broken one."""
+        self._core.check_invariants()
+        if len(self._ids) != len(self._keys):
+            raise InvariantViolation(f"Engine: {len(self._ids)} live request ids but {len(self._keys)} internal ids")
+        for key, internal in self._ids.items():
+            if self._keys.get(internal) != key:
+                raise InvariantViolation(f"Engine: request id {key!r} maps to internal id {internal}, which maps back "
+                                         f"to {self._keys.get(internal)!r}")
+            if not self._core.contains(internal):
+                raise InvariantViolation(f"Engine: request id {key!r} is live here but unknown to the scheduler")
+
+    def describe_state(self) -> str:
+        """Canonical text of the scheduler's queues and the cache's books (internal ids)."""
+        return self._core.describe_state()
+
+    def __repr__(self) -> str:
+        return (f"mixkv.Engine(backend={self.backend!r}, device={self._device}, live requests={len(self._ids)}, "
+                f"num_q_heads={self._num_q_heads})")
