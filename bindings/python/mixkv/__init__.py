@@ -71,70 +71,10 @@ from ._core import (
     window_similarity,
 )
 from . import ops
+# mixkv.Engine: the scheduler and a backend behind one object (engine.py).
+from .engine import BackendKind, CacheView, Engine, EngineStep, Finished, Prefill, Rejected
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "AppendResult",
-    "AppendSlots",
-    "BatchPolicy",
-    "BlockCopy",
-    "BudgetedPlan",
-    "BlockFormat",
-    "CacheConfig",
-    "CacheShape",
-    "DecodeMetadata",
-    "DemoteOp",
-    "Demotion",
-    "DeviceError",
-    "FinishReason",
-    "FinishedRequest",
-    "IndexOutOfRange",
-    "InvalidArgument",
-    "InvariantViolation",
-    "KVCache",
-    "KVCacheManager",
-    "LayerThresholds",
-    "OutOfMemory",
-    "PagedPoolTable",
-    "PlanStats",
-    "PlannerConfig",
-    "PoolStats",
-    "Precision",
-    "PrecisionPlan",
-    "PreemptionMode",
-    "PrefillChunk",
-    "RejectedRequest",
-    "Request",
-    "RequestState",
-    "RequestStatus",
-    "Scheduler",
-    "SchedulerConfig",
-    "SchedulerStats",
-    "SchedulingPolicy",
-    "Segment",
-    "SensitivityReduction",
-    "StepOutput",
-    "StoreMapping",
-    "SwapCopy",
-    "TokenKind",
-    "TokenLayout",
-    "UnknownId",
-    "WindowPlanner",
-    "WindowSlot",
-    "bits_of",
-    "built_with_cuda",
-    "bytes_per_token_per_head",
-    "floor_layers_within_budget",
-    "is_quantized",
-    "layer_sensitivity",
-    "majority_vote",
-    "ops",
-    "plan_stats",
-    "window_similarity",
-]
-
-# mixkv.Engine: the scheduler and a backend behind one object (engine.py).
-from .engine import BackendKind, CacheView, Engine, EngineStep, Finished, Prefill, Rejected  # noqa: E402
-
-__all__ += ["BackendKind", "CacheView", "Engine", "EngineStep", "Finished", "Prefill", "Rejected"]
+# Every public name above, listed once: the imports are the list.
+__all__ = sorted(name for name in globals() if not name.startswith("_") and name != "engine")
