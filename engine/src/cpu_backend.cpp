@@ -11,7 +11,7 @@
 #include "mixkv/cpu/demote.h"
 #include "mixkv/cpu/store.h"
 #include "mixkv/cpu/swap.h"
-#include "mixkv/engine/backend.h"
+#include "mixkv/engine/cpu_backend.h"
 #include "step_inputs.h"
 
 namespace mixkv {
@@ -36,9 +36,9 @@ HostBytes host_bytes(std::size_t bytes, const char* name) {
   return HostBytes(p);
 }
 
-class CpuBackend final : public Backend {
+class CpuBackendImpl final : public CpuBackend {
  public:
-  explicit CpuBackend(const BackendConfig& config)
+  explicit CpuBackendImpl(const BackendConfig& config)
       : config_((engine_detail::check_config("make_cpu_backend", config), config)),
         manager_(config.cache),
         arena_(host_bytes(config.cache.arena_bytes, "cache.arena_bytes")),
@@ -84,6 +84,9 @@ class CpuBackend final : public Backend {
   void set_stream(void*) override {}
   void synchronize() override {}
 
+  PoolViews arena_pools() const override { return pools_; }
+  PoolViews swap_pools() const override { return host_pools_; }
+
  protected:
   void apply_step(const StepOutput& step, const Scheduler*) override {
     engine_detail::check_step("CpuBackend::apply", step, manager_, config_);
@@ -123,6 +126,10 @@ class CpuBackend final : public Backend {
 
 }  // namespace
 
-std::unique_ptr<Backend> make_cpu_backend(const BackendConfig& config) { return std::make_unique<CpuBackend>(config); }
+std::unique_ptr<CpuBackend> CpuBackend::create(const BackendConfig& config) {
+  return std::make_unique<CpuBackendImpl>(config);
+}
+
+std::unique_ptr<Backend> make_cpu_backend(const BackendConfig& config) { return CpuBackend::create(config); }
 
 }  // namespace mixkv

@@ -74,8 +74,8 @@ class AddUntilFull : public ::testing::TestWithParam<Precision> {};
 // everything the same number fits again (no capacity lost).
 TEST_P(AddUntilFull, FailsWholeAtTheBoundaryAndLosesNoCapacity) {
   const Precision p = GetParam();
-  KVCacheManager cache(tiny_config(2, 3));
-  HostBackend backend(cache);
+  HostBackend backend(tiny_config(2, 3));
+  KVCacheManager& cache = backend.cache();
   // 3 windows (FP16: 3 blocks a layer) plus a 5-token FP16 tail.
   const TokenLayout layout({{TokenKind::Visual, 3 * kTinyBlock + 5}});
   const PrecisionPlan plan = uniform_plan(2, layout, p);
@@ -104,8 +104,8 @@ INSTANTIATE_TEST_SUITE_P(Pools, AddUntilFull, ::testing::Values(Precision::FP16,
 // A batch in which one sequence needs a new FP16 block and none is left:
 // no sequence of the batch gets its token.
 TEST(ArenaExhaustion, AppendBatchIsAllOrNothing) {
-  KVCacheManager cache(tiny_config(1, 1));  // 4 FP16 blocks in all
-  HostBackend backend(cache);
+  HostBackend backend(tiny_config(1, 1));  // 4 FP16 blocks in all
+  KVCacheManager& cache = backend.cache();
   const PrecisionPlan none(1, 0);
   backend.add(0, test::text(5), none);               // tail has room
   backend.add(1, test::text(kTinyBlock), none);      // tail full
@@ -124,8 +124,8 @@ TEST(ArenaExhaustion, AppendBatchIsAllOrNothing) {
 // partly filled tail fails whole when none is free; once one is, the copy
 // isolates the parent from the child's token.
 TEST(ArenaExhaustion, CopyOnWriteWithoutRoom) {
-  KVCacheManager cache(tiny_config(1, 1));
-  HostBackend backend(cache);
+  HostBackend backend(tiny_config(1, 1));
+  KVCacheManager& cache = backend.cache();
   const PrecisionPlan none(1, 0);
   backend.add(0, test::text(kTinyBlock + 3), none);  // 2 blocks, tail partly filled
   cache.fork(0, 1);
@@ -162,8 +162,8 @@ TEST(ArenaExhaustion, CopyOnWriteWithoutRoom) {
 TEST(ArenaExhaustion, SwapInWaitsForRoomAndComesBackIdentical) {
   CacheConfig config = tiny_config(2, 4);
   config.swap_blocks = {8, 8, 8};
-  KVCacheManager cache(config);
-  HostBackend backend(cache);
+  HostBackend backend(config);
+  KVCacheManager& cache = backend.cache();
   const TokenLayout layout({{TokenKind::Text, 7}, {TokenKind::Visual, 2 * kTinyBlock}});
   PrecisionPlan plan(2, 2);
   plan.set(0, 1, Precision::INT4);
@@ -191,8 +191,8 @@ TEST(ArenaExhaustion, SwapInWaitsForRoomAndComesBackIdentical) {
 TEST(ArenaExhaustion, DemoteWithoutTargetBlocks) {
   CacheConfig config = tiny_config(1, 1);
   config.fp16_windows_first = true;
-  KVCacheManager cache(config);
-  HostBackend backend(cache);
+  HostBackend backend(config);
+  KVCacheManager& cache = backend.cache();
   const TokenLayout layout = visual(4 * kTinyBlock);  // the whole FP16 slab
   backend.add(0, layout, uniform_plan(1, layout, Precision::FP16));
   ASSERT_FALSE(cache.why_not_demotable(0, 0, 1, Precision::INT4).has_value());
@@ -215,8 +215,8 @@ TEST(ArenaExhaustion, EveryArenaSizeFailsCleanly) {
     CacheConfig config = tiny_config(2, slabs);
     config.swap_blocks = {6, 4, 4};
     config.fp16_windows_first = true;
-    KVCacheManager cache(config);
-    HostBackend backend(cache);
+    HostBackend backend(config);
+    KVCacheManager& cache = backend.cache();
     std::mt19937_64 rng(42);  // the same script on every size
     auto pick = [&rng](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
     std::vector<SequenceId> live;
@@ -307,8 +307,8 @@ TEST(ArenaExhaustion, EveryArenaSizeFailsCleanly) {
 TEST(SwapPoolFull, SwapOutFailsWholeAndLeavesBothCopies) {
   CacheConfig config = tiny_config(1, 4);
   config.swap_blocks = {3, 2, 2};
-  KVCacheManager cache(config);
-  HostBackend backend(cache);
+  HostBackend backend(config);
+  KVCacheManager& cache = backend.cache();
   const PrecisionPlan none(1, 0);
   backend.add(0, test::text(2 * kTinyBlock + 1), none);  // 3 FP16 blocks: exactly the host pool
   backend.add(1, test::text(kTinyBlock), none);          // 1 FP16 block
@@ -334,8 +334,8 @@ TEST(SwapPoolFull, SwapOutFailsWholeAndLeavesBothCopies) {
 TEST(SwapPoolFull, EachPoolOnItsOwn) {
   CacheConfig config = tiny_config(2, 4);
   config.swap_blocks = {16, 16, 1};
-  KVCacheManager cache(config);
-  HostBackend backend(cache);
+  HostBackend backend(config);
+  KVCacheManager& cache = backend.cache();
   const TokenLayout layout = visual(kTinyBlock);
   backend.add(0, layout, uniform_plan(2, layout, Precision::INT2));  // 2 INT2 blocks (one a layer)
   expect_oom_changes_nothing(backend, [&] { backend.swap_out(0); }, "INT2 swap pool");
@@ -345,8 +345,8 @@ TEST(SwapPoolFull, EachPoolOnItsOwn) {
 
 // Without a host pool (the default), swapping is an OutOfMemory, not a crash.
 TEST(SwapPoolFull, NoHostPool) {
-  KVCacheManager cache(tiny_config(1, 2));
-  HostBackend backend(cache);
+  HostBackend backend(tiny_config(1, 2));
+  KVCacheManager& cache = backend.cache();
   backend.add(0, test::text(3), PrecisionPlan(1, 0));
   expect_oom_changes_nothing(backend, [&] { backend.swap_out(0); }, "swap pool");
   backend.free(0);
@@ -358,8 +358,8 @@ TEST(SwapPoolFull, NoHostPool) {
 TEST(SwapPoolFull, ExactFitRoundTrips) {
   CacheConfig config = tiny_config(1, 6);
   config.swap_blocks = {6, 0, 0};
-  KVCacheManager cache(config);
-  HostBackend backend(cache);
+  HostBackend backend(config);
+  KVCacheManager& cache = backend.cache();
   for (SequenceId id = 0; id < 6; ++id) backend.add(id, test::text(1 + static_cast<std::int32_t>(id)), PrecisionPlan(1, 0));
   const auto before = backend.snapshot_all();
   for (SequenceId id = 0; id < 6; ++id) backend.swap_out(id);

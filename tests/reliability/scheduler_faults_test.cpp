@@ -90,9 +90,9 @@ struct RunResult {
 // Runs the workload to the end; with `cancel`, cancels the first request
 // found in that state and checks that what it held came back at once.
 RunResult run(const CacheConfig& cc, const SchedulerConfig& sc, std::optional<Cancel> cancel) {
-  KVCacheManager cache(cc);
-  Scheduler sched(cache, sc);
-  test::EngineSim engine(sched);
+  test::EngineSim engine(cc, sc);
+  KVCacheManager& cache = engine.cache();
+  Scheduler& sched = engine.scheduler();
   const auto requests = workload();
   RunResult result;
   std::size_t next = 0;

@@ -1,35 +1,35 @@
 #pragma once
-// A serving engine on the CPU backend for the scheduler tests: it applies a
-// StepOutput the way step_output.h says (demotions, swap out, swap in,
-// copy-on-write copies, then prefill stores and decode appends) on real
-// bytes, runs decode attention over the step's metadata, and records every
-// output. K/V/q values are a pure function of (request, position, layer,
-// head, channel), so a request recomputed after preemption writes the same
-// values again, and two runs of one workload can be compared output by output.
-// A forked request (inherit()) takes its parent's values before the fork
-// point, the tokens it shares, and its own after.
+// A serving engine on the engine's CPU backend for the scheduler tests: it
+// owns a CpuBackend and a Scheduler over the backend's manager, applies
+// every StepOutput with Backend::apply, stores the prefill chunks' rows and
+// attends the decode batch layer by layer, and records every output (FP16,
+// as the backend writes it). K/V/q values are a pure function of (request,
+// position, layer, head, channel), so a request recomputed after preemption
+// writes the same values again, and two runs of one workload can be
+// compared output by output. A forked request (inherit()) takes its
+// parent's values before the fork point, the tokens it shares, and its own
+// after.
 //
-// It also holds the scheduler to its promises about bytes: a block swapped
-// out comes back bit-identical (hash at swap_out == hash after swap_in).
-// Decode tokens go to the slots of the compact form (per page-table slot,
-// the FP16 tail of every layer, kept from tables_changed and
-// append.tails_changed), which must equal append.slots when the step
-// carries them (SchedulerConfig::per_layer_slots).
+// It also holds the scheduler to its promises about bytes, read through
+// CpuBackend's pools: a block swapped out comes back bit-identical (hash at
+// swap_out == hash after swap_in). The compact form of the decode slots
+// (per page-table slot, the FP16 tail of every layer, kept from
+// tables_changed and append.tail_blocks) must equal append.slots when the
+// step carries them (SchedulerConfig::per_layer_slots), and the slots of the
+// page tables, where the backend appends, when it does not.
 #include <gtest/gtest.h>
 
-#include <cmath>
+#include <algorithm>
 #include <cstdint>
-#include <cstring>
+#include <initializer_list>
 #include <map>
+#include <memory>
 #include <tuple>
 #include <utility>
 #include <vector>
 
 #include "mixkv/core/half.h"
-#include "mixkv/cpu/decode_attention.h"
-#include "mixkv/cpu/demote.h"
-#include "mixkv/cpu/store.h"
-#include "mixkv/cpu/swap.h"
+#include "mixkv/engine/cpu_backend.h"
 #include "mixkv/scheduler/scheduler.h"
 
 namespace mixkv::test {
@@ -63,113 +63,120 @@ inline std::uint64_t hash_bytes(const std::byte* p, std::size_t n) {
   return h;
 }
 
+// A host array as the backend takes it (C-contiguous, on the CPU).
+inline TensorView host_view(const void* data, DType dtype, std::initializer_list<std::int64_t> shape) {
+  TensorView t;
+  t.data = const_cast<void*>(data);
+  t.dtype = dtype;
+  t.ndim = static_cast<std::int32_t>(shape.size());
+  std::size_t i = 0;
+  for (const std::int64_t d : shape) t.shape[i++] = d;
+  return t;
+}
+
+// The CPU backend's config for a cache and a scheduler over it, q heads =
+// 2 x KV heads (GQA 2:1).
+inline BackendConfig backend_config(const CacheConfig& cache, const SchedulerConfig& config) {
+  BackendConfig c;
+  c.cache = cache;
+  c.num_q_heads = 2 * cache.shape.num_kv_heads;
+  c.max_num_seqs = config.max_num_seqs;
+  c.max_prefill_rows = config.max_num_batched_tokens;
+  return c;
+}
+
 class EngineSim {
  public:
-  // q heads = 2 x KV heads (GQA 2:1).
-  explicit EngineSim(const Scheduler& sched)
-      : sched_(sched),
-        cache_(sched.cache()),
-        shape_(cache_.config().shape),
-        arena_(cache_.config().arena_bytes),
-        host_(std::max<std::size_t>(cache_.swap_bytes(), 1)),
-        tails_(static_cast<std::size_t>(sched.config().max_num_seqs) * static_cast<std::size_t>(shape_.num_layers), -1) {
-    for (const Precision p : kAllPrecisions) {
-      pools_[pool_index(p)] = cache_.pool_view(p, arena_.data());
-      host_pools_[pool_index(p)] = cache_.swap_view(p, host_.data());
-    }
-  }
+  EngineSim(const CacheConfig& cache, const SchedulerConfig& config, std::shared_ptr<PlanSource> planner = nullptr)
+      : backend_(CpuBackend::create(backend_config(cache, config))),
+        cache_(backend_->manager()),
+        sched_(backend_->manager(), config, std::move(planner)),
+        shape_(cache.shape),
+        tails_(static_cast<std::size_t>(config.max_num_seqs) * static_cast<std::size_t>(shape_.num_layers), -1) {}
 
-  // Applies one step; `attention` runs decode attention for every layer
-  // and records outputs (the metadata must have been built).
+  // The backend's manager and the scheduler that drives it.
+  KVCacheManager& cache() { return backend_->manager(); }
+  Scheduler& scheduler() { return sched_; }
+
+  // Applies one step: its memory moves, then every layer's prefill rows and
+  // decode tokens. `attention` records the decode outputs; attention runs
+  // either way, since the backend appends a decode token as it attends.
   void apply(const StepOutput& out, bool attention) {
-    cpu::demote(out.demotions, pools_);
     demoted_ += static_cast<std::int64_t>(out.demotions.size());
-    // Swap out: remember each block's bytes per (request, order in the list).
-    std::size_t i = 0;
-    for (const RequestId id : out.swapped_out) {
-      const BlockCounts held = cache_.blocks_held(id);
-      const auto n = static_cast<std::size_t>(held[0] + held[1] + held[2]);
-      std::vector<std::uint64_t>& hashes = swapped_[id];
-      hashes.clear();
-      for (std::size_t k = 0; k < n; ++k, ++i) {
-        const SwapCopy& c = out.swap_out[i];
-        hashes.push_back(hash_bytes(pools_[pool_index(c.pool)].block(c.device_block), block_bytes(c.pool)));
-      }
+    // A block is hashed as it leaves the device, after this step's
+    // demotions (which may write it): those go first when both are present.
+    const bool split = !out.demotions.empty() && !out.swap_out.empty();
+    if (split) {
+      StepOutput demotions;
+      demotions.demotions = out.demotions;
+      backend_->apply(demotions);
     }
-    ASSERT_EQ(i, out.swap_out.size()) << "swap_out copies do not add up to the swapped requests' blocks";
-    cpu::swap_blocks(out.swap_out, SwapDirection::DeviceToHost, pools_, host_pools_);
-    cpu::swap_blocks(out.swap_in, SwapDirection::HostToDevice, pools_, host_pools_);
-    i = 0;
-    for (const RequestId id : out.swapped_in) {
-      auto it = swapped_.find(id);
-      ASSERT_NE(it, swapped_.end()) << "request " << id << " swapped in but never out";
-      for (const std::uint64_t h : it->second) {
-        const SwapCopy& c = out.swap_in[i++];
-        ASSERT_EQ(hash_bytes(pools_[pool_index(c.pool)].block(c.device_block), block_bytes(c.pool)), h)
-            << "request " << id << ": a block came back from the host pool changed";
-        ++blocks_swapped_back_;
-      }
-      swapped_.erase(it);
+    record_swapped_out(out);
+    if (testing::Test::HasFatalFailure()) return;
+    if (split) {
+      StepOutput rest = out;
+      rest.demotions.clear();
+      backend_->apply(rest, sched_);
+    } else {
+      backend_->apply(out, sched_);
     }
-    ASSERT_EQ(i, out.swap_in.size());
-    cpu::copy_blocks(out.append.copies, pools_[0]);
+    check_swapped_in(out);
+    if (testing::Test::HasFatalFailure()) return;
 
     const std::int32_t heads = shape_.num_kv_heads;
     const std::int32_t dim = shape_.head_dim;
     const std::size_t row = static_cast<std::size_t>(heads) * dim;
-    for (const PrefillChunk& chunk : out.prefills) {
-      const std::size_t rows = static_cast<std::size_t>(chunk.end - chunk.start);
-      std::vector<Half> k(rows * row);
-      std::vector<Half> v(rows * row);
+    std::int64_t rows = 0;
+    for (const PrefillChunk& chunk : out.prefills) rows += chunk.end - chunk.start;
+    if (rows > 0) {
+      std::vector<Half> k(static_cast<std::size_t>(rows) * row);
+      std::vector<Half> v(k.size());
       for (std::int32_t layer = 0; layer < shape_.num_layers; ++layer) {
-        fill_rows(chunk.id, chunk.start, chunk.end, layer, k, v);
-        cpu::store_prefill(k, v, chunk.mappings[static_cast<std::size_t>(layer)], pools_);
+        std::size_t at = 0;
+        for (const PrefillChunk& chunk : out.prefills) {
+          fill_rows(chunk.id, chunk.start, chunk.end, layer, k.data() + at, v.data() + at);
+          at += static_cast<std::size_t>(chunk.end - chunk.start) * row;
+        }
+        backend_->store(layer, host_view(k.data(), DType::F16, {rows, heads, dim}),
+                        host_view(v.data(), DType::F16, {rows, heads, dim}));
       }
-      prefill_rows_ += static_cast<std::int64_t>(rows);
+      prefill_rows_ += rows;
     }
     const std::size_t batch = out.decodes.size();
-    const auto slots = compact_slots(out);
+    check_compact_slots(out);
     if (testing::Test::HasFatalFailure() || batch == 0) return;
+    const auto b64 = static_cast<std::int64_t>(batch);
+    const std::int32_t q_heads = 2 * heads;
     std::vector<std::int64_t> positions(batch);
-    for (std::size_t b = 0; b < batch; ++b) positions[b] = cache_.num_tokens(out.decodes[b]) - 1;
+    std::vector<RequestId> owners(batch);
+    for (std::size_t b = 0; b < batch; ++b) {
+      positions[b] = cache_.num_tokens(out.decodes[b]) - 1;
+      owners[b] = source(out.decodes[b], positions[b]);
+    }
     std::vector<Half> k(batch * row);
     std::vector<Half> v(batch * row);
-    for (std::int32_t layer = 0; layer < shape_.num_layers; ++layer) {
-      for (std::size_t b = 0; b < batch; ++b) {
-        std::vector<Half> kr(row), vr(row);
-        fill_rows(out.decodes[b], positions[b], positions[b] + 1, layer, kr, vr);
-        std::copy(kr.begin(), kr.end(), k.begin() + static_cast<std::ptrdiff_t>(b * row));
-        std::copy(vr.begin(), vr.end(), v.begin() + static_cast<std::ptrdiff_t>(b * row));
-      }
-      cpu::append(k, v, slots[static_cast<std::size_t>(layer)], pools_[0]);
-    }
-    if (!attention) return;
-    const std::int32_t q_heads = 2 * heads;
-    std::vector<RequestId> owners(batch);
-    for (std::size_t b = 0; b < batch; ++b) owners[b] = source(out.decodes[b], positions[b]);
     std::vector<Half> q(batch * static_cast<std::size_t>(q_heads) * dim);
-    std::vector<float> o(q.size());
+    std::vector<Half> o(q.size());
     std::vector<float> lse(batch * static_cast<std::size_t>(q_heads));
     for (std::int32_t layer = 0; layer < shape_.num_layers; ++layer) {
       for (std::size_t b = 0; b < batch; ++b) {
+        fill_rows(out.decodes[b], positions[b], positions[b] + 1, layer, k.data() + b * row, v.data() + b * row);
         for (std::int32_t h = 0; h < q_heads; ++h) {
           for (std::int32_t c = 0; c < dim; ++c) {
             q[(b * q_heads + h) * dim + c] = value_of(key_of(owners[b], positions[b], layer, h, c, 7));
           }
         }
       }
-      cpu::DecodeAttentionArgs args;
-      args.q = q;
-      args.num_q_heads = q_heads;
-      args.sm_scale = 1.0f / std::sqrt(static_cast<float>(dim));
-      args.tables = &out.metadata.layers[static_cast<std::size_t>(layer)];
-      args.pools = pools_;
-      args.out = o;
-      args.lse = lse;
-      cpu::decode_attention(args);
+      const TensorView lse_view = host_view(lse.data(), DType::F32, {b64, q_heads});
+      backend_->attend(layer, host_view(q.data(), DType::F16, {b64, q_heads, dim}),
+                       host_view(k.data(), DType::F16, {b64, heads, dim}),
+                       host_view(v.data(), DType::F16, {b64, heads, dim}),
+                       host_view(o.data(), DType::F16, {b64, q_heads, dim}), &lse_view);
+      if (!attention) continue;
       for (std::size_t b = 0; b < batch; ++b) {
-        const auto first = o.begin() + static_cast<std::ptrdiff_t>(b * q_heads * dim);
-        outputs_[{out.decodes[b], positions[b], layer}] = std::vector<float>(first, first + q_heads * dim);
+        std::vector<float>& dst = outputs_[{out.decodes[b], positions[b], layer}];
+        dst.resize(static_cast<std::size_t>(q_heads) * dim);
+        for (std::size_t i = 0; i < dst.size(); ++i) dst[i] = half_to_float(o[b * dst.size() + i]);
       }
     }
   }
@@ -188,18 +195,62 @@ class EngineSim {
   void inherit(RequestId child, RequestId parent) { inherit(child, parent, cache_.num_tokens(parent)); }
 
  private:
-  std::size_t block_bytes(Precision p) const { return pools_[pool_index(p)].format.block_bytes(); }
+  std::uint64_t device_hash(Precision p, std::int32_t block) const {
+    const PoolView view = backend_->arena_pools()[pool_index(p)];
+    return hash_bytes(view.block(block), view.format.block_bytes());
+  }
 
-  // [layer][i]: the decode slots from the compact form, after updating the
-  // per-slot tails; equal to out.append.slots when the step has them.
-  std::vector<std::vector<std::int32_t>> compact_slots(const StepOutput& out) {
+  // Each swapped-out block's device bytes, per (request, order in the list).
+  void record_swapped_out(const StepOutput& out) {
+    std::vector<std::size_t> blocks;
+    std::size_t total = 0;
+    for (const RequestId id : out.swapped_out) {
+      const BlockCounts held = cache_.blocks_held(id);
+      blocks.push_back(static_cast<std::size_t>(held[0] + held[1] + held[2]));
+      total += blocks.back();
+    }
+    ASSERT_EQ(total, out.swap_out.size()) << "swap_out copies do not add up to the swapped requests' blocks";
+    std::size_t i = 0;
+    for (std::size_t r = 0; r < blocks.size(); ++r) {
+      std::vector<std::uint64_t>& hashes = swapped_[out.swapped_out[r]];
+      hashes.clear();
+      for (std::size_t k = 0; k < blocks[r]; ++k, ++i) {
+        hashes.push_back(device_hash(out.swap_out[i].pool, out.swap_out[i].device_block));
+      }
+    }
+  }
+
+  // Each swapped-in block's device bytes after the step's copies, which
+  // write only blocks allocated after it, against its hash at swap out.
+  void check_swapped_in(const StepOutput& out) {
+    std::size_t i = 0;
+    for (const RequestId id : out.swapped_in) {
+      auto it = swapped_.find(id);
+      ASSERT_NE(it, swapped_.end()) << "request " << id << " swapped in but never out";
+      for (const std::uint64_t h : it->second) {
+        ASSERT_LT(i, out.swap_in.size()) << "request " << id << ": fewer blocks swapped in than out";
+        const SwapCopy& c = out.swap_in[i++];
+        ASSERT_EQ(device_hash(c.pool, c.device_block), h)
+            << "request " << id << ": a block came back from the host pool changed";
+        ++blocks_swapped_back_;
+      }
+      swapped_.erase(it);
+    }
+    ASSERT_EQ(i, out.swap_in.size());
+  }
+
+  // The decode slots from the compact form, after updating the per-slot
+  // tails: equal to out.append.slots when the step has them, else to the
+  // page tables' FP16 tails at the same offsets (where the backend appends).
+  void check_compact_slots(const StepOutput& out) {
     const auto layers = static_cast<std::size_t>(shape_.num_layers);
     const std::int32_t bs = shape_.block_size;
     for (const RequestId id : out.tables_changed) {
       // A request demoted and then preempted in the same step holds no slot.
       if (!sched_.contains(id) || sched_.status(id).slot < 0) continue;
       const auto tails = cache_.page_table(id).fp16_tails();
-      std::copy(tails.begin(), tails.end(), tails_.begin() + static_cast<std::ptrdiff_t>(sched_.status(id).slot * layers));
+      std::copy(tails.begin(), tails.end(),
+                tails_.begin() + static_cast<std::ptrdiff_t>(sched_.status(id).slot * layers));
     }
     const AppendResult& a = out.append;
     const std::size_t batch = out.decodes.size();
@@ -207,7 +258,7 @@ class EngineSim {
     EXPECT_EQ(a.tail_blocks.size(), a.tails_changed.size() * layers);
     if (a.offsets.size() != batch || a.tail_blocks.size() != a.tails_changed.size() * layers) {
       ADD_FAILURE() << "malformed compact slots";
-      return {};
+      return;
     }
     for (std::size_t k = 0; k < a.tails_changed.size(); ++k) {
       const auto slot = static_cast<std::size_t>(out.decode_slots[static_cast<std::size_t>(a.tails_changed[k])]);
@@ -222,14 +273,19 @@ class EngineSim {
     }
     if (sched_.config().per_layer_slots) {
       EXPECT_EQ(slots, a.slots) << "step " << out.step << ": the compact slots differ from append.slots";
-    } else {
-      EXPECT_TRUE(a.slots.empty());
+      return;
     }
-    return slots;
+    EXPECT_TRUE(a.slots.empty());
+    std::vector<std::vector<std::int32_t>> tables(layers, std::vector<std::int32_t>(batch));
+    for (std::size_t b = 0; b < batch; ++b) {
+      const auto tails = cache_.page_table(out.decodes[b]).fp16_tails();
+      for (std::size_t l = 0; l < layers; ++l) tables[l][b] = tails[l] * bs + a.offsets[b];
+    }
+    EXPECT_EQ(slots, tables) << "step " << out.step << ": the compact slots differ from the page tables' tails";
   }
 
-  void fill_rows(RequestId id, std::int64_t from, std::int64_t to, std::int32_t layer, std::vector<Half>& k,
-                 std::vector<Half>& v) const {
+  // Rows [from, to) of `id`'s K and V at `layer`, [row][head][channel].
+  void fill_rows(RequestId id, std::int64_t from, std::int64_t to, std::int32_t layer, Half* k, Half* v) const {
     const std::int32_t heads = shape_.num_kv_heads;
     const std::int32_t dim = shape_.head_dim;
     std::size_t i = 0;
@@ -252,14 +308,12 @@ class EngineSim {
     return id;
   }
 
-  const Scheduler& sched_;
-  const KVCacheManager& cache_;
+  // Declared in this order: the scheduler refers to the backend's manager.
+  std::unique_ptr<CpuBackend> backend_;
+  KVCacheManager& cache_;
+  Scheduler sched_;
   std::map<RequestId, std::pair<RequestId, std::int64_t>> lineage_;  // child -> (parent, tokens at the fork)
   CacheShape shape_;
-  std::vector<std::byte> arena_;
-  std::vector<std::byte> host_;
-  PoolViews pools_{};
-  PoolViews host_pools_{};
   std::vector<std::int32_t> tails_;  // [page-table slot][layer]: FP16 tail block (compact slots)
   std::map<RequestId, std::vector<std::uint64_t>> swapped_;
   std::map<std::tuple<RequestId, std::int64_t, std::int32_t>, std::vector<float>> outputs_;

@@ -33,7 +33,8 @@ using Outputs = std::map<std::tuple<RequestId, std::int64_t, std::int32_t>, std:
 
 // A cache, its scheduler and the CPU engine, stepped with every check.
 struct Served {
-  Served(const CacheConfig& cc, const SchedulerConfig& sc) : cache(cc), sched(cache, sc), engine(sched) {}
+  Served(const CacheConfig& cc, const SchedulerConfig& sc)
+      : engine(cc, sc), cache(engine.cache()), sched(engine.scheduler()) {}
 
   StepOutput step() {
     StepOutput out = sched.step();
@@ -57,9 +58,9 @@ struct Served {
     EXPECT_TRUE(cache.sequence_ids().empty());
   }
 
-  KVCacheManager cache;
-  Scheduler sched;
   test::EngineSim engine;
+  KVCacheManager& cache;
+  Scheduler& sched;
   std::map<RequestId, FinishedRequest> finished;
 };
 
@@ -223,7 +224,9 @@ TEST(SchedulerFork, CancelTheParentWhileTheChildRuns) {
     for (int i = 0; i < steps_after; ++i) run.step();
     ASSERT_TRUE(run.sched.cancel(1));
     const StepOutput out = run.step();
-    if (steps_after == 0) EXPECT_TRUE(out.append.copies.empty()) << "the child is the tail's only holder";
+    if (steps_after == 0) {
+      EXPECT_TRUE(out.append.copies.empty()) << "the child is the tail's only holder";
+    }
     for (std::int32_t layer = 0; layer < 2; ++layer) {
       for (const Precision p : kAllPrecisions) {
         for (const std::int32_t b : run.cache.blocks(2, layer, p)) EXPECT_EQ(run.cache.ref_count(p, b), 1);

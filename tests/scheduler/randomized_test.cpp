@@ -42,7 +42,8 @@ CacheConfig small_cache() {
 
 class Simulation {
  public:
-  explicit Simulation(const Workload& w) : w_(w), rng_(w.seed), cache_(small_cache()), sched_(cache_, config(w)), engine_(sched_) {}
+  explicit Simulation(const Workload& w)
+      : w_(w), rng_(w.seed), engine_(small_cache(), config(w)), cache_(engine_.cache()), sched_(engine_.scheduler()) {}
 
   static SchedulerConfig config(const Workload& w) {
     SchedulerConfig c;
@@ -129,7 +130,9 @@ class Simulation {
       ASSERT_NO_THROW(sched_.check_invariants()) << "after step " << steps;
       check_conservation();
       if (testing::Test::HasFatalFailure()) return;
-      if (fork_ready()) ASSERT_NO_THROW(sched_.check_invariants()) << "after the forks of step " << steps;
+      if (fork_ready()) {
+        ASSERT_NO_THROW(sched_.check_invariants()) << "after the forks of step " << steps;
+      }
       if (testing::Test::HasFatalFailure()) return;
       ASSERT_LT(steps, 2'000'000) << "the simulation does not drain";
     }
@@ -304,9 +307,9 @@ class Simulation {
 
   Workload w_;
   std::mt19937_64 rng_;
-  KVCacheManager cache_;
-  Scheduler sched_;
   test::EngineSim engine_;
+  KVCacheManager& cache_;
+  Scheduler& sched_;
   std::set<RequestId> live_;
   std::set<RequestId> reported_;
   int cancelled_in_[5] = {};

@@ -29,9 +29,8 @@ using test::tiny;
 std::map<std::tuple<RequestId, std::int64_t, std::int32_t>, std::vector<float>> serve(
     const CacheConfig& cache_config, const SchedulerConfig& config, const std::vector<Request>& requests,
     SchedulerStats* stats) {
-  KVCacheManager cache(cache_config);
-  Scheduler sched(cache, config);
-  test::EngineSim engine(sched);
+  test::EngineSim engine(cache_config, config);
+  Scheduler& sched = engine.scheduler();
   for (const Request& r : requests) sched.add_request(r);
   for (int step = 0; sched.has_unfinished() && step < 100000; ++step) {
     const StepOutput out = sched.step();
@@ -123,13 +122,13 @@ void step_until(Scheduler& sched, test::EngineSim& engine, RequestId id, Request
 TEST(Scheduler, CancelFreesEverythingInEveryState) {
   for (const RequestState target : {RequestState::Waiting, RequestState::Prefilling, RequestState::Running,
                                     RequestState::Swapped}) {
-    KVCacheManager cache(tiny(10, {40, 40, 40}));
     SchedulerConfig config = base_config();
     config.preemption = PreemptionMode::Swap;
     config.demote_under_pressure = false;
     config.max_num_batched_tokens = 32;  // long prompts prefill in chunks
-    Scheduler sched(cache, config);
-    test::EngineSim engine(sched);
+    test::EngineSim engine(tiny(10, {40, 40, 40}), config);
+    KVCacheManager& cache = engine.cache();
+    Scheduler& sched = engine.scheduler();
     // Request 1 takes most of the cache and grows; 0 is older and is the
     // one to swap out (the victim is the newest... so 0 arrives later).
     if (target == RequestState::Swapped) {
@@ -181,12 +180,11 @@ TEST(Scheduler, RequestThatCanNeverFitIsRejectedWithAReason) {
 }
 
 TEST(Scheduler, OneLargeRequestBlocksOthersOnlyForBoundedSteps) {
-  KVCacheManager cache(tiny(8));
   SchedulerConfig config = base_config();
   config.lookahead = 2;
   config.max_head_bypass = 5;
-  Scheduler sched(cache, config);
-  test::EngineSim engine(sched);
+  test::EngineSim engine(tiny(8), config);
+  Scheduler& sched = engine.scheduler();
   sched.add_request(request(0, {{TokenKind::Text, 60}}, 40));   // holds half the cache for a while
   engine.apply(sched.step(), false);
   sched.add_request(request(1, {{TokenKind::Text, 200}}, 2));   // needs most of it: waits
@@ -230,13 +228,12 @@ TEST(Scheduler, ChunksEndOnWindowBoundariesAndThePromptIsAllocatedAtAdmission) {
 }
 
 TEST(Scheduler, DemotionTakesTheLeastSimilarWindowsFirstAndNeverWindowZero) {
-  KVCacheManager cache(tiny(9));
   SchedulerConfig config = base_config();
   // Windows 3, 2 and 1 (both layers) in one step: fewer would take an INT4
   // slab for less than a slab of FP16 room, which the scheduler never does.
   config.max_demotions_per_step = 6;
-  Scheduler sched(cache, config);
-  test::EngineSim engine(sched);
+  test::EngineSim engine(tiny(9), config);
+  Scheduler& sched = engine.scheduler();
   // 4 FP16 windows, scores 1.0, 0.9, 0.8, 0.7: window 3 is the least similar.
   sched.add_request(request(1, {{TokenKind::Visual, 64}, {TokenKind::Text, 16}}, 200));
   std::vector<std::int32_t> order;
@@ -257,12 +254,12 @@ TEST(Scheduler, DemotionTakesTheLeastSimilarWindowsFirstAndNeverWindowZero) {
   EXPECT_EQ(sched.stats().preempted_recompute, 0);
 }
 
-// Runs `requests` to the end on `cache`; returns every demotion in order.
-std::vector<DemoteOp> demotions_of(KVCacheManager& cache, const std::vector<Request>& requests,
+// Runs `requests` to the end on a cache of `cache`; returns every demotion in order.
+std::vector<DemoteOp> demotions_of(const CacheConfig& cache, const std::vector<Request>& requests,
                                    SchedulerStats& stats, const SchedulerConfig& config = base_config(),
                                    std::shared_ptr<PlanSource> source = nullptr) {
-  Scheduler sched(cache, config, std::move(source));
-  test::EngineSim engine(sched);
+  test::EngineSim engine(cache, config, std::move(source));
+  Scheduler& sched = engine.scheduler();
   for (const Request& r : requests) sched.add_request(r);
   std::vector<DemoteOp> ops;
   for (int i = 0; i < 1000 && sched.has_unfinished(); ++i) {
@@ -299,9 +296,8 @@ TEST(Scheduler, DemotionGoesFromInt4ToInt2WhenThatMakesRoom) {
     // 1..9 | layer 1's 10, 11), 12..15 INT2 (8 of 16 blocks of a slab).
     // The headroom runs short once; windows 11 and 10 empty the third INT4
     // slab into the INT2 slab's free blocks.
-    KVCacheManager cache(tiny(10));
     SchedulerStats stats;
-    const std::vector<DemoteOp> ops = demotions_of(cache, {windowed(1, 1, 12, 150)}, stats);
+    const std::vector<DemoteOp> ops = demotions_of(tiny(10), {windowed(1, 1, 12, 150)}, stats);
     std::vector<std::pair<std::int32_t, std::int32_t>> demoted;  // (window, layer)
     for (const DemoteOp& op : ops) {
       EXPECT_EQ(op.src_precision, Precision::INT4);
@@ -316,9 +312,8 @@ TEST(Scheduler, DemotionGoesFromInt4ToInt2WhenThatMakesRoom) {
     // Windows 1..15 INT4, three full INT4 slabs, no INT2 slab: with one
     // obtainable slab, no prefix of INT4 -> INT2 demotions empties more
     // INT4 slabs than its INT2 blocks take, so none is made.
-    KVCacheManager cache(tiny(9));
     SchedulerStats stats;
-    EXPECT_TRUE(demotions_of(cache, {windowed(1, 1, 16, 150)}, stats).empty());
+    EXPECT_TRUE(demotions_of(tiny(9), {windowed(1, 1, 16, 150)}, stats).empty());
     EXPECT_EQ(stats.finished, 1);
     EXPECT_EQ(stats.preempted_recompute + stats.preempted_swap, 0);
   }
@@ -329,10 +324,9 @@ TEST(Scheduler, DemotionGoesFromInt4ToInt2WhenThatMakesRoom) {
 // INT4, 10..15 INT2; request 2 (text only, nothing to demote) competes for
 // the FP16 room.
 TEST(Scheduler, DemotionDemotesEveryFp16WindowBeforeAnyInt4Window) {
-  KVCacheManager cache(tiny(11));
   SchedulerStats stats;
   const std::vector<DemoteOp> ops =
-      demotions_of(cache, {windowed(1, 4, 10, 160), request(2, {{TokenKind::Text, 64}}, 120)}, stats);
+      demotions_of(tiny(11), {windowed(1, 4, 10, 160), request(2, {{TokenKind::Text, 64}}, 120)}, stats);
   std::int64_t to_int4 = 0;
   std::vector<std::int32_t> int2_order;
   for (const DemoteOp& op : ops) {
@@ -363,7 +357,6 @@ TEST(Scheduler, DemotionDemotesEveryFp16WindowBeforeAnyInt4Window) {
 TEST(Scheduler, DemotionNeverGoesBelowThePlannersLayerFloor) {
   for (const Precision floor : {Precision::INT4, Precision::FP16}) {
     SCOPED_TRACE(std::string("layer 0 floor ") + std::string(to_string(floor)));
-    KVCacheManager cache(tiny(11));
     SchedulerConfig config = base_config();
     PlannerConfig planner;
     planner.window_size = 16;
@@ -372,7 +365,7 @@ TEST(Scheduler, DemotionNeverGoesBelowThePlannersLayerFloor) {
     config.planner = planner;
     SchedulerStats stats;
     const std::vector<DemoteOp> ops =
-        demotions_of(cache, {windowed(1, 4, 10, 160), request(2, {{TokenKind::Text, 64}}, 120)}, stats, config);
+        demotions_of(tiny(11), {windowed(1, 4, 10, 160), request(2, {{TokenKind::Text, 64}}, 120)}, stats, config);
     std::int64_t layer0 = 0, layer1 = 0;
     for (const DemoteOp& op : ops) {
       ++(op.layer == 0 ? layer0 : layer1);
@@ -391,14 +384,13 @@ TEST(Scheduler, DemotionNeverGoesBelowThePlannersLayerFloor) {
 // The floors of a plan source given to the constructor bind demotion the
 // same way: layer 0 held at FP16 is never demoted.
 TEST(Scheduler, DemotionNeverGoesBelowAnInjectedSourcesLayerFloor) {
-  KVCacheManager cache(tiny(11));
   PlannerConfig planner;
   planner.window_size = 16;
   planner.sensitivities = {0.5, 0.5};
   planner.min_precision = {Precision::FP16, Precision::INT2};
   SchedulerStats stats;
   const std::vector<DemoteOp> ops =
-      demotions_of(cache, {windowed(1, 4, 10, 160), request(2, {{TokenKind::Text, 64}}, 120)}, stats, base_config(),
+      demotions_of(tiny(11), {windowed(1, 4, 10, 160), request(2, {{TokenKind::Text, 64}}, 120)}, stats, base_config(),
                    make_cpu_plan_source(planner));
   for (const DemoteOp& op : ops) EXPECT_EQ(op.layer, 1) << "window " << op.window;
   EXPECT_EQ(ops.size(), 3u);  // layer 1's windows 1..3 to INT4

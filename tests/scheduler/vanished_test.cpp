@@ -22,9 +22,9 @@ using test::tiny;
 // Request 1 Running, 2 Prefilling (a 200-token prompt in 32-token steps), 3
 // Waiting or about to be admitted.
 struct Busy {
-  KVCacheManager cache{tiny(40, {40, 40, 40})};
-  Scheduler sched{cache, config()};
-  test::EngineSim engine{sched};
+  test::EngineSim engine{tiny(40, {40, 40, 40}), config()};
+  KVCacheManager& cache = engine.cache();
+  Scheduler& sched = engine.scheduler();
 
   static SchedulerConfig config() {
     SchedulerConfig c = test::base_config();
@@ -98,13 +98,13 @@ TEST(Vanished, RunningOrPrefillingRequestIsRetiredAndTheOthersFinish) {
 }
 
 TEST(Vanished, SwappedRequestIsRetiredAndTheOtherFinishes) {
-  KVCacheManager cache(tiny(10, {40, 40, 40}));
   SchedulerConfig config = test::base_config();
   config.preemption = PreemptionMode::Swap;
   config.demote_under_pressure = false;
   config.max_num_batched_tokens = 32;
-  Scheduler sched(cache, config);
-  test::EngineSim engine(sched);
+  test::EngineSim engine(tiny(10, {40, 40, 40}), config);
+  KVCacheManager& cache = engine.cache();
+  Scheduler& sched = engine.scheduler();
   sched.add_request(request(1, {{TokenKind::Text, 20}}, 200));
   sched.add_request(request(2, {{TokenKind::Text, 20}}, 200));
   for (int i = 0; i < 200 && sched.status(2).state != RequestState::Swapped; ++i) engine.apply(sched.step(), false);
@@ -172,12 +172,12 @@ TEST(Vanished, CancelFinishAndLastTokenStillWork) {
 // is made: its blocks are gone already, so no one is demoted or preempted
 // (relief would otherwise pick it, the newest, as its first victim).
 TEST(Vanished, UnderPressureItIsRetiredBeforeAnyoneIsPreempted) {
-  KVCacheManager cache(tiny(4));  // 16 FP16 blocks
   SchedulerConfig config = test::base_config();
   config.max_num_batched_tokens = 128;
   config.demote_under_pressure = false;
-  Scheduler sched(cache, config);
-  test::EngineSim engine(sched);
+  test::EngineSim engine(tiny(4), config);  // 16 FP16 blocks
+  KVCacheManager& cache = engine.cache();
+  Scheduler& sched = engine.scheduler();
   sched.add_request(request(1, {{TokenKind::Text, 48}}, 3));  // 3 blocks a layer
   sched.add_request(request(2, {{TokenKind::Text, 48}}, 3));
   sched.add_request(request(3, {{TokenKind::Text, 16}}, 3));  // 1 block a layer

@@ -91,7 +91,9 @@ class Backend {
   virtual void apply_step(const StepOutput& step, const Scheduler* scheduler) = 0;
 };
 
-// The CPU backend: host arena and swap buffer, the ops of mixkv/cpu/.
+// The CPU backend: host arena and swap buffer, the ops of mixkv/cpu/
+// (CpuBackend::create in cpu_backend.h gives the same with its host bytes
+// in reach).
 std::unique_ptr<Backend> make_cpu_backend(const BackendConfig& config);
 // The CUDA backend (kernels/): device arena, pinned swap buffer, device page
 // tables, one decode plan a step. Throws InvalidArgument when mixkv was
