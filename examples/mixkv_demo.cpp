@@ -129,7 +129,7 @@ Request make_request(std::mt19937& rng, const CacheShape& shape, int frames, int
 // One storage choice: the requests' tokens under its plans, in its own
 // arena (host memory on the CPU backend, one cudaMalloc on the CUDA one).
 struct Variant {
-  const char* name;
+  const char* name = "";
   std::vector<PrecisionPlan> plans;
   std::unique_ptr<KVCacheManager> manager;
   std::vector<std::byte> arena;
@@ -259,7 +259,8 @@ class CudaBackend {
       for (const PagedPoolTable& table : layer)
         for (std::int32_t i = 0; i < batch; ++i) longest = std::max(longest, table.indptr[i + 1] - table.indptr[i]);
     gpu::DevicePageTables tables({.num_layers = shape.num_layers, .max_sequences = batch,
-                                  .max_blocks_per_sequence = longest});
+                                  .max_blocks_per_sequence = longest},
+                                 v.manager->arena_layout());
     for (std::int32_t i = 0; i < batch; ++i) tables.sync(slots[i], v.manager->page_table(ids[i]));
     tables.upload(nullptr);
     gpu::DecodePlan plan({.num_layers = shape.num_layers, .num_q_heads = kQueryHeads,
@@ -326,7 +327,7 @@ void run_demo(Backend& backend, int num_requests) {
 
   // One cache per storage choice, each with its own arena, the same tokens.
   std::vector<Variant> variants;
-  for (const char* name : {"FP16", "INT4", "INT2", "WindowQuant"}) variants.push_back({.name = name});
+  for (const char* name : {"FP16", "INT4", "INT2", "WindowQuant"}) variants.emplace_back().name = name;
   for (const Request& r : requests) {
     const int windows = r.layout.num_windows(shape.block_size);
     const EmbeddingsView view{r.embeddings.data(), ElementType::F32, r.layout.num_tokens(), kHidden};

@@ -261,13 +261,17 @@ class Harness {
     std::vector<Tag> tags;
     for (std::size_t i = 0; i < ids.size(); ++i) tags.push_back(next_tag_++);
     for (std::size_t layer = 0; layer < layers; ++layer) {
-      if (form == AppendSlots::PerLayer) EXPECT_EQ(r.slots[layer].size(), ids.size());
+      if (form == AppendSlots::PerLayer) {
+        EXPECT_EQ(r.slots[layer].size(), ids.size());
+      }
       for (std::size_t i = 0; i < ids.size(); ++i) {
         const auto layer_i = static_cast<std::int32_t>(layer);
         const std::int32_t tail = cache_.blocks(ids[i], layer_i, Precision::FP16).back();
         const std::int32_t slot = tail * bs_ + cache_.fp16_tail_fill(ids[i], layer_i) - 1;
         EXPECT_EQ(tail * bs_ + r.offsets[i], slot) << "compact form, layer " << layer << ", sequence " << i;
-        if (form == AppendSlots::PerLayer) EXPECT_EQ(r.slots[layer][i], slot);
+        if (form == AppendSlots::PerLayer) {
+          EXPECT_EQ(r.slots[layer][i], slot);
+        }
         cell(Precision::FP16, slot) = tags[i];
       }
     }

@@ -27,6 +27,12 @@ long g_injected = 0;
 
 }  // namespace
 
+// The replacements below pair malloc with free themselves; GCC cannot see
+// that through the inlined new-expressions and warns at every delete.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wmismatched-new-delete"
+#endif
+
 void* operator new(std::size_t bytes) {
   if (g_countdown >= 0 && g_countdown-- == 0) {
     ++g_injected;
