@@ -27,3 +27,16 @@ def test_llama_decode_example_under_memory_pressure():
     demotions, swaps = rows["demotions"], rows["preempted swap"]
     assert int(demotions[1]) == 0, "the FP16 run was demoted below its floors"
     assert int(swaps[0]) > 0 and int(swaps[1]) > 0, f"the arena forced no swap: {swaps}"
+
+
+README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
+
+
+def test_readme_example_runs():
+    """The README's first example, as a user would paste it."""
+    text = README.read_text()
+    code = text.split("```python\n", 1)[1].split("```", 1)[0]
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "video-qa Length 4 tokens" in result.stdout and "chat Length 4 tokens" in result.stdout
+    assert "'INT2'" in result.stdout
