@@ -116,7 +116,9 @@ TEST_P(CudaLoop, MatchesTheCpuBackend) {
     EXPECT_EQ(sg.demotions, sc.demotions);
     EXPECT_EQ(sg.swaps_out, sc.swaps_out);
     EXPECT_GT(sg.swaps_out, 0);
-    if (mixed) EXPECT_GT(sg.demotions, 0);
+    if (mixed) {
+      EXPECT_GT(sg.demotions, 0);
+    }
     const test::Diff d = test::compare(got, want);
     std::printf("seed %u %s: %lld decode tokens, max |out| difference %.2e, max |lse| difference %.2e\n", seed,
                 mixed ? "mixed" : "fp16", static_cast<long long>(sg.decode_tokens), d.out, d.lse);
