@@ -9,11 +9,11 @@ embeddings; layer sensitivities (eq. 9) come from the model's own hidden
 states on a calibration text (the opening of the Declaration of Independence
 and the Gettysburg Address).
 
-Prefill runs dense with FP16 K/V (as in the paper), produces the first output
-token, and every layer's prompt K/V is then stored into one mixkv.KVCache
-under each request's plan (store_prefill). Every decode step appends its
-token (append) and runs its attention through mixkv (paged_decode_attention).
-All variants are sequences of that one cache, each with its own plan:
+Prefill runs dense with FP16 K/V (as in the paper) and produces the first
+output token. One mixkv.Engine holds every variant as requests with their
+own plans: its first step takes every layer's prompt K/V (Engine.store),
+and each decode step appends the batch's tokens and runs their attention
+through mixkv (Engine.attend). The variants:
 
   FP16                     every window FP16
   WindowQuant              the planner's plan (eqs. 8-11, alpha 2)
@@ -57,7 +57,6 @@ import math
 import os
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -232,15 +231,15 @@ def measured_sensitivity(model: SmolLM2, cal_ids, ks, vs, context: int, progress
     plan = mixkv.PrecisionPlan(c.num_layers, windows, Precision.FP16)
     bounds = [mixkv.PrecisionPlan(c.num_layers, windows, p) for p in (Precision.FP16, Precision.INT2)]
     config = cache_config(model, layout, bounds, 0, 1)
-    backend = HostBackend(config, threads=1)
+    cache = mixkv.KVCache(config)
     d = []
     for layer in tqdm(range(c.num_layers), desc="measured sensitivity", disable=not progress):
         for w in range(1, windows):
             plan.set(layer, w, Precision.INT2)
-        backend.add(0, layout, plan, [k[:context] for k in ks], [v[:context] for v in vs])
+        store_sequence(cache, 0, layout, plan, [k[:context] for k in ks], [v[:context] for v in vs])
         past = list(fp16)
-        past[layer] = read_back(backend.cache, 0, layer)
-        backend.free(0)
+        past[layer] = read_back(cache, 0, layer)
+        cache.free_sequence(0)
         lp = log_softmax(score_with_past(model, past, rest, context, first_layer=layer, h=hidden_in[layer]))
         d.append(float(np.mean(np.sum(p_ref * (ref - lp), axis=1))))
         for w in range(1, windows):
@@ -289,11 +288,11 @@ def question_attention_error(model: SmolLM2, prompt: Prompt, ks, vs, precision: 
     for layer in range(c.num_layers):
         low.set(layer, 0, Precision.FP16)
     plans.append(low)
-    backend = HostBackend(cache_config(model, layout, plans, 0, 1), threads=1)
+    cache = mixkv.KVCache(cache_config(model, layout, plans, 0, 1))
     pasts = []
     for i, plan in enumerate(plans):
-        backend.add(i, layout, plan, [k[:context] for k in ks], [v[:context] for v in vs])
-        pasts.append([read_back(backend.cache, i, layer) for layer in range(c.num_layers)])
+        store_sequence(cache, i, layout, plan, [k[:context] for k in ks], [v[:context] for v in vs])
+        pasts.append([read_back(cache, i, layer) for layer in range(c.num_layers)])
     fp16, stored = pasts
     hidden_in = []
     score_with_past(model, fp16, prompt.ids[context:], context, hidden_in=hidden_in)
@@ -354,112 +353,44 @@ def cache_config(model: SmolLM2, layout: TokenLayout, plans, decode_tokens: int,
     return mixkv.CacheConfig(shape, slabs * slab, slab)
 
 
-class HostBackend:
-    """mixkv's CPU backend: a KVCache (manager + host arena), NumPy arrays.
-    The batch's attention is split over the machine's cores: the op releases
-    the GIL, and each part gets the decode metadata of its own sequences."""
-
-    name = "CPU (mixkv.KVCache)"
-
-    def __init__(self, config, threads: int = 0):
-        self.cache = mixkv.KVCache(config)
-        self.threads = threads or os.cpu_count() or 1
-        self.pool = ThreadPoolExecutor(self.threads) if self.threads > 1 else None
-
-    def add(self, seq_id, layout, plan, ks, vs):
-        self.cache.add_sequence(seq_id, layout, plan)
-        for layer, (k, v) in enumerate(zip(ks, vs)):
-            ops.store_prefill(self.cache, k, v, self.cache.prefill_mapping(seq_id, layer))
-
-    def fork(self, parent, child):
-        self.cache.fork(parent, child)
-
-    def begin_step(self, seq_ids):
-        """One new token for each sequence: allocate, copy-on-write, metadata."""
-        self.appended = self.cache.append_tokens(seq_ids)
-        if len(self.appended.copies):
-            ops.copy_blocks(self.cache, self.appended.copies)
-        parts = np.array_split(np.arange(len(seq_ids)), min(self.threads, len(seq_ids)))
-        self.parts = [(p[0], p[-1] + 1, self.cache.decode_metadata([seq_ids[i] for i in p])) for p in parts]
-
-    def attend(self, layer, q, k, v):
-        ops.append(self.cache, k, v, self.appended.slots[layer])
-        q16 = q.astype(np.float16)
-
-        def part(item):
-            lo, hi, meta = item
-            return ops.paged_decode_attention(self.cache, meta, layer, np.ascontiguousarray(q16[lo:hi]))[0]
-
-        outs = list(self.pool.map(part, self.parts)) if self.pool and len(self.parts) > 1 else map(part, self.parts)
-        return np.concatenate(list(outs))
-
-    def free(self, seq_id):
-        self.cache.free_sequence(seq_id)
+def store_sequence(cache, seq_id: int, layout: TokenLayout, plan, ks, vs):
+    """Adds a sequence to a mixkv.KVCache under `plan` and stores every
+    layer's prompt K/V into it (ops.store_prefill). For the paths that only
+    store and read the blocks back (read_back); decoding goes through
+    mixkv.Engine, which applies each step's memory moves itself."""
+    cache.add_sequence(seq_id, layout, plan)
+    for layer, (k, v) in enumerate(zip(ks, vs)):
+        ops.store_prefill(cache, k, v, cache.prefill_mapping(seq_id, layer))
 
 
-class CudaBackend:
-    """mixkv's CUDA backend: a DeviceKVCache, device page tables updated
-    incrementally, one DecodePlan per step and one attention launch per
-    layer. The model itself stays in NumPy on the host: each layer's q/k/v go
-    to the GPU and the attention output comes back."""
+def make_engine(model: SmolLM2, config, prompt: Prompt, sequences: int, backend: str = "cpu"):
+    """A mixkv.Engine over `config` for `sequences` requests of this prompt,
+    half of them forks. The token budget holds every prompt at once, so one
+    step prefills them all and the variants decode in lockstep from the
+    next. Demotion is off: each variant is measured under its own plan, and
+    the cache is sized to hold them all (cache_config)."""
+    scheduler = mixkv.SchedulerConfig(max_num_seqs=sequences,
+                                      max_num_batched_tokens=sequences * len(prompt.ids) + sequences,
+                                      demote_under_pressure=False)
+    return mixkv.Engine(config, scheduler, num_q_heads=model.config.num_heads, backend=backend)
 
-    name = "CUDA (mixkv.cuda.DeviceKVCache)"
 
-    def __init__(self, config, model_config, max_sequences: int, max_tokens: int):
+def to_engine(engine, a: np.ndarray):
+    """A NumPy array as the engine's backend takes it: the array itself on
+    the CPU, a torch tensor on the engine's GPU (the model stays in NumPy)."""
+    a = np.ascontiguousarray(a)
+    if engine.backend == "cuda":
         import torch
-        import mixkv.cuda as mc
 
-        self.torch = torch
-        self.cache = mc.DeviceKVCache(config)
-        shape = config.shape
-        # The longest page list of one (sequence, layer, pool).
-        max_blocks = math.ceil(max_tokens / shape.block_size) + 2
-        self.tables = mc.DevicePageTables(mc.PageTableConfig(shape.num_layers, max_sequences, max_blocks))
-        self.plan = mc.DecodePlan(mc.DecodePlanConfig(shape.num_layers, model_config.num_heads, shape.num_kv_heads,
-                                                      shape.head_dim, shape.block_size, max_sequences), self.tables)
-        self.mapping = mc.DeviceStoreMapping()
-        self.block_size = shape.block_size
-        self.slot_of = {}
+        return torch.from_numpy(a).to(f"cuda:{engine.device}")
+    return a
 
-    def _gpu(self, a):
-        return self.torch.from_numpy(np.ascontiguousarray(a)).cuda()
 
-    def _sync(self, seq_id):
-        if seq_id not in self.slot_of:
-            self.slot_of[seq_id] = len(self.slot_of)
-        self.tables.sync(self.slot_of[seq_id], self.cache, seq_id)
-
-    def add(self, seq_id, layout, plan, ks, vs):
-        self.cache.add_sequence(seq_id, layout, plan)
-        for layer, (k, v) in enumerate(zip(ks, vs)):
-            self.mapping.upload(self.cache.prefill_mapping(seq_id, layer), self.block_size)
-            ops.store_prefill(self.cache, self._gpu(k), self._gpu(v), self.mapping)
-        self._sync(seq_id)
-
-    def fork(self, parent, child):
-        self.cache.fork(parent, child)
-        self._sync(child)
-
-    def begin_step(self, seq_ids):
-        appended = self.cache.append_tokens(seq_ids)
-        if len(appended.copies):
-            pairs = np.asarray([[c.src, c.dst] for c in appended.copies], dtype=np.int32)
-            ops.copy_blocks(self.cache, self._gpu(pairs))
-        for seq_id in seq_ids:
-            self._sync(seq_id)
-        self.tables.upload()
-        self.plan.plan(np.asarray([self.slot_of[i] for i in seq_ids], dtype=np.int32))
-        self.slots = self._gpu(np.asarray(appended.slots, dtype=np.int32))
-
-    def attend(self, layer, q, k, v):
-        ops.append(self.cache, self._gpu(k), self._gpu(v), self.slots[layer])
-        out = self.torch.empty(q.shape, dtype=self.torch.float16, device="cuda")
-        ops.paged_decode_attention(self.cache, self.plan, layer, self._gpu(q.astype(np.float16)), out=out)
-        return out.float().cpu().numpy()
-
-    def free(self, seq_id):
-        self.cache.free_sequence(seq_id)
-        self.tables.clear(self.slot_of.pop(seq_id))
+def from_engine(a) -> np.ndarray:
+    """Engine.attend's float16 output as a NumPy float32 array."""
+    if isinstance(a, np.ndarray):
+        return a.astype(np.float32)
+    return a.float().cpu().numpy()
 
 
 def pick_backend(name: str):
@@ -574,12 +505,37 @@ class DenseCache:
         return out
 
 
-def decode_all(model, backend, prompt, first_logits, variants, dense: DenseCache, max_new: int, progress=True):
-    """Steps every sequence in lockstep, one batch per step. Per variant two
-    sequences share the stored prompt (fork): 'cont' is teacher-forced on the
-    reference answer, 'path' on FP16's free-running greedy answer (the FP16
-    variant's own 'path' is that free-running answer). The dense reference
-    decodes greedily on its own."""
+def prefill_engine(engine, prompt: Prompt, plans, ks, vs, max_new_tokens: int):
+    """Adds one request per plan to `engine` (a mixkv.Engine; request id
+    "cont:<plan name>", stored under that plan, up to `max_new_tokens`
+    tokens, the first one sampled from the prefill) and stores the dense
+    prefill's K/V as the step's prefill rows, every layer; then forks each
+    into "path:<plan name>", which shares its prompt blocks. The first output
+    token comes from the dense prefill, so nothing is sampled here."""
+    for name, plan in plans.items():
+        engine.add_request(f"cont:{name}", prompt.layout, plan=plan, max_new_tokens=max_new_tokens)
+    step = engine.step()
+    done = {p.request_id for p in step.prefills if p.last}
+    if step.rejected or step.decodes or done != {f"cont:{name}" for name in plans}:
+        raise RuntimeError(f"the engine did not prefill every request in one step: {step}")
+    for layer, (k, v) in enumerate(zip(ks, vs)):
+        engine.store(layer, to_engine(engine, np.concatenate([k[p.start:p.end] for p in step.prefills])),
+                     to_engine(engine, np.concatenate([v[p.start:p.end] for p in step.prefills])))
+    for name in plans:
+        engine.fork(f"cont:{name}", f"path:{name}")
+
+
+def decode_all(model, engine, prompt, first_logits, plans, ks, vs, dense: DenseCache, max_new: int, progress=True):
+    """Decodes every variant through `engine` (a mixkv.Engine, empty) in
+    lockstep, one batch per step. Per variant two requests share the stored
+    prompt (prefill_engine): 'cont' is teacher-forced on the reference
+    answer, 'path' on FP16's free-running greedy answer (the FP16 variant's
+    own 'path' is that free-running answer). A request is finished once its
+    stream ends, since the engine decodes every running request each step.
+    The dense reference decodes greedily on its own. Returns (per-variant
+    records, FP16's greedy tokens, the dense tokens, the largest logit gap
+    between them while their inputs agree)."""
+    variants = list(plans)
     eos = model.eos_id
     answer = prompt.answer
     n0 = len(prompt.ids)
@@ -588,10 +544,21 @@ def decode_all(model, backend, prompt, first_logits, variants, dense: DenseCache
     dense_tokens = [first]
     rec = {v: {"cont_logp": [float(log_softmax(first_logits)[answer[0]])], "cont_argmax": [first],
                "path_argmax": [first]} for v in variants}
-    ids = {v: (2 * i, 2 * i + 1) for i, v in enumerate(variants)}
     cont_steps = len(answer) - 1
-    path_done = first == eos
-    dense_done = first == eos
+    path_done = first == eos or len(greedy_fp16) >= max_new
+    dense_done = first == eos or len(dense_tokens) >= max_new
+    # One more token than either stream decodes: a request ends by finish()
+    # when its stream does, never by the scheduler's length limit.
+    prefill_engine(engine, prompt, plans, ks, vs, max(cont_steps, max_new - 1) + 2)
+
+    def finish(kind):
+        for v in variants:
+            engine.finish(f"{kind}:{v}")
+
+    if cont_steps == 0:
+        finish("cont")
+    if path_done:
+        finish("path")
     max_logit_gap = 0.0
     bar = tqdm(total=max(cont_steps, max_new - 1), desc="decode (mixkv)", disable=not progress)
     t = 0
@@ -605,18 +572,25 @@ def decode_all(model, backend, prompt, first_logits, variants, dense: DenseCache
             for v in variants:
                 rows.append(("path", v))
                 tokens.append(greedy_fp16[t])
-        seq_ids = [ids[v][0 if kind == "cont" else 1] for kind, v in rows]
         if not dense_done:
             tokens.append(dense_tokens[t])
         positions = [n0 + t] * len(tokens)
-        nm = len(seq_ids)
+        nm = len(rows)
         if nm:
-            backend.begin_step(seq_ids)
+            step = engine.step()
+            if step.rejected or step.preempted or step.swapped_out or step.demotions:
+                raise RuntimeError(f"step {step.step}: the cache was expected to hold every variant: {step}")
+            # The model's batch is in `rows` order; the engine's is step.decodes.
+            where = {f"{kind}:{v}": r for r, (kind, v) in enumerate(rows)}
+            order = [where[i] for i in step.decodes]
+            if sorted(order) != list(range(nm)):
+                raise RuntimeError(f"step {step.step} decodes {step.decodes}, expected {sorted(where)}")
 
         def attend(layer, q, k, v):
             out = np.empty(q.shape, dtype=np.float32)
             if nm:
-                out[:nm] = backend.attend(layer, q[:nm], k[:nm], v[:nm])
+                out[order] = from_engine(engine.attend(layer, to_engine(engine, q[order].astype(np.float16)),
+                                                       to_engine(engine, k[order]), to_engine(engine, v[order])))
             if not dense_done:
                 out[nm] = dense.attend(layer, q[nm], k[nm:nm + 1], v[nm:nm + 1])
             return out
@@ -628,6 +602,8 @@ def decode_all(model, backend, prompt, first_logits, variants, dense: DenseCache
                 rec[v]["cont_argmax"].append(int(np.argmax(logits[r])))
             else:
                 rec[v]["path_argmax"].append(int(np.argmax(logits[r])))
+        if t + 1 == cont_steps:
+            finish("cont")
         if not path_done:
             r_fp16 = rows.index(("path", variants[0]))
             nxt = rec[variants[0]]["path_argmax"][-1]
@@ -635,6 +611,8 @@ def decode_all(model, backend, prompt, first_logits, variants, dense: DenseCache
                 max_logit_gap = max(max_logit_gap, float(np.abs(logits[nm] - logits[r_fp16]).max()))
             greedy_fp16.append(nxt)
             path_done = nxt == eos or len(greedy_fp16) >= max_new
+            if path_done:
+                finish("path")
         if not dense_done:
             d = int(np.argmax(logits[nm]))
             dense_tokens.append(d)
@@ -642,6 +620,10 @@ def decode_all(model, backend, prompt, first_logits, variants, dense: DenseCache
         t += 1
         bar.update(1)
     bar.close()
+    # Every request is finished: this step only reports them.
+    while engine.has_unfinished():
+        if engine.step().decodes:
+            raise RuntimeError("a request outlived its stream")
     return rec, greedy_fp16, dense_tokens, max_logit_gap
 
 
@@ -799,23 +781,16 @@ def main(argv=None):
     variants = list(plans)
     config = cache_config(model, prompt.layout, list(plans.values()), len(prompt.answer) + args.max_new, 2)
     backend_name = pick_backend(args.backend)
-    backend = (CudaBackend(config, c, 2 * len(variants), len(prompt.ids) + len(prompt.answer) + args.max_new)
-               if backend_name == "cuda" else HostBackend(config))
-    print(f"mixkv backend: {backend.name}", flush=True)
-    for i, v in enumerate(variants):
-        backend.add(2 * i, prompt.layout, plans[v], ks, vs)
-        backend.fork(2 * i, 2 * i + 1)
-    backend.cache.check_invariants()
+    engine = make_engine(model, config, prompt, 2 * len(variants), backend_name)
+    print(f"mixkv backend: {backend_name.upper()} (mixkv.Engine)", flush=True)
 
     t0 = time.time()
     dense = DenseCache(ks, vs, c)
-    rec, greedy, dense_tokens, gap = decode_all(model, backend, prompt, first_logits, variants, dense, args.max_new,
-                                                progress)
+    rec, greedy, dense_tokens, gap = decode_all(model, engine, prompt, first_logits, plans, ks, vs, dense,
+                                                args.max_new, progress)
     decode_s = time.time() - t0
-    backend.cache.check_invariants()
-    for i in range(2 * len(variants)):
-        backend.free(i)
-    del backend
+    engine.check_invariants()
+    del engine
 
     shape = config.shape
     rows = [summarize(v, rec[v], greedy, rec["FP16"]["cont_argmax"], mixkv.plan_stats(prompt.layout, plans[v], shape))
@@ -955,21 +930,21 @@ def sweep(model, prompt, ks, vs, sens, embeddings, args, config, progress, passa
                 plan.set(layer, 0, Precision.FP16)
                 plan.set(layer, passage_window, Precision.FP16)
             configs.append((f"diagnose: windows 0 and {passage_window} (the passage) FP16, rest {rest.name}", plan))
-    backend = HostBackend(config, threads=1)
-    return [dict(name=name, **chunk_score(model, backend, prompt, plan, ks, vs))
+    cache = mixkv.KVCache(config)
+    return [dict(name=name, **chunk_score(model, cache, prompt, plan, ks, vs))
             for name, plan in tqdm(configs, desc="sweep (read back)", disable=not progress)]
 
 
-def chunk_score(model: SmolLM2, backend, prompt: Prompt, plan, ks, vs):
+def chunk_score(model: SmolLM2, cache, prompt: Prompt, plan, ks, vs):
     """A plan's KV bytes ratio and the answer's perplexity, scored in one
     causal chunk over the K/V stored under the plan and read back."""
     c = model.config
-    backend.add(0, prompt.layout, plan, ks, vs)
-    past = [read_back(backend.cache, 0, layer) for layer in range(c.num_layers)]
-    backend.free(0)
+    store_sequence(cache, 0, prompt.layout, plan, ks, vs)
+    past = [read_back(cache, 0, layer) for layer in range(c.num_layers)]
+    cache.free_sequence(0)
     lp = log_softmax(score_with_past(model, past, prompt.answer[:-1], len(prompt.ids)))
     nll = -lp[np.arange(len(prompt.answer) - 1), prompt.answer[1:]]
-    stats = mixkv.plan_stats(prompt.layout, plan, backend.cache.config.shape)
+    stats = mixkv.plan_stats(prompt.layout, plan, cache.config.shape)
     return {"bytes_ratio": stats.bytes / stats.fp16_bytes, "ppl": float(np.exp(nll.mean()))}
 
 
@@ -1018,9 +993,9 @@ def question_set(model: SmolLM2, name: str, sens, measured, alpha: float, progre
         for budget in SWEEP_FLOOR_BUDGETS:
             plans[error_floors_name(budget)], floored[f"{budget:g}"] = floors_within_budget(
                 model, prompt, embeddings, sens, alpha, error, budget)
-        backend = HostBackend(cache_config(model, prompt.layout, list(plans.values()), 0, 1), threads=1)
+        cache = mixkv.KVCache(cache_config(model, prompt.layout, list(plans.values()), 0, 1))
         out.append({"question": question, "answer_tokens": len(prompt.answer), "floored_layers": floored,
-                    "plans": {n: chunk_score(model, backend, prompt, plan, ks, vs) for n, plan in plans.items()}})
+                    "plans": {n: chunk_score(model, cache, prompt, plan, ks, vs) for n, plan in plans.items()}})
     return out
 
 

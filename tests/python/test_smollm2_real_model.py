@@ -61,10 +61,10 @@ def test_gguf_shapes_and_tokenizer(model):
 
 
 def test_fp16_cache_decodes_like_dense_and_int4_beats_int2(model, real_model_module):
-    """Greedy decoding with every decode step's attention through mixkv
-    (store_prefill, append, paged_decode_attention) on an all-FP16 plan gives
-    the dense cache's tokens; on the same real K/V, INT4 windows keep the
-    attention output closer to FP16 than INT2 windows do."""
+    """Greedy decoding through a mixkv.Engine (the prompt's K/V stored by
+    Engine.store, every decode step's attention by Engine.attend) on an
+    all-FP16 plan gives the dense cache's tokens; on the same real K/V, INT4
+    windows keep the attention output closer to FP16 than INT2 windows do."""
     rm = real_model_module
     tok = model.tokenizer
     text = rm.read_text("calibration_declaration.txt")[:700]
@@ -74,26 +74,37 @@ def test_fp16_cache_decodes_like_dense_and_int4_beats_int2(model, real_model_mod
     c = model.config
     plans = {p.name: rm.uniform_plan(c.num_layers, prompt, p) for p in (Precision.FP16, Precision.INT4, Precision.INT2)}
     config = rm.cache_config(model, prompt.layout, list(plans.values()), 16, 2)
-    backend = rm.HostBackend(config)
-    for i, v in enumerate(plans):
-        backend.add(2 * i, prompt.layout, plans[v], ks, vs)
-        backend.fork(2 * i, 2 * i + 1)
+    engine = rm.make_engine(model, config, prompt, 2 * len(plans))
     dense = rm.DenseCache(ks, vs, c)
-    rec, greedy, dense_tokens, gap = rm.decode_all(model, backend, prompt, first_logits, list(plans), dense,
+    rec, greedy, dense_tokens, gap = rm.decode_all(model, engine, prompt, first_logits, plans, ks, vs, dense,
                                                    max_new=8, progress=False)
-    backend.cache.check_invariants()
+    engine.check_invariants()
+    assert not engine.has_unfinished()  # every request finished with its stream
+    assert len(greedy) == 8 and len(rec["FP16"]["cont_logp"]) == len(prompt.answer)
     assert greedy == dense_tokens
     assert gap < 0.05
 
-    # Attention outputs of the last layer for one query, against FP16.
-    backend.begin_step([0, 2, 4])
+    # Attention outputs of the last layer for one query, against FP16: the
+    # first decode step of a fresh engine, every request given the same
+    # query and the same new K/V (the engine decodes all of its running
+    # requests, the forks too).
+    engine = rm.make_engine(model, config, prompt, 2 * len(plans))
+    rm.prefill_engine(engine, prompt, plans, ks, vs, max_new_tokens=8)
+    step = engine.step()
+    assert sorted(step.decodes) == sorted(f"{kind}:{p}" for kind in ("cont", "path") for p in plans)
+    rows = [step.decodes.index(f"cont:{p}") for p in plans]  # FP16, INT4, INT2
+    batch = len(step.decodes)
     rng = np.random.default_rng(7)
-    q = rng.standard_normal((3, c.num_heads, c.head_dim)).astype(np.float32)
-    k = np.repeat(ks[-1][-1:], 3, axis=0)
-    v = np.repeat(vs[-1][-1:], 3, axis=0)
-    out = backend.attend(c.num_layers - 1, q, k, v)
+    q = np.repeat(rng.standard_normal((1, c.num_heads, c.head_dim)).astype(np.float16), batch, axis=0)
+    for layer in range(c.num_layers):
+        k = np.repeat(ks[layer][-1:], batch, axis=0)
+        v = np.repeat(vs[layer][-1:], batch, axis=0)
+        out = engine.attend(layer, q, k, v)
+    assert out.dtype == np.float16 and out.shape == (batch, c.num_heads, c.head_dim)
+    out = out[rows].astype(np.float32)
     err = [np.linalg.norm(out[i] - out[0]) / np.linalg.norm(out[0]) for i in (1, 2)]
     assert 0 < err[0] < err[1]
+    engine.check_invariants()
 
 
 def test_query_aware_scores_and_measured_sensitivity(model, real_model_module):
