@@ -91,7 +91,7 @@ int main(int argc, char** argv) {
   std::string only_plans;
   gpu::FlushMode flush_mode = gpu::FlushMode::read;
   bool chunk_sweep = false;
-  int block_size = 32;  // --block: 16, 32 or 64
+  int block_size = 32;             // --block: 16, 32 or 64
   int q_heads = 28, kv_heads = 4;  // --heads Q/KV
   int head_dim = 128;              // --head-dim: 64, 128 or 256
   int heads_per_item = 0;          // --heads-per-item: 8 or 16 (DecodePlanConfig::max_heads_per_item)
@@ -103,20 +103,29 @@ int main(int argc, char** argv) {
     return v;
   };
   for (int i = 1; i < argc; ++i) {
-    if (!std::strcmp(argv[i], "--out") && i + 1 < argc) out_path = argv[++i];
-    else if (!std::strcmp(argv[i], "--reps") && i + 1 < argc) reps = std::atoi(argv[++i]);
-    else if (!std::strcmp(argv[i], "--quick")) quick = true;
-    else if (!std::strcmp(argv[i], "--batches") && i + 1 < argc) only_batches = parse_list(argv[++i]);
-    else if (!std::strcmp(argv[i], "--contexts") && i + 1 < argc) only_contexts = parse_list(argv[++i]);
-    else if (!std::strcmp(argv[i], "--plans") && i + 1 < argc) only_plans = argv[++i];  // e.g. int2,mixed
-    else if (!std::strcmp(argv[i], "--chunk-sweep")) chunk_sweep = true;
-    else if (!std::strcmp(argv[i], "--block") && i + 1 < argc) block_size = std::atoi(argv[++i]);
-    else if (!std::strcmp(argv[i], "--head-dim") && i + 1 < argc) head_dim = std::atoi(argv[++i]);
-    else if (!std::strcmp(argv[i], "--heads-per-item") && i + 1 < argc) heads_per_item = std::atoi(argv[++i]);
+    if (!std::strcmp(argv[i], "--out") && i + 1 < argc)
+      out_path = argv[++i];
+    else if (!std::strcmp(argv[i], "--reps") && i + 1 < argc)
+      reps = std::atoi(argv[++i]);
+    else if (!std::strcmp(argv[i], "--quick"))
+      quick = true;
+    else if (!std::strcmp(argv[i], "--batches") && i + 1 < argc)
+      only_batches = parse_list(argv[++i]);
+    else if (!std::strcmp(argv[i], "--contexts") && i + 1 < argc)
+      only_contexts = parse_list(argv[++i]);
+    else if (!std::strcmp(argv[i], "--plans") && i + 1 < argc)
+      only_plans = argv[++i];  // e.g. int2,mixed
+    else if (!std::strcmp(argv[i], "--chunk-sweep"))
+      chunk_sweep = true;
+    else if (!std::strcmp(argv[i], "--block") && i + 1 < argc)
+      block_size = std::atoi(argv[++i]);
+    else if (!std::strcmp(argv[i], "--head-dim") && i + 1 < argc)
+      head_dim = std::atoi(argv[++i]);
+    else if (!std::strcmp(argv[i], "--heads-per-item") && i + 1 < argc)
+      heads_per_item = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--heads") && i + 1 < argc) {
       if (std::sscanf(argv[++i], "%d/%d", &q_heads, &kv_heads) != 2) q_heads = kv_heads = 0;
-    }
-    else if (!std::strcmp(argv[i], "--flush") && i + 1 < argc) {
+    } else if (!std::strcmp(argv[i], "--flush") && i + 1 < argc) {
       const std::string mode = argv[++i];
       if (mode != "read" && mode != "write") {
         std::fprintf(stderr, "--flush: expected read or write, got %s\n", mode.c_str());
@@ -204,15 +213,14 @@ int main(int argc, char** argv) {
   ok(cudaMemset(d_read, 0, max_store_bytes), "memset read buffer");
   auto* d_sink = device_alloc<unsigned>(1, "read sink");
   const char* flush_name = flush_mode == gpu::FlushMode::read ? "read" : "write";
-  const double launch_floor_us = median_us(reps, flusher, stream, [&] {
-    ok(cudaMemsetAsync(d_out, 0, 4, stream), "floor memset");
-  });
+  const double launch_floor_us =
+      median_us(reps, flusher, stream, [&] { ok(cudaMemsetAsync(d_out, 0, 4, stream), "floor memset"); });
   std::printf("L2 flush: %s; launch floor (4-byte memset, same timing): %.1f us\n", flush_name, launch_floor_us);
   gpu::DenseAttention dense;
   Json json;
   Json store_json;
-  std::printf("\n%-6s %-7s %-6s %10s %10s %9s %7s %8s %7s\n", "batch", "context", "plan", "time_us", "MB_read",
-              "GB/s", "%BW", "vs_dense", "items");
+  std::printf("\n%-6s %-7s %-6s %10s %10s %9s %7s %8s %7s\n", "batch", "context", "plan", "time_us", "MB_read", "GB/s",
+              "%BW", "vs_dense", "items");
 
   for (int ctx : contexts) {
     for (int batch : batches) {
@@ -228,7 +236,8 @@ int main(int argc, char** argv) {
           ok(cudaMemcpyAsync(k + off, d_k, len * 2, cudaMemcpyDeviceToDevice, stream), "D2D");
           ok(cudaMemcpyAsync(v + off, d_v, len * 2, cudaMemcpyDeviceToDevice, stream), "D2D");
         }
-        const gpu::DenseAttentionShape shape{batch, q_heads, kv_heads, ctx, head_dim, 1.0f / std::sqrt(static_cast<float>(head_dim))};
+        const gpu::DenseAttentionShape shape{batch, q_heads,  kv_heads,
+                                             ctx,   head_dim, 1.0f / std::sqrt(static_cast<float>(head_dim))};
         dense_us = median_us(reps, flusher, stream, [&] { dense.run_fp16(shape, d_q, k, v, d_out, stream); });
         ok(cudaStreamSynchronize(stream), "sync");
         cudaFree(k);
@@ -237,8 +246,9 @@ int main(int argc, char** argv) {
         std::printf("%-6d %-7d %-6s %10.1f %10.1f %9.1f %6.1f%% %8s %7s\n", batch, ctx, "dense", dense_us, bytes / 1e6,
                     bytes / dense_us / 1e3, 100.0 * bytes / dense_us * 1e6 / bw, "1.00", "-");
         std::ostringstream o;
-        o << "\"batch\": " << batch << ", \"context\": " << ctx << ", \"plan\": \"dense_cublas_fp16\", \"time_us\": "
-          << dense_us << ", \"bytes\": " << bytes << ", \"gbps\": " << bytes / dense_us / 1e3;
+        o << "\"batch\": " << batch << ", \"context\": " << ctx
+          << ", \"plan\": \"dense_cublas_fp16\", \"time_us\": " << dense_us << ", \"bytes\": " << bytes
+          << ", \"gbps\": " << bytes / dense_us / 1e3;
         json.item(o.str());
       }
 
@@ -305,8 +315,9 @@ int main(int argc, char** argv) {
                 std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - h0).count() / kHostCalls;
             std::size_t written = 0;
             for (int p = 0; p < 3; ++p) written += lists[p].size() * formats[p].block_bytes();
-            if (!lists[0].empty()) written -= (block_size - (fp16_tokens - (lists[0].size() - 1) * block_size)) *
-                                               kv_heads * head_dim * 4;  // tail rows not written
+            if (!lists[0].empty())
+              written -= (block_size - (fp16_tokens - (lists[0].size() - 1) * block_size)) * kv_heads * head_dim *
+                         4;  // tail rows not written
             // K/V rows read, blocks written, and the mapping's FP16 RowSlots and WindowSlots read.
             store_bytes = static_cast<double>(ctx) * kv_heads * head_dim * 2 * 2 + written +
                           8.0 * (fp16_tokens + m.int4_windows.size() + m.int2_windows.size());
@@ -335,11 +346,13 @@ int main(int argc, char** argv) {
         for (int i = 0; i < 21; ++i) {
           const auto t0 = std::chrono::steady_clock::now();
           dplan.plan(slots, stream);
-          plan_times.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
+          plan_times.push_back(
+              std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
         }
         std::nth_element(plan_times.begin(), plan_times.begin() + 10, plan_times.end());
         const double plan_us = plan_times[10];
-        gpu::DecodeRunArgs run{0, d_q, d_out, nullptr, 1.0f / std::sqrt(static_cast<float>(head_dim)), pools, stream, false};
+        gpu::DecodeRunArgs run{0,     d_q,    d_out, nullptr, 1.0f / std::sqrt(static_cast<float>(head_dim)),
+                               pools, stream, false};
         const double us = median_us(reps, flusher, stream, [&] { dplan.run(run); });
         if (chunk_sweep) {
           const std::vector<int> small{0, 1, 2, 4, 8, 12, 16, 32, 64, 93, 128};  // 0: the plan's own choice
@@ -379,11 +392,12 @@ int main(int argc, char** argv) {
              << ", \"read_same_bytes_us\": " << read_same_us
              << ", \"ratio_read_same_bytes\": " << read_same_us / store_us;
           store_json.item(so.str());
-          std::printf("       store_prefill %-6s ctx %-6d %9.1f us %9.1f GB/s %6.1f%%  host %.2f us a call;"
-                      " a read of its bytes %.1f us (%.1f%% of BW), store at %.0f%% of its rate\n",
-                      mix.name, ctx, store_us, store_bytes / store_us / 1e3, 100.0 * store_bytes / store_us * 1e6 / bw,
-                      store_host_us, read_same_us, 100.0 * store_bytes / read_same_us * 1e6 / bw,
-                      100.0 * read_same_us / store_us);
+          std::printf(
+              "       store_prefill %-6s ctx %-6d %9.1f us %9.1f GB/s %6.1f%%  host %.2f us a call;"
+              " a read of its bytes %.1f us (%.1f%% of BW), store at %.0f%% of its rate\n",
+              mix.name, ctx, store_us, store_bytes / store_us / 1e3, 100.0 * store_bytes / store_us * 1e6 / bw,
+              store_host_us, read_same_us, 100.0 * store_bytes / read_same_us * 1e6 / bw,
+              100.0 * read_same_us / store_us);
         }
       }
     }
@@ -393,8 +407,8 @@ int main(int argc, char** argv) {
     << ",\n  \"read_bandwidth_gbps\": " << bw / 1e9 << ",\n  \"shape\": {\"q_heads\": " << q_heads
     << ", \"kv_heads\": " << kv_heads << ", \"head_dim\": " << head_dim << ", \"block_size\": " << block_size
     << "},\n  \"reps\": " << reps << ",\n  \"l2_flush\": \"" << flush_name
-    << "\",\n  \"launch_floor_us\": " << launch_floor_us << ",\n  \"decode\": [" << json.s.str() << "\n  ],\n  \"store_prefill\": ["
-    << store_json.s.str() << "\n  ]\n}\n";
+    << "\",\n  \"launch_floor_us\": " << launch_floor_us << ",\n  \"decode\": [" << json.s.str()
+    << "\n  ],\n  \"store_prefill\": [" << store_json.s.str() << "\n  ]\n}\n";
   std::printf("\nwrote %s\n", out_path.c_str());
   return 0;
 }

@@ -83,15 +83,9 @@ __global__ void fill_kernel(void* data, std::size_t count, std::uint32_t seed, i
     const float noise = static_cast<float>(x >> 8) / 8388608.0f - 1.0f;
     const float value = noise + 0.05f * static_cast<float>(i % hidden % 7);
     switch (type) {
-      case ElementType::F32:
-        static_cast<float*>(data)[i] = value;
-        break;
-      case ElementType::F16:
-        static_cast<__half*>(data)[i] = __float2half_rn(value);
-        break;
-      case ElementType::BF16:
-        static_cast<__nv_bfloat16*>(data)[i] = __float2bfloat16_rn(value);
-        break;
+      case ElementType::F32: static_cast<float*>(data)[i] = value; break;
+      case ElementType::F16: static_cast<__half*>(data)[i] = __float2half_rn(value); break;
+      case ElementType::BF16: static_cast<__nv_bfloat16*>(data)[i] = __float2bfloat16_rn(value); break;
     }
   }
 }
@@ -330,10 +324,10 @@ int main(int argc, char** argv) {
                 "p10", "p90", "GB/s", "read ms", "x read", "plan() ms", "pairwise ms");
     for (const Result& r : results) {
       std::printf("%-5s %9.4f %8.4f %8.4f %7.0f %8.4f %8.2f %10.3f %12.3f  %lld/%lld/%lld\n", r.type.c_str(),
-                  r.gpu_median_ms, r.gpu_p10_ms, r.gpu_p90_ms,
-                  r.bytes_read / (r.gpu_median_ms * 1e6), r.read_median_ms, r.gpu_median_ms / r.read_median_ms,
-                  r.end_to_end_median_ms, r.pairwise_median_ms, static_cast<long long>(r.blocks[0]),
-                  static_cast<long long>(r.blocks[1]), static_cast<long long>(r.blocks[2]));
+                  r.gpu_median_ms, r.gpu_p10_ms, r.gpu_p90_ms, r.bytes_read / (r.gpu_median_ms * 1e6), r.read_median_ms,
+                  r.gpu_median_ms / r.read_median_ms, r.end_to_end_median_ms, r.pairwise_median_ms,
+                  static_cast<long long>(r.blocks[0]), static_cast<long long>(r.blocks[1]),
+                  static_cast<long long>(r.blocks[2]));
     }
     std::printf("(read ms: a plain read of the prompt's embedding bytes, timed alternately with the planner)\n");
     std::printf("queued behind a busy stream (device time alone, without the host's submission):\n");
@@ -352,11 +346,12 @@ int main(int argc, char** argv) {
       all_match = all_match && r.matches_cpu && r.graph_matches;
     }
     std::printf("\n");
-    std::printf("target %.3f ms (FP16 from an idle stream %s, queued %s, as a graph %s); "
-                "paper's cosine search %.0f ms\n",
-                kTargetMs, results[0].gpu_median_ms <= kTargetMs ? "met" : "missed",
-                results[0].queued_median_ms <= kTargetMs ? "met" : "missed",
-                results[0].graph_median_ms <= kTargetMs ? "met" : "missed", kPaperMs);
+    std::printf(
+        "target %.3f ms (FP16 from an idle stream %s, queued %s, as a graph %s); "
+        "paper's cosine search %.0f ms\n",
+        kTargetMs, results[0].gpu_median_ms <= kTargetMs ? "met" : "missed",
+        results[0].queued_median_ms <= kTargetMs ? "met" : "missed",
+        results[0].graph_median_ms <= kTargetMs ? "met" : "missed", kPaperMs);
 
     if (argc > 1) {
       std::ofstream out(argv[1]);

@@ -3,6 +3,7 @@ on the fetched JSON:
     python3 benchmarks/plot_decode.py RUN/decode_bench.json RUN/sdpa_bench.json
 writes benchmarks/results/decode.png, decode.json (both inputs merged) and
 decode.md (measured figures only; docs/benchmarks.md shows them)."""
+
 import json
 import os
 import sys
@@ -20,8 +21,10 @@ PLANS = ["fp16", "int4", "int2", "mixed"]
 
 
 def flush_text(bench, sdpa_flush):
-    how = {"read": "by reading a buffer 4x the L2 size, as FlashInfer's benchmarks do",
-           "write": "by a memset, which leaves dirty lines for the timed kernel to write back"}
+    how = {
+        "read": "by reading a buffer 4x the L2 size, as FlashInfer's benchmarks do",
+        "write": "by a memset, which leaves dirty lines for the timed kernel to write back",
+    }
     mixkv = how.get(bench.get("l2_flush"), "by a memset (runs before the flush option)")
     if sdpa_flush and sdpa_flush != bench.get("l2_flush"):
         return f"mixkv and cuBLAS {mixkv}; SDPA {how.get(sdpa_flush, sdpa_flush)}"
@@ -62,40 +65,57 @@ def main():
         ax.set_ylabel("decode time per layer (us)")
         ax.set_title(f"context {ctx:,}")
     axes[0][0].legend(fontsize=7)
-    fig.suptitle(f"mixkv paged decode, 28 q / 4 KV heads, D 128, block 32 ({bench['device']}, "
-                 f"read BW {bw:.0f} GB/s)", fontsize=10)
+    fig.suptitle(
+        f"mixkv paged decode, 28 q / 4 KV heads, D 128, block 32 ({bench['device']}, read BW {bw:.0f} GB/s)",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(os.path.join(DOCS, "decode.png"), dpi=110)
 
-    lines = ["# GPU decode benchmark (measured)", "",
-             f"Device: {bench['device']}, {bench['sms']} SMs. Read bandwidth of our own read-and-reduce kernel "
-             f"over 4 GiB: **{bw:.0f} GB/s** (the ceiling used for %BW).",
-             "Shape: 28 query heads, 4 KV heads, head_dim 128, block 32; one layer. L2 flushed before every "
-             f"timed launch ({flush_text(bench, sdpa_flush)}); median of {bench['reps']} CUDA-event timings; "
-             f"launch floor (a 4-byte memset timed the same way) {bench.get('launch_floor_us', float('nan')):.1f} us. "
-             "Bytes = what the kernels must read "
-             "(codes, parameters, FP16 rows, page-table entries, queries). `dense` = cuBLAS FP16 GEMM + softmax "
-             "+ GEMM on contiguous K/V of the same tokens; SDPA = torch "
-             "`scaled_dot_product_attention(enable_gqa=True)` timed the same way (benchmarks/sdpa_bench.py).",
-             "Produced by `benchmarks/run_on_device.sh` and `benchmarks/plot_decode.py`; raw data in decode.json.",
-             "", "![decode](decode.png)", "",
-             "| batch | context | plan | time (us) | MB read | GB/s | % of read BW | x dense cuBLAS | x SDPA |",
-             "|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "# GPU decode benchmark (measured)",
+        "",
+        f"Device: {bench['device']}, {bench['sms']} SMs. Read bandwidth of our own read-and-reduce kernel "
+        f"over 4 GiB: **{bw:.0f} GB/s** (the ceiling used for %BW).",
+        "Shape: 28 query heads, 4 KV heads, head_dim 128, block 32; one layer. L2 flushed before every "
+        f"timed launch ({flush_text(bench, sdpa_flush)}); median of {bench['reps']} CUDA-event timings; "
+        f"launch floor (a 4-byte memset timed the same way) {bench.get('launch_floor_us', float('nan')):.1f} us. "
+        "Bytes = what the kernels must read "
+        "(codes, parameters, FP16 rows, page-table entries, queries). `dense` = cuBLAS FP16 GEMM + softmax "
+        "+ GEMM on contiguous K/V of the same tokens; SDPA = torch "
+        "`scaled_dot_product_attention(enable_gqa=True)` timed the same way (benchmarks/sdpa_bench.py).",
+        "Produced by `benchmarks/run_on_device.sh` and `benchmarks/plot_decode.py`; raw data in decode.json.",
+        "",
+        "![decode](decode.png)",
+        "",
+        "| batch | context | plan | time (us) | MB read | GB/s | % of read BW | x dense cuBLAS | x SDPA |",
+        "|---:|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in sorted(table, key=lambda r: (r["context"], r["batch"], r["plan"])):
         s = f"{r['ratio_sdpa']:.3f}" if r["ratio_sdpa"] is not None else "-"
-        lines.append(f"| {r['batch']} | {r['context']:,} | {r['plan']} | {r['time_us']:.1f} | {r['bytes'] / 1e6:.1f} | "
-                     f"{r['gbps']:.0f} | {r['pct_bw']:.1f}% | {r['ratio_dense']:.3f} | {s} |")
-    lines += ["", "SDPA times (us): " + ", ".join(f"batch {b} x {c:,}: {t:.1f}" for (b, c), t in sorted(sdpa.items())),
-              "", "## store_prefill (one sequence, one layer)", "",
-              "A plain read of as many bytes (our read-and-reduce kernel, timed the same way, L2 flushed) is the",
-              "rate a transfer of that size reaches at all: the last column is the store's time against it.", "",
-              "| context | plan | time (us) | MB moved (read + written) | GB/s | % of read BW | read of the same bytes (us) | store at % of that read's rate |",
-              "|---:|---|---:|---:|---:|---:|---:|---:|"]
+        lines.append(
+            f"| {r['batch']} | {r['context']:,} | {r['plan']} | {r['time_us']:.1f} | {r['bytes'] / 1e6:.1f} | "
+            f"{r['gbps']:.0f} | {r['pct_bw']:.1f}% | {r['ratio_dense']:.3f} | {s} |"
+        )
+    lines += [
+        "",
+        "SDPA times (us): " + ", ".join(f"batch {b} x {c:,}: {t:.1f}" for (b, c), t in sorted(sdpa.items())),
+        "",
+        "## store_prefill (one sequence, one layer)",
+        "",
+        "A plain read of as many bytes (our read-and-reduce kernel, timed the same way, L2 flushed) is the",
+        "rate a transfer of that size reaches at all: the last column is the store's time against it.",
+        "",
+        "| context | plan | time (us) | MB moved (read + written) | GB/s | % of read BW | read of the same bytes (us) | store at % of that read's rate |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in bench.get("store_prefill", []):
         read_us = r.get("read_same_bytes_us")
         read_cells = f"{read_us:.1f} | {100.0 * read_us / r['time_us']:.0f}%" if read_us else "- | -"
-        lines.append(f"| {r['context']:,} | {r['plan']} | {r['time_us']:.1f} | {r['bytes'] / 1e6:.1f} | "
-                     f"{r['gbps']:.0f} | {r['pct_bw']:.1f}% | {read_cells} |")
+        lines.append(
+            f"| {r['context']:,} | {r['plan']} | {r['time_us']:.1f} | {r['bytes'] / 1e6:.1f} | "
+            f"{r['gbps']:.0f} | {r['pct_bw']:.1f}% | {read_cells} |"
+        )
     with open(os.path.join(DOCS, "decode.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("wrote", os.path.join(DOCS, "decode.png"), "decode.json", "decode.md")

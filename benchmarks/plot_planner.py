@@ -5,6 +5,7 @@ Per element type and run: the planner's median time launched onto an idle
 stream, replayed there as a CUDA graph, and queued behind a busy stream,
 beside a plain read of the same bytes timed from an idle stream and queued,
 against the 0.05 ms target."""
+
 import json
 import sys
 
@@ -40,14 +41,24 @@ def main():
                 if key not in result:  # runs before the graph timing existed
                     continue
                 x = t * group + s * len(runs) + k
-                ax.bar(x, 1e3 * result[key], color=color, hatch=hatch, edgecolor="black", linewidth=0.4,
-                       label=label if t == 0 and k == 0 else None)
+                ax.bar(
+                    x,
+                    1e3 * result[key],
+                    color=color,
+                    hatch=hatch,
+                    edgecolor="black",
+                    linewidth=0.4,
+                    label=label if t == 0 and k == 0 else None,
+                )
     ax.axhline(1e3 * runs[0]["target_ms"], color="red", ls="--", lw=1, label="target 0.05 ms")
     ax.set_xticks([t * group + (group - 1) / 2 - 0.5 for t in range(len(types))])
     ax.set_xticklabels([f"{name} embeddings" for name in types])
     ax.set_ylabel("median of 100 launches (us)")
-    ax.set_title(f"WindowQuant GPU planner, {runs[0]['frames']} frames x {runs[0]['tokens_per_frame']} tokens, "
-                 f"hidden {runs[0]['hidden']}, {runs[0]['device']}: {len(runs)} runs side by side", fontsize=9)
+    ax.set_title(
+        f"WindowQuant GPU planner, {runs[0]['frames']} frames x {runs[0]['tokens_per_frame']} tokens, "
+        f"hidden {runs[0]['hidden']}, {runs[0]['device']}: {len(runs)} runs side by side",
+        fontsize=9,
+    )
     ax.legend(fontsize=7, loc="upper left")
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()

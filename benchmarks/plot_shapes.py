@@ -3,6 +3,7 @@ torch SDPA on other models' head shapes), run here on the fetched folder:
     python3 benchmarks/plot_shapes.py RUN/shapes
 writes benchmarks/results/shapes.md (measured figures only), shapes.json (the
 inputs merged) and shapes.png."""
+
 import glob
 import json
 import os
@@ -56,7 +57,6 @@ def main():
     for s in shapes:
         b = s["bench"]
         shape = b["shape"]
-        bw = b["read_bandwidth_gbps"]
         for r in b["decode"]:
             if r["plan"] not in PLANS:
                 continue
@@ -64,12 +64,24 @@ def main():
             ratio = f"{r['time_us'] / sdpa:.3f}" if sdpa else "-"
             lines.append(
                 f"| {s['name']} | {shape['q_heads']} / {shape['kv_heads']} | {shape['head_dim']} | {r['batch']} | "
-                f"{r['plan']} | {r['time_us']:.1f} | {r['pct_bw']:.1f} | {ratio} | {r['items']} |")
-        merged.append({"name": s["name"], "bench": b, "sdpa_us": [
-            {"batch": k[0], "context": k[1], "sdpa_us": v} for k, v in sorted(s["sdpa"].items())]})
+                f"{r['plan']} | {r['time_us']:.1f} | {r['pct_bw']:.1f} | {ratio} | {r['items']} |"
+            )
+        merged.append(
+            {
+                "name": s["name"],
+                "bench": b,
+                "sdpa_us": [{"batch": k[0], "context": k[1], "sdpa_us": v} for k, v in sorted(s["sdpa"].items())],
+            }
+        )
     bws = sorted({s["bench"]["read_bandwidth_gbps"] for s in shapes})
-    lines += ["", f"Read bandwidth measured in each shape's run: {', '.join(f'{x:,.0f}' for x in bws)} GB/s "
-              f"({shapes[0]['bench']['device']}).", "", "![time against SDPA](shapes.png)", ""]
+    lines += [
+        "",
+        f"Read bandwidth measured in each shape's run: {', '.join(f'{x:,.0f}' for x in bws)} GB/s "
+        f"({shapes[0]['bench']['device']}).",
+        "",
+        "![time against SDPA](shapes.png)",
+        "",
+    ]
     with open(os.path.join(DOCS, "shapes.md"), "w") as f:
         f.write("\n".join(lines))
     with open(os.path.join(DOCS, "shapes.json"), "w") as f:

@@ -3,6 +3,7 @@ way decode_bench times mixkv: L2 flushed before each launch (by reading a
 256 MiB buffer, or with --flush write by zeroing it), CUDA events, median of N. Shape: 28 query / 4 KV heads, head_dim 128 unless
 --heads Q/KV and --head-dim say otherwise (decode_bench takes the same).
 Writes JSON: [{batch, context, sdpa_us}]."""
+
 import argparse
 import json
 
@@ -57,8 +58,16 @@ def main():
             print(f"sdpa batch {b:3d} context {ctx:6d}: {us:9.1f} us", flush=True)
             del q, k, v
     with open(args.out, "w") as f:
-        json.dump({"torch": torch.__version__, "l2_flush": args.flush,
-                   "shape": {"q_heads": q_heads, "kv_heads": kv_heads, "head_dim": dim}, "sdpa": results}, f, indent=1)
+        json.dump(
+            {
+                "torch": torch.__version__,
+                "l2_flush": args.flush,
+                "shape": {"q_heads": q_heads, "kv_heads": kv_heads, "head_dim": dim},
+                "sdpa": results,
+            },
+            f,
+            indent=1,
+        )
 
 
 if __name__ == "__main__":

@@ -59,7 +59,8 @@ std::vector<Arrival> arrivals() {
 Request make(RequestId id, const Arrival& a, PlanKind kind) {
   Request r;
   r.id = id;
-  r.layout = TokenLayout({{TokenKind::Text, 14}, {TokenKind::Visual, kFrames * kTokensPerFrame}, {TokenKind::Text, a.question}});
+  r.layout = TokenLayout(
+      {{TokenKind::Text, 14}, {TokenKind::Visual, kFrames * kTokensPerFrame}, {TokenKind::Text, a.question}});
   const std::int32_t windows = r.layout.num_windows(32);
   PrecisionPlan plan(kLayers, windows, kind == PlanKind::INT4 ? Precision::INT4 : Precision::FP16);
   std::mt19937 rng(a.seed);
@@ -161,11 +162,13 @@ std::string run(PlanKind kind, const std::vector<Arrival>& work) {
   for (double g : s.used_gb) gb.push_back(static_cast<double>(static_cast<long long>(g * 10)) / 10);
   return std::string("{\"plan\": \"") + name(kind) + "\", " + summary + ", \"running\": " + list(s.running) +
          ", \"waiting\": " + list(s.waiting) + ", \"preemptions_cumulative\": " + list(s.preemptions) +
-         ", \"decode_tokens\": " + list(s.decode_tokens) + ", \"used_gb_x10\": " + [&] {
+         ", \"decode_tokens\": " + list(s.decode_tokens) + ", \"used_gb_x10\": " +
+         [&] {
            std::vector<long long> v;
            for (double g : s.used_gb) v.push_back(static_cast<long long>(g * 10));
            return list(v);
-         }() + "}";
+         }() +
+         "}";
 }
 
 }  // namespace

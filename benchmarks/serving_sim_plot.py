@@ -1,5 +1,6 @@
 """Plots benchmarks/results/serving-sim.json (benchmarks/serving_sim) into
 benchmarks/results/serving-sim.png."""
+
 import json
 import sys
 

@@ -61,9 +61,12 @@ int main(int argc, char** argv) {
   bool quick = false;
   std::vector<int> sizes = {1000, 10000};
   for (int i = 1; i < argc; ++i) {
-    if ((!std::strcmp(argv[i], "--json") || !std::strcmp(argv[i], "--out")) && i + 1 < argc) json_path = argv[++i];
-    else if (!std::strcmp(argv[i], "--reps") && i + 1 < argc) reps = std::max(1, std::atoi(argv[++i]));
-    else if (!std::strcmp(argv[i], "--quick")) quick = true;
+    if ((!std::strcmp(argv[i], "--json") || !std::strcmp(argv[i], "--out")) && i + 1 < argc)
+      json_path = argv[++i];
+    else if (!std::strcmp(argv[i], "--reps") && i + 1 < argc)
+      reps = std::max(1, std::atoi(argv[++i]));
+    else if (!std::strcmp(argv[i], "--quick"))
+      quick = true;
     else if (!std::strcmp(argv[i], "--blocks") && i + 1 < argc) {
       sizes.clear();
       std::stringstream ss(argv[++i]);
@@ -131,8 +134,7 @@ int main(int argc, char** argv) {
       const std::size_t bytes = list_bytes(manager, copies);
       const auto t0 = std::chrono::steady_clock::now();
       list.upload(copies, dir, manager.arena_layout(), manager.swap_layout(), stream);
-      const double upload_us =
-          std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
+      const double upload_us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
       gpu::SwapBlocksArgs args;
       list.fill(args);
       args.device = pools;
@@ -169,8 +171,8 @@ int main(int argc, char** argv) {
            << "\", \"bytes\": " << bytes << ", \"kernel_us\": " << r.kernel_us
            << ", \"kernel_gbps\": " << gbps(r.kernel_us) << ", \"memcpy_us\": " << r.memcpy_us
            << ", \"memcpy_gbps\": " << gbps(r.memcpy_us) << ", \"kernel_vs_memcpy\": " << r.memcpy_us / r.kernel_us
-           << ", \"per_block_memcpy_us\": " << r.per_block_us << ", \"per_block_memcpy_gbps\": "
-           << gbps(r.per_block_us) << ", \"upload_host_us\": " << r.upload_us << "}";
+           << ", \"per_block_memcpy_us\": " << r.per_block_us << ", \"per_block_memcpy_gbps\": " << gbps(r.per_block_us)
+           << ", \"upload_host_us\": " << r.upload_us << "}";
       first = false;
     }
   }

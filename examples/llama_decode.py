@@ -29,9 +29,8 @@ import math
 import sys
 import time
 
-import numpy as np
-
 import mixkv
+import numpy as np
 
 VOCAB = 512
 HIDDEN = 512
@@ -52,9 +51,18 @@ class Model:
             return (rng.standard_normal(shape) / math.sqrt(shape[0])).astype(np.float32)
 
         self.embed = rng.standard_normal((VOCAB, HIDDEN)).astype(np.float32)
-        self.layers = [dict(wq=w(HIDDEN, Q_HEADS * HEAD_DIM), wk=w(HIDDEN, KV_HEADS * HEAD_DIM),
-                            wv=w(HIDDEN, KV_HEADS * HEAD_DIM), wo=w(Q_HEADS * HEAD_DIM, HIDDEN),
-                            w1=w(HIDDEN, FFN), w3=w(HIDDEN, FFN), w2=w(FFN, HIDDEN)) for _ in range(LAYERS)]
+        self.layers = [
+            dict(
+                wq=w(HIDDEN, Q_HEADS * HEAD_DIM),
+                wk=w(HIDDEN, KV_HEADS * HEAD_DIM),
+                wv=w(HIDDEN, KV_HEADS * HEAD_DIM),
+                wo=w(Q_HEADS * HEAD_DIM, HIDDEN),
+                w1=w(HIDDEN, FFN),
+                w3=w(HIDDEN, FFN),
+                w2=w(FFN, HIDDEN),
+            )
+            for _ in range(LAYERS)
+        ]
         self.unembed = w(HIDDEN, VOCAB)
         inv = 1.0 / 10000 ** (np.arange(0, HEAD_DIM, 2) / HEAD_DIM)
         self.inv_freq = inv.astype(np.float32)
@@ -117,11 +125,14 @@ def make_requests(rng, model, count, frames, new_tokens):
         rows = slice(relevant * TOKENS_PER_FRAME, (relevant + 1) * TOKENS_PER_FRAME)
         visual[rows] += 3.0 * topic / np.linalg.norm(topic) * math.sqrt(HIDDEN)
         embeddings = np.concatenate([model.embed[system], visual, model.embed[question]]).astype(np.float32)
-        layout = mixkv.TokenLayout([mixkv.Segment(mixkv.TokenKind.Text, len(system)),
-                                    mixkv.Segment(mixkv.TokenKind.Visual, len(visual)),
-                                    mixkv.Segment(mixkv.TokenKind.Text, len(question))])
-        requests.append(dict(id=i, layout=layout, embeddings=embeddings, max_new_tokens=new_tokens,
-                             arrival_step=2 * i))
+        layout = mixkv.TokenLayout(
+            [
+                mixkv.Segment(mixkv.TokenKind.Text, len(system)),
+                mixkv.Segment(mixkv.TokenKind.Visual, len(visual)),
+                mixkv.Segment(mixkv.TokenKind.Text, len(question)),
+            ]
+        )
+        requests.append(dict(id=i, layout=layout, embeddings=embeddings, max_new_tokens=new_tokens, arrival_step=2 * i))
     return requests
 
 
@@ -159,8 +170,8 @@ def pick_backend(name):
     """'auto': CUDA where mixkv was built with it and torch sees a GPU."""
     if name in ("auto", "cuda") and mixkv.built_with_cuda:
         try:
-            import torch
             import mixkv.cuda as mc
+            import torch
 
             if mc.device_available() and torch.cuda.is_available():
                 return "cuda"
@@ -177,24 +188,38 @@ def array_io(backend):
     if backend == "cuda":
         import torch
 
-        return (lambda a: torch.from_numpy(np.ascontiguousarray(a)).cuda(),
-                lambda t: t.float().cpu().numpy())
+        return (lambda a: torch.from_numpy(np.ascontiguousarray(a)).cuda(), lambda t: t.float().cpu().numpy())
     return (lambda a: a), (lambda a: a.astype(np.float32))
 
 
-def serve(model, requests, sensitivities, fp16_only, arena_bytes, backend="cpu", swap_blocks=0,
-          preemption=mixkv.PreemptionMode.Recompute, forced=None):
+def serve(
+    model,
+    requests,
+    sensitivities,
+    fp16_only,
+    arena_bytes,
+    backend="cpu",
+    swap_blocks=0,
+    preemption=mixkv.PreemptionMode.Recompute,
+    forced=None,
+):
     """Runs the workload through a mixkv.Engine on one backend; returns the generated tokens, the logits each
     came from, peak pool usage, scheduler counters and timings. `forced` (id -> tokens) feeds those tokens
     instead of the argmax, so that two runs see the same sequences and their logits can be compared."""
     shape = mixkv.CacheShape(LAYERS, KV_HEADS, HEAD_DIM, WINDOW)
-    config = mixkv.CacheConfig(shape, arena_bytes, slab_bytes=256 << 10, swap_blocks=[swap_blocks] * 3,
-                               fp16_windows_first=True)
-    planner = mixkv.PlannerConfig(sensitivities, window_size=WINDOW,
-                                  min_precision=[mixkv.Precision.FP16] * LAYERS if fp16_only else [])
-    engine = mixkv.Engine(config, mixkv.SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=384,
-                                                        preemption=preemption),
-                          num_q_heads=Q_HEADS, backend=backend, planner=planner)
+    config = mixkv.CacheConfig(
+        shape, arena_bytes, slab_bytes=256 << 10, swap_blocks=[swap_blocks] * 3, fp16_windows_first=True
+    )
+    planner = mixkv.PlannerConfig(
+        sensitivities, window_size=WINDOW, min_precision=[mixkv.Precision.FP16] * LAYERS if fp16_only else []
+    )
+    engine = mixkv.Engine(
+        config,
+        mixkv.SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=384, preemption=preemption),
+        num_q_heads=Q_HEADS,
+        backend=backend,
+        planner=planner,
+    )
     to_engine, from_engine = array_io(backend)
     by_id = {r["id"]: r for r in requests}
     generated = {r["id"]: [] for r in requests}
@@ -216,8 +241,9 @@ def serve(model, requests, sensitivities, fp16_only, arena_bytes, backend="cpu",
     while pending or engine.has_unfinished():
         while pending and pending[0]["arrival_step"] <= step:
             r = pending.pop(0)
-            engine.add_request(r["id"], r["layout"], embeddings=r["embeddings"], max_new_tokens=r["max_new_tokens"],
-                               arrival_time=step)
+            engine.add_request(
+                r["id"], r["layout"], embeddings=r["embeddings"], max_new_tokens=r["max_new_tokens"], arrival_time=step
+            )
         step += 1
         out = engine.step()  # the scheduler's decisions, their memory moves already applied
         for rid in out.preempted:
@@ -231,15 +257,19 @@ def serve(model, requests, sensitivities, fp16_only, arena_bytes, backend="cpu",
             for chunk in out.prefills:
                 r = by_id[chunk.request_id]
                 prompt = np.concatenate([r["embeddings"], model.embed[generated[chunk.request_id]]])
-                hs.append(prompt[chunk.start:chunk.end])
+                hs.append(prompt[chunk.start : chunk.end])
                 positions.append(np.arange(chunk.start, chunk.end))
                 if chunk.start == 0:
-                    prefill_kv[chunk.request_id] = [(np.zeros((0, KV_HEADS, HEAD_DIM), np.float16),) * 2
-                                                    for _ in range(LAYERS)]
+                    prefill_kv[chunk.request_id] = [
+                        (np.zeros((0, KV_HEADS, HEAD_DIM), np.float16),) * 2 for _ in range(LAYERS)
+                    ]
             for layer in range(LAYERS):
                 qkv = [model.qkv(layer, h, p) for h, p in zip(hs, positions)]
-                engine.store(layer, to_engine(np.concatenate([k for _, k, _ in qkv])),
-                             to_engine(np.concatenate([v for _, _, v in qkv])))
+                engine.store(
+                    layer,
+                    to_engine(np.concatenate([k for _, k, _ in qkv])),
+                    to_engine(np.concatenate([v for _, _, v in qkv])),
+                )
                 for i, (chunk, (q, k, v)) in enumerate(zip(out.prefills, qkv)):
                     old_k, old_v = prefill_kv[chunk.request_id][layer]
                     all_k, all_v = np.concatenate([old_k, k]), np.concatenate([old_v, v])
@@ -270,17 +300,28 @@ def serve(model, requests, sensitivities, fp16_only, arena_bytes, backend="cpu",
         for p in mixkv.Precision:
             peak[p] = max(peak[p], engine.cache.pool_stats(p).used_blocks)
         stats = engine.stats()
-        progress.update(sum(len(g) for g in generated.values()),
-                        f"step {step}: running {stats.running}, prefilling {stats.prefilling}, "
-                        f"waiting {stats.waiting}, demotions {stats.demotions}")
+        progress.update(
+            sum(len(g) for g in generated.values()),
+            f"step {step}: running {stats.running}, prefilling {stats.prefilling}, "
+            f"waiting {stats.waiting}, demotions {stats.demotions}",
+        )
     progress.close()
     engine.check_invariants()
     stats = engine.stats()
     block_bytes = [engine.cache.format(p).block_bytes for p in mixkv.Precision]
-    return dict(generated=generated, logits=logits_of, peak=peak, block_bytes=block_bytes, decode_time=decode_time,
-                prefill_time=prefill_time, decode_tokens=decode_tokens, prefill_tokens=stats.prefill_tokens,
-                demotions=stats.demotions, preempted_recompute=stats.preempted_recompute,
-                preempted_swap=stats.preempted_swap)
+    return dict(
+        generated=generated,
+        logits=logits_of,
+        peak=peak,
+        block_bytes=block_bytes,
+        decode_time=decode_time,
+        prefill_time=prefill_time,
+        decode_tokens=decode_tokens,
+        prefill_tokens=stats.prefill_tokens,
+        demotions=stats.demotions,
+        preempted_recompute=stats.preempted_recompute,
+        preempted_swap=stats.preempted_swap,
+    )
 
 
 def main():
@@ -293,10 +334,13 @@ def main():
     parser.add_argument("--preemption", choices=("recompute", "swap"), default="recompute")
     parser.add_argument("--backend", choices=("auto", "cpu", "cuda"), default="auto")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--sensitivity", default="0.85",
-                        help="layer sensitivity for the planner (eq. 9), or 'measured' to measure it on this model: "
-                             "random weights barely change the residual stream (eq. 9 ~ 0.97), which would put every "
-                             "window but the first in INT2; 0.85 stands in for a trained model's layers")
+    parser.add_argument(
+        "--sensitivity",
+        default="0.85",
+        help="layer sensitivity for the planner (eq. 9), or 'measured' to measure it on this model: "
+        "random weights barely change the residual stream (eq. 9 ~ 0.97), which would put every "
+        "window but the first in INT2; 0.85 stands in for a trained model's layers",
+    )
     args = parser.parse_args()
     backend = pick_backend(args.backend)
     preemption = mixkv.PreemptionMode.Swap if args.preemption == "swap" else mixkv.PreemptionMode.Recompute
@@ -306,14 +350,17 @@ def main():
     requests = make_requests(rng, model, args.requests, args.frames, args.new_tokens)
     measured = measure_sensitivities(model, requests[0])
     sensitivities = measured if args.sensitivity == "measured" else [float(args.sensitivity)] * LAYERS
-    print(f"mixkv {mixkv.__version__}: {args.requests} requests of {requests[0]['layout'].num_tokens} prompt tokens, "
-          f"{args.new_tokens} new tokens each; measured layer sensitivities {np.round(measured, 3).tolist()}, "
-          f"planning with {np.round(sensitivities, 3).tolist()}; {backend} backend")
+    print(
+        f"mixkv {mixkv.__version__}: {args.requests} requests of {requests[0]['layout'].num_tokens} prompt tokens, "
+        f"{args.new_tokens} new tokens each; measured layer sensitivities {np.round(measured, 3).tolist()}, "
+        f"planning with {np.round(sensitivities, 3).tolist()}; {backend} backend"
+    )
     runs = {}
     for name, fp16_only in (("WindowQuant", False), ("FP16", True)):
         print(f"{name} cache:")
-        runs[name] = serve(model, requests, sensitivities, fp16_only, args.arena_mib << 20, backend,
-                           args.swap_blocks, preemption)
+        runs[name] = serve(
+            model, requests, sensitivities, fp16_only, args.arena_mib << 20, backend, args.swap_blocks, preemption
+        )
 
     wq, fp = runs["WindowQuant"], runs["FP16"]
     print()
@@ -338,10 +385,15 @@ def main():
         prefix += next((i for i, m in enumerate(matches) if not m), len(matches))
     print(f"{'tokens equal to FP16':24}{f'{same}/{total}':>14}{'-':>14}")
     print(f"{'  until 1st divergence':24}{f'{prefix}/{total}':>14}{'-':>14}")
-    attention = ("the CUDA kernels" if backend == "cuda"
-                 else "mixkv's CPU backend (float64 reference attention), not of the CUDA kernels")
-    print(f"\nKV memory {kib[1] / kib[0]:.2f}x smaller with WindowQuant. Tokens/s are of this NumPy engine (the "
-          f"model's matrices on the host) with attention on {attention}.")
+    attention = (
+        "the CUDA kernels"
+        if backend == "cuda"
+        else "mixkv's CPU backend (float64 reference attention), not of the CUDA kernels"
+    )
+    print(
+        f"\nKV memory {kib[1] / kib[0]:.2f}x smaller with WindowQuant. Tokens/s are of this NumPy engine (the "
+        f"model's matrices on the host) with attention on {attention}."
+    )
 
 
 if __name__ == "__main__":

@@ -22,11 +22,11 @@
 #include <string_view>
 #include <vector>
 
-#include "mixkv/core/half.h"
 #include "mixkv/cache/kv_cache_manager.h"
-#include "mixkv/planner/window_planner.h"
+#include "mixkv/core/half.h"
 #include "mixkv/cpu/decode_attention.h"
 #include "mixkv/cpu/store.h"
+#include "mixkv/planner/window_planner.h"
 
 #if defined(MIXKV_DEMO_CUDA)
 #include <cuda_runtime_api.h>
@@ -42,15 +42,15 @@ namespace {
 using namespace mixkv;
 
 constexpr int kTokensPerFrame = 196;
-constexpr int kHidden = 256;       // embedding width used for planning
-constexpr int kQueryHeads = 28;    // Qwen2-7B-like GQA 7:1
+constexpr int kHidden = 256;     // embedding width used for planning
+constexpr int kQueryHeads = 28;  // Qwen2-7B-like GQA 7:1
 constexpr int kOutlierChannels = 4;
 
 struct Request {
   TokenLayout layout;
-  std::vector<float> embeddings;          // [tokens][kHidden]
-  std::vector<std::vector<Half>> k, v;    // [layer] -> [tokens][kv_heads][head_dim]
-  std::vector<std::vector<Half>> q;       // [layer] -> [q_heads][head_dim]
+  std::vector<float> embeddings;        // [tokens][kHidden]
+  std::vector<std::vector<Half>> k, v;  // [layer] -> [tokens][kv_heads][head_dim]
+  std::vector<std::vector<Half>> q;     // [layer] -> [q_heads][head_dim]
 };
 
 std::vector<float> random_direction(std::mt19937& rng, int n) {
@@ -60,8 +60,7 @@ std::vector<float> random_direction(std::mt19937& rng, int n) {
   return d;
 }
 
-Request make_request(std::mt19937& rng, const CacheShape& shape, int frames, int relevant_first,
-                     int relevant_count) {
+Request make_request(std::mt19937& rng, const CacheShape& shape, int frames, int relevant_first, int relevant_count) {
   const int system_tokens = 24, question_tokens = 40;
   Request r;
   r.layout = TokenLayout({{TokenKind::Text, system_tokens},
@@ -73,8 +72,8 @@ Request make_request(std::mt19937& rng, const CacheShape& shape, int frames, int
   const auto topic = random_direction(rng, kHidden);
   auto is_relevant = [&](int token) {
     const int frame = (token - system_tokens) / kTokensPerFrame;
-    return token >= system_tokens && token < system_tokens + frames * kTokensPerFrame &&
-           frame >= relevant_first && frame < relevant_first + relevant_count;
+    return token >= system_tokens && token < system_tokens + frames * kTokensPerFrame && frame >= relevant_first &&
+           frame < relevant_first + relevant_count;
   };
   auto is_question = [&](int token) { return token >= n - question_tokens; };
 
@@ -84,8 +83,10 @@ Request make_request(std::mt19937& rng, const CacheShape& shape, int frames, int
     // relevant frames, giving the planner a spread of scores.
     const int frame = (t - system_tokens) / kTokensPerFrame;
     float lean = 0.0f;
-    if (t < system_tokens || is_question(t)) lean = 4.0f;
-    else if (is_relevant(t)) lean = 6.0f;
+    if (t < system_tokens || is_question(t))
+      lean = 4.0f;
+    else if (is_relevant(t))
+      lean = 6.0f;
     else if (t >= system_tokens && t < system_tokens + frames * kTokensPerFrame)
       lean = 1.5f * std::exp(-std::abs(frame - relevant_first) / 2.0f);
     for (int c = 0; c < kHidden; ++c)
@@ -227,7 +228,9 @@ class CudaBackend {
     return std::string("CUDA backend, ") + prop.name;
   }
 
-  void allocate(Variant& v) const { v.device_arena = std::make_unique<gpu::DeviceArena>(v.manager->config().arena_bytes); }
+  void allocate(Variant& v) const {
+    v.device_arena = std::make_unique<gpu::DeviceArena>(v.manager->config().arena_bytes);
+  }
 
   void store(Variant& v, SequenceId id, const Request& r) {
     const CacheShape& shape = v.manager->config().shape;
@@ -258,14 +261,17 @@ class CudaBackend {
     for (const auto& layer : meta.layers)
       for (const PagedPoolTable& table : layer)
         for (std::int32_t i = 0; i < batch; ++i) longest = std::max(longest, table.indptr[i + 1] - table.indptr[i]);
-    gpu::DevicePageTables tables({.num_layers = shape.num_layers, .max_sequences = batch,
-                                  .max_blocks_per_sequence = longest},
-                                 v.manager->arena_layout());
+    gpu::DevicePageTables tables(
+        {.num_layers = shape.num_layers, .max_sequences = batch, .max_blocks_per_sequence = longest},
+        v.manager->arena_layout());
     for (std::int32_t i = 0; i < batch; ++i) tables.sync(slots[i], v.manager->page_table(ids[i]));
     tables.upload(nullptr);
-    gpu::DecodePlan plan({.num_layers = shape.num_layers, .num_q_heads = kQueryHeads,
-                          .num_kv_heads = shape.num_kv_heads, .head_dim = shape.head_dim,
-                          .block_size = shape.block_size, .max_batch = batch},
+    gpu::DecodePlan plan({.num_layers = shape.num_layers,
+                          .num_q_heads = kQueryHeads,
+                          .num_kv_heads = shape.num_kv_heads,
+                          .head_dim = shape.head_dim,
+                          .block_size = shape.block_size,
+                          .max_batch = batch},
                          tables);
     plan.plan(slots, nullptr);
     const std::size_t row = static_cast<std::size_t>(kQueryHeads) * shape.head_dim;
@@ -275,7 +281,10 @@ class CudaBackend {
       std::vector<Half> host_q;
       for (const Request& r : requests) host_q.insert(host_q.end(), r.q[layer].begin(), r.q[layer].end());
       q.upload(host_q);
-      plan.run({.layer = layer, .q = q.get(), .out = out.get(), .sm_scale = sm_scale(shape),
+      plan.run({.layer = layer,
+                .q = q.get(),
+                .out = out.get(),
+                .sm_scale = sm_scale(shape),
                 .pools = v.device_arena->pool_views(v.manager->arena_layout())});
       const std::vector<Half> host_out = out.download(batch * row);
       for (std::int32_t i = 0; i < batch; ++i) {
@@ -346,8 +355,8 @@ void run_demo(Backend& backend, int num_requests) {
     // Enough slabs for the demand of each pool, rounded up per pool.
     std::size_t slabs = 0;
     for (Precision p : kAllPrecisions) {
-      const std::size_t per_slab = slab_bytes / BlockFormat{p, shape.num_kv_heads, shape.head_dim,
-                                                            shape.block_size}.block_bytes();
+      const std::size_t per_slab =
+          slab_bytes / BlockFormat{p, shape.num_kv_heads, shape.head_dim, shape.block_size}.block_bytes();
       slabs += (need[pool_index(p)] + per_slab - 1) / per_slab;
     }
     variant.manager = std::make_unique<KVCacheManager>(
@@ -379,10 +388,11 @@ void run_demo(Backend& backend, int num_requests) {
     total_tokens += r.layout.num_tokens();
     total_windows += r.layout.num_windows(shape.block_size);
   }
-  std::printf("mixkv-demo: %d requests, %d tokens (%d visual windows of %d), %d layers, %d KV heads x %d, "
-              "GQA %d:%d, %s\n\n",
-              num_requests, total_tokens, total_windows, shape.block_size, shape.num_layers,
-              shape.num_kv_heads, shape.head_dim, kQueryHeads, shape.num_kv_heads, backend.name().c_str());
+  std::printf(
+      "mixkv-demo: %d requests, %d tokens (%d visual windows of %d), %d layers, %d KV heads x %d, "
+      "GQA %d:%d, %s\n\n",
+      num_requests, total_tokens, total_windows, shape.block_size, shape.num_layers, shape.num_kv_heads, shape.head_dim,
+      kQueryHeads, shape.num_kv_heads, backend.name().c_str());
   std::printf("WindowQuant plan: per-layer thresholds (alpha %.1f)\n", planner_config.alpha);
   for (int l = 0; l < shape.num_layers; ++l)
     std::printf("  layer %d: s_l %.2f  T_low %.3f  T_high %.3f\n", l, planner_config.sensitivities[l],
@@ -394,8 +404,8 @@ void run_demo(Backend& backend, int num_requests) {
   for (Precision p : kAllPrecisions) {
     const PoolStats s = wq.manager->pool_stats(p);
     wq_bytes += double(s.used_blocks) * s.block_bytes;
-    std::printf("%-6s %10lld %12zu %14s\n", std::string(to_string(p)).c_str(),
-                static_cast<long long>(s.used_blocks), s.block_bytes, mib(double(s.used_blocks) * s.block_bytes).c_str());
+    std::printf("%-6s %10lld %12zu %14s\n", std::string(to_string(p)).c_str(), static_cast<long long>(s.used_blocks),
+                s.block_bytes, mib(double(s.used_blocks) * s.block_bytes).c_str());
   }
   const PoolStats fp16 = variants[0].manager->pool_stats(Precision::FP16);
   fp16_bytes = double(fp16.used_blocks) * fp16.block_bytes;

@@ -8,10 +8,10 @@
 #include <pybind11/stl.h>
 
 #include "bindings.h"
+#include "mixkv/cache/kv_cache_manager.h"
 #include "mixkv/core/block_format.h"
 #include "mixkv/core/cache_shape.h"
 #include "mixkv/core/errors.h"
-#include "mixkv/cache/kv_cache_manager.h"
 #include "mixkv/core/precision.h"
 
 namespace mixkv::python {
@@ -49,24 +49,28 @@ void bind_cache_shape(py::module_& m) {
 
   py::class_<CacheShape>(m, "CacheShape", init_only(),
                          "Geometry every pool of a cache shares. block_size is also the WindowQuant window.")
-      .def(py::init([](std::int32_t num_layers, std::int32_t num_kv_heads, std::int32_t head_dim,
-                       std::int32_t block_size) { return CacheShape{num_layers, num_kv_heads, head_dim, block_size}; }),
+      .def(py::init(
+               [](std::int32_t num_layers, std::int32_t num_kv_heads, std::int32_t head_dim, std::int32_t block_size) {
+                 return CacheShape{num_layers, num_kv_heads, head_dim, block_size};
+               }),
            py::arg("num_layers"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("block_size") = 32)
       .def_readwrite("num_layers", &CacheShape::num_layers)
       .def_readwrite("num_kv_heads", &CacheShape::num_kv_heads)
       .def_readwrite("head_dim", &CacheShape::head_dim)
       .def_readwrite("block_size", &CacheShape::block_size)
-      .def("validate", [](const CacheShape& s) { validate(s); },
-           "Raises ValueError naming the field unless num_layers >= 1, num_kv_heads >= 1, head_dim a multiple of 16 "
-           "in [16, 512] and block_size a multiple of 16 in [16, 256].")
+      .def(
+          "validate", [](const CacheShape& s) { validate(s); },
+          "Raises ValueError naming the field unless num_layers >= 1, num_kv_heads >= 1, head_dim a multiple of 16 "
+          "in [16, 512] and block_size a multiple of 16 in [16, 256].")
       .def(py::self == py::self)
       .def("__repr__", [](const CacheShape& s) {
-        return "CacheShape(num_layers=" + std::to_string(s.num_layers) + ", num_kv_heads=" +
-               std::to_string(s.num_kv_heads) + ", head_dim=" + std::to_string(s.head_dim) +
+        return "CacheShape(num_layers=" + std::to_string(s.num_layers) +
+               ", num_kv_heads=" + std::to_string(s.num_kv_heads) + ", head_dim=" + std::to_string(s.head_dim) +
                ", block_size=" + std::to_string(s.block_size) + ")";
       });
 
-  py::class_<CacheConfig>(m, "CacheConfig", init_only(), "A cache: its shape, the bytes of its one arena, the slab size.")
+  py::class_<CacheConfig>(m, "CacheConfig", init_only(),
+                          "A cache: its shape, the bytes of its one arena, the slab size.")
       .def(py::init([](const CacheShape& shape, std::size_t arena_bytes, std::size_t slab_bytes,
                        const BlockCounts& swap_blocks, bool fp16_windows_first) {
              return CacheConfig{shape, arena_bytes, slab_bytes, swap_blocks, fp16_windows_first};
@@ -114,8 +118,9 @@ void bind_cache_shape(py::module_& m) {
            py::arg("token"), "Byte offset in a head of token's V scale (a half); V params are (scale, min) per token.")
       .def("v_min_offset", param_offset(&BlockFormat::v_min_offset, "v_min_offset", "token", &BlockFormat::block_size),
            py::arg("token"), "Byte offset in a head of token's V minimum (a half).")
-      .def_property_readonly("k_runs_are_bytes", &BlockFormat::k_runs_are_bytes,
-                             "Whether a channel's K codes are 8 one-byte runs, stored run-major (INT4 x 16, INT2 x 32).")
+      .def_property_readonly(
+          "k_runs_are_bytes", &BlockFormat::k_runs_are_bytes,
+          "Whether a channel's K codes are 8 one-byte runs, stored run-major (INT4 x 16, INT2 x 32).")
       .def(
           "k_code_byte",
           [](const BlockFormat& f, std::int32_t channel, std::int32_t i) {
@@ -130,8 +135,8 @@ void bind_cache_shape(py::module_& m) {
             }
             const auto bytes = static_cast<std::int64_t>(f.k_channel_bytes());
             if (i < 0 || i >= bytes) {
-              throw InvalidArgument(std::string(fn) + ": i = " + std::to_string(i) + ": expected in [0, k_channel_bytes = " +
-                                    std::to_string(bytes) + ")");
+              throw InvalidArgument(std::string(fn) + ": i = " + std::to_string(i) +
+                                    ": expected in [0, k_channel_bytes = " + std::to_string(bytes) + ")");
             }
             return f.k_code_byte(channel, i);
           },
@@ -140,8 +145,8 @@ void bind_cache_shape(py::module_& m) {
       .def_property_readonly("head_bytes", &BlockFormat::head_bytes)
       .def_property_readonly("block_bytes", &BlockFormat::block_bytes)
       .def("__repr__", [](const BlockFormat& f) {
-        return "BlockFormat(precision=" + std::string(to_string(f.precision)) + ", num_kv_heads=" +
-               std::to_string(f.num_kv_heads) + ", head_dim=" + std::to_string(f.head_dim) +
+        return "BlockFormat(precision=" + std::string(to_string(f.precision)) +
+               ", num_kv_heads=" + std::to_string(f.num_kv_heads) + ", head_dim=" + std::to_string(f.head_dim) +
                ", block_size=" + std::to_string(f.block_size) + ", block_bytes=" + std::to_string(f.block_bytes()) +
                ")";
       });
@@ -155,8 +160,8 @@ void bind_cache_shape(py::module_& m) {
       .def_readonly("used_blocks", &PoolStats::used_blocks, "Blocks owned by at least one page table.")
       .def_readonly("free_blocks", &PoolStats::free_blocks, "Free blocks inside this pool's slabs.")
       .def("__repr__", [](const PoolStats& s) {
-        return "PoolStats(block_bytes=" + std::to_string(s.block_bytes) + ", blocks_per_slab=" +
-               std::to_string(s.blocks_per_slab) + ", slabs=" + std::to_string(s.slabs) +
+        return "PoolStats(block_bytes=" + std::to_string(s.block_bytes) +
+               ", blocks_per_slab=" + std::to_string(s.blocks_per_slab) + ", slabs=" + std::to_string(s.slabs) +
                ", used_blocks=" + std::to_string(s.used_blocks) + ", free_blocks=" + std::to_string(s.free_blocks) +
                ")";
       });

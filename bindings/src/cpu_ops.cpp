@@ -81,8 +81,8 @@ void swap_blocks(const HostKVCache& cache, const std::vector<SwapCopy>& copies, 
 
 // One layer's tables ([FP16, INT4, INT2], a copy: another thread may assign
 // to md.table(...).indices while the GIL is released).
-py::tuple decode_layer(const HostKVCache& cache, const std::array<PagedPoolTable, kNumPrecisions>& tables,
-                       py::handle q, std::optional<float> sm_scale, py::object out, py::object lse) {
+py::tuple decode_layer(const HostKVCache& cache, const std::array<PagedPoolTable, kNumPrecisions>& tables, py::handle q,
+                       std::optional<float> sm_scale, py::object out, py::object lse) {
   const CacheShape& s = cache.config().shape;
   if (tables[0].indptr.empty()) {
     throw InvalidArgument("paged_decode_attention: tables[FP16].indptr is empty: expected batch + 1 entries");
@@ -155,7 +155,8 @@ py::tuple merge_states(py::array out_a, py::array lse_a, py::array out_b, py::ar
   const auto ob = input(out_b, "out_b", out_dims);
   const auto lb = input(lse_b, "lse_b", lse_dims);
   if (out.is_none()) out = py::array_t<float>(std::vector<py::ssize_t>(out_a.shape(), out_a.shape() + out_a.ndim()));
-  if (lse.is_none()) lse = py::array_t<float>(std::vector<py::ssize_t>(out_a.shape(), out_a.shape() + out_a.ndim() - 1));
+  if (lse.is_none())
+    lse = py::array_t<float>(std::vector<py::ssize_t>(out_a.shape(), out_a.shape() + out_a.ndim() - 1));
   py::array o = check_host_array(out, string(fn) + "out", "float32", out_dims, true);
   py::array l = check_host_array(lse, string(fn) + "lse", "float32", lse_dims, true);
   const std::span<float> os(static_cast<float*>(o.mutable_data()), static_cast<std::size_t>(o.size()));
@@ -174,8 +175,7 @@ py::tuple read_head(const BlockFormat& format, py::handle head_region) {
   const auto region = input_array<std::uint8_t>(head_region, "read_head: head_region", {{bytes, "head_bytes"}});
   py::array_t<float> k({format.block_size, format.head_dim});
   py::array_t<float> v({format.block_size, format.head_dim});
-  cpu::read_head(format, reinterpret_cast<const std::byte*>(region.values.data()), k.mutable_data(),
-                 v.mutable_data());
+  cpu::read_head(format, reinterpret_cast<const std::byte*>(region.values.data()), k.mutable_data(), v.mutable_data());
   return py::make_tuple(k, v);
 }
 
@@ -210,8 +210,8 @@ void bind_cpu_ops(py::module_& ops) {
           "1/sqrt(head_dim). Accumulates in float64 on the dequantized K/V: the reference the CUDA kernel is held "
           "to.");
   ops.def("paged_decode_attention", &paged_decode_attention_layer, py::arg("cache"), py::arg("metadata"),
-          py::arg("layer"), py::arg("q"), py::kw_only(), py::arg("sm_scale") = py::none(),
-          py::arg("out") = py::none(), py::arg("lse") = py::none(),
+          py::arg("layer"), py::arg("q"), py::kw_only(), py::arg("sm_scale") = py::none(), py::arg("out") = py::none(),
+          py::arg("lse") = py::none(),
           "The same over one layer's [FP16, INT4, INT2] tables, as Scheduler.layer_metadata(layer) returns them "
           "(SchedulerConfig.build_metadata off).");
   ops.def("merge_states", &merge_states, py::arg("out_a"), py::arg("lse_a"), py::arg("out_b"), py::arg("lse_b"),

@@ -9,7 +9,9 @@ namespace {
 
 using std::string;
 
-[[noreturn]] void fail(std::string_view where, const string& what) { throw InvalidArgument(string(where) + ": " + what); }
+[[noreturn]] void fail(std::string_view where, const string& what) {
+  throw InvalidArgument(string(where) + ": " + what);
+}
 
 void check_cuda(cudaError_t status, std::string_view what) {
   if (status != cudaSuccess) {
@@ -48,19 +50,20 @@ cudaStream_t stream_arg(py::handle stream) {
   if (stream.is_none()) {
     const py::dict modules = py::module_::import("sys").attr("modules");
     if (modules.contains("torch")) {
-      return reinterpret_cast<cudaStream_t>(int_attr(modules["torch"].attr("cuda").attr("current_stream")(), "cuda_stream"));
+      return reinterpret_cast<cudaStream_t>(
+          int_attr(modules["torch"].attr("cuda").attr("current_stream")(), "cuda_stream"));
     }
     if (modules.contains("cupy")) {
-      return reinterpret_cast<cudaStream_t>(
-          int_attr(modules["cupy"].attr("cuda").attr("get_current_stream")(), "ptr"));
+      return reinterpret_cast<cudaStream_t>(int_attr(modules["cupy"].attr("cuda").attr("get_current_stream")(), "ptr"));
     }
     return nullptr;
   }
   if (py::isinstance<py::int_>(stream)) return reinterpret_cast<cudaStream_t>(stream.cast<std::intptr_t>());
   if (py::hasattr(stream, "cuda_stream")) return reinterpret_cast<cudaStream_t>(int_attr(stream, "cuda_stream"));
   if (py::hasattr(stream, "ptr")) return reinterpret_cast<cudaStream_t>(int_attr(stream, "ptr"));
-  throw InvalidArgument("stream: expected None, an int (cudaStream_t), a torch.cuda.Stream or a cupy.cuda.Stream, got " +
-                        type_name(stream));
+  throw InvalidArgument(
+      "stream: expected None, an int (cudaStream_t), a torch.cuda.Stream or a cupy.cuda.Stream, got " +
+      type_name(stream));
 }
 
 py::dict interface_of(py::handle obj, std::string_view where, const char* dtype) {

@@ -21,7 +21,7 @@ namespace mixkv::python {
 
 // Where the arrays of one call must live and be ordered.
 struct CudaContext {
-  int device = 0;               // the CUDA device of the cache (or the current one)
+  int device = 0;  // the CUDA device of the cache (or the current one)
   cudaStream_t stream = nullptr;
 };
 
@@ -91,10 +91,9 @@ const T* cuda_input(py::handle obj, std::string_view where, std::initializer_lis
 template <class T>
 T* cuda_output(py::handle obj, std::string_view where, std::initializer_list<Dim> dims, const CudaContext& ctx) {
   const char* const types[] = {CudaElement<T>::typestr};
-  return static_cast<T*>(
-      check_cuda_array(obj, where, types, CudaElement<T>::name, {dims.begin(), dims.size()}, CudaElement<T>::alignment,
-                       true, ctx)
-          .data);
+  return static_cast<T*>(check_cuda_array(obj, where, types, CudaElement<T>::name, {dims.begin(), dims.size()},
+                                          CudaElement<T>::alignment, true, ctx)
+                             .data);
 }
 
 // An object exporting __cuda_array_interface__ for device memory owned by

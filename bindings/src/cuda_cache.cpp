@@ -16,8 +16,8 @@
 #include "cuda_arrays.h"
 #include "host_arrays.h"
 #include "mixkv/kernels/decode_plan.h"
-#include "mixkv/kernels/device_page_tables.h"
 #include "mixkv/kernels/detail/cuda_check.h"
+#include "mixkv/kernels/device_page_tables.h"
 #include "mixkv/kernels/store.h"
 
 namespace mixkv::python {
@@ -53,8 +53,7 @@ DeviceKVCache::DeviceKVCache(CacheConfig config)
 
 void bind_cuda_cache(py::module_& cuda) {
   bind_device_memory(cuda);
-  cuda.def("device_available", &gpu::cuda_device_available,
-           "True when the CUDA runtime sees at least one device.");
+  cuda.def("device_available", &gpu::cuda_device_available, "True when the CUDA runtime sees at least one device.");
 
   py::class_<DeviceKVCache, KVCacheManager>(
       cuda, "DeviceKVCache", init_only(),
@@ -172,8 +171,7 @@ void bind_cuda_cache(py::module_& cuda) {
       .def("clear", &gpu::DevicePageTables::clear, py::arg("slot"), "Empties every list of `slot`.")
       .def("pending_updates", &gpu::DevicePageTables::pending_updates, "Entries changed since the last upload.")
       .def(
-          "upload",
-          [](gpu::DevicePageTables& t, py::handle stream) { return t.upload(stream_arg(stream)); },
+          "upload", [](gpu::DevicePageTables& t, py::handle stream) { return t.upload(stream_arg(stream)); },
           py::arg("stream") = py::none(),
           "Sends the pending entries on the stream (asynchronous); returns how many were sent.")
       .def("num_blocks", &gpu::DevicePageTables::num_blocks, py::arg("slot"), py::arg("layer"), py::arg("pool"))
@@ -190,9 +188,9 @@ void bind_cuda_cache(py::module_& cuda) {
                        std::int32_t head_dim, std::int32_t block_size, std::int32_t max_batch,
                        std::int32_t max_items_per_layer, std::int32_t num_sms, std::int32_t chunks_per_sequence,
                        std::int32_t max_heads_per_item) {
-             return gpu::DecodePlanConfig{num_layers, num_q_heads,         num_kv_heads, head_dim,
-                                          block_size, max_batch,           max_items_per_layer,
-                                          num_sms,    chunks_per_sequence, max_heads_per_item};
+             return gpu::DecodePlanConfig{num_layers,          num_q_heads,       num_kv_heads,        head_dim,
+                                          block_size,          max_batch,         max_items_per_layer, num_sms,
+                                          chunks_per_sequence, max_heads_per_item};
            }),
            py::arg("num_layers"), py::arg("num_q_heads"), py::arg("num_kv_heads"), py::arg("head_dim"),
            py::arg("block_size"), py::arg("max_batch"), py::arg("max_items_per_layer") = 0, py::arg("num_sms") = 0,

@@ -1,6 +1,6 @@
 #pragma once
-#include "mixkv/cache/kv_cache_manager.h"
 #include <optional>
+#include "mixkv/cache/kv_cache_manager.h"
 
 #include "mixkv/kernels/device_arena.h"
 #include "mixkv/kernels/device_status.h"

@@ -48,8 +48,8 @@ void store_prefill(const DeviceKVCache& cache, py::handle k, py::handle v, const
   const CudaContext ctx = context(cache, stream);
   gpu::StorePrefillArgs args;
   mapping.fill(args);
-  const std::initializer_list<Dim> dims = {{args.rows, "mapping.rows"}, {s.num_kv_heads, "num_kv_heads"},
-                                           {s.head_dim, "head_dim"}};
+  const std::initializer_list<Dim> dims = {
+      {args.rows, "mapping.rows"}, {s.num_kv_heads, "num_kv_heads"}, {s.head_dim, "head_dim"}};
   args.k = cuda_input<Half>(k, "store_prefill: k", dims, ctx);
   args.v = cuda_input<Half>(v, "store_prefill: v", dims, ctx);
   args.pools = cache.pools();
@@ -65,8 +65,8 @@ void append(const DeviceKVCache& cache, py::handle k, py::handle v, py::handle s
   gpu::AppendArgs args;
   args.fp16_slots = cuda_input<std::int32_t>(slots, "append: slots", {{kAny, "batch"}}, ctx, &shape);
   args.batch = static_cast<std::int32_t>(shape[0]);
-  const std::initializer_list<Dim> dims = {{args.batch, "batch"}, {s.num_kv_heads, "num_kv_heads"},
-                                           {s.head_dim, "head_dim"}};
+  const std::initializer_list<Dim> dims = {
+      {args.batch, "batch"}, {s.num_kv_heads, "num_kv_heads"}, {s.head_dim, "head_dim"}};
   args.k = cuda_input<Half>(k, "append: k", dims, ctx);
   args.v = cuda_input<Half>(v, "append: v", dims, ctx);
   args.fp16_pool = cache.pools()[pool_index(Precision::FP16)];
@@ -141,11 +141,12 @@ py::tuple paged_decode_attention(const DeviceKVCache& cache, const gpu::DecodePl
   const std::int64_t batch = plan.batch_size();
   gpu::DecodeRunArgs args;
   args.layer = layer;
-  args.q = cuda_input<Half>(q, "paged_decode_attention: q",
-                            {{batch, "plan.batch_size"}, {c.num_q_heads, "num_q_heads"}, {c.head_dim, "head_dim"}}, ctx);
-  args.out = cuda_output<Half>(out, "paged_decode_attention: out",
-                               {{batch, "plan.batch_size"}, {c.num_q_heads, "num_q_heads"}, {c.head_dim, "head_dim"}},
-                               ctx);
+  args.q =
+      cuda_input<Half>(q, "paged_decode_attention: q",
+                       {{batch, "plan.batch_size"}, {c.num_q_heads, "num_q_heads"}, {c.head_dim, "head_dim"}}, ctx);
+  args.out =
+      cuda_output<Half>(out, "paged_decode_attention: out",
+                        {{batch, "plan.batch_size"}, {c.num_q_heads, "num_q_heads"}, {c.head_dim, "head_dim"}}, ctx);
   if (!lse.is_none()) {
     args.lse = cuda_output<float>(lse, "paged_decode_attention: lse",
                                   {{batch, "plan.batch_size"}, {c.num_q_heads, "num_q_heads"}}, ctx);
@@ -207,8 +208,9 @@ py::tuple merge_states(py::object out_a, py::object lse_a, py::object out_b, py:
   out_dims.push_back({shape.back(), "head_dim"});
   gpu::MergeStatesArgs args;
   if (out.is_none() || lse.is_none()) {
-    throw InvalidArgument("merge_states: out, lse: expected CUDA float32 arrays for CUDA inputs (out_a, lse_a merge in "
-                          "place)");
+    throw InvalidArgument(
+        "merge_states: out, lse: expected CUDA float32 arrays for CUDA inputs (out_a, lse_a merge in "
+        "place)");
   }
   auto input = [&](py::handle a, const char* name, const std::vector<Dim>& dims) {
     return static_cast<const float*>(
@@ -222,8 +224,10 @@ py::tuple merge_states(py::object out_a, py::object lse_a, py::object out_b, py:
   args.lse_a = input_lse(lse_a, "lse_a");
   args.out_b = input(out_b, "out_b", out_dims);
   args.lse_b = input_lse(lse_b, "lse_b");
-  args.out = static_cast<float*>(check_cuda_array(out, "merge_states: out", f32, "float32", out_dims, 16, true, ctx).data);
-  args.lse = static_cast<float*>(check_cuda_array(lse, "merge_states: lse", f32, "float32", lse_dims, 4, true, ctx).data);
+  args.out =
+      static_cast<float*>(check_cuda_array(out, "merge_states: out", f32, "float32", out_dims, 16, true, ctx).data);
+  args.lse =
+      static_cast<float*>(check_cuda_array(lse, "merge_states: lse", f32, "float32", lse_dims, 4, true, ctx).data);
   args.num_states = static_cast<std::int32_t>(states);
   args.head_dim = static_cast<std::int32_t>(shape.back());
   args.stream = ctx.stream;

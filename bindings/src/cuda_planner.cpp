@@ -14,8 +14,7 @@
 namespace mixkv::python {
 namespace {
 
-std::vector<EmbeddingsView> device_embeddings(const py::sequence& list, const std::string& where,
-                                              cudaStream_t stream) {
+std::vector<EmbeddingsView> device_embeddings(const py::sequence& list, const std::string& where, cudaStream_t stream) {
   static const char* const types[] = {"<f4", "<f2", "<V2"};
   const CudaContext ctx{current_device(), stream};
   std::vector<EmbeddingsView> views;
@@ -24,7 +23,8 @@ std::vector<EmbeddingsView> device_embeddings(const py::sequence& list, const st
     std::string typestr;
     const CudaArray a = check_cuda_array(list[i], at, types, "float32, float16 or bfloat16",
                                          std::vector<Dim>{{kAny, "tokens"}, {kAny, "hidden"}}, 2, false, ctx, &typestr);
-    const ElementType type = typestr == "<f4" ? ElementType::F32 : (typestr == "<f2" ? ElementType::F16 : ElementType::BF16);
+    const ElementType type =
+        typestr == "<f4" ? ElementType::F32 : (typestr == "<f2" ? ElementType::F16 : ElementType::BF16);
     views.push_back({a.data, type, a.shape[0], static_cast<std::int32_t>(a.shape[1])});
   }
   return views;

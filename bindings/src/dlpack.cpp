@@ -58,12 +58,12 @@ bool dl_dtype(const DLDataType& t, DType& out, string& name) {
     if (t.code == kDLFloat && t.bits == 32) return out = DType::F32, true;
     if (t.code == kDLInt && t.bits == 32) return out = DType::I32, true;
   }
-  const char* kind = t.code == kDLFloat    ? "float"
-                     : t.code == kDLInt    ? "int"
-                     : t.code == kDLUInt   ? "uint"
-                     : t.code == kDLBfloat ? "bfloat"
+  const char* kind = t.code == kDLFloat     ? "float"
+                     : t.code == kDLInt     ? "int"
+                     : t.code == kDLUInt    ? "uint"
+                     : t.code == kDLBfloat  ? "bfloat"
                      : t.code == kDLComplex ? "complex"
-                                           : nullptr;
+                                            : nullptr;
   name = kind != nullptr ? kind + std::to_string(t.bits) : "DLPack type code " + std::to_string(t.code);
   if (t.lanes != 1) name += "x" + std::to_string(t.lanes);
   return false;
@@ -108,8 +108,8 @@ void check_view(std::string_view fn, std::string_view arg, const ArrayExpect& e,
   }
   if (!c_contiguous(shape, strides)) {
     fail(fn, arg,
-         expected_text(e) + ", got a non-contiguous array with strides " +
-             shape_text({strides, shape.size()}) + " elements (.contiguous() or numpy.ascontiguousarray makes one)");
+         expected_text(e) + ", got a non-contiguous array with strides " + shape_text({strides, shape.size()}) +
+             " elements (.contiguous() or numpy.ascontiguousarray makes one)");
   }
   if (reinterpret_cast<std::uintptr_t>(v.data) % dtype_bytes(v.dtype) != 0) {
     fail(fn, arg, expected_text(e) + ", got data at an address that is not a multiple of its item size");
@@ -150,8 +150,8 @@ void wait_for_producer(std::string_view fn, std::string_view arg, const py::dict
   if (status == cudaSuccess) status = cudaStreamWaitEvent(stream_value(consumer), event, 0);
   if (event != nullptr) cudaEventDestroy(event);
   if (status != cudaSuccess) {
-    throw DeviceError(string(fn) + ": " + string(arg) + ": waiting for the producer stream: " +
-                      cudaGetErrorString(status));
+    throw DeviceError(string(fn) + ": " + string(arg) +
+                      ": waiting for the producer stream: " + cudaGetErrorString(status));
   }
 }
 #endif

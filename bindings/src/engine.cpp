@@ -85,7 +85,8 @@ py::dict step_dict(const StepOutput& s) {
 
 py::dict tensor_info(py::handle obj, const std::string& device, std::int32_t device_id, bool writable,
                      std::intptr_t stream) {
-  if (device != "cpu" && device != "cuda") throw InvalidArgument("tensor_info: device: expected 'cpu' or 'cuda', got '" + device + "'");
+  if (device != "cpu" && device != "cuda")
+    throw InvalidArgument("tensor_info: device: expected 'cpu' or 'cuda', got '" + device + "'");
   const ArrayExpect e{{DType::F16, DType::BF16, DType::F32, DType::I32},
                       device == "cpu" ? DeviceKind::CPU : DeviceKind::CUDA,
                       device_id,
@@ -171,8 +172,10 @@ PYBIND11_MODULE(_engine, m) {
                                ArrayExpect{{DType::F32, DType::F16, DType::BF16}, DeviceKind::CPU, 0, false, 0});
               const TensorView& v = e.view();
               if (v.ndim != 2 || v.shape[1] > INT32_MAX) {
-                throw InvalidArgument("Engine.add_request: embeddings: expected a 2-D array [num_tokens, hidden], got "
-                                      "shape " + shape_text({v.shape.data(), static_cast<std::size_t>(v.ndim)}));
+                throw InvalidArgument(
+                    "Engine.add_request: embeddings: expected a 2-D array [num_tokens, hidden], got "
+                    "shape " +
+                    shape_text({v.shape.data(), static_cast<std::size_t>(v.ndim)}));
               }
               const ElementType type = v.dtype == DType::F32   ? ElementType::F32
                                        : v.dtype == DType::F16 ? ElementType::F16
@@ -301,8 +304,8 @@ PYBIND11_MODULE(_engine, m) {
       [](py::handle obj, const std::string& device, std::int32_t device_id, bool writable, std::intptr_t stream) {
         return tensor_info(obj, device, device_id, writable, stream);
       },
-      py::arg("array"), py::kw_only(), py::arg("device") = "cpu", py::arg("device_id") = 0,
-      py::arg("writable") = false, py::arg("stream") = 0,
+      py::arg("array"), py::kw_only(), py::arg("device") = "cpu", py::arg("device_id") = 0, py::arg("writable") = false,
+      py::arg("stream") = 0,
       "How an array crosses into mixkv (protocol, dtype, device, shape, data pointer), with the checks every "
       "Engine argument gets: for tests and for diagnosing an array an Engine refuses.");
 #ifdef MIXKV_PYTHON_CUDA

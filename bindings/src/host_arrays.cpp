@@ -94,10 +94,12 @@ std::vector<std::int32_t> index_vector(py::handle obj, std::string_view where) {
     // floats, and not bools: True is an int to Python, but a slot of True is
     // a bug in the caller, never slot 1.
     if (PyBool_Check(item.ptr()) || (!PyLong_CheckExact(item.ptr()) && is_numpy_bool(item))) {
-      throw InvalidArgument(std::string(where) + "[" + std::to_string(i) + "]: expected an int, got " + type_name(item));
+      throw InvalidArgument(std::string(where) + "[" + std::to_string(i) + "]: expected an int, got " +
+                            type_name(item));
     }
     if (!PyIndex_Check(item.ptr())) {
-      throw InvalidArgument(std::string(where) + "[" + std::to_string(i) + "]: expected an int, got " + type_name(item));
+      throw InvalidArgument(std::string(where) + "[" + std::to_string(i) + "]: expected an int, got " +
+                            type_name(item));
     }
     const py::int_ index = py::reinterpret_steal<py::int_>(PyNumber_Index(item.ptr()));
     if (!index) throw py::error_already_set();

@@ -17,7 +17,8 @@ namespace {
 std::byte* host_bytes(std::size_t bytes, const char* name) {
   auto* p = static_cast<std::byte*>(std::calloc(bytes == 0 ? 1 : bytes, 1));
   if (p == nullptr) {
-    throw OutOfMemory(std::string(name) + " = " + std::to_string(bytes) + ": the host cannot allocate it, expected less");
+    throw OutOfMemory(std::string(name) + " = " + std::to_string(bytes) +
+                      ": the host cannot allocate it, expected less");
   }
   return p;
 }

@@ -12,8 +12,8 @@
 
 #include "bindings.h"
 #include "host_arrays.h"
-#include "mixkv/core/errors.h"
 #include "mixkv/cache/kv_cache_manager.h"
+#include "mixkv/core/errors.h"
 
 namespace mixkv::python {
 namespace {
@@ -45,14 +45,19 @@ PagedPoolTable& metadata_table(DecodeMetadata& md, std::int32_t layer, Precision
 }  // namespace
 
 void bind_kv_cache_manager(py::module_& m) {
-  py::class_<WindowSlot>(m, "WindowSlot", init_only(), "One quantized window to store: its block and the row of its first token.")
-      .def(py::init([](std::int32_t block_id, std::int32_t first_row) { return WindowSlot{block_id, first_row}; }),
+  py::class_<WindowSlot>(m, "WindowSlot", init_only(),
+                         "One quantized window to store: its block and the row of its first token.")
+      .def(py::init([](std::int32_t block_id, std::int32_t first_row) {
+             return WindowSlot{block_id, first_row};
+           }),
            py::arg("block_id"), py::arg("first_row"))
       .def_readwrite("block_id", &WindowSlot::block_id)
       .def_readwrite("first_row", &WindowSlot::first_row)
       .def(
           "__eq__",
-          [](const WindowSlot& a, const WindowSlot& b) { return a.block_id == b.block_id && a.first_row == b.first_row; },
+          [](const WindowSlot& a, const WindowSlot& b) {
+            return a.block_id == b.block_id && a.first_row == b.first_row;
+          },
           py::is_operator())
       .def("__repr__", &window_slot_repr);
 
@@ -71,14 +76,16 @@ void bind_kv_cache_manager(py::module_& m) {
       .def("append", &StoreMapping::append, py::arg("other"),
            "Appends `other`, whose rows follow this mapping's rows (several sequences in one store_prefill).")
       .def("__repr__", [](const StoreMapping& s) {
-        return "StoreMapping(rows=" + std::to_string(s.fp16_slots.size()) + ", int4_windows=" +
-               std::to_string(s.int4_windows.size()) + ", int2_windows=" + std::to_string(s.int2_windows.size()) +
-               ")";
+        return "StoreMapping(rows=" + std::to_string(s.fp16_slots.size()) +
+               ", int4_windows=" + std::to_string(s.int4_windows.size()) +
+               ", int2_windows=" + std::to_string(s.int2_windows.size()) + ")";
       });
 
   py::class_<BlockCopy>(m, "BlockCopy", init_only(), "A whole-block copy inside one pool (copy-on-write after fork).")
-      .def(py::init([](std::int32_t src, std::int32_t dst) { return BlockCopy{src, dst}; }), py::arg("src"),
-           py::arg("dst"))
+      .def(py::init([](std::int32_t src, std::int32_t dst) {
+             return BlockCopy{src, dst};
+           }),
+           py::arg("src"), py::arg("dst"))
       .def_readwrite("src", &BlockCopy::src)
       .def_readwrite("dst", &BlockCopy::dst)
       .def(
@@ -134,7 +141,8 @@ void bind_kv_cache_manager(py::module_& m) {
       .value("Compact", AppendSlots::Compact, "the compact form only: O(batch) outside block boundaries")
       .finalize();
 
-  py::class_<AppendResult>(m, "AppendResult", init_only(), "What append_tokens() allocated for one decode token per sequence.")
+  py::class_<AppendResult>(m, "AppendResult", init_only(),
+                           "What append_tokens() allocated for one decode token per sequence.")
       .def_property_readonly(
           "slots", [](const AppendResult& r) { return slots_array(r.slots); },
           "int32 array [num_layers, batch]: FP16 slot of sequence i's new token in each layer (empty with "
@@ -173,7 +181,8 @@ void bind_kv_cache_manager(py::module_& m) {
   py::class_<DecodeMetadata>(m, "DecodeMetadata", init_only(), "Page tables of a decode batch, per layer and pool.")
       .def_readonly("batch_size", &DecodeMetadata::batch_size)
       .def_property_readonly("num_layers", [](const DecodeMetadata& md) { return md.layers.size(); })
-      .def("table", &metadata_table, py::arg("layer"), py::arg("precision"), py::return_value_policy::reference_internal,
+      .def("table", &metadata_table, py::arg("layer"), py::arg("precision"),
+           py::return_value_policy::reference_internal,
            "The table of (layer, pool), by reference: assigning its fields changes this metadata.");
 
   py::class_<KVCacheManager>(m, "KVCacheManager", init_only(),
@@ -211,8 +220,8 @@ void bind_kv_cache_manager(py::module_& m) {
             return mgr.append_tokens(ids, form);
           },
           py::arg("ids"), py::arg("form") = AppendSlots::PerLayer,
-           "One decode token for each sequence (distinct ids), FP16 in every layer. All or nothing: "
-           "MemoryError leaves every sequence as it was.")
+          "One decode token for each sequence (distinct ids), FP16 in every layer. All or nothing: "
+          "MemoryError leaves every sequence as it was.")
       .def("fork", &KVCacheManager::fork, py::arg("parent"), py::arg("child"),
            "`child` shares every block of `parent`; the partly filled FP16 tail is copied on the first append.")
       .def("free_sequence", &KVCacheManager::free_sequence, py::arg("id"))
@@ -227,8 +236,7 @@ void bind_kv_cache_manager(py::module_& m) {
       .def(
           "decode_metadata",
           [](const KVCacheManager& mgr, const std::vector<SequenceId>& ids) { return mgr.decode_metadata(ids); },
-          py::arg("ids"),
-           "Page tables of a decode batch (sequences in the order given) for every layer and pool.")
+          py::arg("ids"), "Page tables of a decode batch (sequences in the order given) for every layer and pool.")
       .def("blocks_held", &KVCacheManager::blocks_held, py::arg("id"),
            "Blocks the sequence holds per pool [FP16, INT4, INT2] (host slots while swapped out).")
       .def("free_swap_slots", &KVCacheManager::free_swap_slots)
@@ -244,8 +252,7 @@ void bind_kv_cache_manager(py::module_& m) {
       .def("why_not_demotable", &KVCacheManager::why_not_demotable, py::arg("id"), py::arg("layer"), py::arg("window"),
            py::arg("target"), "None when (id, layer, window) could move down to `target` now, else the reason.")
       .def(
-          "demote",
-          [](KVCacheManager& mgr, const std::vector<Demotion>& demotions) { return mgr.demote(demotions); },
+          "demote", [](KVCacheManager& mgr, const std::vector<Demotion>& demotions) { return mgr.demote(demotions); },
           py::arg("demotions"),
           "Moves every listed window to a block of its target pool (page table and plan) and releases the "
           "source; returns the DemoteOp list that ops.demote performs. All or nothing.")

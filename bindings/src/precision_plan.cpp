@@ -19,8 +19,7 @@ void bind_precision_plan(py::module_& m) {
            "Every window at `fill`, scores 0. Raises ValueError for num_layers < 1 or num_windows < 0.")
       .def_property_readonly("num_layers", &PrecisionPlan::num_layers)
       .def_property_readonly("num_windows", &PrecisionPlan::num_windows)
-      .def("at", &PrecisionPlan::at, py::arg("layer"), py::arg("window"),
-           "Raises IndexError naming layer or window.")
+      .def("at", &PrecisionPlan::at, py::arg("layer"), py::arg("window"), "Raises IndexError naming layer or window.")
       .def("set", &PrecisionPlan::set, py::arg("layer"), py::arg("window"), py::arg("precision"))
       .def("score", &PrecisionPlan::score, py::arg("window"))
       .def("set_score", &PrecisionPlan::set_score, py::arg("window"), py::arg("score"))

@@ -24,15 +24,18 @@ struct PyRequest {
 
 EmbeddingsView request_embeddings(const py::object& obj) {
   const std::string where = "add_request: request.embeddings";
-  if (!py::isinstance<py::array>(obj)) throw InvalidArgument(where + ": expected a 2-D NumPy array, got " + type_name(obj));
+  if (!py::isinstance<py::array>(obj))
+    throw InvalidArgument(where + ": expected a 2-D NumPy array, got " + type_name(obj));
   const auto a = py::reinterpret_borrow<py::array>(obj);
   const std::string dtype = py::str(a.dtype().attr("name"));
-  const ElementType type = dtype == "float32"   ? ElementType::F32
-                           : dtype == "float16" ? ElementType::F16
-                           : dtype == "bfloat16"
-                               ? ElementType::BF16
-                               : throw InvalidArgument(where + ": expected dtype float32, float16 or bfloat16, got " + dtype);
-  const py::array checked = check_host_array(a, where, dtype.c_str(), std::vector<Dim>{{kAny, "tokens"}, {kAny, "hidden"}}, false);
+  const ElementType type =
+      dtype == "float32"   ? ElementType::F32
+      : dtype == "float16" ? ElementType::F16
+      : dtype == "bfloat16"
+          ? ElementType::BF16
+          : throw InvalidArgument(where + ": expected dtype float32, float16 or bfloat16, got " + dtype);
+  const py::array checked =
+      check_host_array(a, where, dtype.c_str(), std::vector<Dim>{{kAny, "tokens"}, {kAny, "hidden"}}, false);
   return {checked.data(), type, checked.shape(0), static_cast<std::int32_t>(checked.shape(1))};
 }
 
@@ -147,7 +150,8 @@ void bind_scheduler(py::module_& m) {
           "arrival_time", [](const PyRequest& r) { return r.request.arrival_time; },
           [](PyRequest& r, double v) { r.request.arrival_time = v; });
 
-  py::class_<PrefillChunk>(m, "PrefillChunk", init_only(), "Prompt rows [start, end) of a request computed in this step.")
+  py::class_<PrefillChunk>(m, "PrefillChunk", init_only(),
+                           "Prompt rows [start, end) of a request computed in this step.")
       .def_readonly("id", &PrefillChunk::id)
       .def_readonly("slot", &PrefillChunk::slot, "the request's page-table slot")
       .def_readonly("start", &PrefillChunk::start)
@@ -155,7 +159,8 @@ void bind_scheduler(py::module_& m) {
       .def_readonly("last", &PrefillChunk::last, "completes the prompt: the engine samples a token")
       .def_readonly("mappings", &PrefillChunk::mappings,
                     "[layer] StoreMapping of rows [start, end): chunk row r is mapping row r - start");
-  py::class_<FinishedRequest>(m, "FinishedRequest", init_only(), "A request that left: why, and how many tokens it generated.")
+  py::class_<FinishedRequest>(m, "FinishedRequest", init_only(),
+                              "A request that left: why, and how many tokens it generated.")
       .def_readonly("id", &FinishedRequest::id)
       .def_readonly("reason", &FinishedRequest::reason)
       .def_readonly("generated", &FinishedRequest::generated)

@@ -19,8 +19,10 @@ void bind_token_layout(py::module_& m) {
       .finalize();
 
   py::class_<Segment>(m, "Segment", init_only(), "A run of `length` tokens of one kind.")
-      .def(py::init([](TokenKind kind, std::int32_t length) { return Segment{kind, length}; }), py::arg("kind"),
-           py::arg("length"))
+      .def(py::init([](TokenKind kind, std::int32_t length) {
+             return Segment{kind, length};
+           }),
+           py::arg("kind"), py::arg("length"))
       .def_readwrite("kind", &Segment::kind)
       .def_readwrite("length", &Segment::length)
       .def(py::self == py::self)
@@ -34,9 +36,9 @@ void bind_token_layout(py::module_& m) {
                           "is cut into windows from its own start; a visual tail shorter than a window stays FP16.")
       .def(py::init<std::vector<Segment>>(), py::arg("segments"),
            "Raises ValueError for an empty list, a length < 1 or a total over 2**30 tokens.")
-      .def_property_readonly("segments", [](const TokenLayout& l) {
-        return std::vector<Segment>(l.segments().begin(), l.segments().end());
-      })
+      .def_property_readonly(
+          "segments",
+          [](const TokenLayout& l) { return std::vector<Segment>(l.segments().begin(), l.segments().end()); })
       .def_property_readonly("num_tokens", &TokenLayout::num_tokens)
       .def("num_windows", &TokenLayout::num_windows, py::arg("window_size"), "Full visual windows, in prompt order.")
       .def("window_starts", &TokenLayout::window_starts, py::arg("window_size"),

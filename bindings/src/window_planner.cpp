@@ -37,7 +37,8 @@ EmbeddingsView embeddings_view(py::handle obj, const std::string& where, std::ve
   } else {
     throw InvalidArgument(where + ": expected dtype float32, float16 or bfloat16, got " + dtype);
   }
-  const py::array checked = check_host_array(a, where, dtype.c_str(), std::vector<Dim>{{kAny, "tokens"}, {kAny, "hidden"}}, false);
+  const py::array checked =
+      check_host_array(a, where, dtype.c_str(), std::vector<Dim>{{kAny, "tokens"}, {kAny, "hidden"}}, false);
   keep.push_back(checked);
   return {checked.data(), type, checked.shape(0), static_cast<std::int32_t>(checked.shape(1))};
 }
@@ -76,16 +77,14 @@ void bind_window_planner(py::module_& m) {
   py::class_<PlannerConfig>(m, "PlannerConfig", init_only(), "Configuration of a WindowPlanner.")
       .def(py::init([](std::vector<double> sensitivities, std::int32_t window_size, double alpha,
                        std::vector<Precision> min_precision, BatchPolicy batch_policy) {
-             return PlannerConfig{window_size, alpha, std::move(sensitivities), std::move(min_precision),
-                                  batch_policy};
+             return PlannerConfig{window_size, alpha, std::move(sensitivities), std::move(min_precision), batch_policy};
            }),
            py::arg("sensitivities"), py::arg("window_size") = 32, py::arg("alpha") = 2.0,
            py::arg("min_precision") = std::vector<Precision>{}, py::arg("batch_policy") = BatchPolicy::PerRequest)
       .def_readwrite("window_size", &PlannerConfig::window_size, "= CacheShape.block_size of the cache it feeds")
       .def_readwrite("alpha", &PlannerConfig::alpha, "eqs. 10-11; > 0, larger gives a wider INT4 band")
       .def_readwrite("sensitivities", &PlannerConfig::sensitivities, "s_l per layer (eq. 9), each in [-1, 1]")
-      .def_readwrite("min_precision", &PlannerConfig::min_precision,
-                     "empty, or the lowest precision allowed per layer")
+      .def_readwrite("min_precision", &PlannerConfig::min_precision, "empty, or the lowest precision allowed per layer")
       .def_readwrite("batch_policy", &PlannerConfig::batch_policy);
 
   py::class_<WindowPlanner>(m, "WindowPlanner", init_only(),
@@ -187,7 +186,8 @@ void bind_window_planner(py::module_& m) {
       "In place, as the C++ call: every (layer, window position) takes the precision most plans chose (ties to "
       "the more precise). Raises ValueError, changing nothing, when the plans differ in layers.");
 
-  py::class_<PlanStats>(m, "PlanStats", init_only(), "What a plan costs in the cache: exactly what add_sequence allocates.")
+  py::class_<PlanStats>(m, "PlanStats", init_only(),
+                        "What a plan costs in the cache: exactly what add_sequence allocates.")
       .def_readonly("layer_blocks", &PlanStats::layer_blocks, "[layer][FP16, INT4, INT2] blocks")
       .def_readonly("blocks", &PlanStats::blocks, "[FP16, INT4, INT2] blocks over all layers (= demand)")
       .def_readonly("pool_bytes", &PlanStats::pool_bytes)

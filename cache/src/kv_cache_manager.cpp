@@ -43,7 +43,8 @@ void check_arena(const CacheConfig& c) {
     const std::size_t per_slab = c.slab_bytes / f.block_bytes();
     if (per_slab > kInt32Limit) {
       throw InvalidArgument("slab_bytes = " + std::to_string(c.slab_bytes) + " holds " + std::to_string(per_slab) +
-                            " " + std::string(to_string(p)) + " blocks, expected fewer than 2^31 (block ids are int32)");
+                            " " + std::string(to_string(p)) +
+                            " blocks, expected fewer than 2^31 (block ids are int32)");
     }
     // No overflow: slabs * per_slab * block_bytes <= arena_bytes.
     if (slabs * per_slab > kInt32Limit) {
@@ -283,7 +284,8 @@ void KVCacheManager::Impl::prepare_blocks(const BlockCounts& need, const std::st
     const BlockPool& bp = pool(p);
     const std::int64_t missing = need[at(p)] - bp.free_blocks();
     if (missing > 0) {
-      pools[at(p)]->reserve_slabs(static_cast<std::int32_t>((missing + bp.blocks_per_slab() - 1) / bp.blocks_per_slab()));
+      pools[at(p)]->reserve_slabs(
+          static_cast<std::int32_t>((missing + bp.blocks_per_slab() - 1) / bp.blocks_per_slab()));
     }
   }
 }
@@ -338,8 +340,8 @@ PoolLayout KVCacheManager::arena_layout() const {
 PoolStats KVCacheManager::pool_stats(Precision p) const {
   require_precision(p, "p");
   const BlockPool& bp = impl_->pool(p);
-  return PoolStats{bp.format().block_bytes(), bp.blocks_per_slab(), bp.num_slabs(), bp.used_blocks(), bp.free_blocks(),
-                   bp.empty_slabs()};
+  return PoolStats{bp.format().block_bytes(), bp.blocks_per_slab(), bp.num_slabs(),
+                   bp.used_blocks(),          bp.free_blocks(),     bp.empty_slabs()};
 }
 
 std::int32_t KVCacheManager::used_in_slab(Precision p, std::int32_t slab) const {

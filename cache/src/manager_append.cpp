@@ -184,8 +184,7 @@ void KVCacheManager::Impl::prepare_general(const std::vector<Sequence*>& all, co
 // prepare_general). Fresh ids are handed out in layer order, then batch
 // order, so that the ids a call gives are a fixed function of its input.
 void KVCacheManager::Impl::fill_general(const std::vector<Sequence*>& all, const std::vector<std::size_t>& general,
-                                        bool any_forked, const std::vector<std::int32_t>& fresh,
-                                        AppendResult& result) {
+                                        bool any_forked, const std::vector<std::int32_t>& fresh, AppendResult& result) {
   BlockPool& fp16 = pool(Precision::FP16);
   const std::int32_t bs = block_size();
   const auto layers = static_cast<std::size_t>(num_layers());

@@ -48,13 +48,12 @@ std::int32_t KVCacheManager::Impl::block_index(const Prompt& prompt, std::int32_
   return index;
 }
 
-std::optional<std::string> KVCacheManager::Impl::why_not(const Sequence& seq, std::int32_t layer,
-                                                         std::int32_t window, Precision target) const {
+std::optional<std::string> KVCacheManager::Impl::why_not(const Sequence& seq, std::int32_t layer, std::int32_t window,
+                                                         Precision target) const {
   const PrecisionPlan& plan = seq.prompt->plan;
   const Precision current = plan.at(layer, window);
   if (bits_of(target) >= bits_of(current)) {
-    return "target " + std::string(to_string(target)) + " is not below the window's " +
-           std::string(to_string(current));
+    return "target " + std::string(to_string(target)) + " is not below the window's " + std::string(to_string(current));
   }
   std::int64_t rank = 0;
   const std::int32_t index = block_index(*seq.prompt, layer, window, rank);
@@ -72,7 +71,7 @@ std::optional<std::string> KVCacheManager::Impl::why_not(const Sequence& seq, st
 }
 
 std::optional<std::string> KVCacheManager::why_not_demotable(SequenceId id, std::int32_t layer, std::int32_t window,
-                                                              Precision target) const {
+                                                             Precision target) const {
   const Impl& m = *impl_;
   const Sequence& seq = m.resident(id, "id");
   m.require_layer(layer);
@@ -109,8 +108,8 @@ std::vector<DemoteOp> KVCacheManager::demote(std::span<const Demotion> demotions
       throw InvalidArgument(name + ".window = 0: the first visual window always stays FP16, expected >= 1");
     }
     if (auto reason = m.why_not(seq, d.layer, d.window, d.target)) {
-      throw InvalidArgument(name + " (id " + std::to_string(d.id) + ", layer " + std::to_string(d.layer) +
-                            ", window " + std::to_string(d.window) + ") cannot be demoted: " + *reason);
+      throw InvalidArgument(name + " (id " + std::to_string(d.id) + ", layer " + std::to_string(d.layer) + ", window " +
+                            std::to_string(d.window) + ") cannot be demoted: " + *reason);
     }
     keys.emplace_back(d.id, d.layer, d.window, i);
     ++need[at(d.target)];

@@ -46,7 +46,7 @@ struct Prompt {
 struct Sequence {
   std::shared_ptr<Prompt> prompt;
   std::int32_t num_tokens = 0;
-  PageTable table;       // device block ids, or host swap slots while swapped
+  PageTable table;  // device block ids, or host swap slots while swapped
   bool swapped = false;
   // Set on both sides of a fork: only such sequences can share blocks, so
   // the others append without looking at ref counts.

@@ -26,8 +26,8 @@ void KVCacheManager::Impl::check_handles() const {
     listed[i] = 1;
   }
   if (m.free_handles.size() + m.sequences.size() != m.handles.size()) {
-    fail(std::to_string(m.free_handles.size()) + " free + " + std::to_string(m.sequences.size()) +
-         " sequences, but " + std::to_string(m.handles.size()) + " entries");
+    fail(std::to_string(m.free_handles.size()) + " free + " + std::to_string(m.sequences.size()) + " sequences, but " +
+         std::to_string(m.handles.size()) + " entries");
   }
 }
 
@@ -85,7 +85,8 @@ void KVCacheManager::check_invariants() const {
           if (seq.swapped) {
             // Host slots: each used by exactly one swapped sequence.
             const SwapPool& sp = m.swap[at(p)];
-            if (block < 0 || static_cast<std::size_t>(block) >= sp.used.size() || !sp.used[static_cast<std::size_t>(block)]) {
+            if (block < 0 || static_cast<std::size_t>(block) >= sp.used.size() ||
+                !sp.used[static_cast<std::size_t>(block)]) {
               fail(where + std::string(to_string(p)) + " host slot " + std::to_string(block) +
                    " is out of range or marked free");
             }

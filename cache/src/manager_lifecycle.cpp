@@ -114,7 +114,8 @@ BlockCounts KVCacheManager::blocks_held(SequenceId id) const {
   const Sequence& seq = m.find(id, "id");
   BlockCounts held{};
   for (std::int32_t layer = 0; layer < m.num_layers(); ++layer) {
-    for (const Precision p : kAllPrecisions) held[at(p)] += static_cast<std::int64_t>(seq.table.blocks(layer, p).size());
+    for (const Precision p : kAllPrecisions)
+      held[at(p)] += static_cast<std::int64_t>(seq.table.blocks(layer, p).size());
   }
   return held;
 }

@@ -35,8 +35,8 @@ PoolLayout KVCacheManager::swap_layout() const {
     // All slots of the pool form one "slab", so block(slot) = base + slot * block_bytes.
     const auto slots = static_cast<std::int32_t>(std::max<std::int64_t>(count, 1));
     layout.offsets[at(p)] = offset;
-    layout.pools[at(p)] =
-        PoolView{nullptr, static_cast<std::size_t>(slots) * f.block_bytes(), slots, f, static_cast<std::int32_t>(count)};
+    layout.pools[at(p)] = PoolView{nullptr, static_cast<std::size_t>(slots) * f.block_bytes(), slots, f,
+                                   static_cast<std::int32_t>(count)};
     offset += static_cast<std::size_t>(count) * f.block_bytes();
   }
   layout.bytes = offset;

@@ -23,8 +23,7 @@ void halves_to_floats_generic(const std::byte* halves, float* out, std::size_t c
 
 #if defined(MIXKV_HALF_X86)
 // vcvtph2ps is exact, like half_to_float (binary16 -> binary32 loses nothing).
-__attribute__((target("avx,f16c"))) void halves_to_floats_f16c(const std::byte* halves, float* out,
-                                                               std::size_t count) {
+__attribute__((target("avx,f16c"))) void halves_to_floats_f16c(const std::byte* halves, float* out, std::size_t count) {
   std::size_t i = 0;
   for (; i + 8 <= count; i += 8) {
     const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(halves + i * sizeof(Half)));

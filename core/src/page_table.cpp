@@ -99,8 +99,8 @@ void PageTable::push_block(std::int32_t layer, Precision p, std::int32_t block_i
                             ", expected 1 <= fill <= " + std::to_string(block_size_));
     }
     if (!l.blocks[pool].empty() && fill_at(at) != block_size_) {
-      throw InvalidArgument("layer " + std::to_string(layer) + ": the FP16 tail holds " +
-                            std::to_string(fill_at(at)) + " of " + std::to_string(block_size_) +
+      throw InvalidArgument("layer " + std::to_string(layer) + ": the FP16 tail holds " + std::to_string(fill_at(at)) +
+                            " of " + std::to_string(block_size_) +
                             " tokens, expected a full tail before a new FP16 block");
     }
     settle();
@@ -180,8 +180,8 @@ void PageTable::fill_all_fp16_tails() {
 void PageTable::open_fp16_tails(std::span<const std::int32_t> block_ids) {
   const std::size_t layers = tails_.size();
   if (block_ids.size() != layers) {
-    throw InvalidArgument("block_ids.size() = " + std::to_string(block_ids.size()) + ", expected num_layers = " +
-                          std::to_string(layers));
+    throw InvalidArgument("block_ids.size() = " + std::to_string(block_ids.size()) +
+                          ", expected num_layers = " + std::to_string(layers));
   }
   for (std::size_t l = 0; l < layers; ++l) {
     if (block_ids[l] < 0) {
@@ -190,7 +190,8 @@ void PageTable::open_fp16_tails(std::span<const std::int32_t> block_ids) {
     }
     if (tails_[l] >= 0 && fill_at(l) != block_size_) {
       throw InvalidArgument("layer " + std::to_string(l) + ": the FP16 tail holds " + std::to_string(fill_at(l)) +
-                            " of " + std::to_string(block_size_) + " tokens, expected a full tail before a new FP16 block");
+                            " of " + std::to_string(block_size_) +
+                            " tokens, expected a full tail before a new FP16 block");
     }
   }
   for (std::size_t l = 0; l < layers; ++l) {

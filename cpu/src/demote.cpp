@@ -59,7 +59,8 @@ void demote(std::span<const DemoteOp> ops, const PoolViews& pools) {
     const PoolView& src = pools[static_cast<std::size_t>(pool_index(op.src_precision))];
     const PoolView& dst = pools[static_cast<std::size_t>(pool_index(op.dst_precision))];
     for (int head = 0; head < ref.num_kv_heads; ++head) {
-      detail::read_head_unchecked(src.format, src.block(op.src_block) + src.format.head_offset(head), k.data(), v.data());
+      detail::read_head_unchecked(src.format, src.block(op.src_block) + src.format.head_offset(head), k.data(),
+                                  v.data());
       const std::string why = detail::unquantizable_floats(dst.format, k.data(), v.data());
       if (!why.empty()) {
         detail::invalid(fn, ": ops[", i, "]: ", to_string(op.src_precision), " block ", op.src_block, " head ", head,
@@ -73,7 +74,8 @@ void demote(std::span<const DemoteOp> ops, const PoolViews& pools) {
     for (int head = 0; head < ref.num_kv_heads; ++head) {
       detail::read_head_unchecked(src.format, src.block(op.src_block) + src.format.head_offset(head), k.data(),
                                   v.data());
-      detail::quantize_head_floats(dst.format, k.data(), v.data(), dst.block(op.dst_block) + dst.format.head_offset(head));
+      detail::quantize_head_floats(dst.format, k.data(), v.data(),
+                                   dst.block(op.dst_block) + dst.format.head_offset(head));
     }
   }
 }

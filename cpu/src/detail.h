@@ -32,10 +32,8 @@ struct Hex {
 inline void append_part(std::string& out, std::string_view text) { out.append(text); }
 inline void append_part(std::string& out, char c) { out.push_back(c); }
 template <typename Number>
-  requires std::is_arithmetic_v<Number>
-void append_part(std::string& out, Number n) {
-  out.append(std::to_string(n));
-}
+requires std::is_arithmetic_v<Number>
+void append_part(std::string& out, Number n) { out.append(std::to_string(n)); }
 inline void append_part(std::string& out, Hex h) {
   char digits[2 * sizeof(unsigned) + 1];
   std::snprintf(digits, sizeof digits, "%x", h.value);
@@ -143,8 +141,8 @@ inline void check_pool(std::string_view function, std::string_view name, const P
   }
   const std::size_t needed = static_cast<std::size_t>(pool.blocks_per_slab) * pool.format.block_bytes();
   if (pool.slab_bytes < needed) {
-    invalid(function, ": ", name, ".slab_bytes = ", pool.slab_bytes, ": expected >= blocks_per_slab * block_bytes = ",
-            needed);
+    invalid(function, ": ", name, ".slab_bytes = ", pool.slab_bytes,
+            ": expected >= blocks_per_slab * block_bytes = ", needed);
   }
 }
 

@@ -68,8 +68,8 @@ void merge_states(std::span<const float> out_a, std::span<const float> lse_a, st
 
   for (std::size_t i = 0; i < states; ++i) {
     const std::size_t at = i * head_dim;
-    detail::merge_state(static_cast<double>(lse_a[i]), &out_a[at], static_cast<double>(lse_b[i]), &out_b[at],
-                        head_dim, &out[at], lse[i]);
+    detail::merge_state(static_cast<double>(lse_a[i]), &out_a[at], static_cast<double>(lse_b[i]), &out_b[at], head_dim,
+                        &out[at], lse[i]);
   }
 }
 

@@ -150,7 +150,8 @@ void copy_blocks(std::span<const BlockCopy> copies, const PoolView& pool) {
     const BlockCopy& copy = copies[i];
     detail::check_block(fn, copy.src, pool, "pool", "copies[", i, "].src");
     detail::check_block(fn, copy.dst, pool, "pool", "copies[", i, "].dst");
-    if (copy.src == copy.dst) invalid(fn, ": copies[", i, "] copies block ", copy.src, " onto itself: expected src != dst");
+    if (copy.src == copy.dst)
+      invalid(fn, ": copies[", i, "] copies block ", copy.src, " onto itself: expected src != dst");
     sources.push_back(copy.src);
     destinations.push_back(copy.dst);
   }
@@ -160,10 +161,12 @@ void copy_blocks(std::span<const BlockCopy> copies, const PoolView& pool) {
   std::sort(sources.begin(), sources.end());
   for (std::size_t i = 0; i < copies.size(); ++i) {
     if (std::binary_search(sources.begin(), sources.end(), copies[i].dst)) {
-      invalid(fn, ": copies[", i, "].dst = ", copies[i].dst, " is also a src: expected destinations that no copy reads");
+      invalid(fn, ": copies[", i, "].dst = ", copies[i].dst,
+              " is also a src: expected destinations that no copy reads");
     }
   }
-  for (const BlockCopy& copy : copies) std::memcpy(pool.block(copy.dst), pool.block(copy.src), pool.format.block_bytes());
+  for (const BlockCopy& copy : copies)
+    std::memcpy(pool.block(copy.dst), pool.block(copy.src), pool.format.block_bytes());
 }
 
 }  // namespace mixkv::cpu

@@ -13,14 +13,17 @@ void swap_blocks(std::span<const SwapCopy> copies, SwapDirection direction, cons
   detail::check_pools(fn, device);
   detail::check_pools(fn, host);
   if (direction != SwapDirection::DeviceToHost && direction != SwapDirection::HostToDevice) {
-    detail::invalid(fn, ": direction = ", static_cast<int>(direction), ": expected DeviceToHost (0) or HostToDevice (1)");
+    detail::invalid(fn, ": direction = ", static_cast<int>(direction),
+                    ": expected DeviceToHost (0) or HostToDevice (1)");
   }
   for (std::size_t i = 0; i < copies.size(); ++i) {
     const int p = pool_index(copies[i].pool);
-    if (p < 0 || p >= kNumPrecisions) detail::invalid(fn, ": copies[", i, "].pool = ", p, ": expected FP16, INT4 or INT2");
+    if (p < 0 || p >= kNumPrecisions)
+      detail::invalid(fn, ": copies[", i, "].pool = ", p, ": expected FP16, INT4 or INT2");
     const std::string pool(to_string(copies[i].pool));
     if (!device[p].contains(copies[i].device_block)) {
-      detail::check_block(fn, copies[i].device_block, device[p], "device[" + pool + "]", "copies[", i, "].device_block");
+      detail::check_block(fn, copies[i].device_block, device[p], "device[" + pool + "]", "copies[", i,
+                          "].device_block");
     }
     // A cache without a swap pool has host num_blocks 0: every copy is refused.
     if (!host[p].contains(copies[i].host_slot)) {

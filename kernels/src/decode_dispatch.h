@@ -24,8 +24,7 @@ void check_decode_supported(int head_dim, int block_size);
 // Whether the shape's two-tile instance is built.
 bool decode_supports_two_tiles(int head_dim, int block_size);
 // grid == 0: configures the instance and returns its CTAs per SM.
-int launch_decode(const DecodeParams& params, int head_dim, int block_size, int n_tiles, int grid,
-                  cudaStream_t stream);
+int launch_decode(const DecodeParams& params, int head_dim, int block_size, int n_tiles, int grid, cudaStream_t stream);
 
 // One instance's launcher (decode_launch.cuh), explicitly instantiated only
 // in its generated file, so that the dispatch compiles no kernel.

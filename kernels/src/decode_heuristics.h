@@ -82,8 +82,8 @@ inline int decode_pair_chunks(std::int64_t pair_work, std::int64_t total_work, i
                               std::int32_t head_tiles, std::int32_t blocks) {
   int chunks = 1;
   if (total_work > 0) {
-    chunks = static_cast<int>(std::llround(static_cast<double>(pair_work) * kv_heads / total_work * target_items /
-                                           (kv_heads * head_tiles)));
+    chunks = static_cast<int>(
+        std::llround(static_cast<double>(pair_work) * kv_heads / total_work * target_items / (kv_heads * head_tiles)));
   }
   chunks = std::min(chunks, std::max(1, blocks / kMinBlocksPerChunk));
   return std::clamp(chunks, 1, std::min(kMaxMergePieces, std::max(1, blocks)));

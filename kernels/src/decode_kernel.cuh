@@ -420,11 +420,15 @@ struct SmemRun {
 #pragma unroll
       for (int i = 0; i < Bytes / 16; ++i) {
         const uint4 x = reinterpret_cast<const uint4*>(p)[i];
-        w[4 * i] = x.x; w[4 * i + 1] = x.y; w[4 * i + 2] = x.z; w[4 * i + 3] = x.w;
+        w[4 * i] = x.x;
+        w[4 * i + 1] = x.y;
+        w[4 * i + 2] = x.z;
+        w[4 * i + 3] = x.w;
       }
     } else if constexpr (Bytes == 8) {
       const uint2 x = *reinterpret_cast<const uint2*>(p);
-      w[0] = x.x; w[1] = x.y;
+      w[0] = x.x;
+      w[1] = x.y;
     } else if constexpr (Bytes == 4) {
       w[0] = *reinterpret_cast<const uint32_t*>(p);
     } else {
@@ -504,10 +508,11 @@ __device__ __forceinline__ void load_k_pairs(const char* k_codes, uint32_t (&x)[
     // 16 ks + 2r), so its bytes 0 and 2 are x[ks][0]'s halves and bytes 1
     // and 3 x[ks][1]'s; the byte above each run is masked off by the code
     // extraction (a one-byte run's fields sit in bits 0..7 of its half).
-    static_assert(F.k_code_byte(2, 1) - F.k_code_byte(0, 0) == 4 * 5 &&
-                      F.k_code_byte(8, 0) == F.k_code_byte(0, 0) + 1 && F.k_code_byte(1, 0) == F.k_code_byte(0, 0) + 2 &&
-                      F.k_code_byte(9, 0) == F.k_code_byte(0, 0) + 3 && F.k_code_byte(16, 0) == F.k_code_byte(0, 0) + 128,
-                  "thread (g, r) of k-step ks reads the word at 128 ks + 4 (4 g + r)");
+    static_assert(
+        F.k_code_byte(2, 1) - F.k_code_byte(0, 0) == 4 * 5 && F.k_code_byte(8, 0) == F.k_code_byte(0, 0) + 1 &&
+            F.k_code_byte(1, 0) == F.k_code_byte(0, 0) + 2 && F.k_code_byte(9, 0) == F.k_code_byte(0, 0) + 3 &&
+            F.k_code_byte(16, 0) == F.k_code_byte(0, 0) + 128,
+        "thread (g, r) of k-step ks reads the word at 128 ks + 4 (4 g + r)");
 #pragma unroll
     for (int ks = 0; ks < D / 16; ++ks) {
       const uint32_t w = *reinterpret_cast<const uint32_t*>(k_codes + 128 * ks + 4 * lane);
@@ -656,8 +661,8 @@ __device__ __forceinline__ void quant_block_accumulate(const char* slot, float (
   v_params.load(slot + F.v_scale_offset(kRunTokens * g));
   auto vmin = [&](int i) { return __half2float(__ushort_as_half(static_cast<unsigned short>(v_params.w[i] >> 16))); };
   auto times_vscale = [&](uint32_t p2, int i) {
-    const __half2 r = __hmul2(*reinterpret_cast<const __half2*>(&p2),
-                              __low2half2(*reinterpret_cast<const __half2*>(&v_params.w[i])));
+    const __half2 r =
+        __hmul2(*reinterpret_cast<const __half2*>(&p2), __low2half2(*reinterpret_cast<const __half2*>(&v_params.w[i])));
     return *reinterpret_cast<const uint32_t*>(&r);
   };
   uint32_t pb[NT][MT][2];  // P'^T as B fragments
@@ -782,8 +787,9 @@ __device__ __forceinline__ void run_segment(const DecodeParams& p, const std::in
   };
   auto issue = [&](int k, int stage) {
     if ((k & 31) == 0) look_up_window(k);  // units are issued in order: a new window
-    copy(k, stage, reinterpret_cast<const char*>(
-                       __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(lane_head), k & 31)));
+    copy(k, stage,
+         reinterpret_cast<const char*>(
+             __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(lane_head), k & 31)));
   };
 
   if constexpr (P != Precision::FP16) scale_acc_to_codes<bits_of(P)>(st, true);
@@ -922,7 +928,8 @@ __global__ void __launch_bounds__(kDecodeThreads, DecodeTile<D, S, NT>::kMinCtas
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
-    for (int cm = 0; cm < D / 16; ++cm) st.acc[nt][cm][0] = st.acc[nt][cm][1] = st.acc[nt][cm][2] = st.acc[nt][cm][3] = 0.0f;
+    for (int cm = 0; cm < D / 16; ++cm)
+      st.acc[nt][cm][0] = st.acc[nt][cm][1] = st.acc[nt][cm][2] = st.acc[nt][cm][3] = 0.0f;
     st.m[nt][0] = st.m[nt][1] = -INFINITY;
     st.l[nt][0] = st.l[nt][1] = st.vb[nt][0] = st.vb[nt][1] = 0.0f;
   }
@@ -938,7 +945,7 @@ __global__ void __launch_bounds__(kDecodeThreads, DecodeTile<D, S, NT>::kMinCtas
     const int lo = max(item.begin - first, 0), hi = min(item.end - first, n[0]);
     if (lo < hi) {
       run_segment<D, S, NT, Precision::FP16>(p, table, lo, hi, n[0], fill, item.kv_head, lead_id, ring, qf, st, warp,
-                                         lane);
+                                             lane);
       lead_id = -1;
     }
     first += n[0];
@@ -946,8 +953,8 @@ __global__ void __launch_bounds__(kDecodeThreads, DecodeTile<D, S, NT>::kMinCtas
   {
     const int lo = max(item.begin - first, 0), hi = min(item.end - first, n[1]);
     if (lo < hi) {
-      run_segment<D, S, NT, Precision::INT4>(p, table + pool_stride, lo, hi, n[1], S, item.kv_head, lead_id, ring, qf, st,
-                                         warp, lane);
+      run_segment<D, S, NT, Precision::INT4>(p, table + pool_stride, lo, hi, n[1], S, item.kv_head, lead_id, ring, qf,
+                                             st, warp, lane);
       lead_id = -1;
     }
     first += n[1];
@@ -958,10 +965,10 @@ __global__ void __launch_bounds__(kDecodeThreads, DecodeTile<D, S, NT>::kMinCtas
       constexpr Precision P = Precision::INT2;
       if (range.y >= p.resident_ctas) {
         run_segment<D, S, NT, P, Tile::template stages<P, true>()>(p, table + 2 * pool_stride, lo, hi, n[2], S,
-                                                                 item.kv_head, lead_id, ring, qf, st, warp, lane);
+                                                                   item.kv_head, lead_id, ring, qf, st, warp, lane);
       } else {
         run_segment<D, S, NT, P>(p, table + 2 * pool_stride, lo, hi, n[2], S, item.kv_head, lead_id, ring, qf, st, warp,
-                             lane);
+                                 lane);
       }
     }
   }
@@ -983,8 +990,8 @@ __global__ void __launch_bounds__(kDecodeThreads, DecodeTile<D, S, NT>::kMinCtas
   // conflicts instead of 8-way) while 16-byte reads stay contiguous.
   constexpr int kHeads = Tile::kHeads;
   float* so = reinterpret_cast<float*>(smem);
-  float* sm = so + kDecodeWarps * kHeads * D;      // [warp][head]
-  float* sl = sm + kDecodeWarps * kHeads;          // [warp][head]
+  float* sm = so + kDecodeWarps * kHeads * D;  // [warp][head]
+  float* sl = sm + kDecodeWarps * kHeads;      // [warp][head]
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
     const int h0 = kHeadsPerTile * nt + 2 * r;
@@ -1040,7 +1047,7 @@ __global__ void __launch_bounds__(kDecodeThreads, DecodeTile<D, S, NT>::kMinCtas
     const float4 value = make_float4(o.x * inv, o.y * inv, o.z * inv, o.w * inv);
     const bool split = item.partial >= 0;
     const std::size_t row = split ? static_cast<std::size_t>(item.partial) * group + head
-                                   : static_cast<std::size_t>(item.seq) * p.num_q_heads + item.q_head + head;
+                                  : static_cast<std::size_t>(item.seq) * p.num_q_heads + item.q_head + head;
     if (split) {
       reinterpret_cast<float4*>(p.partial_out + row * D)[c4] = value;
     } else {

@@ -3,8 +3,8 @@
 // decode_instance_d*_s*.cu files that kernels/CMakeLists.txt generates (each
 // instantiates launch_decode_kernel, declared in decode_dispatch.h, for one
 // head_dim and block_size).
-#include "mixkv/kernels/detail/cuda_check.h"
 #include "decode_kernel.cuh"
+#include "mixkv/kernels/detail/cuda_check.h"
 
 namespace mixkv::gpu::detail {
 

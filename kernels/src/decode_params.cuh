@@ -24,12 +24,12 @@ struct DecodeWorkItem {
   // more query heads than the kernel instance computes (8, or 16 with two
   // n-tiles) is planned as equal tiles of at most that many, an item a tile.
   std::int32_t q_head = 0;
-  std::int32_t begin = 0;    // virtual block range [begin, end)
+  std::int32_t begin = 0;  // virtual block range [begin, end)
   std::int32_t end = 0;
-  std::int32_t partial = -1; // row of the partial-state workspace, or -1: the item covers the whole sequence
-  std::int32_t slot = 0;     // page-table slot of the sequence
+  std::int32_t partial = -1;           // row of the partial-state workspace, or -1: the item covers the whole sequence
+  std::int32_t slot = 0;               // page-table slot of the sequence
   std::int32_t counts[3] = {0, 0, 0};  // FP16, INT4, INT2 list lengths
-  std::int32_t fill = 0;     // valid tokens in the last FP16 block
+  std::int32_t fill = 0;               // valid tokens in the last FP16 block
   // Page ids of the blocks the CTA's warps start with (warp w's first unit)
   // in the item's first segment, -1 where a warp has none: their copies
   // need no page-table load, a DRAM round trip off the front of every CTA.
@@ -50,7 +50,7 @@ struct DecodeParams {
 
   // This layer's device page tables (DeviceTablesView offset to the layer);
   // list lengths come with the work items.
-  const std::int32_t* blocks = nullptr;     // [pool][slot][max_blocks]
+  const std::int32_t* blocks = nullptr;  // [pool][slot][max_blocks]
   std::int32_t max_sequences = 0;
   std::int32_t max_blocks = 0;
 

@@ -11,12 +11,12 @@
 #include <utility>
 #include <vector>
 
-#include "mixkv/kernels/detail/cuda_check.h"
 #include "decode_dispatch.h"
 #include "decode_heuristics.h"
 #include "decode_params.cuh"
-#include "mixkv/kernels/detail/device_buffer.h"
 #include "mixkv/core/block_format.h"
+#include "mixkv/kernels/detail/cuda_check.h"
+#include "mixkv/kernels/detail/device_buffer.h"
 
 namespace mixkv::gpu {
 namespace {
@@ -57,13 +57,13 @@ struct DecodePlan::Impl {
   std::vector<LayerPlan> layers, next_layers;
 
   // plan_layer's scratch, kept for its capacity.
-  std::vector<std::int64_t> cost;                       // [sequence]
-  std::vector<std::array<std::int32_t, 3>> counts;      // [sequence]
-  std::vector<std::int32_t> fills;                      // [sequence]
-  std::vector<DecodeWorkItem> emitted;                  // pair by pair
+  std::vector<std::int64_t> cost;                                  // [sequence]
+  std::vector<std::array<std::int32_t, 3>> counts;                 // [sequence]
+  std::vector<std::int32_t> fills;                                 // [sequence]
+  std::vector<DecodeWorkItem> emitted;                             // pair by pair
   std::vector<std::pair<std::int64_t, std::int32_t>> launch_keys;  // (start in share, emitted index)
-  std::vector<std::int32_t> cuts;                       // of the current pair
-  std::vector<std::int64_t> starts;                     // of its pieces
+  std::vector<std::int32_t> cuts;                                  // of the current pair
+  std::vector<std::int64_t> starts;                                // of its pieces
 
   // The plan on the device, one blob uploaded by one copy: each layer's
   // item range {offset, count} (an int2 the kernel reads in one load), then
@@ -73,7 +73,7 @@ struct DecodePlan::Impl {
   detail::DeviceBuffer<float> d_partial_out;
   detail::DeviceBuffer<float> d_partial_lse;
   detail::DeviceBuffer<std::int32_t> d_counters;  // group then pair arrival counters, zeroed once
-  detail::PinnedBuffer<std::byte> h_plan;  // its staging copy
+  detail::PinnedBuffer<std::byte> h_plan;         // its staging copy
   detail::Event staging_free;
   std::vector<int2> ranges;  // [layer], for launches that pass the range by value
 
@@ -130,9 +130,12 @@ DecodePlan::DecodePlan(const DecodePlanConfig& config, const DevicePageTables& t
                     : pairs + 3 * detail::kMaxCtasPerSm * s.config.num_sms +
                           (config.chunks_per_sequence > 0 ? pairs * config.chunks_per_sequence : 0);
   s.max_partials = s.max_items;
-  s.fp16_block_bytes = static_cast<std::int64_t>(BlockFormat{Precision::FP16, 1, config.head_dim, config.block_size}.head_bytes());
-  s.int4_block_bytes = static_cast<std::int64_t>(BlockFormat{Precision::INT4, 1, config.head_dim, config.block_size}.head_bytes());
-  s.int2_block_bytes = static_cast<std::int64_t>(BlockFormat{Precision::INT2, 1, config.head_dim, config.block_size}.head_bytes());
+  s.fp16_block_bytes =
+      static_cast<std::int64_t>(BlockFormat{Precision::FP16, 1, config.head_dim, config.block_size}.head_bytes());
+  s.int4_block_bytes =
+      static_cast<std::int64_t>(BlockFormat{Precision::INT4, 1, config.head_dim, config.block_size}.head_bytes());
+  s.int2_block_bytes =
+      static_cast<std::int64_t>(BlockFormat{Precision::INT2, 1, config.head_dim, config.block_size}.head_bytes());
 
   s.items_offset = (sizeof(int2) * config.num_layers + 15) / 16 * 16;
   const std::size_t plan_bytes =
@@ -144,7 +147,8 @@ DecodePlan::DecodePlan(const DecodePlanConfig& config, const DevicePageTables& t
   s.d_partial_out.allocate(static_cast<std::size_t>(s.max_partials) * s.group * config.head_dim);
   s.d_partial_lse.allocate(static_cast<std::size_t>(s.max_partials) * s.group);
   s.d_counters.allocate(2 * static_cast<std::size_t>(s.max_partials));
-  MIXKV_CUDA_CHECK(cudaMemset(s.d_counters.get(), 0, 2 * static_cast<std::size_t>(s.max_partials) * sizeof(std::int32_t)));
+  MIXKV_CUDA_CHECK(
+      cudaMemset(s.d_counters.get(), 0, 2 * static_cast<std::size_t>(s.max_partials) * sizeof(std::int32_t)));
   // Set the kernel's shared-memory limit now (run() may be under graph
   // capture) and learn how many of its CTAs share an SM.
   s.ctas_per_sm = std::max(
@@ -175,7 +179,8 @@ void DecodePlan::Impl::plan_layer(int layer, int target_items, std::int32_t shar
     fills[b] = tables->fp16_fill(next_slots[b], layer);
     const std::int64_t fp16_rows =
         counts[b][0] == 0 ? 0 : static_cast<std::int64_t>(counts[b][0] - 1) * S + (fills[b] + 15) / 16 * 16;
-    const std::int64_t data = fp16_rows * c.head_dim * 4 + counts[b][1] * int4_block_bytes + counts[b][2] * int2_block_bytes;
+    const std::int64_t data =
+        fp16_rows * c.head_dim * 4 + counts[b][1] * int4_block_bytes + counts[b][2] * int2_block_bytes;
     cost[b] = counts[b][0] * work[0] + counts[b][1] * work[1] + counts[b][2] * work[2];
     total_cost += cost[b] * kvh;
     int2_cost += counts[b][2] * work[2] * kvh;
@@ -399,8 +404,8 @@ void DecodePlan::run(const DecodeRunArgs& args) const {
   const DecodePlanConfig& c = s.config;
   require(!s.slots.empty(), "DecodePlan::run: no plan: call plan() first");
   require(args.layer >= 0 && args.layer < c.num_layers, [&] {
-    return "DecodePlan::run: layer = " + std::to_string(args.layer) + ": expected [0, " +
-           std::to_string(c.num_layers) + ")";
+    return "DecodePlan::run: layer = " + std::to_string(args.layer) + ": expected [0, " + std::to_string(c.num_layers) +
+           ")";
   });
   require(args.q != nullptr, "DecodePlan::run: q is null: expected device [batch][num_q_heads][head_dim] halves");
   require(args.out != nullptr, "DecodePlan::run: out is null: expected device [batch][num_q_heads][head_dim] halves");
@@ -425,8 +430,9 @@ void DecodePlan::run(const DecodeRunArgs& args) const {
     const std::int32_t bound = s.tables->config().pool_blocks[pool_index(p)];
     require(bound <= pool.num_blocks, [&] {
       if (bound == PageTableConfig::kNoBound) {
-        return name() + ": the page tables have no block-id bound: expected DevicePageTables built with the "
-                        "arena's PoolLayout (or set_pool_blocks) so that decode never reads outside the arena";
+        return name() +
+               ": the page tables have no block-id bound: expected DevicePageTables built with the "
+               "arena's PoolLayout (or set_pool_blocks) so that decode never reads outside the arena";
       }
       return name() + ".num_blocks = " + std::to_string(pool.num_blocks) + ": expected >= the page tables' bound " +
              std::to_string(bound) + " (pool_blocks)";

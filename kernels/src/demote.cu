@@ -114,8 +114,8 @@ void demote(const DemoteArgs& a) {
            ": expected < 2^31 (one CTA per head of a move)";
   });
   const DeviceStatusView status = (a.status != nullptr ? *a.status : DeviceStatus::for_current_device()).view();
-  demote_kernel<<<static_cast<unsigned>(a.count) * s.num_kv_heads, kThreads, smem, a.stream>>>(
-      a.moves, a.src_pool, a.dst_pool, status);
+  demote_kernel<<<static_cast<unsigned>(a.count) * s.num_kv_heads, kThreads, smem, a.stream>>>(a.moves, a.src_pool,
+                                                                                               a.dst_pool, status);
   MIXKV_CUDA_CHECK_LAUNCH("demote_kernel");
 }
 

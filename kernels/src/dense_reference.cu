@@ -68,7 +68,8 @@ __global__ void softmax_rows_kernel(T* scores, int tokens, float scale) {
   for (int t = threadIdx.x; t < tokens; t += blockDim.x) sum += __expf(to_float(row[t]) * scale - mx);
   sum = block_reduce(sum, false, scratch);
   const float inv = 1.0f / sum;
-  for (int t = threadIdx.x; t < tokens; t += blockDim.x) row[t] = from_float<T>(__expf(to_float(row[t]) * scale - mx) * inv);
+  for (int t = threadIdx.x; t < tokens; t += blockDim.x)
+    row[t] = from_float<T>(__expf(to_float(row[t]) * scale - mx) * inv);
 }
 
 void check_shape(const DenseAttentionShape& s) {

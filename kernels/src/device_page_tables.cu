@@ -27,9 +27,9 @@ __global__ void scatter_kernel(const Update* updates, std::int32_t count, std::i
 
 struct DevicePageTables::Impl {
   PageTableConfig config;
-  std::size_t table_entries = 0;  // [layer][pool][slot][max_blocks]
-  std::size_t count_entries = 0;  // [layer][pool][slot]
-  std::size_t fill_entries = 0;   // [layer][slot]
+  std::size_t table_entries = 0;     // [layer][pool][slot][max_blocks]
+  std::size_t count_entries = 0;     // [layer][pool][slot]
+  std::size_t fill_entries = 0;      // [layer][slot]
   std::vector<std::int32_t> mirror;  // host copy of the whole device array
   detail::DeviceBuffer<std::int32_t> device;
   // offset -> index in `pending`: an entry edited twice is sent once.
@@ -69,8 +69,8 @@ struct DevicePageTables::Impl {
     const std::int32_t bound = config.pool_blocks[pool];
     for (std::size_t j = 0; j < blocks.size(); ++j) {
       if (blocks[j] < 0 || blocks[j] >= bound) {
-        throw IndexOutOfRange(std::string(fn) + ": " + what() + "[" + std::to_string(j) + "] = " +
-                              std::to_string(blocks[j]) + ": expected a block id in [0, " +
+        throw IndexOutOfRange(std::string(fn) + ": " + what() + "[" + std::to_string(j) +
+                              "] = " + std::to_string(blocks[j]) + ": expected a block id in [0, " +
                               (bound == PageTableConfig::kNoBound ? std::string("2^31 - 1") : std::to_string(bound)) +
                               ") of the " + std::string(to_string(kAllPrecisions[pool])) + " pool (pool_blocks)");
       }
@@ -176,7 +176,8 @@ void DevicePageTables::set_blocks(std::int32_t slot, std::int32_t layer, Precisi
     return std::string(fn) + ": blocks has " + std::to_string(blocks.size()) +
            " entries: expected <= max_blocks_per_sequence = " + std::to_string(s.config.max_blocks_per_sequence);
   });
-  s.check_ids(fn, [] { return std::string("blocks"); }, p, blocks);
+  s.check_ids(
+      fn, [] { return std::string("blocks"); }, p, blocks);
   if (pool == Precision::FP16) {
     const bool ok = blocks.empty() ? last_block_len == 0 : last_block_len >= 1;
     detail::require(ok, [&] {
@@ -205,8 +206,8 @@ void DevicePageTables::sync(std::int32_t slot, const PageTable& table) {
     for (Precision p : kAllPrecisions) {
       const auto list = table.blocks(layer, p);
       detail::require(list.size() <= static_cast<std::size_t>(s.config.max_blocks_per_sequence), [&] {
-        return std::string(fn) + ": table layer " + std::to_string(layer) + " holds " +
-               std::to_string(list.size()) + " " + std::string(to_string(p)) +
+        return std::string(fn) + ": table layer " + std::to_string(layer) + " holds " + std::to_string(list.size()) +
+               " " + std::string(to_string(p)) +
                " blocks: expected <= max_blocks_per_sequence = " + std::to_string(s.config.max_blocks_per_sequence);
       });
       s.check_ids(
@@ -243,8 +244,8 @@ std::size_t DevicePageTables::upload(cudaStream_t stream) {
   s.staging.reserve(count);
   s.device_updates.reserve(count);
   std::copy(s.pending.begin(), s.pending.end(), s.staging.get());
-  MIXKV_CUDA_CHECK(cudaMemcpyAsync(s.device_updates.get(), s.staging.get(), count * sizeof(Update),
-                                   cudaMemcpyHostToDevice, stream));
+  MIXKV_CUDA_CHECK(
+      cudaMemcpyAsync(s.device_updates.get(), s.staging.get(), count * sizeof(Update), cudaMemcpyHostToDevice, stream));
   s.staging_free.record(stream);
   constexpr int kThreads = 256;
   scatter_kernel<<<static_cast<unsigned>((count + kThreads - 1) / kThreads), kThreads, 0, stream>>>(

@@ -14,8 +14,7 @@ struct DevicePool {
 
   DevicePool() = default;
   // view.blocks_per_slab >= 1 (the launchers check it).
-  __host__ explicit DevicePool(const PoolView& v)
-      : view(v), per_slab(static_cast<std::uint32_t>(v.blocks_per_slab)) {}
+  __host__ explicit DevicePool(const PoolView& v) : view(v), per_slab(static_cast<std::uint32_t>(v.blocks_per_slab)) {}
 
   // PoolView::block(block_id) for a live block id (0 <= id < 2^31).
   __device__ std::byte* block(std::int32_t block_id) const { return block(block_id, view.format); }

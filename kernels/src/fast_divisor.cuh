@@ -18,8 +18,7 @@ class FastDivisor {
   FastDivisor() = default;
   __host__ explicit FastDivisor(std::uint32_t d) : divisor_(d) {
     while ((std::uint64_t{1} << shift_) < d) ++shift_;
-    multiplier_ =
-        static_cast<std::uint32_t>(((std::uint64_t{1} << 32) * ((std::uint64_t{1} << shift_) - d)) / d + 1);
+    multiplier_ = static_cast<std::uint32_t>(((std::uint64_t{1} << 32) * ((std::uint64_t{1} << shift_) - d)) / d + 1);
   }
   __device__ int div(int n) const {
     return static_cast<int>((__umulhi(static_cast<std::uint32_t>(n), multiplier_) + n) >> shift_);

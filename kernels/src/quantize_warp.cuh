@@ -51,9 +51,7 @@ template <int kBits>
 using CodeRun = std::conditional_t<kBits == 4, uint32_t, uint16_t>;
 
 // The tile's input is read once: streaming loads (evict first).
-__device__ __forceinline__ uint4 load_streaming(const __half* at) {
-  return __ldcs(reinterpret_cast<const uint4*>(at));
-}
+__device__ __forceinline__ uint4 load_streaming(const __half* at) { return __ldcs(reinterpret_cast<const uint4*>(at)); }
 
 // Word j (channels 2j, 2j + 1 of the octet) of a row.
 __device__ __forceinline__ __half2 half_pair(const uint4& row, int j) {
@@ -243,8 +241,10 @@ __device__ __forceinline__ void quantize_v_unit(const __half* v, std::size_t row
   __half2 range[8];
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
-    const __half2 lo = __hmin2(__hmin2(as_half2(x[i].x), as_half2(x[i].y)), __hmin2(as_half2(x[i].z), as_half2(x[i].w)));
-    const __half2 hi = __hmax2(__hmax2(as_half2(x[i].x), as_half2(x[i].y)), __hmax2(as_half2(x[i].z), as_half2(x[i].w)));
+    const __half2 lo =
+        __hmin2(__hmin2(as_half2(x[i].x), as_half2(x[i].y)), __hmin2(as_half2(x[i].z), as_half2(x[i].w)));
+    const __half2 hi =
+        __hmax2(__hmax2(as_half2(x[i].x), as_half2(x[i].y)), __hmax2(as_half2(x[i].z), as_half2(x[i].w)));
     const uint32_t lo_bits = *reinterpret_cast<const uint32_t*>(&lo);
     const uint32_t negated_hi_bits = *reinterpret_cast<const uint32_t*>(&hi) ^ 0x80008000u;
     range[i] = __hmin2(as_half2(__byte_perm(lo_bits, negated_hi_bits, 0x5410)),

@@ -6,10 +6,10 @@
 #include <string>
 #include <vector>
 
-#include "mixkv/kernels/detail/cuda_check.h"
-#include "mixkv/kernels/detail/device_buffer.h"
 #include "device_math.cuh"
 #include "device_pool.cuh"
+#include "mixkv/kernels/detail/cuda_check.h"
+#include "mixkv/kernels/detail/device_buffer.h"
 #include "quantize.cuh"
 #include "quantize_warp.cuh"
 
@@ -54,8 +54,8 @@ struct StoreParams {
   std::int32_t copy_units;
   const WindowSlot* windows[2];  // INT4, INT2
   std::int32_t num_windows[2];
-  std::int32_t stages;  // tile_stages of the shape
-  FastDivisor heads;    // num_kv_heads
+  std::int32_t stages;      // tile_stages of the shape
+  FastDivisor heads;        // num_kv_heads
   std::int32_t tiles;       // (num_windows[0] + num_windows[1]) * num_kv_heads
   std::int32_t int4_tiles;  // num_windows[0] * num_kv_heads
   DevicePool pools[kNumPrecisions];
@@ -83,14 +83,14 @@ __device__ __forceinline__ void copy_row(const PoolView& pool, std::int32_t slot
 // steps (a row wrap adds a constant more): computing each address from its
 // (row, col) took 37 instructions per K/V chunk pair, ~40% of the
 // quantizer's own count at D 128, S 32.
-__device__ __forceinline__ void load_window(const uint4* k, const uint4* v, std::int32_t first_row, int head,
-                                            int heads, int D, int S, __half* tile) {
+__device__ __forceinline__ void load_window(const uint4* k, const uint4* v, std::int32_t first_row, int head, int heads,
+                                            int D, int S, __half* tile) {
   const int chunks_per_row = D / 8;  // of one head
   const int pitch_bytes = detail::QuantTile<__half>::pitch(D) * static_cast<int>(sizeof(__half));
   const std::size_t input_row_bytes = static_cast<std::size_t>(heads) * D * sizeof(__half);
   detail::StridedIndex i(chunks_per_row, kThreads);
-  std::size_t src = __cvta_generic_to_global(k) + (static_cast<std::size_t>(first_row + i.row) * heads + head) *
-                                                      D * sizeof(__half) + 16 * i.col;
+  std::size_t src = __cvta_generic_to_global(k) +
+                    (static_cast<std::size_t>(first_row + i.row) * heads + head) * D * sizeof(__half) + 16 * i.col;
   const std::size_t v_minus_k = __cvta_generic_to_global(v) - __cvta_generic_to_global(k);  // mod 2^64
   auto at = static_cast<std::uint32_t>(__cvta_generic_to_shared(tile)) + i.row * pitch_bytes + 16 * i.col;
   const auto v_tile = static_cast<std::uint32_t>(S * pitch_bytes);
@@ -309,8 +309,8 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
       if (part < Units::kKUnits) {
         detail::quantize_k_unit<kBits, kHeadDim, kBlockSize>(k, row_halves, part * Units::kKChannels, out);
       } else {
-        detail::quantize_v_unit<kBits, kHeadDim, kBlockSize>(v, row_halves,
-                                                             (part - Units::kKUnits) * Units::kVTokens, out);
+        detail::quantize_v_unit<kBits, kHeadDim, kBlockSize>(v, row_halves, (part - Units::kKUnits) * Units::kVTokens,
+                                                             out);
       }
     };
     if (tile_is_int2(p, j)) {
@@ -340,8 +340,8 @@ __global__ void append_kernel(const __grid_constant__ AppendParams p) {
   // pool would write outside the arena and lose the context.
   if (id_out_of_range(slot, p.slot_limit)) {
     if (threadIdx.x == 0) {
-      report_out_of_range(p.status, StatusOp::Append, StatusArg::Fp16Slot, static_cast<std::int32_t>(blockIdx.x),
-                          slot, p.slot_limit);
+      report_out_of_range(p.status, StatusOp::Append, StatusArg::Fp16Slot, static_cast<std::int32_t>(blockIdx.x), slot,
+                          p.slot_limit);
     }
     return;
   }
@@ -449,7 +449,8 @@ void check_pool(const char* fn, const char* name, const PoolView& pool, Precisio
   require(pool.format.num_kv_heads >= 1, [&] { return prefix() + ".format.num_kv_heads: expected >= 1"; });
   require(pool.blocks_per_slab >= 1, [&] { return prefix() + ".blocks_per_slab: expected >= 1"; });
   require(pool.num_blocks >= 0, [&] {
-    return prefix() + ".num_blocks = " + std::to_string(pool.num_blocks) + ": expected >= 0 (the blocks the arena holds)";
+    return prefix() + ".num_blocks = " + std::to_string(pool.num_blocks) +
+           ": expected >= 0 (the blocks the arena holds)";
   });
 }
 
@@ -550,8 +551,8 @@ void store_prefill(const StorePrefillArgs& a) {
   require(smem <= kMaxSmem,
           [&] { return std::string(fn) + ": head_dim * block_size too large for one tile in shared memory"; });
   if (smem > 48 * 1024) {
-    MIXKV_CUDA_CHECK(cudaFuncSetAttribute(launch.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          static_cast<int>(smem)));
+    MIXKV_CUDA_CHECK(
+        cudaFuncSetAttribute(launch.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   }
   constexpr int kWarps = kThreads / 32;
   std::int64_t grid = 0;
@@ -624,8 +625,8 @@ void DeviceStoreMapping::Impl::upload(const StoreMapping& mapping, std::int32_t 
              ": expected a slot >= 0, or -1 for a quantized row";
     });
     if (slot >= slot_limit) {
-      throw IndexOutOfRange(std::string(fn) + ": mapping.fp16_slots[" + std::to_string(r) + "] = " +
-                            std::to_string(slot) + ": expected a slot in [0, " + std::to_string(slot_limit) +
+      throw IndexOutOfRange(std::string(fn) + ": mapping.fp16_slots[" + std::to_string(r) +
+                            "] = " + std::to_string(slot) + ": expected a slot in [0, " + std::to_string(slot_limit) +
                             ") of the FP16 pool (" + std::to_string(limit[0]) + " blocks of " +
                             std::to_string(block_size) + " tokens), or -1 for a quantized row");
     }
@@ -640,8 +641,8 @@ void DeviceStoreMapping::Impl::upload(const StoreMapping& mapping, std::int32_t 
       const auto at = [&] { return std::string(fn) + ": " + names[which] + "[" + std::to_string(w) + "]"; };
       if (s.block_id < 0 || s.block_id >= limit[pool]) {
         throw IndexOutOfRange(at() + ".block_id = " + std::to_string(s.block_id) + ": expected a block id in [0, " +
-                              std::to_string(limit[pool]) + ") of the " +
-                              std::string(to_string(kAllPrecisions[pool])) + " pool");
+                              std::to_string(limit[pool]) + ") of the " + std::string(to_string(kAllPrecisions[pool])) +
+                              " pool");
       }
       max_ids[pool] = std::max(max_ids[pool], s.block_id);
       require(s.first_row >= 0 && s.first_row <= rows - block_size, [&] {
@@ -672,8 +673,8 @@ void DeviceStoreMapping::Impl::upload(const StoreMapping& mapping, std::int32_t 
     windows[which].reserve(std::max<std::size_t>(lists[which]->size(), 1));
   }
   if (n_fp16 > 0) {
-    MIXKV_CUDA_CHECK(cudaMemcpyAsync(fp16_rows.get(), staged_rows.data(), n_fp16 * sizeof(RowSlot),
-                                     cudaMemcpyHostToDevice, stream));
+    MIXKV_CUDA_CHECK(
+        cudaMemcpyAsync(fp16_rows.get(), staged_rows.data(), n_fp16 * sizeof(RowSlot), cudaMemcpyHostToDevice, stream));
   }
   for (int which = 0; which < 2; ++which) {
     const auto n = static_cast<std::int32_t>(lists[which]->size());
@@ -711,8 +712,11 @@ void append(const AppendArgs& a) {
   check_rows_aligned("append", a.k, a.v);
   require(a.fp16_slots != nullptr, "append: fp16_slots is null: expected device [batch] slots");
   const std::int64_t slots = std::int64_t{a.fp16_pool.num_blocks} * a.fp16_pool.format.block_size;
-  AppendParams p{reinterpret_cast<const uint4*>(a.k), reinterpret_cast<const uint4*>(a.v), a.fp16_slots,
-                 a.fp16_pool, static_cast<std::uint32_t>(std::min<std::int64_t>(slots, std::int64_t{1} << 31)),
+  AppendParams p{reinterpret_cast<const uint4*>(a.k),
+                 reinterpret_cast<const uint4*>(a.v),
+                 a.fp16_slots,
+                 a.fp16_pool,
+                 static_cast<std::uint32_t>(std::min<std::int64_t>(slots, std::int64_t{1} << 31)),
                  status_view(a.status)};
   append_kernel<<<a.batch, kThreads, 0, a.stream>>>(p);
   MIXKV_CUDA_CHECK_LAUNCH("append_kernel");

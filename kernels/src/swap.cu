@@ -43,7 +43,8 @@ __global__ void __launch_bounds__(kThreads) swap_blocks_kernel(const __grid_cons
     // Entries are checked once a copy (the whole CTA skips together): a raw
     // list could name a block past either buffer.
     if (id_out_of_range(pool, kNumPrecisions)) {
-      if (threadIdx.x == 0) report_out_of_range(p.status, StatusOp::SwapBlocks, StatusArg::SwapPool, i, pool, kNumPrecisions);
+      if (threadIdx.x == 0)
+        report_out_of_range(p.status, StatusOp::SwapBlocks, StatusArg::SwapPool, i, pool, kNumPrecisions);
       continue;
     }
     const auto device_limit = static_cast<std::uint32_t>(p.device[pool].num_blocks);
@@ -98,8 +99,9 @@ void check_pools(const char* fn, const char* name, const DevicePools& pools) {
             [&] { return at() + ".blocks_per_slab = " + std::to_string(v.blocks_per_slab) + ": expected >= 1"; });
     require(v.num_blocks >= 0,
             [&] { return at() + ".num_blocks = " + std::to_string(v.num_blocks) + ": expected >= 0"; });
-    require(aligned16(v.base) && v.slab_bytes % 16 == 0 && v.format.block_bytes() % 16 == 0,
-            [&] { return at() + ": base, slab_bytes and block_bytes must be multiples of 16 (16-byte vector copies)"; });
+    require(aligned16(v.base) && v.slab_bytes % 16 == 0 && v.format.block_bytes() % 16 == 0, [&] {
+      return at() + ": base, slab_bytes and block_bytes must be multiples of 16 (16-byte vector copies)";
+    });
   }
 }
 
@@ -111,8 +113,9 @@ std::string copy_at(std::size_t i) { return "copies[" + std::to_string(i) + "]";
 
 PinnedSwapBuffer::PinnedSwapBuffer(const PoolLayout& layout) {
   const std::size_t bytes = layout.bytes;
-  require(bytes > 0, "PinnedSwapBuffer: layout.bytes = 0: expected a host swap pool "
-                     "(CacheConfig::swap_blocks > 0 for some pool)");
+  require(bytes > 0,
+          "PinnedSwapBuffer: layout.bytes = 0: expected a host swap pool "
+          "(CacheConfig::swap_blocks > 0 for some pool)");
   void* p = nullptr;
   // throw_cuda_error clears the runtime's last error and maps
   // cudaErrorMemoryAllocation to OutOfMemory.
@@ -217,8 +220,8 @@ struct DeviceSwapList::Impl {
 DeviceSwapList::DeviceSwapList() : impl_(std::make_unique<Impl>()) {}
 DeviceSwapList::~DeviceSwapList() = default;
 
-void DeviceSwapList::upload(std::span<const SwapCopy> copies, SwapDirection direction,
-                            const PoolLayout& arena, const PoolLayout& swap, cudaStream_t stream) {
+void DeviceSwapList::upload(std::span<const SwapCopy> copies, SwapDirection direction, const PoolLayout& arena,
+                            const PoolLayout& swap, cudaStream_t stream) {
   constexpr const char* fn = "DeviceSwapList::upload";
   require(direction == SwapDirection::DeviceToHost || direction == SwapDirection::HostToDevice, [&] {
     return std::string(fn) + ": direction = " + std::to_string(static_cast<int>(direction)) +
@@ -247,10 +250,9 @@ void DeviceSwapList::upload(std::span<const SwapCopy> copies, SwapDirection dire
                             ": expected FP16, INT4 or INT2");
     }
     if (c.device_block < 0 || c.device_block >= device_blocks[p]) {
-      throw IndexOutOfRange(std::string(fn) + ": " + copy_at(i) + ".device_block = " +
-                            std::to_string(c.device_block) + ": expected a block id in [0, " +
-                            std::to_string(device_blocks[p]) + ") of the " + std::string(to_string(c.pool)) +
-                            " pool");
+      throw IndexOutOfRange(std::string(fn) + ": " + copy_at(i) + ".device_block = " + std::to_string(c.device_block) +
+                            ": expected a block id in [0, " + std::to_string(device_blocks[p]) + ") of the " +
+                            std::string(to_string(c.pool)) + " pool");
     }
     if (c.host_slot < 0 || c.host_slot >= host_slots[p]) {
       throw IndexOutOfRange(std::string(fn) + ": " + copy_at(i) + ".host_slot = " + std::to_string(c.host_slot) +

@@ -36,12 +36,9 @@ float bf16_to_float(std::uint16_t bits) {
 
 float load_element(const void* row, ElementType type, std::int32_t c) {
   switch (type) {
-    case ElementType::F32:
-      return static_cast<const float*>(row)[c];
-    case ElementType::F16:
-      return half_to_float(static_cast<const Half*>(row)[c]);
-    case ElementType::BF16:
-      return bf16_to_float(static_cast<const std::uint16_t*>(row)[c]);
+    case ElementType::F32: return static_cast<const float*>(row)[c];
+    case ElementType::F16: return half_to_float(static_cast<const Half*>(row)[c]);
+    case ElementType::BF16: return bf16_to_float(static_cast<const std::uint16_t*>(row)[c]);
   }
   return 0.0f;
 }
@@ -156,12 +153,9 @@ __attribute__((target("avx2,fma,f16c"))) RowSums row_sums_avx2_typed(const float
 
 RowSums row_sums_avx2(const float* u, const void* row, ElementType type, std::int32_t hidden) {
   switch (type) {
-    case ElementType::F32:
-      return row_sums_avx2_typed<ElementType::F32>(u, row, hidden);
-    case ElementType::F16:
-      return row_sums_avx2_typed<ElementType::F16>(u, row, hidden);
-    case ElementType::BF16:
-      return row_sums_avx2_typed<ElementType::BF16>(u, row, hidden);
+    case ElementType::F32: return row_sums_avx2_typed<ElementType::F32>(u, row, hidden);
+    case ElementType::F16: return row_sums_avx2_typed<ElementType::F16>(u, row, hidden);
+    case ElementType::BF16: return row_sums_avx2_typed<ElementType::BF16>(u, row, hidden);
   }
   return {};
 }

@@ -24,8 +24,8 @@ void Scheduler::check_invariants() const {
   // Checked before the slots: with more requests than slots, some slot is
   // out of range or shared, which would hide the excess.
   if (s.running.size() > static_cast<std::size_t>(s.config.max_num_seqs)) {
-    fail(std::to_string(s.running.size()) + " requests hold device memory, more than max_num_seqs = " +
-         std::to_string(s.config.max_num_seqs));
+    fail(std::to_string(s.running.size()) +
+         " requests hold device memory, more than max_num_seqs = " + std::to_string(s.config.max_num_seqs));
   }
   std::vector<std::uint8_t> slot_used(static_cast<std::size_t>(s.config.max_num_seqs), 0);
   auto check_queue = [&](const Queue& q, std::initializer_list<RequestState> states, const char* name) {
@@ -36,7 +36,8 @@ void Scheduler::check_invariants() const {
       const auto it = s.entries.find(e.id);
       if (it == s.entries.end() || &it->second != &e) fail(who + " is queued but not a live entry");
       const bool on_device = e.state == RequestState::Prefilling || e.state == RequestState::Running;
-      if (s.cache.contains(e.id) != (e.state != RequestState::Waiting)) fail(who + ": the cache disagrees on its memory");
+      if (s.cache.contains(e.id) != (e.state != RequestState::Waiting))
+        fail(who + ": the cache disagrees on its memory");
       if (e.state == RequestState::Swapped && !s.cache.is_swapped(e.id)) fail(who + " is not swapped out in the cache");
       if (on_device) {
         ++resident;
@@ -58,8 +59,10 @@ void Scheduler::check_invariants() const {
         fail(who + " holds slot " + std::to_string(e.slot) + " without device memory");
       }
       if (e.computed < 0 || e.computed > e.prompt.num_tokens()) fail(who + " computed " + std::to_string(e.computed));
-      if (e.state == RequestState::Running && e.computed != e.prompt.num_tokens()) fail(who + " runs before its prompt is done");
-      if (e.state == RequestState::Prefilling && e.computed == e.prompt.num_tokens()) fail(who + " prefills a done prompt");
+      if (e.state == RequestState::Running && e.computed != e.prompt.num_tokens())
+        fail(who + " runs before its prompt is done");
+      if (e.state == RequestState::Prefilling && e.computed == e.prompt.num_tokens())
+        fail(who + " prefills a done prompt");
       if (e.generated > e.max_new_tokens) fail(who + " generated more than max_new_tokens");
       const bool listed = e.decode_index >= 0 && static_cast<std::size_t>(e.decode_index) < s.decoding.size() &&
                           s.decoding[static_cast<std::size_t>(e.decode_index)] == &e;

@@ -26,8 +26,8 @@ void Scheduler::Impl::preempt(Entry& e, StepOutput& out) {
   running.erase(running.iterator_to(e));
   const BlockCounts held = cache.blocks_held(e.id);
   const BlockCounts host = cache.free_swap_slots();
-  const bool swap = config.preemption == PreemptionMode::Swap && held[0] <= host[0] && held[1] <= host[1] &&
-                    held[2] <= host[2];
+  const bool swap =
+      config.preemption == PreemptionMode::Swap && held[0] <= host[0] && held[1] <= host[1] && held[2] <= host[2];
   if (swap) {
     // Demotions may have changed its footprint since admission: a request
     // that can no longer complete in this cache ends here (as after a
@@ -223,8 +223,8 @@ void Scheduler::Impl::demote_for(std::int64_t need, std::int64_t target, const s
     const PoolStats int4 = cache.pool_stats(Precision::INT4);
     const std::int64_t fp16_per_slab = cache.pool_stats(Precision::FP16).blocks_per_slab;
     boost::unordered_flat_map<std::int32_t, std::int32_t> used;  // INT4 slab -> used blocks left
-    std::int64_t emptied_full = 0;     // emptied INT4 slabs that had no free block
-    std::int64_t emptied_partial = 0;  // emptied INT4 slabs that had free blocks
+    std::int64_t emptied_full = 0;                               // emptied INT4 slabs that had no free block
+    std::int64_t emptied_partial = 0;                            // emptied INT4 slabs that had free blocks
     take(&Entry::int2_cursor, Precision::INT4, Precision::INT2, [&] {
       const Demotion& d = demotions.back();
       const std::int32_t slab = cache.window_block(d.id, d.layer, d.window) / int4.blocks_per_slab;

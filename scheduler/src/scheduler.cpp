@@ -51,8 +51,8 @@ Scheduler::Impl::Impl(KVCacheManager& c, SchedulerConfig cfg, std::shared_ptr<Pl
   }
   if (config.planner) {
     if (config.planner->window_size != block_size) {
-      bad("planner.window_size = " + std::to_string(config.planner->window_size) + ", expected the cache's block_size " +
-          std::to_string(block_size));
+      bad("planner.window_size = " + std::to_string(config.planner->window_size) +
+          ", expected the cache's block_size " + std::to_string(block_size));
     }
     planner = make_cpu_plan_source(*config.planner);
   }
@@ -89,7 +89,8 @@ Scheduler::Impl::Impl(KVCacheManager& c, SchedulerConfig cfg, std::shared_ptr<Pl
   const auto slabs = static_cast<std::int64_t>(std::ceil(config.watermark * cache.total_slabs()));
   reserve_fp16 = slabs * cache.pool_stats(Precision::FP16).blocks_per_slab;
   fp16_limit = std::int64_t{cache.total_slabs()} * cache.pool_stats(Precision::FP16).blocks_per_slab;
-  const bool demotable = floors.empty() || std::ranges::any_of(floors, [](Precision p) { return p != Precision::FP16; });
+  const bool demotable =
+      floors.empty() || std::ranges::any_of(floors, [](Precision p) { return p != Precision::FP16; });
   if (config.demote_under_pressure && config.max_demotions_per_step > 0 && demotable) {
     demote_headroom = cache.pool_stats(Precision::FP16).blocks_per_slab;
   }
@@ -149,9 +150,8 @@ std::optional<std::string> Scheduler::Impl::never_fits(const Entry& e) const {
   const BlockCounts most = footprint(e, e.plan);
   const std::int64_t total = cache.total_slabs();
   if (slabs_for(most) > total) {
-    return "with its " + std::to_string(e.max_new_tokens) + " new tokens it needs " + counts_text(most) +
-           " blocks (" + std::to_string(slabs_for(most)) + " slabs), the whole cache holds " + std::to_string(total) +
-           " slabs";
+    return "with its " + std::to_string(e.max_new_tokens) + " new tokens it needs " + counts_text(most) + " blocks (" +
+           std::to_string(slabs_for(most)) + " slabs), the whole cache holds " + std::to_string(total) + " slabs";
   }
   return std::nullopt;
 }
@@ -267,7 +267,6 @@ void Scheduler::Impl::sweep_vanished(std::vector<Entry*>* decodes) {
   for (Entry* e : gone) retire_vanished(*e);
 }
 
-
 void Scheduler::Impl::schedule_chunk(Entry& e, std::int32_t end, StepOutput& out) {
   PrefillChunk chunk;
   chunk.id = e.id;
@@ -307,14 +306,14 @@ void Scheduler::add_request(const Request& r) {
     throw InvalidArgument(name + ": request.layout has 0 tokens, expected at least one segment");
   }
   if (r.max_new_tokens < 1) {
-    throw InvalidArgument(name + ": request.max_new_tokens = " + std::to_string(r.max_new_tokens) +
-                          ", expected >= 1");
+    throw InvalidArgument(name + ": request.max_new_tokens = " + std::to_string(r.max_new_tokens) + ", expected >= 1");
   }
   if (!std::isfinite(r.arrival_time)) {
     throw InvalidArgument(name + ": request.arrival_time is not finite, expected a time on the engine's clock");
   }
   if (r.plan && r.embeddings) {
-    throw InvalidArgument(name + ": request has both a plan and embeddings, expected at most one of request.plan and "
+    throw InvalidArgument(name +
+                          ": request has both a plan and embeddings, expected at most one of request.plan and "
                           "request.embeddings");
   }
   if (static_cast<std::int64_t>(r.layout.num_tokens()) + r.max_new_tokens > std::numeric_limits<std::int32_t>::max()) {
@@ -326,8 +325,8 @@ void Scheduler::add_request(const Request& r) {
     if (!s.planner) {
       throw InvalidArgument(name + ": request.embeddings given but config.planner is not set, expected request.plan");
     }
-    std::vector<PrecisionPlan> plans = s.planner->plan(std::span<const TokenLayout>(&r.layout, 1),
-                                                       std::span<const EmbeddingsView>(&*r.embeddings, 1));
+    std::vector<PrecisionPlan> plans =
+        s.planner->plan(std::span<const TokenLayout>(&r.layout, 1), std::span<const EmbeddingsView>(&*r.embeddings, 1));
     if (plans.size() != 1) {
       throw InvalidArgument(name + ": the planner returned " + std::to_string(plans.size()) +
                             " plans for one request, expected 1");
@@ -503,10 +502,11 @@ StepOutput Scheduler::step() {
       StoreMapping whole = s.cache.prefill_mapping(chunk.id, layer);
       StoreMapping& m = chunk.mappings[static_cast<std::size_t>(layer)];
       m.fp16_slots.assign(whole.fp16_slots.begin() + chunk.start, whole.fp16_slots.begin() + chunk.end);
-      for (auto [windows, part] : {std::pair{&whole.int4_windows, &m.int4_windows},
-                                   std::pair{&whole.int2_windows, &m.int2_windows}}) {
+      for (auto [windows, part] :
+           {std::pair{&whole.int4_windows, &m.int4_windows}, std::pair{&whole.int2_windows, &m.int2_windows}}) {
         for (const WindowSlot& w : *windows) {
-          if (w.first_row >= chunk.start && w.first_row < chunk.end) part->push_back({w.block_id, w.first_row - chunk.start});
+          if (w.first_row >= chunk.start && w.first_row < chunk.end)
+            part->push_back({w.block_id, w.first_row - chunk.start});
         }
       }
     }

@@ -28,14 +28,14 @@ inline std::size_t at(Precision p) { return static_cast<std::size_t>(pool_index(
 // The scheduler's record of one live request.
 struct Entry {
   // What a decode step touches, together at the front.
-  SequenceHandle handle;             // while in the cache
-  std::int32_t num_tokens = 0;       // tokens in the cache (prompt + appended decode tokens)
-  std::int32_t generated = 0;        // tokens generated
+  SequenceHandle handle;        // while in the cache
+  std::int32_t num_tokens = 0;  // tokens in the cache (prompt + appended decode tokens)
+  std::int32_t generated = 0;   // tokens generated
   std::int32_t max_new_tokens = 1;
   std::int32_t slot = -1;
-  std::int32_t decode_index = -1;    // position in Impl::decoding while Running
+  std::int32_t decode_index = -1;  // position in Impl::decoding while Running
   RequestState state = RequestState::Waiting;
-  bool done = false;                 // generated max_new_tokens; retired at the next step
+  bool done = false;  // generated max_new_tokens; retired at the next step
   // Set by fork() on parent and child: its partly filled FP16 tails may be
   // shared, so its next token may cost a copy (Impl::tail_copies). Cleared
   // after an append once its tails are private; an unset flag means private
@@ -56,7 +56,7 @@ struct Entry {
   // text after a recompute. The plan follows the manager's after demotions.
   TokenLayout prompt;
   PrecisionPlan plan;
-  BlockCounts demand{};  // cache.demand(prompt, plan)
+  BlockCounts demand{};                     // cache.demand(prompt, plan)
   std::vector<std::int32_t> window_starts;  // of prompt (text adds no window)
 
   std::int32_t computed = 0;  // prompt rows computed
@@ -139,7 +139,7 @@ struct Scheduler::Impl {
   void set_state(Entry& e, RequestState state);
   void take_slot(Entry& e);
   void drop_slot(Entry& e);
-  void release(Entry& e);                    // frees memory, unlinks, erases
+  void release(Entry& e);  // frees memory, unlinks, erases
   void retire(Entry& e, FinishReason reason);
   // finish() and cancel(): false for a request already retired.
   bool end_by_caller(RequestId id, FinishReason reason);

@@ -84,22 +84,31 @@ TEST(BadInput, ResourceSizedConfigFieldsAreBoundedFirst) {
       },
       "arena_bytes = 2199023255552 gives 2147483648 FP16 block ids (2097152 slabs of 1024), expected fewer than 2^31");
 
-  expect_error<InvalidArgument>([&] { (void)KVCacheManager(with([](CacheConfig& c) { c.swap_blocks = {-1, 0, 0}; })); },
+  expect_error<InvalidArgument>([&] { (void)KVCacheManager(with([](CacheConfig& c) {
+                                        c.swap_blocks = {-1, 0, 0};
+                                      })); },
                                 "swap_blocks[FP16] = -1, expected 0 <= swap_blocks < 2^31");
   expect_error<InvalidArgument>(
-      [&] { (void)KVCacheManager(with([](CacheConfig& c) { c.swap_blocks = {0, 0, std::int64_t{1} << 31}; })); },
+      [&] {
+        (void)KVCacheManager(with([](CacheConfig& c) { c.swap_blocks = {0, 0, std::int64_t{1} << 31}; }));
+      },
       "swap_blocks[INT2] = 2147483648, expected 0 <= swap_blocks < 2^31");
   constexpr std::int64_t kMax = (std::int64_t{1} << 31) - 1;
   expect_error<InvalidArgument>(
-      [&] { (void)KVCacheManager(with([](CacheConfig& c) { c.swap_blocks = {kMax, kMax, kMax}; })); },
+      [&] {
+        (void)KVCacheManager(with([](CacheConfig& c) { c.swap_blocks = {kMax, kMax, kMax}; }));
+      },
       "swap_blocks = [FP16 2147483647, INT4 2147483647, INT2 2147483647] needs 3573412788608 bytes of host swap "
       "buffer, expected at most the host's physical memory");
   // One FP16 slot more than the host's memory holds.
-  const auto phys = static_cast<std::size_t>(::sysconf(_SC_PHYS_PAGES)) * static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
+  const auto phys =
+      static_cast<std::size_t>(::sysconf(_SC_PHYS_PAGES)) * static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
   const auto slots = static_cast<std::int64_t>(phys / 1024 + 1);
   if (slots <= kMax) {
     expect_error<InvalidArgument>(
-        [&] { (void)KVCacheManager(with([&](CacheConfig& c) { c.swap_blocks = {slots, 0, 0}; })); },
+        [&] {
+          (void)KVCacheManager(with([&](CacheConfig& c) { c.swap_blocks = {slots, 0, 0}; }));
+        },
         "bytes of host swap buffer, expected at most the host's physical memory (" + std::to_string(phys) + " bytes)");
   }
   EXPECT_NO_THROW((void)KVCacheManager(with([](CacheConfig& c) { c.swap_blocks = {1024, 1024, 1024}; })));

@@ -6,8 +6,8 @@
 #include <string>
 #include <vector>
 
-#include "mixkv/core/errors.h"
 #include "mixkv/cache/kv_cache_manager.h"
+#include "mixkv/core/errors.h"
 
 namespace mixkv::test {
 

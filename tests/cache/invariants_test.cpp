@@ -72,9 +72,7 @@ class Corrupt : public ::testing::Test {
   }
 
   BlockPool& pool(Precision p) { return A::pool(cache_, p); }
-  std::int32_t fp16(SequenceId id, std::int32_t layer, std::size_t i = 0) {
-    return cache_.blocks(id, layer, F)[i];
-  }
+  std::int32_t fp16(SequenceId id, std::int32_t layer, std::size_t i = 0) { return cache_.blocks(id, layer, F)[i]; }
   // A free FP16 block (in slab 3, which sequence 5 shares with them).
   std::int32_t free_fp16() {
     for (std::int32_t id = 12; id < 16; ++id) {
@@ -442,7 +440,8 @@ TEST_F(Corrupt, HostSlotHeldTwice) {
 TEST_F(Corrupt, SwapFreeSlotListedTwice) {
   auto& free = A::swap(cache_, I4).free;
   free.push_back(free.back());
-  expect_violation({"INT4 swap pool: free slot " + std::to_string(free.back()) + " is out of range, used or listed twice"});
+  expect_violation(
+      {"INT4 swap pool: free slot " + std::to_string(free.back()) + " is out of range, used or listed twice"});
 }
 
 TEST_F(Corrupt, SwapSlotBothFreeAndHeld) {

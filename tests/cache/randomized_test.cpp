@@ -249,7 +249,8 @@ class Harness {
     // layer, with their tails now.
     std::vector<std::int32_t> changed;
     for (std::size_t i = 0; i < ids.size(); ++i) {
-      if (to_vector(cache_.page_table(ids[i]).fp16_tails()) != tails_before[i]) changed.push_back(static_cast<std::int32_t>(i));
+      if (to_vector(cache_.page_table(ids[i]).fp16_tails()) != tails_before[i])
+        changed.push_back(static_cast<std::int32_t>(i));
     }
     EXPECT_EQ(r.tails_changed, changed);
     EXPECT_EQ(r.tail_blocks.size(), r.tails_changed.size() * layers);

@@ -82,7 +82,8 @@ TEST(Demote, MovesTheWindowAndItsPlanAndRefusesWhatItMust) {
   EXPECT_EQ(ops[0].src_block, fp16[2]);
   EXPECT_EQ(cache.plan(1).at(0, 2), Precision::INT4);
   EXPECT_EQ(test::to_vector(cache.blocks(1, 0, Precision::INT4)), std::vector<std::int32_t>{ops[0].dst_block});
-  EXPECT_EQ(test::to_vector(cache.blocks(1, 0, Precision::FP16)), (std::vector<std::int32_t>{fp16[0], fp16[1], fp16[3]}));
+  EXPECT_EQ(test::to_vector(cache.blocks(1, 0, Precision::FP16)),
+            (std::vector<std::int32_t>{fp16[0], fp16[1], fp16[3]}));
   EXPECT_EQ(cache.fp16_tail_fill(1, 0), 3);
   EXPECT_EQ(cache.demand(cache.layout(1), cache.plan(1)), (BlockCounts{3, 1, 0}));
   EXPECT_NO_THROW(cache.check_invariants());
@@ -155,7 +156,7 @@ TEST(Demote, CpuRequantizesExactlyAsWriteHead) {
   // in slab 1, INT2 block in slab 2.
   std::vector<std::byte> arena(3 * 4096);
   PoolViews pools{PoolView{arena.data(), 4096, 4, fp16, 3 * 4}, PoolView{arena.data(), 4096, 10, int4, 3 * 10},
-                       PoolView{arena.data(), 4096, 16, int2, 3 * 16}};
+                  PoolView{arena.data(), 4096, 16, int2, 3 * 16}};
   cpu::write_head(fp16, k.data(), v.data(), 16, pools[0].block(0));
   const DemoteOp to4{1, 0, 1, Precision::FP16, 0, Precision::INT4, 10};
   cpu::demote(std::span<const DemoteOp>(&to4, 1), pools);

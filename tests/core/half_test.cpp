@@ -27,9 +27,9 @@ TEST(Half, KnownBitPatterns) {
   EXPECT_EQ(to_bits(-2.0f), 0xc000);
   EXPECT_EQ(to_bits(0.5f), 0x3800);
   EXPECT_EQ(to_bits(0.1f), 0x2e66);
-  EXPECT_EQ(to_bits(65504.0f), 0x7bff);            // largest finite half
-  EXPECT_EQ(to_bits(std::ldexp(1.0f, -14)), 0x0400);  // smallest normal
-  EXPECT_EQ(to_bits(std::ldexp(1.0f, -24)), 0x0001);  // smallest subnormal
+  EXPECT_EQ(to_bits(65504.0f), 0x7bff);                  // largest finite half
+  EXPECT_EQ(to_bits(std::ldexp(1.0f, -14)), 0x0400);     // smallest normal
+  EXPECT_EQ(to_bits(std::ldexp(1.0f, -24)), 0x0001);     // smallest subnormal
   EXPECT_EQ(to_bits(std::ldexp(1023.0f, -24)), 0x03ff);  // largest subnormal
   EXPECT_EQ(from_bits(0x3555), 0x1.554p-2f);
   EXPECT_EQ(from_bits(0x0001), std::ldexp(1.0f, -24));
@@ -38,7 +38,7 @@ TEST(Half, KnownBitPatterns) {
 }
 
 TEST(Half, RoundsToNearestEven) {
-  const float ulp1 = std::ldexp(1.0f, -10);  // half ulp at [1, 2)
+  const float ulp1 = std::ldexp(1.0f, -10);                           // half ulp at [1, 2)
   EXPECT_EQ(to_bits(1.0f + ulp1 / 2), 0x3c00);                        // tie, even is down
   EXPECT_EQ(to_bits(1.0f + 3 * ulp1 / 2), 0x3c02);                    // tie, even is up
   EXPECT_EQ(to_bits(std::nextafter(1.0f + ulp1 / 2, 2.0f)), 0x3c01);  // just above the tie
@@ -50,10 +50,10 @@ TEST(Half, RoundsToNearestEven) {
 
 TEST(Half, Subnormals) {
   const float tiny = std::ldexp(1.0f, -24);
-  EXPECT_EQ(to_bits(tiny / 2), 0x0000);                         // tie with 0: even
-  EXPECT_EQ(to_bits(std::nextafter(tiny / 2, 1.0f)), 0x0001);   // above the tie
-  EXPECT_EQ(to_bits(3 * tiny / 2), 0x0002);                     // tie, even is up
-  EXPECT_EQ(to_bits(5 * tiny / 2), 0x0002);                     // tie, even is down
+  EXPECT_EQ(to_bits(tiny / 2), 0x0000);                        // tie with 0: even
+  EXPECT_EQ(to_bits(std::nextafter(tiny / 2, 1.0f)), 0x0001);  // above the tie
+  EXPECT_EQ(to_bits(3 * tiny / 2), 0x0002);                    // tie, even is up
+  EXPECT_EQ(to_bits(5 * tiny / 2), 0x0002);                    // tie, even is down
   EXPECT_EQ(to_bits(std::ldexp(1.0f, -30)), 0x0000);
   EXPECT_EQ(to_bits(-std::ldexp(1.0f, -30)), 0x8000);
   EXPECT_EQ(to_bits(std::ldexp(1.0f, -14) - tiny / 2), 0x0400);  // rounds up into the normals

@@ -74,8 +74,11 @@ TEST(PageTable, FillsEveryLayerAtOnce) {
   EXPECT_EQ(table, slow);
   EXPECT_EQ(table.fp16_tail_fill(2), 15);
   EXPECT_EQ(table.fp16_room(), 1);
-  expect_error<InvalidArgument>([&] { table.open_fp16_tails(std::vector<std::int32_t>{7, 8, 9}); },
-                                "layer 0: the FP16 tail holds 15 of 16 tokens");
+  expect_error<InvalidArgument>(
+      [&] {
+        table.open_fp16_tails(std::vector<std::int32_t>{7, 8, 9});
+      },
+      "layer 0: the FP16 tail holds 15 of 16 tokens");
   // A per-layer change in between: layer 1's tail fills up first.
   EXPECT_EQ(table.fill_fp16_tail(1), 5 * 16 + 15);
   EXPECT_EQ(table.fp16_room(), 0);
@@ -85,10 +88,16 @@ TEST(PageTable, FillsEveryLayerAtOnce) {
   table.fill_fp16_tail(0);
   table.fill_fp16_tail(2);
   const PageTable full = table;
-  expect_error<InvalidArgument>([&] { table.open_fp16_tails(std::vector<std::int32_t>{7, 8}); },
-                                "block_ids.size() = 2");
-  expect_error<InvalidArgument>([&] { table.open_fp16_tails(std::vector<std::int32_t>{7, -8, 9}); },
-                                "block_ids[1] = -8");
+  expect_error<InvalidArgument>(
+      [&] {
+        table.open_fp16_tails(std::vector<std::int32_t>{7, 8});
+      },
+      "block_ids.size() = 2");
+  expect_error<InvalidArgument>(
+      [&] {
+        table.open_fp16_tails(std::vector<std::int32_t>{7, -8, 9});
+      },
+      "block_ids[1] = -8");
   EXPECT_EQ(table, full);
   table.open_fp16_tails(std::vector<std::int32_t>{7, 8, 9});
   EXPECT_EQ(to_vector(table.blocks(1, Precision::FP16)), (std::vector<std::int32_t>{5, 8}));

@@ -16,10 +16,10 @@
 #include <string>
 #include <vector>
 
+#include "mixkv/cache/kv_cache_manager.h"
 #include "mixkv/core/block_format.h"
 #include "mixkv/core/errors.h"
 #include "mixkv/core/half.h"
-#include "mixkv/cache/kv_cache_manager.h"
 #include "mixkv/core/pool_view.h"
 #include "mixkv/core/precision.h"
 #include "mixkv/core/quant_math.h"
@@ -77,7 +77,8 @@ class TestArena {
         if (slabs_needed[i] > 0) {
           --slabs_needed[i];
           const auto slab = static_cast<std::int32_t>(owner.size());
-          for (std::int32_t b = 0; b < views_[i].blocks_per_slab; ++b) free_[i].push_back(slab * views_[i].blocks_per_slab + b);
+          for (std::int32_t b = 0; b < views_[i].blocks_per_slab; ++b)
+            free_[i].push_back(slab * views_[i].blocks_per_slab + b);
           owner.push_back(i);
         }
       }
@@ -132,7 +133,8 @@ inline std::vector<float> reference_dequant_k(const float* x, std::size_t stride
     const float min = half_to_float(float_to_half(lo));
     const float inverse = quant_inverse_step(scale);
     const float bias = quant_bias(min, inverse);
-    for (int t = 0; t < tokens; ++t) out[t * dim + c] = dequant(quant_code(x[t * stride + c], inverse, bias, qmax), scale, min);
+    for (int t = 0; t < tokens; ++t)
+      out[t * dim + c] = dequant(quant_code(x[t * stride + c], inverse, bias, qmax), scale, min);
   }
   return out;
 }
@@ -320,27 +322,27 @@ inline QualityData quality_data() {
 }
 
 // Asserts that a call throws IndexOutOfRange whose message names `name`.
-#define MIXKV_EXPECT_OUT_OF_RANGE(call, name)                                                   \
-  do {                                                                                          \
-    try {                                                                                       \
-      call;                                                                                     \
-      ADD_FAILURE() << #call << " did not throw";                                               \
-    } catch (const ::mixkv::IndexOutOfRange& error) {                                           \
-      EXPECT_NE(std::string(error.what()).find(name), std::string::npos)                        \
-          << "message does not name '" << (name) << "': " << error.what();                      \
-    }                                                                                           \
+#define MIXKV_EXPECT_OUT_OF_RANGE(call, name)                              \
+  do {                                                                     \
+    try {                                                                  \
+      call;                                                                \
+      ADD_FAILURE() << #call << " did not throw";                          \
+    } catch (const ::mixkv::IndexOutOfRange& error) {                      \
+      EXPECT_NE(std::string(error.what()).find(name), std::string::npos)   \
+          << "message does not name '" << (name) << "': " << error.what(); \
+    }                                                                      \
   } while (0)
 
 // Asserts that a call throws InvalidArgument whose message names `name`.
-#define MIXKV_EXPECT_INVALID(call, name)                                                        \
-  do {                                                                                          \
-    try {                                                                                       \
-      call;                                                                                     \
-      ADD_FAILURE() << #call << " did not throw";                                               \
-    } catch (const ::mixkv::InvalidArgument& error) {                                           \
-      EXPECT_NE(std::string(error.what()).find(name), std::string::npos)                        \
-          << "message does not name '" << (name) << "': " << error.what();                      \
-    }                                                                                           \
+#define MIXKV_EXPECT_INVALID(call, name)                                   \
+  do {                                                                     \
+    try {                                                                  \
+      call;                                                                \
+      ADD_FAILURE() << #call << " did not throw";                          \
+    } catch (const ::mixkv::InvalidArgument& error) {                      \
+      EXPECT_NE(std::string(error.what()).find(name), std::string::npos)   \
+          << "message does not name '" << (name) << "': " << error.what(); \
+    }                                                                      \
   } while (0)
 
 // Decode attention outputs of a batch: out [batch][q_heads][head_dim], lse [batch][q_heads].

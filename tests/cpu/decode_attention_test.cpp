@@ -14,7 +14,6 @@ namespace {
 
 constexpr float kNan = std::numeric_limits<float>::quiet_NaN();
 
-
 // Dense float64 attention of every (sequence, query head) over `expected`.
 std::vector<DenseState> reference(const PlacedBatch& placed, const std::vector<Half>& q, std::int32_t num_q_heads,
                                   std::int32_t num_kv_heads, std::int32_t dim, double sm_scale) {
@@ -128,8 +127,8 @@ class AttentionSizes : public ::testing::TestWithParam<Sizes> {
 
 std::string sizes_name(const ::testing::TestParamInfo<Sizes>& info) {
   const auto [dim, heads, batch] = info.param;
-  return "D" + std::to_string(dim) + "_Q" + std::to_string(heads.first) + "_KV" + std::to_string(heads.second) +
-         "_B" + std::to_string(batch);
+  return "D" + std::to_string(dim) + "_Q" + std::to_string(heads.first) + "_KV" + std::to_string(heads.second) + "_B" +
+         std::to_string(batch);
 }
 
 // testing.md item 3 asks for 1e-3 against an fp32-accumulating kernel; this
@@ -284,7 +283,7 @@ class AttentionQuality : public ::testing::Test {
 
   // Output of every query head (one KV head) with the windows in `pools`.
   static DecodeResult attend(const QualityData& data, const std::vector<Precision>& pools, const std::vector<Half>& q,
-                       std::int32_t q_heads) {
+                             std::int32_t q_heads) {
     std::vector<SequenceData> seqs{{QualityData::kTokens, data.k, data.v, pools}};
     TestArena arena(1, kD, kS, blocks_needed(seqs, kS), 3);
     const PlacedBatch placed = place_batch(arena, seqs);

@@ -143,8 +143,8 @@ TEST(MergeStates, BadInputThrowsAndWritesNothing) {
   const std::span<float> shifted(buffer.data() + 4, 8);
   MIXKV_EXPECT_INVALID(cpu::merge_states(std::span(buffer).first(8), la, b, lb, 4, shifted, lse), "out overlaps out_a");
   std::vector<float> l3(3, 0.0f);
-  MIXKV_EXPECT_INVALID(
-      cpu::merge_states(a, std::span(l3).first(2), b, lb, 4, out, std::span(l3).subspan(1, 2)), "lse overlaps lse_a");
+  MIXKV_EXPECT_INVALID(cpu::merge_states(a, std::span(l3).first(2), b, lb, 4, out, std::span(l3).subspan(1, 2)),
+                       "lse overlaps lse_a");
   EXPECT_EQ(buffer, std::vector<float>(12, 1.0f));
 }
 

@@ -78,8 +78,9 @@ TEST_F(SwapBadInput, DeviceBlocksAndHostSlotsAreBoundedByTheirPools) {
       for (std::int32_t bad : {blocks, blocks + 1, 1000000, kMax, -1, kMin}) {
         // The first copy is valid: nothing is copied before the bad one is seen.
         expect_out_of_range({{p, 0, 0}, {p, bad, 0}}, d, swap_.views(),
-                            "copies[1].device_block = " + std::to_string(bad) + ", expected 0 <= copies[1].device_block < " +
-                                std::to_string(blocks) + " (device[" + pool + "].num_blocks)");
+                            "copies[1].device_block = " + std::to_string(bad) +
+                                ", expected 0 <= copies[1].device_block < " + std::to_string(blocks) + " (device[" +
+                                pool + "].num_blocks)");
       }
       for (std::int32_t bad : {slots, slots + 1, 1000000, kMax, -1, kMin}) {
         expect_out_of_range({{p, 0, 0}, {p, 1, bad}}, d, swap_.views(),
@@ -172,27 +173,30 @@ TEST_F(DemoteBadInput, BlocksAreBoundedByTheirPools) {
     const std::int32_t n = arena_.view(src).num_blocks;
     const std::string pool = "pools[" + std::string(to_string(src)) + "]";
     for (std::int32_t bad : {n, n + 1, 1000000, kMax, -1, kMin}) {
-      expect_out_of_range({op(Precision::FP16, fp16_, Precision::INT4, to_int4_), op(src, bad, Precision::INT2, to_int2_)},
-                          "ops[1].src_block = " + std::to_string(bad) + ", expected 0 <= ops[1].src_block < " +
-                              std::to_string(n) + " (" + pool + ".num_blocks)");
+      expect_out_of_range(
+          {op(Precision::FP16, fp16_, Precision::INT4, to_int4_), op(src, bad, Precision::INT2, to_int2_)},
+          "ops[1].src_block = " + std::to_string(bad) + ", expected 0 <= ops[1].src_block < " + std::to_string(n) +
+              " (" + pool + ".num_blocks)");
     }
   }
   for (Precision dst : {Precision::INT4, Precision::INT2}) {
     const std::int32_t n = arena_.view(dst).num_blocks;
     for (std::int32_t bad : {n, 1000000, kMax, -1, kMin}) {
-      expect_out_of_range({op(Precision::FP16, fp16_, dst, bad)},
-                          "ops[0].dst_block = " + std::to_string(bad) + ", expected 0 <= ops[0].dst_block < " +
-                              std::to_string(n));
+      expect_out_of_range(
+          {op(Precision::FP16, fp16_, dst, bad)},
+          "ops[0].dst_block = " + std::to_string(bad) + ", expected 0 <= ops[0].dst_block < " + std::to_string(n));
     }
   }
 }
 
 TEST_F(DemoteBadInput, OpsThatDependOnTheirOrder) {
-  expect_invalid({op(Precision::FP16, fp16_, Precision::INT2, to_int2_), op(Precision::INT4, int4_, Precision::INT2, to_int2_)},
-                 "twice");
+  expect_invalid(
+      {op(Precision::FP16, fp16_, Precision::INT2, to_int2_), op(Precision::INT4, int4_, Precision::INT2, to_int2_)},
+      "twice");
   // An INT4 destination that another op reads as its source.
-  expect_invalid({op(Precision::FP16, fp16_, Precision::INT4, int4_), op(Precision::INT4, int4_, Precision::INT2, to_int2_)},
-                 "ops[0].dst_block");
+  expect_invalid(
+      {op(Precision::FP16, fp16_, Precision::INT4, int4_), op(Precision::INT4, int4_, Precision::INT2, to_int2_)},
+      "ops[0].dst_block");
   expect_invalid({op(Precision::INT2, 0, Precision::INT4, 0)}, "ops[0]: (src_precision, dst_precision)");
 }
 
@@ -202,8 +206,9 @@ TEST_F(DemoteBadInput, NanOrInfInTheSourceIsRejected) {
   const BlockFormat& f = arena_.format(Precision::FP16);
   for (std::uint16_t bits : {std::uint16_t{0x7e00}, std::uint16_t{0x7c00}, std::uint16_t{0xfc00}}) {
     DemoteBadInput::poke(Precision::FP16, fp16_, f.v_offset() + 5 * kDim * sizeof(Half) + 7 * sizeof(Half), bits);
-    expect_invalid({op(Precision::INT4, int4_, Precision::INT2, to_int2_), op(Precision::FP16, fp16_, Precision::INT4, to_int4_)},
-                   "ops[1]: FP16 block " + std::to_string(fp16_) + " head 1: V token 5");
+    expect_invalid(
+        {op(Precision::INT4, int4_, Precision::INT2, to_int2_), op(Precision::FP16, fp16_, Precision::INT4, to_int4_)},
+        "ops[1]: FP16 block " + std::to_string(fp16_) + " head 1: V token 5");
   }
   const BlockFormat& q = arena_.format(Precision::INT4);
   poke(Precision::INT4, int4_, q.k_scale_offset(3), 0x7e00);  // K channel 3's scale: NaN

@@ -119,8 +119,8 @@ TEST_P(HeadFormat, RoundTripWithinHalfStep) {
         for (bool is_k : {true, false}) {
           const float x = half_to_float(is_k ? k[i] : v[i]);
           const float got = is_k ? k_out[i] : v_out[i];
-          const auto [scale, min] = is_k ? params(f.k_scale_offset(c), f.k_min_offset(c))
-                                             : params(f.v_scale_offset(t), f.v_min_offset(t));
+          const auto [scale, min] =
+              is_k ? params(f.k_scale_offset(c), f.k_min_offset(c)) : params(f.v_scale_offset(t), f.v_min_offset(t));
           float lo = x;
           if (is_k) {
             for (int s = 0; s < f.block_size; ++s) lo = std::min(lo, half_to_float(k[s * stride + c]));
@@ -181,9 +181,9 @@ TEST(Quantize, CodesSitWhereBlockFormatDocumentsThem) {
   const BlockFormat f{Precision::INT4, 1, 64, 32};
   const std::size_t n = 64 * 32;
   std::vector<std::uint8_t> k(n, 0), v(n, 0);
-  k[1 * 64 + 2] = 0xa;   // token 1, channel 2: channel 2's run, byte 0, high nibble
-  k[6 * 64 + 0] = 0x5;   // token 6, channel 0: byte 3, low nibble
-  v[3 * 64 + 9] = 0xc;   // token 3, channel 9: token 3's run, byte 4, high nibble
+  k[1 * 64 + 2] = 0xa;  // token 1, channel 2: channel 2's run, byte 0, high nibble
+  k[6 * 64 + 0] = 0x5;  // token 6, channel 0: byte 3, low nibble
+  v[3 * 64 + 9] = 0xc;  // token 3, channel 9: token 3's run, byte 4, high nibble
   std::vector<std::byte> region(f.head_bytes(), std::byte{0});
   cpu::pack_codes(f, k.data(), v.data(), region.data());
   EXPECT_EQ(region[2 * 16 + 0], std::byte{0xa0});
@@ -227,10 +227,10 @@ TEST(Quantize, ParamsSitWhereBlockFormatDocumentsThem) {
       EXPECT_EQ(f.k_min_offset(1), k0 + 2);
       EXPECT_EQ(f.k_scale_offset(0), k0 + 4);
       EXPECT_EQ(f.k_scale_offset(1), k0 + 6);
-      EXPECT_EQ(f.k_min_offset(8), k0 + 8);    // pair 4 follows pair 0
+      EXPECT_EQ(f.k_min_offset(8), k0 + 8);  // pair 4 follows pair 0
       EXPECT_EQ(f.k_scale_offset(9), k0 + 14);
-      EXPECT_EQ(f.k_min_offset(2), k0 + 16);   // pair 1
-      EXPECT_EQ(f.k_min_offset(6), k0 + 48);   // pair 3
+      EXPECT_EQ(f.k_min_offset(2), k0 + 16);  // pair 1
+      EXPECT_EQ(f.k_min_offset(6), k0 + 48);  // pair 3
       EXPECT_EQ(f.k_scale_offset(7), k0 + 54);
       EXPECT_EQ(f.k_min_offset(14), k0 + 56);  // pair 7, the group's last
       EXPECT_EQ(f.k_min_offset(16), k0 + 64);  // the next group

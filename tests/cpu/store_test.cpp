@@ -130,7 +130,7 @@ TEST(Append, PaddingRowsAreSkipped) {
   const std::int32_t a = arena.alloc(Precision::FP16);
   const std::vector<std::int32_t> slots = {-1, a * kBlock + 7, -1};
   std::vector<Half> k = random_halves(rng, 3 * kRow), v = random_halves(rng, 3 * kRow);
-  k[3] = Half{0x7e00};          // NaN in padding row 0
+  k[3] = Half{0x7e00};             // NaN in padding row 0
   v[2 * kRow + 1] = Half{0xfc00};  // -inf in padding row 2
   cpu::append(k, v, slots, arena.view(Precision::FP16));
   for (std::int32_t h = 0; h < kHeads; ++h) {
@@ -231,8 +231,9 @@ TEST_F(StoreBadInput, StorePrefill) {
   m = mapping_;
   m.fp16_slots.resize(56, -1);
   m.int2_windows.push_back({m.int2_windows[0].block_id, 40});  // one block, two windows
-  MIXKV_EXPECT_INVALID(cpu::store_prefill(std::vector<Half>(56 * kRow), std::vector<Half>(56 * kRow), m, arena_.views()),
-                       "mapping.int2_windows block ids");
+  MIXKV_EXPECT_INVALID(
+      cpu::store_prefill(std::vector<Half>(56 * kRow), std::vector<Half>(56 * kRow), m, arena_.views()),
+      "mapping.int2_windows block ids");
   EXPECT_EQ(arena_.bytes(), before_);
 }
 
@@ -296,12 +297,14 @@ TEST_F(StoreBadInput, IdsAreBoundedByTheirPool) {
   }
   for (Precision p : {Precision::INT4, Precision::INT2}) {
     const std::int32_t n = arena_.view(p).num_blocks;
-    const std::string name = p == Precision::INT4 ? "mapping.int4_windows[0].block_id" : "mapping.int2_windows[0].block_id";
-    for (std::int32_t bad : {n, n + 1, 1000000, std::numeric_limits<std::int32_t>::max(), -1,
-                             std::numeric_limits<std::int32_t>::min()}) {
+    const std::string name =
+        p == Precision::INT4 ? "mapping.int4_windows[0].block_id" : "mapping.int2_windows[0].block_id";
+    for (std::int32_t bad :
+         {n, n + 1, 1000000, std::numeric_limits<std::int32_t>::max(), -1, std::numeric_limits<std::int32_t>::min()}) {
       StoreMapping m = mapping_;
       (p == Precision::INT4 ? m.int4_windows : m.int2_windows)[0].block_id = bad;
-      expect_out_of_range(m, name + " = " + std::to_string(bad) + ", expected 0 <= " + name + " < " + std::to_string(n));
+      expect_out_of_range(m,
+                          name + " = " + std::to_string(bad) + ", expected 0 <= " + name + " < " + std::to_string(n));
     }
   }
 
@@ -309,20 +312,21 @@ TEST_F(StoreBadInput, IdsAreBoundedByTheirPool) {
   const std::vector<Half> k(2 * kRow), v(2 * kRow);
   for (std::int32_t bad : {slots, 1000000, -2}) {
     MIXKV_EXPECT_OUT_OF_RANGE(cpu::append(k, v, std::vector<std::int32_t>{-1, bad}, pool),
-                              "fp16_slots[1] = " + std::to_string(bad) + ", expected -1 (a padding row) or 0 <= fp16_slots[1] < " +
-                                  std::to_string(slots));
+                              "fp16_slots[1] = " + std::to_string(bad) +
+                                  ", expected -1 (a padding row) or 0 <= fp16_slots[1] < " + std::to_string(slots));
   }
   using Copies = std::vector<BlockCopy>;
   for (std::int32_t bad : {fp16_blocks, 1000000, std::numeric_limits<std::int32_t>::max()}) {
-    MIXKV_EXPECT_OUT_OF_RANGE(cpu::copy_blocks(Copies{{1, 2}, {3, bad}}, pool),
-                              "copies[1].dst = " + std::to_string(bad) + ", expected 0 <= copies[1].dst < " +
-                                  std::to_string(fp16_blocks));
+    MIXKV_EXPECT_OUT_OF_RANGE(
+        cpu::copy_blocks(Copies{{1, 2}, {3, bad}}, pool),
+        "copies[1].dst = " + std::to_string(bad) + ", expected 0 <= copies[1].dst < " + std::to_string(fp16_blocks));
     MIXKV_EXPECT_OUT_OF_RANGE(cpu::copy_blocks(Copies{{bad, 2}}, pool), "copies[0].src = " + std::to_string(bad));
   }
   // A view that addresses nothing refuses every id.
   PoolView empty = pool;
   empty.num_blocks = 0;
-  MIXKV_EXPECT_OUT_OF_RANGE(cpu::copy_blocks(Copies{{0, 1}}, empty), "copies[0].src = 0, expected 0 <= copies[0].src < 0");
+  MIXKV_EXPECT_OUT_OF_RANGE(cpu::copy_blocks(Copies{{0, 1}}, empty),
+                            "copies[0].src = 0, expected 0 <= copies[0].src < 0");
   EXPECT_EQ(arena_.bytes(), before_);
 
   // The last slot and the last block are in range, and inside the arena.

@@ -18,8 +18,8 @@
 
 // Every GPU test starts with this: on a machine without a CUDA device the
 // test is reported as skipped, visibly, instead of passing silently.
-#define MIXKV_REQUIRE_CUDA()                                         \
-  do {                                                               \
+#define MIXKV_REQUIRE_CUDA()                                                      \
+  do {                                                                            \
     if (!::mixkv::gpu::cuda_device_available()) GTEST_SKIP() << "no CUDA device"; \
   } while (0)
 
@@ -139,8 +139,8 @@ void expect_error_naming(Call&& call, std::initializer_list<std::string> parts) 
     ADD_FAILURE() << "did not throw; expected a message naming " << *parts.begin();
   } catch (const E& e) {
     for (const std::string& part : parts) {
-      EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << "message does not name '" << part
-                                                                      << "': " << e.what();
+      EXPECT_NE(std::string(e.what()).find(part), std::string::npos)
+          << "message does not name '" << part << "': " << e.what();
     }
   }
 }

@@ -44,7 +44,8 @@ std::vector<SequenceData> make_sequences(const std::vector<int>& contexts, int h
     s.v = random_halves(rng, s.k.size(), 1.0);
     for (int w = 0; w < tokens / block; ++w) {
       const double u = std::uniform_real_distribution<double>(0.0, 1.0)(rng);
-      s.windows.push_back(u < mix.fp16 ? Precision::FP16 : (u < mix.fp16 + mix.int4 ? Precision::INT4 : Precision::INT2));
+      s.windows.push_back(u < mix.fp16 ? Precision::FP16
+                                       : (u < mix.fp16 + mix.int4 ? Precision::INT4 : Precision::INT2));
     }
     seqs.push_back(std::move(s));
   }
@@ -78,9 +79,9 @@ std::int32_t longest_list(const PlacedBatch& placed) {
 }
 
 // Runs the CUDA decode for one layer of `placed` (stored in `arena`).
-DecodeResult run_gpu(TestArena& arena, const PlacedBatch& placed, const std::vector<Half>& q, int q_heads, float sm_scale,
-                  int chunks = 0, int layers = 1, int layer = 0, int num_sms = 0, std::int32_t* num_items = nullptr,
-                  int max_heads_per_item = 0) {
+DecodeResult run_gpu(TestArena& arena, const PlacedBatch& placed, const std::vector<Half>& q, int q_heads,
+                     float sm_scale, int chunks = 0, int layers = 1, int layer = 0, int num_sms = 0,
+                     std::int32_t* num_items = nullptr, int max_heads_per_item = 0) {
   const BlockFormat f = arena.format(Precision::FP16);
   const auto batch = static_cast<std::int32_t>(placed.tables[0].indptr.size() - 1);
   DeviceArenaCopy device(arena);
@@ -168,35 +169,34 @@ std::vector<int> cycle(std::initializer_list<int> lengths, int batch) {
 
 INSTANTIATE_TEST_SUITE_P(
     OddSizes, DecodeCuda,
-    ::testing::Values(
-        DecodeCase{{1}, 28, 4, 128, 32, kMixed, "b1_ctx1_gqa7"},
-        DecodeCase{{31}, 28, 4, 128, 32, kMixed, "b1_ctx31"},
-        DecodeCase{{33}, 28, 4, 128, 32, kAllInt2, "b1_ctx33_int2"},
-        DecodeCase{{97, 33, 31}, 9, 3, 128, 32, kMixed, "b3_gqa3"},
-        DecodeCase{cycle({1, 31, 33, 97, 500}, 17), 8, 2, 128, 32, kMixed, "b17_gqa4"},
-        DecodeCase{cycle({97, 33, 64}, 3), 4, 4, 64, 32, kMixed, "b3_d64_mha"},
-        DecodeCase{cycle({97, 130}, 3), 28, 4, 256, 32, kMixed, "b3_d256"},
-        DecodeCase{cycle({97, 200}, 3), 28, 4, 128, 16, kMixed, "b3_block16"},
-        DecodeCase{cycle({97, 300}, 3), 28, 4, 128, 64, kMixed, "b3_block64"},
-        DecodeCase{cycle({256, 97}, 3), 28, 4, 128, 32, kAllFp16, "all_fp16"},
-        DecodeCase{cycle({256, 97}, 3), 28, 4, 128, 32, kAllInt4, "all_int4"},
-        DecodeCase{cycle({256, 97}, 3), 28, 4, 128, 32, kAllInt2, "all_int2"},
-        DecodeCase{{19600}, 28, 4, 128, 32, kMixed, "b1_ctx19600"},
-        DecodeCase{{19600, 97, 19600}, 9, 3, 128, 32, kMixed, "b3_ctx19600_gqa3"},
-        // Groups over 8 query heads: items of two n-tiles at head_dim 128,
-        // block 32 (16 heads; 11 with 5 padded), head tiles of <= 8 at a
-        // small batch's default (3 x 2 pairs: 2 x 8, 11 x 1) and where no
-        // two-tile instance is built (unless all are: 2 x 8 at block 16,
-        // 2 x 6 at head_dim 64).
-        DecodeCase{{97, 33, 300}, 32, 2, 128, 32, kMixed, "b3_gqa16", 16},
-        DecodeCase{{97, 33, 300}, 32, 2, 128, 32, kMixed, "b3_gqa16_tiles"},
-        DecodeCase{{130, 31}, 11, 1, 128, 32, kMixed, "b2_gqa11", 16},
-        DecodeCase{{130, 31}, 11, 1, 128, 32, kMixed, "b2_gqa11_tiles"},
-        DecodeCase{{19600}, 64, 4, 128, 32, kMixed, "b1_ctx19600_gqa16", 16},
-        DecodeCase{cycle({256, 97}, 3), 32, 2, 128, 32, kAllInt2, "all_int2_gqa16", 16},
-        DecodeCase{{97, 500}, 32, 1, 128, 32, kMixed, "b2_mqa32", 16},  // 2 tiles of 16
-        DecodeCase{{97, 200}, 32, 2, 128, 16, kMixed, "b2_block16_gqa16"},
-        DecodeCase{cycle({97, 200}, 3), 24, 2, 64, 32, kMixed, "b3_d64_gqa12"}),
+    ::testing::Values(DecodeCase{{1}, 28, 4, 128, 32, kMixed, "b1_ctx1_gqa7"},
+                      DecodeCase{{31}, 28, 4, 128, 32, kMixed, "b1_ctx31"},
+                      DecodeCase{{33}, 28, 4, 128, 32, kAllInt2, "b1_ctx33_int2"},
+                      DecodeCase{{97, 33, 31}, 9, 3, 128, 32, kMixed, "b3_gqa3"},
+                      DecodeCase{cycle({1, 31, 33, 97, 500}, 17), 8, 2, 128, 32, kMixed, "b17_gqa4"},
+                      DecodeCase{cycle({97, 33, 64}, 3), 4, 4, 64, 32, kMixed, "b3_d64_mha"},
+                      DecodeCase{cycle({97, 130}, 3), 28, 4, 256, 32, kMixed, "b3_d256"},
+                      DecodeCase{cycle({97, 200}, 3), 28, 4, 128, 16, kMixed, "b3_block16"},
+                      DecodeCase{cycle({97, 300}, 3), 28, 4, 128, 64, kMixed, "b3_block64"},
+                      DecodeCase{cycle({256, 97}, 3), 28, 4, 128, 32, kAllFp16, "all_fp16"},
+                      DecodeCase{cycle({256, 97}, 3), 28, 4, 128, 32, kAllInt4, "all_int4"},
+                      DecodeCase{cycle({256, 97}, 3), 28, 4, 128, 32, kAllInt2, "all_int2"},
+                      DecodeCase{{19600}, 28, 4, 128, 32, kMixed, "b1_ctx19600"},
+                      DecodeCase{{19600, 97, 19600}, 9, 3, 128, 32, kMixed, "b3_ctx19600_gqa3"},
+                      // Groups over 8 query heads: items of two n-tiles at head_dim 128,
+                      // block 32 (16 heads; 11 with 5 padded), head tiles of <= 8 at a
+                      // small batch's default (3 x 2 pairs: 2 x 8, 11 x 1) and where no
+                      // two-tile instance is built (unless all are: 2 x 8 at block 16,
+                      // 2 x 6 at head_dim 64).
+                      DecodeCase{{97, 33, 300}, 32, 2, 128, 32, kMixed, "b3_gqa16", 16},
+                      DecodeCase{{97, 33, 300}, 32, 2, 128, 32, kMixed, "b3_gqa16_tiles"},
+                      DecodeCase{{130, 31}, 11, 1, 128, 32, kMixed, "b2_gqa11", 16},
+                      DecodeCase{{130, 31}, 11, 1, 128, 32, kMixed, "b2_gqa11_tiles"},
+                      DecodeCase{{19600}, 64, 4, 128, 32, kMixed, "b1_ctx19600_gqa16", 16},
+                      DecodeCase{cycle({256, 97}, 3), 32, 2, 128, 32, kAllInt2, "all_int2_gqa16", 16},
+                      DecodeCase{{97, 500}, 32, 1, 128, 32, kMixed, "b2_mqa32", 16},  // 2 tiles of 16
+                      DecodeCase{{97, 200}, 32, 2, 128, 16, kMixed, "b2_block16_gqa16"},
+                      DecodeCase{cycle({97, 200}, 3), 24, 2, 64, 32, kMixed, "b3_d64_gqa12"}),
     [](const auto& info) { return std::string(info.param.name); });
 
 // Mixed-plan sequences whose block b of K sits at bits(b) of score (each
@@ -250,7 +250,8 @@ TEST(DecodeCudaSoftmax, FarNegativeScoresMatchCpuReference) {
 // and launches the pieces in the order that lets each CTA slot run one
 // share (pieces of pairs, whole short pairs, an empty sequence). Each plan
 // for `sms` SMs against the CPU reference; `tiles` items per piece.
-void expect_shares_match(int kvh, int qh, int batch, std::uint64_t seed, std::initializer_list<int> sms_counts, int tiles) {
+void expect_shares_match(int kvh, int qh, int batch, std::uint64_t seed, std::initializer_list<int> sms_counts,
+                         int tiles) {
   const int dim = 128, block = 32;
   Rng rng(seed);
   std::vector<int> contexts = cycle({1, 97, 500, 1000, 33, 2000, 31, 0, 64}, batch);
@@ -284,8 +285,8 @@ TEST(DecodeCudaHeads, ItemWidthsMatchCpuReference) {
     for (int heads : {0, 8, 16}) {
       for (int chunks : {1, 5}) {
         std::int32_t items = 0;
-        const std::string what = std::to_string(batch) + " sequences, " + std::to_string(heads) +
-                                 " heads an item, " + std::to_string(chunks) + " chunks";
+        const std::string what = std::to_string(batch) + " sequences, " + std::to_string(heads) + " heads an item, " +
+                                 std::to_string(chunks) + " chunks";
         expect_close(run_gpu(arena, placed, q, qh, scale, chunks, 1, 0, 0, &items, heads), ref, dim, what);
         const int tiles = heads == 16 || (heads == 0 && batch * kvh >= 16) ? 1 : 2;
         int pieces = 0;  // a 1-token sequence is one piece
@@ -514,8 +515,8 @@ TEST(DecodeCudaPlan, FailedPlanChangesNothing) {
     return v;
   };
   const std::vector<std::int64_t> before = state();
-  EXPECT_EQ(before[1], 1);  // layer 0: one item
-  EXPECT_EQ(before[4], 2);  // layer 1: two chunks
+  EXPECT_EQ(before[1], 1);                        // layer 0: one item
+  EXPECT_EQ(before[4], 2);                        // layer 1: two chunks
   const std::vector<std::int32_t> both = {0, 1};  // layer 0 fits (2 items), layer 1 does not (4)
   EXPECT_THROW(plan.plan(both, nullptr), OutOfMemory);
   EXPECT_EQ(state(), before);

@@ -71,14 +71,16 @@ void quantize_floats(const BlockFormat& f, const float* k, const float* v, std::
     for (int t = 0; t < S; ++t) lo = std::min(lo, k[t * D + c]), hi = std::max(hi, k[t * D + c]);
     const auto [s, m] = params(lo, hi, f.k_scale_offset(c), f.k_min_offset(c));
     const float inverse = quant_inverse_step(s), bias = quant_bias(m, inverse);
-    for (int t = 0; t < S; ++t) kc[t * D + c] = static_cast<std::uint8_t>(quant_code(k[t * D + c], inverse, bias, qmax));
+    for (int t = 0; t < S; ++t)
+      kc[t * D + c] = static_cast<std::uint8_t>(quant_code(k[t * D + c], inverse, bias, qmax));
   }
   for (int t = 0; t < S; ++t) {
     const float lo = *std::min_element(v + t * D, v + t * D + D);
     const float hi = *std::max_element(v + t * D, v + t * D + D);
     const auto [s, m] = params(lo, hi, f.v_scale_offset(t), f.v_min_offset(t));
     const float inverse = quant_inverse_step(s), bias = quant_bias(m, inverse);
-    for (int c = 0; c < D; ++c) vc[t * D + c] = static_cast<std::uint8_t>(quant_code(v[t * D + c], inverse, bias, qmax));
+    for (int c = 0; c < D; ++c)
+      vc[t * D + c] = static_cast<std::uint8_t>(quant_code(v[t * D + c], inverse, bias, qmax));
   }
   cpu::pack_codes(f, kc.data(), vc.data(), region);
 }

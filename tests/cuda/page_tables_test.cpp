@@ -14,8 +14,8 @@ namespace {
 
 std::vector<std::int32_t> device_row(const gpu::DeviceTablesView& view, int layer, int pool, int slot, int n) {
   std::vector<std::int32_t> row(n);
-  const std::size_t at = ((static_cast<std::size_t>(layer) * kNumPrecisions + pool) * view.max_sequences + slot) *
-                         view.max_blocks;
+  const std::size_t at =
+      ((static_cast<std::size_t>(layer) * kNumPrecisions + pool) * view.max_sequences + slot) * view.max_blocks;
   cuda_ok(cudaDeviceSynchronize(), "sync");
   cuda_ok(cudaMemcpy(row.data(), view.blocks + at, n * sizeof(std::int32_t), cudaMemcpyDeviceToHost), "D2H");
   return row;
@@ -66,8 +66,7 @@ TEST(DevicePageTablesCuda, BadInputChangesNothing) {
   const std::vector<std::int32_t> too_long(5, 1);
   MIXKV_EXPECT_INVALID(tables.set_blocks(0, 0, Precision::INT4, too_long), "max_blocks_per_sequence");
   const std::vector<std::int32_t> negative = {1, -3};
-  expect_error_naming<IndexOutOfRange>([&] { tables.set_blocks(0, 0, Precision::INT4, negative); },
-                                       {"blocks[1] = -3"});
+  expect_error_naming<IndexOutOfRange>([&] { tables.set_blocks(0, 0, Precision::INT4, negative); }, {"blocks[1] = -3"});
   EXPECT_THROW(tables.set_blocks(2, 0, Precision::INT4, negative), IndexOutOfRange);
   EXPECT_EQ(tables.pending_updates(), 0u);
 }
@@ -125,7 +124,9 @@ TEST(DevicePageTablesCuda, BlockIdsOutsideTheArenaAreRejected) {
 
   // A narrower bound must stay above every id held; a bound of 0 is no bound.
   expect_error_naming<IndexOutOfRange>(
-      [&] { tables.set_pool_blocks({layout.pools[0].num_blocks, 1, layout.pools[2].num_blocks}); },
+      [&] {
+        tables.set_pool_blocks({layout.pools[0].num_blocks, 1, layout.pools[2].num_blocks});
+      },
       {"pool_blocks[INT4] = 1", "holds block"});
   EXPECT_EQ(tables.config().pool_blocks[1], layout.pools[1].num_blocks);
   expect_error_naming<InvalidArgument>([&] { tables.set_pool_blocks({0, 1, 1}); }, {"pool_blocks[FP16] = 0"});

@@ -85,8 +85,8 @@ void expect_store_matches_cpu(const StoreCase& c, Edit edit) {
       ++diffs;
     }
   }
-  EXPECT_EQ(diffs, 0u) << "first differing byte at " << first_diff << " (int4 windows "
-                       << mapping.int4_windows.size() << ", int2 windows " << mapping.int2_windows.size() << ")";
+  EXPECT_EQ(diffs, 0u) << "first differing byte at " << first_diff << " (int4 windows " << mapping.int4_windows.size()
+                       << ", int2 windows " << mapping.int2_windows.size() << ")";
 }
 
 TEST_P(StorePrefillCuda, MatchesCpuByteForByte) {
@@ -117,24 +117,24 @@ TEST(StorePrefillCudaEdges, ConstantAndSubnormalGroupsMatchCpu) {
   });
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    OddSizes, StorePrefillCuda,
-    ::testing::Values(StoreCase{1, 64, 32, 97}, StoreCase{3, 64, 32, 33}, StoreCase{4, 128, 32, 1},
-                      StoreCase{4, 128, 32, 31}, StoreCase{4, 128, 32, 97}, StoreCase{2, 128, 16, 97},
-                      StoreCase{2, 128, 64, 200}, StoreCase{3, 256, 32, 97}, StoreCase{4, 128, 32, 19600},
-                      // Several tiles per persistent CTA: ~6 rounds of two stages; and tiles too
-                      // large for two stages (one stage, > 1 round on up to 132 SMs).
-                      StoreCase{4, 64, 16, 40000}, StoreCase{1, 256, 128, 40000},
-                      // Shapes with no instance of their own, through the generic one: 10 row
-                      // chunks per head (the load's column wrap), odd INT2 words per channel.
-                      StoreCase{2, 80, 48, 200}, StoreCase{3, 96, 32, 97},
-                      // FP16 rows of 256 K/V chunk pairs: two rounds of a copy unit's lanes.
-                      StoreCase{8, 256, 32, 70}),
-    [](const auto& info) {
-      const StoreCase& c = info.param;
-      return "H" + std::to_string(c.heads) + "_D" + std::to_string(c.dim) + "_S" + std::to_string(c.block) + "_rows" +
-             std::to_string(c.rows);
-    });
+INSTANTIATE_TEST_SUITE_P(OddSizes, StorePrefillCuda,
+                         ::testing::Values(StoreCase{1, 64, 32, 97}, StoreCase{3, 64, 32, 33}, StoreCase{4, 128, 32, 1},
+                                           StoreCase{4, 128, 32, 31}, StoreCase{4, 128, 32, 97},
+                                           StoreCase{2, 128, 16, 97}, StoreCase{2, 128, 64, 200},
+                                           StoreCase{3, 256, 32, 97}, StoreCase{4, 128, 32, 19600},
+                                           // Several tiles per persistent CTA: ~6 rounds of two stages; and tiles too
+                                           // large for two stages (one stage, > 1 round on up to 132 SMs).
+                                           StoreCase{4, 64, 16, 40000}, StoreCase{1, 256, 128, 40000},
+                                           // Shapes with no instance of their own, through the generic one: 10 row
+                                           // chunks per head (the load's column wrap), odd INT2 words per channel.
+                                           StoreCase{2, 80, 48, 200}, StoreCase{3, 96, 32, 97},
+                                           // FP16 rows of 256 K/V chunk pairs: two rounds of a copy unit's lanes.
+                                           StoreCase{8, 256, 32, 70}),
+                         [](const auto& info) {
+                           const StoreCase& c = info.param;
+                           return "H" + std::to_string(c.heads) + "_D" + std::to_string(c.dim) + "_S" +
+                                  std::to_string(c.block) + "_rows" + std::to_string(c.rows);
+                         });
 
 TEST(AppendCuda, MatchesCpu) {
   MIXKV_REQUIRE_CUDA();
@@ -143,7 +143,8 @@ TEST(AppendCuda, MatchesCpu) {
   DeviceArenaCopy device(arena);
   Rng rng(5);
   std::vector<std::int32_t> slots;
-  for (int i = 0; i < batch; ++i) slots.push_back(arena.alloc(Precision::FP16) * block + static_cast<int>(rng() % block));
+  for (int i = 0; i < batch; ++i)
+    slots.push_back(arena.alloc(Precision::FP16) * block + static_cast<int>(rng() % block));
   // Every third row is padding (slot -1), holding NaNs: nothing of it may land.
   for (int i = 0; i < batch; i += 3) slots[i] = -1;
   auto k = random_halves(rng, static_cast<std::size_t>(batch) * heads * dim);
@@ -174,9 +175,7 @@ TEST(CopyBlocksCuda, MatchesCpu) {
 }
 
 // Ids the kernels cannot trust: one past the end, far past it, negative.
-std::vector<std::int32_t> bad_ids(std::int32_t limit) {
-  return {limit, limit + 1, 1 << 30, INT32_MAX, -2, INT32_MIN};
-}
+std::vector<std::int32_t> bad_ids(std::int32_t limit) { return {limit, limit + 1, 1 << 30, INT32_MAX, -2, INT32_MIN}; }
 
 // append with a slot one past the FP16 pool, far past it and negative
 // (other than -1, padding): the kernel skips that row and records it; the
@@ -208,9 +207,9 @@ TEST(AppendCudaBadSlots, SkippedRecordedAndRaised) {
   for (const std::int32_t bad : bad_ids(limit)) {
     SCOPED_TRACE("slot " + std::to_string(bad));
     run(bad, &status);
-    expect_error_naming<IndexOutOfRange>([&] { status.check(nullptr); },
-                                         {"append: fp16_slots[1] = " + std::to_string(bad),
-                                          "[0, " + std::to_string(limit) + ")"});
+    expect_error_naming<IndexOutOfRange>(
+        [&] { status.check(nullptr); },
+        {"append: fp16_slots[1] = " + std::to_string(bad), "[0, " + std::to_string(limit) + ")"});
     EXPECT_FALSE(status.offence().has_value());
     expect_context_usable("append with a bad slot");
     EXPECT_TRUE(device.download() == arena.bytes()) << "a row other than the bad one differs, or the bad one landed";
@@ -292,9 +291,9 @@ TEST(StoreCudaBadIds, CheckedOnTheHostBeforeUploadAndLaunch) {
     if (bad < -1) {
       MIXKV_EXPECT_INVALID(dmap.upload(m, layout, nullptr), "mapping.fp16_slots[5] = " + std::to_string(bad));
     } else {
-      expect_error_naming<IndexOutOfRange>([&] { dmap.upload(m, layout, nullptr); },
-                                           {"mapping.fp16_slots[5] = " + std::to_string(bad),
-                                            "[0, " + std::to_string(slot_limit) + ")"});
+      expect_error_naming<IndexOutOfRange>(
+          [&] { dmap.upload(m, layout, nullptr); },
+          {"mapping.fp16_slots[5] = " + std::to_string(bad), "[0, " + std::to_string(slot_limit) + ")"});
     }
   }
   for (const Precision p : {Precision::INT4, Precision::INT2}) {
@@ -303,8 +302,8 @@ TEST(StoreCudaBadIds, CheckedOnTheHostBeforeUploadAndLaunch) {
       SCOPED_TRACE(std::string(to_string(p)) + " block " + std::to_string(bad));
       StoreMapping m = good;
       (p == Precision::INT4 ? m.int4_windows : m.int2_windows)[0].block_id = bad;
-      const std::string name = p == Precision::INT4 ? "mapping.int4_windows[0].block_id = "
-                                                    : "mapping.int2_windows[0].block_id = ";
+      const std::string name =
+          p == Precision::INT4 ? "mapping.int4_windows[0].block_id = " : "mapping.int2_windows[0].block_id = ";
       expect_error_naming<IndexOutOfRange>([&] { dmap.upload(m, layout, nullptr); },
                                            {name + std::to_string(bad), "[0, " + std::to_string(limit) + ")"});
     }
@@ -398,7 +397,8 @@ TEST(StoreCudaBadInput, RejectsShapesTheKernelCannotHold) {
   MIXKV_EXPECT_INVALID(gpu::store_prefill(many_units), "expected < 2^30 / 4");
   gpu::StorePrefillArgs misaligned = args_for(1, 128, 32);
   misaligned.v = values + 1;
-  MIXKV_EXPECT_INVALID(gpu::store_prefill(misaligned), "k, v: expected 16-byte aligned device pointers (k is, v is not)");
+  MIXKV_EXPECT_INVALID(gpu::store_prefill(misaligned),
+                       "k, v: expected 16-byte aligned device pointers (k is, v is not)");
   MIXKV_EXPECT_INVALID(gpu::store_prefill(args_for(1, 512, 256)), "too large for one tile");
   gpu::StorePrefillArgs extra_fp16_rows = args_for(1, 128, 32);
   extra_fp16_rows.num_fp16_rows = 2;

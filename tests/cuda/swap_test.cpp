@@ -80,7 +80,10 @@ PoolViews views_over(const KVCacheManager& manager, std::byte* base, bool swap_p
 class DeviceCache {
  public:
   explicit DeviceCache(const CacheConfig& config)
-      : manager(config), arena(config.arena_bytes), pinned(manager.swap_layout()), pools(arena.pool_views(manager.arena_layout())) {
+      : manager(config),
+        arena(config.arena_bytes),
+        pinned(manager.swap_layout()),
+        pools(arena.pool_views(manager.arena_layout())) {
     // Poison: a block the test forgets to write reads as NaN, not as zeros.
     cuda_ok(cudaMemset(arena.base(), 0x7e, arena.bytes()), "memset arena");
   }
@@ -129,9 +132,7 @@ class DeviceCache {
   }
 
   std::vector<std::byte> arena_bytes() const { return download(arena.base(), manager.config().arena_bytes); }
-  std::vector<std::byte> swap_bytes() const {
-    return {pinned.host(), pinned.host() + manager.swap_bytes()};
-  }
+  std::vector<std::byte> swap_bytes() const { return {pinned.host(), pinned.host() + manager.swap_bytes()}; }
 
   // A resident sequence's bytes in page-table order, read from `mirror`.
   std::vector<std::byte> snapshot(SequenceId id, std::vector<std::byte>& mirror) const {
@@ -295,7 +296,7 @@ TEST(SwapCuda, LongRandomListsMatchCpu) {
   MIXKV_REQUIRE_CUDA();
   CacheConfig c;
   c.shape = CacheShape{1, 1, 16, 16};  // FP16 block 1 KiB, INT4 384 B, INT2 256 B
-  c.slab_bytes = 64 * 1024;  // 64 FP16, 170 INT4, 256 INT2 blocks
+  c.slab_bytes = 64 * 1024;            // 64 FP16, 170 INT4, 256 INT2 blocks
   c.arena_bytes = c.slab_bytes * 100;
   c.swap_blocks = {4000, 3500, 3000};
   // Pools own disjoint slabs, as in the manager (a list whose FP16 and INT4
@@ -364,8 +365,8 @@ void expect_throw_naming(const std::function<void()>& call, const std::string& n
     call();
     ADD_FAILURE() << "did not throw; expected a message naming " << name;
   } catch (const E& e) {
-    EXPECT_NE(std::string(e.what()).find(name), std::string::npos) << "message does not name " << name << ": "
-                                                                     << e.what();
+    EXPECT_NE(std::string(e.what()).find(name), std::string::npos)
+        << "message does not name " << name << ": " << e.what();
   }
 }
 
@@ -378,7 +379,9 @@ TEST(SwapCudaBadInput, ListEntriesAreNamed) {
   const auto d2h = SwapDirection::DeviceToHost;
   const auto h2d = SwapDirection::HostToDevice;
   auto upload = [&](std::vector<SwapCopy> copies, SwapDirection dir = SwapDirection::DeviceToHost) {
-    return [&list, &manager, copies = std::move(copies), dir] { list.upload(copies, dir, manager.arena_layout(), manager.swap_layout(), nullptr); };
+    return [&list, &manager, copies = std::move(copies), dir] {
+      list.upload(copies, dir, manager.arena_layout(), manager.swap_layout(), nullptr);
+    };
   };
   // 3 slabs: 12 FP16, 30 INT4, 48 INT2 block ids; slots 2, 3, 4.
   expect_throw_naming<InvalidArgument>(upload({{Precision::FP16, 0, 0}, {static_cast<Precision>(3), 0, 0}}),
@@ -397,9 +400,11 @@ TEST(SwapCudaBadInput, ListEntriesAreNamed) {
 
   gpu::SwapBlocksArgs args;  // no pools at all
   expect_throw_naming<InvalidArgument>([&] { gpu::swap_blocks(args); }, "device[FP16].base is null");
-  for (const Precision p : kAllPrecisions) args.device[pool_index(p)] = manager.pool_view(p, reinterpret_cast<std::byte*>(256));
+  for (const Precision p : kAllPrecisions)
+    args.device[pool_index(p)] = manager.pool_view(p, reinterpret_cast<std::byte*>(256));
   expect_throw_naming<InvalidArgument>([&] { gpu::swap_blocks(args); }, "host[FP16].base is null");
-  for (const Precision p : kAllPrecisions) args.host[pool_index(p)] = manager.swap_view(p, reinterpret_cast<std::byte*>(512));
+  for (const Precision p : kAllPrecisions)
+    args.host[pool_index(p)] = manager.swap_view(p, reinterpret_cast<std::byte*>(512));
   std::swap(args.host[1], args.host[2]);
   expect_throw_naming<InvalidArgument>([&] { gpu::swap_blocks(args); }, "host[INT4].format.precision = INT2");
   std::swap(args.host[1], args.host[2]);
@@ -413,7 +418,8 @@ TEST(SwapCudaBadInput, ListEntriesAreNamed) {
   CacheConfig no_swap = small_config();
   no_swap.swap_blocks = {0, 0, 0};
   const KVCacheManager without(no_swap);
-  expect_throw_naming<InvalidArgument>([&] { gpu::PinnedSwapBuffer buffer(without.swap_layout()); }, "layout.bytes = 0");
+  expect_throw_naming<InvalidArgument>([&] { gpu::PinnedSwapBuffer buffer(without.swap_layout()); },
+                                       "layout.bytes = 0");
 }
 
 // A rejected upload leaves the previous list in place (count and contents)
@@ -441,23 +447,25 @@ TEST(SwapCudaBadInput, RejectedListLaunchesNothingAndEmptyListIsANoOp) {
   // the other direction).
   const auto d2h = SwapDirection::DeviceToHost;
   const auto h2d = SwapDirection::HostToDevice;
-  EXPECT_NO_THROW(cache.list.upload(std::vector<SwapCopy>{{Precision::INT2, 47, 3}, {Precision::INT4, 29, 2},
-                                                          {Precision::FP16, 11, 1}},
-                                    h2d, cache.manager.arena_layout(), cache.manager.swap_layout(), nullptr));
+  EXPECT_NO_THROW(cache.list.upload(
+      std::vector<SwapCopy>{{Precision::INT2, 47, 3}, {Precision::INT4, 29, 2}, {Precision::FP16, 11, 1}}, h2d,
+      cache.manager.arena_layout(), cache.manager.swap_layout(), nullptr));
   EXPECT_NO_THROW(cache.list.upload(std::vector<SwapCopy>{{Precision::INT4, 1, 1}, {Precision::INT2, 2, 1}}, d2h,
                                     cache.manager.arena_layout(), cache.manager.swap_layout(), nullptr));
   EXPECT_NO_THROW(cache.list.upload(std::vector<SwapCopy>{{Precision::INT2, 7, 0}, {Precision::INT2, 7, 1}}, d2h,
                                     cache.manager.arena_layout(), cache.manager.swap_layout(), nullptr));
 
   const std::vector<SwapCopy> good = {{Precision::FP16, 3, 1}, {Precision::INT2, 40, 0}};
-  cache.list.upload(good, SwapDirection::DeviceToHost, cache.manager.arena_layout(), cache.manager.swap_layout(), nullptr);
+  cache.list.upload(good, SwapDirection::DeviceToHost, cache.manager.arena_layout(), cache.manager.swap_layout(),
+                    nullptr);
   const std::vector<std::vector<SwapCopy>> bad = {
       {{Precision::FP16, 0, 0}, {static_cast<Precision>(7), 0, 0}},  // pool out of range
-      {{Precision::FP16, 0, 0}, {Precision::INT4, 30, 0}},          // block out of range
-      {{Precision::FP16, 0, 0}, {Precision::INT2, 0, 4}},           // host slot out of range
+      {{Precision::FP16, 0, 0}, {Precision::INT4, 30, 0}},           // block out of range
+      {{Precision::FP16, 0, 0}, {Precision::INT2, 0, 4}},            // host slot out of range
   };
   for (const auto& list : bad) {
-    EXPECT_ANY_THROW(cache.list.upload(list, SwapDirection::HostToDevice, cache.manager.arena_layout(), cache.manager.swap_layout(), nullptr));
+    EXPECT_ANY_THROW(cache.list.upload(list, SwapDirection::HostToDevice, cache.manager.arena_layout(),
+                                       cache.manager.swap_layout(), nullptr));
   }
   cuda_ok(cudaDeviceSynchronize(), "sync");
   EXPECT_TRUE(cache.swap_bytes() == zeros) << "a rejected list copied something";
@@ -538,10 +546,10 @@ TEST(SwapCudaBadIds, RawListEntriesAreCheckedInTheKernel) {
     args.host = cache.pinned.device_views(swap);
     args.status = &status;
     gpu::swap_blocks(args);
-    expect_error_naming<IndexOutOfRange>([&] { status.check(nullptr); },
-                                         {"swap_blocks: " + c.name, c.name.find(".pool") != std::string::npos
-                                                                        ? std::string("FP16 (0)")
-                                                                        : "[0, " + std::to_string(c.limit) + ")"});
+    expect_error_naming<IndexOutOfRange>(
+        [&] { status.check(nullptr); },
+        {"swap_blocks: " + c.name,
+         c.name.find(".pool") != std::string::npos ? std::string("FP16 (0)") : "[0, " + std::to_string(c.limit) + ")"});
     expect_context_usable("swap_blocks with a bad entry");
     EXPECT_TRUE(cache.swap_bytes() == expected);
     EXPECT_TRUE(cache.arena_bytes() == mirror);

@@ -45,7 +45,8 @@ CacheConfig decode_config(FuzzedDataProvider& in) {
   c.shape.block_size = in.ConsumeBool() ? 32 : 16;
   const std::size_t fp16_block = static_cast<std::size_t>(c.shape.num_kv_heads) * c.shape.head_dim *
                                  static_cast<std::size_t>(c.shape.block_size) * 2 * sizeof(std::uint16_t);
-  c.slab_bytes = fp16_block * in.ConsumeIntegralInRange<std::size_t>(1, 4) + in.ConsumeIntegralInRange<std::size_t>(0, 300);
+  c.slab_bytes =
+      fp16_block * in.ConsumeIntegralInRange<std::size_t>(1, 4) + in.ConsumeIntegralInRange<std::size_t>(0, 300);
   c.arena_bytes = c.slab_bytes * in.ConsumeIntegralInRange<std::size_t>(1, 8) +
                   in.ConsumeIntegralInRange<std::size_t>(0, c.slab_bytes - 1);
   for (std::int64_t& slots : c.swap_blocks) slots = in.ConsumeIntegralInRange<std::int64_t>(0, 12);
@@ -76,7 +77,8 @@ class Harness {
       const std::string before = cache_.describe_state();
       bool unchanged = false;  // the state must equal `before` afterwards
       switch (in_.ConsumeIntegralInRange<int>(0, 11)) {
-        case 0: case 1: unchanged = !add(); break;
+        case 0:
+        case 1: unchanged = !add(); break;
         case 2: unchanged = !append(/*by_handle=*/false); break;
         case 3: unchanged = !append(/*by_handle=*/true); break;
         case 4: unchanged = !fork(); break;
@@ -84,9 +86,18 @@ class Harness {
         case 6: unchanged = !swap_out(); break;
         case 7: unchanged = !swap_in(); break;
         case 8: unchanged = !demote(); break;
-        case 9: metadata(); unchanged = true; break;
-        case 10: mapping(); unchanged = true; break;
-        default: inspect(); unchanged = true; break;
+        case 9:
+          metadata();
+          unchanged = true;
+          break;
+        case 10:
+          mapping();
+          unchanged = true;
+          break;
+        default:
+          inspect();
+          unchanged = true;
+          break;
       }
       check_all(before, unchanged);
     }
@@ -135,7 +146,9 @@ class Harness {
     for (std::int32_t w = 0; w < windows; ++w) {
       plan.set_score(w, static_cast<float>(in_.ConsumeIntegralInRange<int>(-100, 100)) / 100.0f);
       for (std::int32_t l = 0; l < layers; ++l) {
-        plan.set(l, w, mode < 3 ? static_cast<Precision>(mode) : static_cast<Precision>(in_.ConsumeIntegralInRange<int>(0, 2)));
+        plan.set(
+            l, w,
+            mode < 3 ? static_cast<Precision>(mode) : static_cast<Precision>(in_.ConsumeIntegralInRange<int>(0, 2)));
       }
     }
     return plan;
@@ -204,8 +217,8 @@ class Harness {
         if (!stale_.empty() && in_.ConsumeBool()) {
           handles.push_back(stale_[in_.ConsumeIntegralInRange<std::size_t>(0, stale_.size() - 1)]);
         } else {
-          handles.push_back({in_.ConsumeIntegralInRange<std::int32_t>(-1, 9),
-                             in_.ConsumeIntegralInRange<std::uint32_t>(0, 3)});
+          handles.push_back(
+              {in_.ConsumeIntegralInRange<std::int32_t>(-1, 9), in_.ConsumeIntegralInRange<std::uint32_t>(0, 3)});
         }
         // A made-up handle may be a live one by chance; a stale one never is.
         id = -2;
@@ -228,7 +241,8 @@ class Harness {
     // asked for) and with the page tables; tails_changed lists exactly the
     // sequences whose tail moved.
     if (result.offsets.size() != ids.size()) finding("append_tokens: one offset per sequence");
-    if (form == AppendSlots::PerLayer ? result.slots.size() != static_cast<std::size_t>(layers_) : !result.slots.empty()) {
+    if (form == AppendSlots::PerLayer ? result.slots.size() != static_cast<std::size_t>(layers_)
+                                      : !result.slots.empty()) {
       finding("append_tokens: slots per layer only in the PerLayer form");
     }
     std::vector<std::int32_t> changed;
@@ -323,16 +337,17 @@ class Harness {
       const std::int32_t windows = live_.contains(d.id) ? cache_.plan(d.id).num_windows() : 2;
       d.window = in_.ConsumeIntegralInRange<std::int32_t>(0, windows);
       d.target = in_.ConsumeIntegralInRange<int>(0, 15) == 0 ? any_precision()
-                                                           : (in_.ConsumeBool() ? Precision::INT4 : Precision::INT2);
+                                                             : (in_.ConsumeBool() ? Precision::INT4 : Precision::INT2);
       std::optional<std::string> why;
-      const Outcome o = attempt("why_not_demotable", [&] { why = cache_.why_not_demotable(d.id, d.layer, d.window, d.target); });
+      const Outcome o =
+          attempt("why_not_demotable", [&] { why = cache_.why_not_demotable(d.id, d.layer, d.window, d.target); });
       all_valid = all_valid && o == Outcome::Ok && !why;
       if (all_valid) ++need[static_cast<std::size_t>(pool_index(d.target))];
     }
     for (std::size_t i = 0; i < list.size(); ++i) {
       for (std::size_t j = 0; j < i; ++j) {
-        all_valid = all_valid && !(list[i].id == list[j].id && list[i].layer == list[j].layer &&
-                                   list[i].window == list[j].window);
+        all_valid = all_valid &&
+                    !(list[i].id == list[j].id && list[i].layer == list[j].layer && list[i].window == list[j].window);
       }
     }
     // Windows that why_not_demotable() accepts, each listed once, are demoted
@@ -358,7 +373,8 @@ class Harness {
     for (SequenceId& id : ids) id = some_id();
     DecodeMetadata meta;
     if (attempt("decode_metadata", [&] { meta = cache_.decode_metadata(ids); }) != Outcome::Ok) return;
-    if (meta.batch_size != static_cast<std::int32_t>(ids.size()) || meta.layers.size() != static_cast<std::size_t>(layers_)) {
+    if (meta.batch_size != static_cast<std::int32_t>(ids.size()) ||
+        meta.layers.size() != static_cast<std::size_t>(layers_)) {
       finding("decode_metadata: batch size or layer count");
     }
     for (std::int32_t layer = 0; layer < layers_; ++layer) {
@@ -367,7 +383,8 @@ class Harness {
         for (std::size_t i = 0; i < ids.size(); ++i) {
           const auto blocks = cache_.blocks(ids[i], layer, p);
           const std::vector<std::int32_t> got(t.indices.begin() + t.indptr[i], t.indices.begin() + t.indptr[i + 1]);
-          const std::int32_t last = blocks.empty() ? 0 : (p == Precision::FP16 ? cache_.fp16_tail_fill(ids[i], layer) : bs_);
+          const std::int32_t last =
+              blocks.empty() ? 0 : (p == Precision::FP16 ? cache_.fp16_tail_fill(ids[i], layer) : bs_);
           if (got != std::vector<std::int32_t>(blocks.begin(), blocks.end()) || t.last_block_len[i] != last) {
             finding("decode_metadata disagrees with blocks() for ids[" + std::to_string(i) + "]");
           }
@@ -395,7 +412,8 @@ class Harness {
     }
     for (const Precision p : {Precision::INT4, Precision::INT2}) {
       for (const WindowSlot& w : p == Precision::INT4 ? m.int4_windows : m.int2_windows) {
-        if (shadow_.quantized(p, w.block_id) != window_tag(layer_tag(tokens[static_cast<std::size_t>(w.first_row)], layer))) {
+        if (shadow_.quantized(p, w.block_id) !=
+            window_tag(layer_tag(tokens[static_cast<std::size_t>(w.first_row)], layer))) {
           finding("prefill_mapping: a window points at another window's block");
         }
       }
@@ -410,7 +428,9 @@ class Harness {
     switch (in_.ConsumeIntegralInRange<int>(0, 13)) {
       case 0: attempt("blocks", [&] { (void)cache_.blocks(id, layer, p); }); break;
       case 1: attempt("fp16_tail_fill", [&] { (void)cache_.fp16_tail_fill(id, layer); }); break;
-      case 2: attempt("ref_count", [&] { (void)cache_.ref_count(p, in_.ConsumeIntegralInRange<std::int32_t>(-2, 200)); }); break;
+      case 2:
+        attempt("ref_count", [&] { (void)cache_.ref_count(p, in_.ConsumeIntegralInRange<std::int32_t>(-2, 200)); });
+        break;
       case 3:
         attempt("why_not_demotable", [&] {
           (void)cache_.why_not_demotable(id, layer, in_.ConsumeIntegralInRange<std::int32_t>(-1, 12), p);

@@ -42,7 +42,8 @@ CacheConfig decode_config(FuzzedDataProvider& in) {
   c.shape.block_size = in.ConsumeBool() ? 32 : 16;
   const std::size_t fp16_block = static_cast<std::size_t>(c.shape.num_kv_heads) * c.shape.head_dim *
                                  static_cast<std::size_t>(c.shape.block_size) * 2 * sizeof(std::uint16_t);
-  c.slab_bytes = fp16_block * in.ConsumeIntegralInRange<std::size_t>(1, 3) + in.ConsumeIntegralInRange<std::size_t>(0, 200);
+  c.slab_bytes =
+      fp16_block * in.ConsumeIntegralInRange<std::size_t>(1, 3) + in.ConsumeIntegralInRange<std::size_t>(0, 200);
   c.arena_bytes = c.slab_bytes * in.ConsumeIntegralInRange<std::size_t>(1, 6) +
                   in.ConsumeIntegralInRange<std::size_t>(0, c.slab_bytes - 1);
   for (std::int64_t& slots : c.swap_blocks) slots = in.ConsumeIntegralInRange<std::int64_t>(0, 4);
@@ -70,13 +71,15 @@ class Harness {
   void run() {
     for (int call = 0; call < kMaxCalls && in_.remaining_bytes() > 0; ++call) {
       switch (in_.ConsumeIntegralInRange<int>(0, 11)) {
-        case 0: case 1: add(); break;
+        case 0:
+        case 1: add(); break;
         case 2: store(); break;
         case 3: append(); break;
         case 4: copy(); break;
         case 5: swap(); break;
         case 6: demote(); break;
-        case 7: case 8: decode(); break;
+        case 7:
+        case 8: decode(); break;
         case 9: plant(); break;
         case 10: free_one(); break;
         default: random_ops(); break;
@@ -108,9 +111,11 @@ class Harness {
   std::vector<Half> halves(std::size_t n) {
     std::vector<Half> out(n);
     const std::uint16_t seed = in_.ConsumeIntegral<std::uint16_t>();
-    for (std::size_t i = 0; i < n; ++i) out[i] = float_to_half(static_cast<float>((seed + 37 * i) % 201) / 25.0f - 4.0f);
+    for (std::size_t i = 0; i < n; ++i)
+      out[i] = float_to_half(static_cast<float>((seed + 37 * i) % 201) / 25.0f - 4.0f);
     if (!out.empty() && in_.ConsumeIntegralInRange<int>(0, 15) == 0) {
-      out[in_.ConsumeIntegralInRange<std::size_t>(0, n - 1)] = Half{in_.ConsumeBool() ? std::uint16_t{0x7e00} : std::uint16_t{0xfc00}};
+      out[in_.ConsumeIntegralInRange<std::size_t>(0, n - 1)] =
+          Half{in_.ConsumeBool() ? std::uint16_t{0x7e00} : std::uint16_t{0xfc00}};
     }
     return out;
   }
@@ -164,7 +169,8 @@ class Harness {
     const TokenLayout layout(segments);
     PrecisionPlan plan(layers_, layout.num_windows(bs_));
     for (std::int32_t l = 0; l < layers_; ++l) {
-      for (std::int32_t w = 1; w < plan.num_windows(); ++w) plan.set(l, w, kAllPrecisions[in_.ConsumeIntegralInRange<int>(0, 2)]);
+      for (std::int32_t w = 1; w < plan.num_windows(); ++w)
+        plan.set(l, w, kAllPrecisions[in_.ConsumeIntegralInRange<int>(0, 2)]);
     }
     manage("add_sequence", [&] { cache_.add_sequence(next_id_, layout, plan); });
     ++next_id_;
@@ -225,7 +231,8 @@ class Harness {
       const std::size_t row = static_cast<std::size_t>(heads_) * dim_;
       for (std::size_t i = 0; i < slots.size(); ++i) {
         if (slots[i] == -1) continue;
-        finite_rows = finite_rows && finite(std::span(k).subspan(i * row, row)) && finite(std::span(v).subspan(i * row, row));
+        finite_rows =
+            finite_rows && finite(std::span(k).subspan(i * row, row)) && finite(std::span(v).subspan(i * row, row));
       }
       op("append", !mutated && finite_rows, [&] { cpu::append(k, v, slots, pools_[0]); });
     }
@@ -246,7 +253,8 @@ class Harness {
     if (!id) return;
     const bool out = !cache_.is_swapped(*id);
     std::vector<SwapCopy> copies;
-    if (!manage(out ? "swap_out" : "swap_in", [&] { copies = out ? cache_.swap_out(*id) : cache_.swap_in(*id); })) return;
+    if (!manage(out ? "swap_out" : "swap_in", [&] { copies = out ? cache_.swap_out(*id) : cache_.swap_in(*id); }))
+      return;
     bool mutated = false;
     if (mutate() && !copies.empty()) {
       SwapCopy& c = copies[in_.ConsumeIntegralInRange<std::size_t>(0, copies.size() - 1)];
@@ -298,10 +306,16 @@ class Harness {
       PagedPoolTable& t = tables[p];
       switch (in_.ConsumeIntegralInRange<int>(0, 2)) {
         case 0:
-          if (!t.indices.empty()) t.indices[in_.ConsumeIntegralInRange<std::size_t>(0, t.indices.size() - 1)] = pick_id(pools_[p].num_blocks);
+          if (!t.indices.empty())
+            t.indices[in_.ConsumeIntegralInRange<std::size_t>(0, t.indices.size() - 1)] = pick_id(pools_[p].num_blocks);
           break;
-        case 1: t.last_block_len[in_.ConsumeIntegralInRange<std::size_t>(0, t.last_block_len.size() - 1)] = pick_id(bs_ + 1); break;
-        default: t.indptr[in_.ConsumeIntegralInRange<std::size_t>(0, t.indptr.size() - 1)] = pick_id(static_cast<std::int64_t>(t.indices.size()) + 1); break;
+        case 1:
+          t.last_block_len[in_.ConsumeIntegralInRange<std::size_t>(0, t.last_block_len.size() - 1)] = pick_id(bs_ + 1);
+          break;
+        default:
+          t.indptr[in_.ConsumeIntegralInRange<std::size_t>(0, t.indptr.size() - 1)] =
+              pick_id(static_cast<std::int64_t>(t.indices.size()) + 1);
+          break;
       }
       mutated = true;
     }
@@ -311,7 +325,8 @@ class Harness {
     // out and lse in one buffer, disjoint or (at times) overlapping.
     std::vector<float> memory(batch * heads_ * group * (dim_ + 1));
     const std::size_t out_n = batch * heads_ * group * dim_;
-    const std::size_t lse_at = in_.ConsumeIntegralInRange<int>(0, 7) == 0 ? in_.ConsumeIntegralInRange<std::size_t>(0, out_n) : out_n;
+    const std::size_t lse_at =
+        in_.ConsumeIntegralInRange<int>(0, 7) == 0 ? in_.ConsumeIntegralInRange<std::size_t>(0, out_n) : out_n;
     cpu::DecodeAttentionArgs args;
     args.q = q;
     args.num_q_heads = heads_ * group;

@@ -14,13 +14,12 @@
 // step_output.h gives (demotions, swap out, swap in, copy-on-write, prefill
 // chunks, decode appends), with each token's tag a function of (request,
 // position), so a request recomputed after preemption writes the same tags
-// again; a forked child has its parent's tags below the fork point. Checked after every call: Scheduler::check_invariants() (the
-// manager's and the scheduler's); the call returned or threw a typed error,
-// and a throwing or const call left describe_state() unchanged; cancel and
-// finish are idempotent; a request is reported (finished or rejected) at most
-// once per add_request; every Running request's blocks hold exactly its
-// tokens. At the end the scheduler must drain without help (no request
-// starves or thrashes forever), and then every block and host slot is free.
+// again; a forked child has its parent's tags below the fork point. Checked after every call:
+// Scheduler::check_invariants() (the manager's and the scheduler's); the call returned or threw a typed error, and a
+// throwing or const call left describe_state() unchanged; cancel and finish are idempotent; a request is reported
+// (finished or rejected) at most once per add_request; every Running request's blocks hold exactly its tokens. At the
+// end the scheduler must drain without help (no request starves or thrashes forever), and then every block and host
+// slot is free.
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -104,12 +103,19 @@ class Harness {
       const std::string before = sched_.describe_state();
       bool unchanged = false;
       switch (in_.ConsumeIntegralInRange<int>(0, 9)) {
-        case 0: case 1: case 2: unchanged = !add(); break;
-        case 3: case 4: case 5: step(); break;
+        case 0:
+        case 1:
+        case 2: unchanged = !add(); break;
+        case 3:
+        case 4:
+        case 5: step(); break;
         case 6: unchanged = !end_request(/*cancel=*/true); break;
         case 7: unchanged = !end_request(/*cancel=*/false); break;
         case 8: unchanged = !fork(); break;
-        default: inspect(); unchanged = true; break;
+        default:
+          inspect();
+          unchanged = true;
+          break;
       }
       check(before, unchanged);
     }
@@ -136,7 +142,7 @@ class Harness {
       segments.push_back({TokenKind::Text, in_.ConsumeIntegralInRange<std::int32_t>(1, 20)});
     }
     const int dice = in_.ConsumeIntegralInRange<int>(0, 19);
-    const std::int32_t visual = dice == 0   ? in_.ConsumeIntegralInRange<std::int32_t>(300, 900)  // never fits
+    const std::int32_t visual = dice == 0  ? in_.ConsumeIntegralInRange<std::int32_t>(300, 900)  // never fits
                                 : dice < 4 ? in_.ConsumeIntegralInRange<std::int32_t>(60, 200)
                                            : in_.ConsumeIntegralInRange<std::int32_t>(0, 60);
     if (visual > 0) segments.push_back({TokenKind::Visual, visual});
@@ -176,7 +182,8 @@ class Harness {
       embeddings.resize(static_cast<std::size_t>(r.layout.num_tokens()) * kHidden);
       const bool nan = in_.ConsumeIntegralInRange<int>(0, 15) == 0;
       for (float& v : embeddings) v = static_cast<float>(in_.ConsumeIntegralInRange<int>(-8, 8)) / 4.0f;
-      if (nan && !embeddings.empty()) embeddings[in_.ConsumeIntegralInRange<std::size_t>(0, embeddings.size() - 1)] = NAN;
+      if (nan && !embeddings.empty())
+        embeddings[in_.ConsumeIntegralInRange<std::size_t>(0, embeddings.size() - 1)] = NAN;
       r.embeddings = EmbeddingsView{embeddings.data(), ElementType::F32, r.layout.num_tokens(), kHidden};
     }
     if (tracing) {
@@ -280,8 +287,10 @@ class Harness {
   bool end_request(bool cancel) {
     const RequestId id = any_id();
     bool ended = false;
-    const Outcome outcome = attempt(cancel ? "cancel" : "finish", [&] { ended = cancel ? sched_.cancel(id) : sched_.finish(id); });
-    if (outcome == Outcome::UnknownId && adds_.contains(id)) finding("cancel/finish: UnknownId for a request once added");
+    const Outcome outcome =
+        attempt(cancel ? "cancel" : "finish", [&] { ended = cancel ? sched_.cancel(id) : sched_.finish(id); });
+    if (outcome == Outcome::UnknownId && adds_.contains(id))
+      finding("cancel/finish: UnknownId for a request once added");
     if (outcome != Outcome::Ok && outcome != Outcome::UnknownId) finding("cancel/finish threw other than UnknownId");
     if (outcome != Outcome::Ok) return false;
     if (sched_.contains(id)) finding("request " + std::to_string(id) + " still live after cancel/finish");
@@ -376,12 +385,12 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
                  "demote %d (max %d), preemption %d, lookahead %d, max_head_bypass %d, planner %d\n",
                  cache_config.shape.num_layers, cache_config.arena_bytes / cache_config.slab_bytes,
                  cache_config.slab_bytes, static_cast<long long>(cache_config.swap_blocks[0]),
-                 static_cast<long long>(cache_config.swap_blocks[1]), static_cast<long long>(cache_config.swap_blocks[2]),
-                 cache_config.fp16_windows_first, sched_config.max_num_seqs, sched_config.max_num_batched_tokens,
-                 sched_config.chunked_prefill, static_cast<int>(sched_config.policy), sched_config.watermark,
-                 sched_config.demote_under_pressure, sched_config.max_demotions_per_step,
-                 static_cast<int>(sched_config.preemption), sched_config.lookahead, sched_config.max_head_bypass,
-                 sched_config.planner.has_value());
+                 static_cast<long long>(cache_config.swap_blocks[1]),
+                 static_cast<long long>(cache_config.swap_blocks[2]), cache_config.fp16_windows_first,
+                 sched_config.max_num_seqs, sched_config.max_num_batched_tokens, sched_config.chunked_prefill,
+                 static_cast<int>(sched_config.policy), sched_config.watermark, sched_config.demote_under_pressure,
+                 sched_config.max_demotions_per_step, static_cast<int>(sched_config.preemption), sched_config.lookahead,
+                 sched_config.max_head_bypass, sched_config.planner.has_value());
   }
   KVCacheManager cache(cache_config);
   std::optional<Scheduler> sched;

@@ -79,8 +79,7 @@ TEST(FloorLayersWithinBudget, KeepsWindowsAboveTheFloorAndTheScores) {
   PrecisionPlan plan = int2_plan();
   plan.set(1, 3, F);
   plan.set(1, 4, I4);
-  const BudgetedPlan fitted =
-      floor_layers_within_budget(kLayout, plan, kShape, std::vector<std::int32_t>{1}, I4, 1.0);
+  const BudgetedPlan fitted = floor_layers_within_budget(kLayout, plan, kShape, std::vector<std::int32_t>{1}, I4, 1.0);
   EXPECT_EQ(fitted.floored_layers, (std::vector<std::int32_t>{1}));
   const std::vector<Precision> row = {F, I4, I4, F, I4};
   for (std::int32_t w = 0; w < 5; ++w) {
@@ -95,8 +94,8 @@ TEST(FloorLayersWithinBudget, KeepsWindowsAboveTheFloorAndTheScores) {
 
 TEST(FloorLayersWithinBudget, PlanAlreadyOverTheBudgetComesBackUnchanged) {
   const PrecisionPlan plan = int2_plan();
-  const BudgetedPlan fitted = floor_layers_within_budget(kLayout, plan, kShape, std::vector<std::int32_t>{0, 1},
-                                                         I4, 0.5 * ratio(plan));
+  const BudgetedPlan fitted =
+      floor_layers_within_budget(kLayout, plan, kShape, std::vector<std::int32_t>{0, 1}, I4, 0.5 * ratio(plan));
   EXPECT_TRUE(fitted.floored_layers.empty());
   EXPECT_EQ(fitted.plan, plan);
   EXPECT_GT(static_cast<double>(fitted.stats.bytes), 0.5 * ratio(plan) * static_cast<double>(fitted.stats.fp16_bytes));
@@ -113,13 +112,17 @@ TEST(FloorLayersWithinBudget, RejectsBadArgumentsNamingThem) {
                                   "budget_ratio");
   }
   expect_error<InvalidArgument>(
-      [&] { floor_layers_within_budget(kLayout, plan, kShape, std::vector<std::int32_t>{0, 4}, I4, 1.0); },
+      [&] {
+        floor_layers_within_budget(kLayout, plan, kShape, std::vector<std::int32_t>{0, 4}, I4, 1.0);
+      },
       "layer_order[1] = 4");
   expect_error<InvalidArgument>(
       [&] { floor_layers_within_budget(kLayout, plan, kShape, std::vector<std::int32_t>{-1}, I4, 1.0); },
       "layer_order[0] = -1");
   expect_error<InvalidArgument>(
-      [&] { floor_layers_within_budget(kLayout, plan, kShape, std::vector<std::int32_t>{2, 1, 2}, I4, 1.0); },
+      [&] {
+        floor_layers_within_budget(kLayout, plan, kShape, std::vector<std::int32_t>{2, 1, 2}, I4, 1.0);
+      },
       "layer_order[2] = 2: listed twice");
   expect_error<InvalidArgument>(
       [&] { floor_layers_within_budget(kLayout, plan, kShape, order, static_cast<Precision>(7), 1.0); }, "floor");

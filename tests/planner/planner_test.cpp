@@ -7,9 +7,9 @@
 #include <random>
 #include <vector>
 
+#include "mixkv/cache/kv_cache_manager.h"
 #include "mixkv/core/block_format.h"
 #include "mixkv/core/errors.h"
-#include "mixkv/cache/kv_cache_manager.h"
 #include "mixkv/planner/window_planner.h"
 #include "planner_test_util.h"
 
@@ -205,8 +205,8 @@ TEST(WindowPlanner, LayerScoresDecideEachLayerByItsOwnRow) {
   const std::vector<std::vector<float>> scores = {
       {0.0f, 0.5f, 0.9f, -0.5f}, {-0.4f, 0.8f, 0.5f, 0.1f}, {0.0f, 0.5f, -0.2f, -0.1f}, {-1.0f, -0.3f, 0.3f, 0.1f}};
   const PrecisionPlan plan = planner.plan_from_layer_scores(scores);
-  EXPECT_EQ(plan, plan_of({{F, I4, I4, I4}, {F, F, I4, I2}, {F, F, I2, I2}, {F, I2, F, F}},
-                          {-0.35f, 0.375f, 0.375f, -0.1f}));
+  EXPECT_EQ(plan,
+            plan_of({{F, I4, I4, I4}, {F, F, I4, I2}, {F, F, I2, I2}, {F, I2, F, F}}, {-0.35f, 0.375f, 0.375f, -0.1f}));
   // One row repeated in every layer is plan_from_scores of that row.
   const std::vector<float> row = {0.2f, 0.9f, 0.5f, -0.7f};
   EXPECT_EQ(planner.plan_from_layer_scores(std::vector<std::vector<float>>(4, row)), planner.plan_from_scores(row));

@@ -1,9 +1,8 @@
 """Helpers shared by the mixkv pytest suite. Sizes are small and odd on
 purpose (testing.md)."""
 
-import numpy as np
-
 import mixkv
+import numpy as np
 from mixkv import Precision, Segment, TokenKind, TokenLayout
 
 P = Precision
@@ -24,8 +23,9 @@ def plan_of(rows):
     return plan
 
 
-def make_cache(num_layers=2, num_kv_heads=2, head_dim=64, block_size=32, arena_bytes=8 << 20,
-               slab_bytes=512 << 10, cls=None):
+def make_cache(
+    num_layers=2, num_kv_heads=2, head_dim=64, block_size=32, arena_bytes=8 << 20, slab_bytes=512 << 10, cls=None
+):
     shape = mixkv.CacheShape(num_layers, num_kv_heads, head_dim, block_size)
     return (cls or mixkv.KVCache)(mixkv.CacheConfig(shape, arena_bytes, slab_bytes))
 
@@ -58,7 +58,7 @@ def dequantized_tokens(cache, metadata, layer, batch_index, head):
         first, last = table.indptr[batch_index], table.indptr[batch_index + 1]
         for j in range(first, last):
             block = cache.block(p, int(table.indices[j]))
-            region = block[head * fmt.head_bytes:(head + 1) * fmt.head_bytes]
+            region = block[head * fmt.head_bytes : (head + 1) * fmt.head_bytes]
             k, v = mixkv.ops.read_head(fmt, region)
             tokens = table.last_block_len[batch_index] if j == last - 1 else fmt.block_size
             ks.append(k[:tokens])

@@ -6,10 +6,9 @@ CUDA build of mixkv, torch or a GPU."""
 import importlib.util
 import pathlib
 
+import mixkv
 import numpy as np
 import pytest
-
-import mixkv
 from helpers import P, layout, plan_of, random_kv, reference_decode, relative_error
 
 if not mixkv.built_with_cuda:
@@ -23,8 +22,11 @@ import mixkv.cuda as mc  # noqa: E402
 ops = mixkv.ops
 SHAPE = mixkv.CacheShape(num_layers=2, num_kv_heads=4, head_dim=128, block_size=32)
 LAYOUTS = [layout(("text", 1)), layout(("text", 33)), layout(("text", 9), ("visual", 97), ("text", 5))]
-PLANS = [mixkv.PrecisionPlan(2, 0), mixkv.PrecisionPlan(2, 0),
-         plan_of([[P.FP16, P.INT4, P.INT2], [P.FP16, P.INT2, P.INT2]])]
+PLANS = [
+    mixkv.PrecisionPlan(2, 0),
+    mixkv.PrecisionPlan(2, 0),
+    plan_of([[P.FP16, P.INT4, P.INT2], [P.FP16, P.INT2, P.INT2]]),
+]
 
 
 def cuda(array):
@@ -68,7 +70,7 @@ def used_blocks_equal(host, device, ids):
                 for block_id in host.blocks(i, layer, p):
                     block = host.block(p, int(block_id))
                     offset = block.ctypes.data - base
-                    if not np.array_equal(block, arena[offset:offset + block.size]):
+                    if not np.array_equal(block, arena[offset : offset + block.size]):
                         return False
     return True
 
@@ -78,8 +80,12 @@ def decode_plan(device, ids, q_heads):
     for slot, i in enumerate(ids):
         tables.sync(slot, device, i)
     tables.upload()
-    plan = mc.DecodePlan(mc.DecodePlanConfig(SHAPE.num_layers, q_heads, SHAPE.num_kv_heads, SHAPE.head_dim,
-                                             SHAPE.block_size, max_batch=8), tables)
+    plan = mc.DecodePlan(
+        mc.DecodePlanConfig(
+            SHAPE.num_layers, q_heads, SHAPE.num_kv_heads, SHAPE.head_dim, SHAPE.block_size, max_batch=8
+        ),
+        tables,
+    )
     plan.plan(list(range(len(ids))))
     return plan
 
@@ -174,8 +180,9 @@ def test_swap_out_and_in_match_the_cpu_backend(rng):
             ops.store_prefill(device, cuda(k), cuda(v), mapping)
     stream = torch.cuda.Stream()
     copies = [cache.swap_out(2) for cache in (host, device)]
-    assert [(c.pool, c.device_block, c.host_slot) for c in copies[0]] == \
-           [(c.pool, c.device_block, c.host_slot) for c in copies[1]]
+    assert [(c.pool, c.device_block, c.host_slot) for c in copies[0]] == [
+        (c.pool, c.device_block, c.host_slot) for c in copies[1]
+    ]
     ops.swap_blocks(host, copies[0], ops.SwapDirection.DeviceToHost)
     ops.swap_blocks(device, copies[1], ops.SwapDirection.DeviceToHost, stream=stream)
     stream.synchronize()
@@ -235,8 +242,9 @@ def test_cuda_planner_matches_the_cpu_planner(rng):
     want = mixkv.WindowPlanner(config).plan([lay, lay], embeddings)
     got = mc.CudaWindowPlanner(config).plan([lay, lay], [cuda(e) for e in embeddings])
     for g, w in zip(got, want):
-        assert [[g.at(layer, i) for i in range(g.num_windows)] for layer in range(2)] == \
-               [[w.at(layer, i) for i in range(w.num_windows)] for layer in range(2)]
+        assert [[g.at(layer, i) for i in range(g.num_windows)] for layer in range(2)] == [
+            [w.at(layer, i) for i in range(w.num_windows)] for layer in range(2)
+        ]
     bf16 = [cuda(e).to(torch.bfloat16) for e in embeddings]
     assert len(mc.CudaWindowPlanner(config).plan([lay, lay], bf16)) == 2
 
@@ -262,21 +270,25 @@ def test_bad_cuda_arrays_name_the_argument(rng):
     plan = decode_plan(device, [0], 8)
     q = torch.randn((1, 8, SHAPE.head_dim), dtype=torch.float16, device="cuda")
     with pytest.raises(ValueError, match="out: expected shape"):
-        ops.paged_decode_attention(device, plan, 0, q, out=torch.empty((1, 8, 64), dtype=torch.float16,
-                                                                         device="cuda"))
+        ops.paged_decode_attention(device, plan, 0, q, out=torch.empty((1, 8, 64), dtype=torch.float16, device="cuda"))
     with pytest.raises(IndexError, match="layer = 2"):
         ops.paged_decode_attention(device, plan, 2, q, out=torch.empty_like(q))
     with pytest.raises(ValueError, match="stream: expected"):
         ops.paged_decode_attention(device, plan, 0, q, out=torch.empty_like(q), stream="default")
     with pytest.raises(ValueError, match="out, lse: expected CUDA float32 arrays"):
-        ops.merge_states(torch.zeros((2, 8), device="cuda"), torch.zeros(2, device="cuda"),
-                         torch.zeros((2, 8), device="cuda"), torch.zeros(2, device="cuda"))
+        ops.merge_states(
+            torch.zeros((2, 8), device="cuda"),
+            torch.zeros(2, device="cuda"),
+            torch.zeros((2, 8), device="cuda"),
+            torch.zeros(2, device="cuda"),
+        )
     with pytest.raises(ValueError, match="Unsupported head_dim"):
-        mc.DecodePlan(mc.DecodePlanConfig(2, 4, 4, 96, 32, 8),
-                      mc.DevicePageTables(mc.PageTableConfig(2, 8, 8)))
+        mc.DecodePlan(mc.DecodePlanConfig(2, 4, 4, 96, 32, 8), mc.DevicePageTables(mc.PageTableConfig(2, 8, 8)))
     with pytest.raises(ValueError, match="max_heads_per_item = 12: expected 0, 8 or 16"):
-        mc.DecodePlan(mc.DecodePlanConfig(2, 4, 4, 128, 32, 8, max_heads_per_item=12),
-                      mc.DevicePageTables(mc.PageTableConfig(2, 8, 8)))
+        mc.DecodePlan(
+            mc.DecodePlanConfig(2, 4, 4, 128, 32, 8, max_heads_per_item=12),
+            mc.DevicePageTables(mc.PageTableConfig(2, 8, 8)),
+        )
 
 
 def load_llama_decode_example():
@@ -287,11 +299,15 @@ def load_llama_decode_example():
     return module
 
 
-@pytest.mark.parametrize("fp16_only, workload, preemption", [
-    (False, (12, 2, 48), mixkv.PreemptionMode.Swap),      # WindowQuant plans, demoted under pressure
-    (True, (16, 1, 80), mixkv.PreemptionMode.Swap),       # FP16 floors: swapped out and in instead
-    (True, (16, 1, 80), mixkv.PreemptionMode.Recompute),  # freed and prefilled again
-], ids=["demotions", "swaps", "recomputes"])
+@pytest.mark.parametrize(
+    "fp16_only, workload, preemption",
+    [
+        (False, (12, 2, 48), mixkv.PreemptionMode.Swap),  # WindowQuant plans, demoted under pressure
+        (True, (16, 1, 80), mixkv.PreemptionMode.Swap),  # FP16 floors: swapped out and in instead
+        (True, (16, 1, 80), mixkv.PreemptionMode.Recompute),  # freed and prefilled again
+    ],
+    ids=["demotions", "swaps", "recomputes"],
+)
 def test_scheduler_driven_engine_matches_the_cpu_backend(fp16_only, workload, preemption):
     """examples/llama_decode.py's engine loop (mixkv.Scheduler deciding, the engine applying demotions, swaps,
     preemptions, device page-table syncs, one DecodePlan a step) on a DeviceKVCache against the same loop on the
@@ -305,8 +321,19 @@ def test_scheduler_driven_engine_matches_the_cpu_backend(fp16_only, workload, pr
         model = example.Model(rng)
         requests = example.make_requests(rng, model, requests_count, frames, new_tokens)
         forced = runs[0]["generated"] if runs else None
-        runs.append(example.serve(model, requests, [0.85] * example.LAYERS, fp16_only, 1 << 20, backend,
-                                  swap_blocks=64, preemption=preemption, forced=forced))
+        runs.append(
+            example.serve(
+                model,
+                requests,
+                [0.85] * example.LAYERS,
+                fp16_only,
+                1 << 20,
+                backend,
+                swap_blocks=64,
+                preemption=preemption,
+                forced=forced,
+            )
+        )
     host, device = runs
     moves = {"demotions": host["demotions"], "swaps": host["preempted_swap"], "recomputes": host["preempted_recompute"]}
     expected = "demotions" if not fp16_only else ("swaps" if preemption == mixkv.PreemptionMode.Swap else "recomputes")
@@ -331,8 +358,7 @@ def test_a_decode_step_captured_in_a_cuda_graph_replays_for_smaller_batches(rng)
     ids, q_heads, dim, kv_heads = [0, 1, 2], 28, SHAPE.head_dim, SHAPE.num_kv_heads
     layers, batch = SHAPE.num_layers, len(ids)
     tables = mc.DevicePageTables(mc.PageTableConfig(layers, max_sequences=8, max_blocks_per_sequence=64))
-    plan = mc.DecodePlan(mc.DecodePlanConfig(layers, q_heads, kv_heads, dim, SHAPE.block_size, max_batch=batch),
-                         tables)
+    plan = mc.DecodePlan(mc.DecodePlanConfig(layers, q_heads, kv_heads, dim, SHAPE.block_size, max_batch=batch), tables)
     for i in ids:  # page-table slot = sequence id
         tables.sync(i, device, i)
     tables.upload()
@@ -392,7 +418,7 @@ def test_append_out_of_range_slots_are_skipped_and_raised(rng):
     check_status) raises IndexError naming it; the other row lands; the context survives."""
     host, device, _ = pair(rng, LAYOUTS[:2], PLANS[:2])
     limit = fp16_blocks(config()) * SHAPE.block_size
-    for bad in [limit, limit + 1, 2**30, 2**31 - 1, -2, -2**31]:
+    for bad in [limit, limit + 1, 2**30, 2**31 - 1, -2, -(2**31)]:
         host_result = host.append_tokens([0])
         device_result = device.append_tokens([0])
         slots = device_result.slots[0].tolist() + [bad]
@@ -422,7 +448,7 @@ def test_copy_blocks_and_demote_out_of_range_ids_are_skipped_and_raised(rng, col
     host, device, _ = pair(rng)
     before = device_arena(device)
     limit = fp16_blocks(config())
-    for bad in [limit, limit + 1, 2**30, 2**31 - 1, -1, -2**31]:
+    for bad in [limit, limit + 1, 2**30, 2**31 - 1, -1, -(2**31)]:
         row = [0, 0]
         row[column] = bad
         ops.copy_blocks(device, int32_cuda([row]))
@@ -430,7 +456,9 @@ def test_copy_blocks_and_demote_out_of_range_ids_are_skipped_and_raised(rng, col
             device.check_status()
         if column == 0:
             ops.demote(device, int32_cuda([[bad, 0]]), P.FP16, P.INT4)
-            with pytest.raises(IndexError, match=rf"demote: moves\[0\]\.src = {bad}: expected a block id in \[0, {limit}\)"):
+            with pytest.raises(
+                IndexError, match=rf"demote: moves\[0\]\.src = {bad}: expected a block id in \[0, {limit}\)"
+            ):
                 device.check_status()
         elif bad < 0 or bad >= 2**30:
             ops.demote(device, int32_cuda([[0, bad]]), P.FP16, P.INT2)
@@ -505,7 +533,6 @@ def test_cuda_configs_are_copies():
     assert tables.config.max_sequences == 4
     cfg.max_sequences = 77
     assert tables.config.max_sequences == 4
-    plan = mc.DecodePlan(mc.DecodePlanConfig(2, 4, SHAPE.num_kv_heads, SHAPE.head_dim, SHAPE.block_size, 4),
-                         tables)
+    plan = mc.DecodePlan(mc.DecodePlanConfig(2, 4, SHAPE.num_kv_heads, SHAPE.head_dim, SHAPE.block_size, 4), tables)
     plan.config.max_batch = 99
     assert plan.config.max_batch == 4

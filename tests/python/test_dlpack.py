@@ -6,10 +6,9 @@ cases skip, saying why, when the library (or a GPU) is missing."""
 import array
 import importlib.util
 
+import mixkv
 import numpy as np
 import pytest
-
-import mixkv
 from mixkv import _engine
 
 info = _engine.tensor_info
@@ -52,9 +51,11 @@ def test_buffer_protocol_objects():
 
 def test_non_contiguous_arrays_are_refused():
     a = np.zeros((4, 6), np.float16)
-    with pytest.raises(mixkv.InvalidArgument,
-                       match=r"tensor_info: array: expected a C-contiguous float16, bfloat16, float32 or int32 array "
-                             r"on cpu, got a non-contiguous array with strides \(1, 6\) elements"):
+    with pytest.raises(
+        mixkv.InvalidArgument,
+        match=r"tensor_info: array: expected a C-contiguous float16, bfloat16, float32 or int32 array "
+        r"on cpu, got a non-contiguous array with strides \(1, 6\) elements",
+    ):
         info(a.T)
     with pytest.raises(mixkv.InvalidArgument, match=r"non-contiguous array with strides \(12, 2\)"):
         info(a.reshape(2, 12)[:, ::2])
@@ -62,11 +63,16 @@ def test_non_contiguous_arrays_are_refused():
     assert info(np.zeros((0, 3), np.float16)[:, ::2])["shape"] == (0, 2)  # nothing to misplace
 
 
-@pytest.mark.parametrize("dtype, name", [("float64", "float64"), ("int64", "int64"), ("uint8", "uint8"),
-                                         ("complex64", "complex64"), ("bool", "")])
+@pytest.mark.parametrize(
+    "dtype, name",
+    [("float64", "float64"), ("int64", "int64"), ("uint8", "uint8"), ("complex64", "complex64"), ("bool", "")],
+)
 def test_wrong_dtypes_name_what_they_got(dtype, name):
-    with pytest.raises(mixkv.InvalidArgument, match=rf"expected a C-contiguous float16, bfloat16, float32 or int32 "
-                                                    rf"array on cpu, got {name}"):
+    with pytest.raises(
+        mixkv.InvalidArgument,
+        match=rf"expected a C-contiguous float16, bfloat16, float32 or int32 "
+        rf"array on cpu, got {name}",
+    ):
         info(np.zeros(3, dtype))
 
 
@@ -89,7 +95,10 @@ def test_a_producer_error_is_named():
         def __dlpack_device__(self):
             return (1, 0)
 
-    with pytest.raises(mixkv.InvalidArgument, match=r"tensor_info: array: __dlpack__\(\) of .*Refuses raised RuntimeError: cannot export this one$"):
+    with pytest.raises(
+        mixkv.InvalidArgument,
+        match=r"tensor_info: array: __dlpack__\(\) of .*Refuses raised RuntimeError: cannot export this one$",
+    ):
         info(Refuses())
 
 
@@ -134,8 +143,7 @@ def test_torch_cuda_tensors():
     t = torch.zeros(4, 8, dtype=torch.float16, device="cuda")
     stream = torch.cuda.Stream()
     got = info(t, device="cuda", stream=stream.cuda_stream)
-    assert got == {"protocol": "dlpack", "dtype": "float16", "device": "cuda:0", "shape": (4, 8),
-                   "data": t.data_ptr()}
+    assert got == {"protocol": "dlpack", "dtype": "float16", "device": "cuda:0", "shape": (4, 8), "data": t.data_ptr()}
     assert info(t[1:], device="cuda")["data"] == t.data_ptr() + 8 * 2
     with pytest.raises(mixkv.InvalidArgument, match=r"on cpu, got float16 on cuda:0"):
         info(t)

@@ -13,10 +13,9 @@ import importlib.util
 import math
 import zlib
 
+import mixkv
 import numpy as np
 import pytest
-
-import mixkv
 from mixkv import Precision, RequestState, Segment, TokenKind, TokenLayout
 
 LAYERS, KV_HEADS, Q_HEADS, HEAD_DIM, BLOCK = 2, 2, 4, 32, 16
@@ -34,8 +33,9 @@ def row(kind, root, position, layer, token, heads):
     return seeded(kind, root, position, layer, token).standard_normal((heads, HEAD_DIM)).astype(np.float16)
 
 
-READOUT = [seeded("readout", layer).standard_normal((Q_HEADS * HEAD_DIM, VOCAB)).astype(np.float32)
-           for layer in range(LAYERS)]
+READOUT = [
+    seeded("readout", layer).standard_normal((Q_HEADS * HEAD_DIM, VOCAB)).astype(np.float32) for layer in range(LAYERS)
+]
 
 
 def sample(key, position, outs):
@@ -64,10 +64,12 @@ class Workload:
         for i in range(4):
             # (text 8, visual 4-6 windows, text 6); even ones planned from embeddings, odd ones all FP16.
             visual = BLOCK * (4 + i % 3)
-            layout = TokenLayout([Segment(TokenKind.Text, 8), Segment(TokenKind.Visual, visual),
-                                  Segment(TokenKind.Text, 6)])
-            self.requests.append(dict(arrival=1 + 2 * i, id=f"video-{i}", layout=layout, new=20, kind="video",
-                                      planned=i % 2 == 0))
+            layout = TokenLayout(
+                [Segment(TokenKind.Text, 8), Segment(TokenKind.Visual, visual), Segment(TokenKind.Text, 6)]
+            )
+            self.requests.append(
+                dict(arrival=1 + 2 * i, id=f"video-{i}", layout=layout, new=20, kind="video", planned=i % 2 == 0)
+            )
         self.requests.append(dict(arrival=3, id=1234, prompt=33, new=8, kind="text"))  # an int id among the strings
         if with_reject:
             self.requests.append(dict(arrival=2, id="huge", prompt=20000, new=4, kind="text"))
@@ -85,17 +87,21 @@ def embeddings_of(request):
 PLANNER = mixkv.PlannerConfig([0.9] * LAYERS, window_size=BLOCK)
 
 
-def run(backend="cpu", arena_slabs=64, preemption=mixkv.PreemptionMode.Swap, workload=None, to_device=None,
-        from_device=None):
+def run(
+    backend="cpu", arena_slabs=64, preemption=mixkv.PreemptionMode.Swap, workload=None, to_device=None, from_device=None
+):
     """The serving loop. Returns (tokens by request, requests whose windows left FP16, step reports)."""
     workload = workload or Workload()
     to_device = to_device or (lambda a: a)
     from_device = from_device or (lambda a: a)
-    config = mixkv.CacheConfig(SHAPE, arena_slabs * SLAB, SLAB, swap_blocks=[256, 256, 256],
-                               fp16_windows_first=True)
-    engine = mixkv.Engine(config, mixkv.SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=96,
-                                                        preemption=preemption),
-                          num_q_heads=Q_HEADS, backend=backend, planner=PLANNER)
+    config = mixkv.CacheConfig(SHAPE, arena_slabs * SLAB, SLAB, swap_blocks=[256, 256, 256], fp16_windows_first=True)
+    engine = mixkv.Engine(
+        config,
+        mixkv.SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=96, preemption=preemption),
+        num_q_heads=Q_HEADS,
+        backend=backend,
+        planner=PLANNER,
+    )
     tokens, root, quantized, reports = {}, {}, set(), []
     requests = sorted(workload.requests, key=lambda r: r["arrival"])
     forked = set()
@@ -109,8 +115,9 @@ def run(backend="cpu", arena_slabs=64, preemption=mixkv.PreemptionMode.Swap, wor
             else:
                 n = r["layout"].num_tokens
                 if r["planned"]:
-                    engine.add_request(r["id"], r["layout"], embeddings=embeddings_of(r), max_new_tokens=r["new"],
-                                       arrival_time=step_no)
+                    engine.add_request(
+                        r["id"], r["layout"], embeddings=embeddings_of(r), max_new_tokens=r["new"], arrival_time=step_no
+                    )
                 else:
                     engine.add_request(r["id"], r["layout"], max_new_tokens=r["new"], arrival_time=step_no)
             root[r["id"]] = r["id"]
@@ -126,10 +133,16 @@ def run(backend="cpu", arena_slabs=64, preemption=mixkv.PreemptionMode.Swap, wor
         for p in step.prefills:
             assert p.end <= len(tokens[p.request_id])
         for layer in range(LAYERS):
-            k = np.stack([row("k", root[i], pos, layer, tokens[i][pos], KV_HEADS) for i, pos in positions]) \
-                if positions else np.zeros((0, KV_HEADS, HEAD_DIM), np.float16)
-            v = np.stack([row("v", root[i], pos, layer, tokens[i][pos], KV_HEADS) for i, pos in positions]) \
-                if positions else np.zeros((0, KV_HEADS, HEAD_DIM), np.float16)
+            k = (
+                np.stack([row("k", root[i], pos, layer, tokens[i][pos], KV_HEADS) for i, pos in positions])
+                if positions
+                else np.zeros((0, KV_HEADS, HEAD_DIM), np.float16)
+            )
+            v = (
+                np.stack([row("v", root[i], pos, layer, tokens[i][pos], KV_HEADS) for i, pos in positions])
+                if positions
+                else np.zeros((0, KV_HEADS, HEAD_DIM), np.float16)
+            )
             engine.store(layer, to_device(k), to_device(v))
         for p in step.prefills:
             if p.last:  # the prompt is complete: sample from its last row (dense attention, exact K/V)
@@ -165,8 +178,13 @@ def run(backend="cpu", arena_slabs=64, preemption=mixkv.PreemptionMode.Swap, wor
             if tokens[i][-1] == EOS and i in engine:
                 engine.finish(i)
         for parent, child in workload.forks.items():
-            if (parent in engine and parent not in forked and engine.status(parent).state == RequestState.Running
-                    and engine.status(parent).generated >= 2 and tokens[parent][-1] != EOS):
+            if (
+                parent in engine
+                and parent not in forked
+                and engine.status(parent).state == RequestState.Running
+                and engine.status(parent).generated >= 2
+                and tokens[parent][-1] != EOS
+            ):
                 try:
                     engine.fork(parent, child)
                 except mixkv.OutOfMemory as e:  # every page-table slot taken: try again at the next step
@@ -198,7 +216,7 @@ def generated(tokens, workload):
     lengths = {r["id"]: (r["prompt"] if r["kind"] == "text" else r["layout"].num_tokens) for r in workload.requests}
     for parent, child in workload.forks.items():
         lengths[child] = lengths[parent]
-    return {i: t[lengths[i]:] for i, t in tokens.items()}
+    return {i: t[lengths[i] :] for i, t in tokens.items()}
 
 
 @pytest.fixture(scope="module")
@@ -292,8 +310,9 @@ def test_attend_allocates_float16_like_q_and_fills_lse():
     assert np.isfinite(lse).all()
     # The keys attended are the 40 stored rows and the appended one: check against dense attention.
     keys = np.concatenate([k, kv])
-    np.testing.assert_allclose(out[0].astype(np.float32), dense_attention(q[0], keys, keys).astype(np.float32),
-                               rtol=2e-3, atol=2e-3)
+    np.testing.assert_allclose(
+        out[0].astype(np.float32), dense_attention(q[0], keys, keys).astype(np.float32), rtol=2e-3, atol=2e-3
+    )
 
 
 def test_errors_name_the_argument_and_change_nothing():
@@ -324,11 +343,17 @@ def test_errors_name_the_argument_and_change_nothing():
         engine.add_request("b", [1, 2], max_new_tokens=1)
     with pytest.raises(mixkv.InvalidArgument, match=r"max_new_tokens = 0: expected >= 1"):
         engine.add_request("b", 10, max_new_tokens=0)
-    with pytest.raises(mixkv.InvalidArgument, match=r"embeddings: expected a C-contiguous float32, float16 or "
-                                                    r"bfloat16 array on cpu, got int32"):
+    with pytest.raises(
+        mixkv.InvalidArgument,
+        match=r"embeddings: expected a C-contiguous float32, float16 or "
+        r"bfloat16 array on cpu, got int32",
+    ):
         engine.add_request("b", 10, embeddings=np.zeros((10, 8), np.int32), max_new_tokens=1)
-    with pytest.raises(mixkv.InvalidArgument, match=r"embeddings: expected a 2-D array \[num_tokens, hidden\], "
-                                                    r"got shape \(10,\)"):
+    with pytest.raises(
+        mixkv.InvalidArgument,
+        match=r"embeddings: expected a 2-D array \[num_tokens, hidden\], "
+        r"got shape \(10,\)",
+    ):
         engine.add_request("b", 10, embeddings=np.zeros(10, np.float32), max_new_tokens=1)
     with pytest.raises(ValueError):  # embeddings without a planner: the scheduler's own check
         engine.add_request("b", 10, embeddings=np.zeros((10, 8), np.float32), max_new_tokens=1)
@@ -347,11 +372,17 @@ def test_errors_name_the_argument_and_change_nothing():
 
     step = engine.step()
     k = np.zeros((step.prefill_rows, KV_HEADS, HEAD_DIM), np.float16)
-    with pytest.raises(mixkv.InvalidArgument, match=r"Engine.store: k: expected a C-contiguous float16 array on cpu, "
-                                                    r"got float32"):
+    with pytest.raises(
+        mixkv.InvalidArgument,
+        match=r"Engine.store: k: expected a C-contiguous float16 array on cpu, "
+        r"got float32",
+    ):
         engine.store(0, k.astype(np.float32), k)
-    with pytest.raises(mixkv.InvalidArgument, match=r"Engine.store: v: expected a C-contiguous float16 array on cpu, "
-                                                    r"got a non-contiguous array"):
+    with pytest.raises(
+        mixkv.InvalidArgument,
+        match=r"Engine.store: v: expected a C-contiguous float16 array on cpu, "
+        r"got a non-contiguous array",
+    ):
         engine.store(0, k, np.zeros((step.prefill_rows, HEAD_DIM, KV_HEADS), np.float16).transpose(0, 2, 1))
     with pytest.raises(mixkv.InvalidArgument, match=r"Engine::store: k: expected .*shape"):
         engine.store(0, k[:-1], k[:-1])
@@ -365,11 +396,17 @@ def test_errors_name_the_argument_and_change_nothing():
     assert step.decodes == ["a"]
     q = np.zeros((1, Q_HEADS, HEAD_DIM), np.float16)
     kv = np.zeros((1, KV_HEADS, HEAD_DIM), np.float16)
-    with pytest.raises(mixkv.InvalidArgument, match=r"Engine.attend: q: expected a C-contiguous float16 array on cpu, "
-                                                    r"got float32"):
+    with pytest.raises(
+        mixkv.InvalidArgument,
+        match=r"Engine.attend: q: expected a C-contiguous float16 array on cpu, "
+        r"got float32",
+    ):
         engine.attend(0, q.astype(np.float32), kv, kv)
-    with pytest.raises(mixkv.InvalidArgument, match=r"Engine.attend: out: expected a C-contiguous float16 array on "
-                                                    r"cpu, got float32"):
+    with pytest.raises(
+        mixkv.InvalidArgument,
+        match=r"Engine.attend: out: expected a C-contiguous float16 array on "
+        r"cpu, got float32",
+    ):
         engine.attend(0, q, kv, kv, out=np.zeros((1, Q_HEADS, HEAD_DIM), np.float32))
     with pytest.raises(mixkv.InvalidArgument, match=r"Engine.attend: lse: expected a C-contiguous float32 array"):
         engine.attend(0, q, kv, kv, lse=np.zeros((1, Q_HEADS), np.float16))
@@ -438,8 +475,11 @@ def test_cuda_backend_chooses_the_cpu_backend_tokens(roomy):
     import torch
 
     tokens, quantized, reports, engine = run(
-        backend="cuda", arena_slabs=256, to_device=lambda a: torch.from_numpy(np.ascontiguousarray(a)).cuda(),
-        from_device=lambda t: t.cpu().numpy())
+        backend="cuda",
+        arena_slabs=256,
+        to_device=lambda a: torch.from_numpy(np.ascontiguousarray(a)).cuda(),
+        from_device=lambda t: t.cpu().numpy(),
+    )
     assert engine.backend == "cuda"
     w = Workload()
     g, cg = generated(tokens, w), generated(roomy[0], w)
@@ -450,8 +490,11 @@ def test_cuda_backend_chooses_the_cpu_backend_tokens(roomy):
             assert g[i] == cg[i], i
     # The tight cache on the GPU: swaps and demotions, invariants after every step (inside run).
     tokens, quantized, _, engine = run(
-        backend="cuda", arena_slabs=12, to_device=lambda a: torch.from_numpy(np.ascontiguousarray(a)).cuda(),
-        from_device=lambda t: t.cpu().numpy())
+        backend="cuda",
+        arena_slabs=12,
+        to_device=lambda a: torch.from_numpy(np.ascontiguousarray(a)).cuda(),
+        from_device=lambda t: t.cpu().numpy(),
+    )
     assert engine.stats().preempted_swap > 0 and engine.stats().demotions > 0
     g = generated(tokens, w)
     for i in tokens:
@@ -480,6 +523,9 @@ def test_cuda_attend_allocates_torch_on_the_device():
     engine.attend(1, q, kv, kv, out=out, lse=lse)
     torch.cuda.synchronize()
     assert torch.isfinite(lse).all()
-    with pytest.raises(mixkv.InvalidArgument, match=r"Engine.attend: q: expected a C-contiguous float16 array on "
-                                                    r"cuda:0, got float16 on cpu"):
+    with pytest.raises(
+        mixkv.InvalidArgument,
+        match=r"Engine.attend: q: expected a C-contiguous float16 array on "
+        r"cuda:0, got float16 on cpu",
+    ):
         engine.attend(0, q.cpu(), kv, kv)

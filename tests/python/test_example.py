@@ -8,8 +8,12 @@ EXAMPLE = pathlib.Path(__file__).resolve().parents[2] / "examples" / "llama_deco
 
 
 def test_llama_decode_example_runs():
-    result = subprocess.run([sys.executable, str(EXAMPLE), "--requests", "3", "--frames", "2", "--new-tokens", "4"],
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLE), "--requests", "3", "--frames", "2", "--new-tokens", "4"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr
     for row in ("peak FP16 blocks", "peak INT2 blocks", "decode tokens/s", "tokens equal to FP16"):
         assert row in result.stdout
@@ -19,9 +23,29 @@ def test_llama_decode_example_runs():
 def test_llama_decode_example_under_memory_pressure():
     """A 1 MiB arena forces memory moves: the FP16 run (its planner's floors at FP16) is never demoted and swaps
     requests out and in instead; the WindowQuant run swaps too."""
-    result = subprocess.run([sys.executable, str(EXAMPLE), "--requests", "16", "--frames", "1", "--new-tokens", "80",
-                             "--arena-mib", "1", "--swap-blocks", "64", "--preemption", "swap", "--backend", "cpu"],
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(EXAMPLE),
+            "--requests",
+            "16",
+            "--frames",
+            "1",
+            "--new-tokens",
+            "80",
+            "--arena-mib",
+            "1",
+            "--swap-blocks",
+            "64",
+            "--preemption",
+            "swap",
+            "--backend",
+            "cpu",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr
     rows = {line[:24].strip(): line[24:].split() for line in result.stdout.splitlines() if len(line) > 24}
     demotions, swaps = rows["demotions"], rows["preempted swap"]

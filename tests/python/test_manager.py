@@ -2,10 +2,9 @@
 fork, free, and the error mapping (the C++ message, the right exception, no
 change to the cache)."""
 
+import mixkv
 import numpy as np
 import pytest
-
-import mixkv
 from helpers import P, layout, make_cache, plan_of
 
 # 10 text + 100 visual (3 windows + a 4-token tail) + 6 text = 116 tokens.

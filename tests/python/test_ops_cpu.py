@@ -4,12 +4,21 @@ merge against float64 references, quantization bounds, and bad input."""
 import threading
 import time
 
+import mixkv
 import numpy as np
 import pytest
-
-import mixkv
-from helpers import (P, attention, dequantized_tokens, layout, make_cache, plan_of, random_kv,
-                     reference_decode, relative_error, store_sequence)
+from helpers import (
+    P,
+    attention,
+    dequantized_tokens,
+    layout,
+    make_cache,
+    plan_of,
+    random_kv,
+    reference_decode,
+    relative_error,
+    store_sequence,
+)
 
 ops = mixkv.ops
 
@@ -28,8 +37,7 @@ def dense_decode(kv_per_seq, layer, q, sm_scale, kv_heads):
         k, v = kv[layer]
         for h in range(q_heads):
             g = h // group
-            out[b, h], lse[b, h] = attention(q[b, h], k[:, g].astype(np.float64), v[:, g].astype(np.float64),
-                                             sm_scale)
+            out[b, h], lse[b, h] = attention(q[b, h], k[:, g].astype(np.float64), v[:, g].astype(np.float64), sm_scale)
     return out, lse
 
 
@@ -86,14 +94,14 @@ def test_append_then_decode_sees_the_new_token(rng):
     cache = make_cache(num_kv_heads=2, head_dim=64)
     lays = [layout(("text", 32)), layout(("text", 17))]
     kv = [store_sequence(cache, i, lay, fp16_only(cache, lay), rng) for i, lay in enumerate(lays)]
-    for step in range(3):
+    for _ in range(3):
         result = cache.append_tokens([0, 1])
         for layer in range(2):
             k, v = random_kv(rng, 2, 2, 64)
             ops.append(cache, k, v, result.slots[layer])
             for b in range(2):
                 old_k, old_v = kv[b][layer]
-                kv[b][layer] = (np.concatenate([old_k, k[b:b + 1]]), np.concatenate([old_v, v[b:b + 1]]))
+                kv[b][layer] = (np.concatenate([old_k, k[b : b + 1]]), np.concatenate([old_v, v[b : b + 1]]))
     md = cache.decode_metadata([0, 1])
     q = rng.standard_normal((2, 4, 64)).astype(np.float16)
     for layer in range(2):
@@ -114,7 +122,9 @@ def test_append_skips_padding_slots(rng):
     ops.append(cache, k, v, [-1, slot, -1])
     changed = np.flatnonzero(cache.arena != before)
     assert 0 < changed.size <= 2 * 2 * 64 * 2  # one token: K and V of 2 heads, 64 halves each
-    with pytest.raises(IndexError, match=r"append: fp16_slots\[0\] = -2, expected -1 \(a padding row\) or 0 <= fp16_slots\[0\] < "):
+    with pytest.raises(
+        IndexError, match=r"append: fp16_slots\[0\] = -2, expected -1 \(a padding row\) or 0 <= fp16_slots\[0\] < "
+    ):
         ops.append(cache, k, v, [-2, slot, -1])
 
 
@@ -208,6 +218,7 @@ def test_read_head_validates_its_input():
 
 class CudaLike:
     """What a torch CUDA tensor looks like to the host path."""
+
     __cuda_array_interface__ = {"shape": (1,), "typestr": "<f2", "data": (0, False), "version": 2}
 
 
@@ -272,8 +283,9 @@ def test_bad_arrays_name_the_argument_and_change_nothing(rng):
     with pytest.raises(ValueError, match="onto itself"):
         ops.copy_blocks(cache, [mixkv.BlockCopy(3, 3)])
     with pytest.raises(ValueError, match="out_b: expected shape"):
-        ops.merge_states(np.zeros((2, 8), np.float32), np.zeros(2, np.float32), np.zeros((3, 8), np.float32),
-                         np.zeros(2, np.float32))
+        ops.merge_states(
+            np.zeros((2, 8), np.float32), np.zeros(2, np.float32), np.zeros((3, 8), np.float32), np.zeros(2, np.float32)
+        )
     with pytest.raises(TypeError):
         ops.store_prefill(mixkv.KVCacheManager(cache.config), k, v, mapping)
 

@@ -5,15 +5,24 @@ import ast
 import inspect
 import pathlib
 
-import pytest
-
 import mixkv
+import pytest
 from mixkv import _core
 
 PACKAGE = pathlib.Path(mixkv.__file__).parent
 # Members every pybind11 class has or that the stubs leave to object.
-IGNORED = {"__repr__", "__hash__", "__module__", "__doc__", "__dict__", "__weakref__", "__getstate__",
-           "__setstate__", "__members__", "__pybind11_module_local_v5_gcc_libstdcpp_cxxabi1020__"}
+IGNORED = {
+    "__repr__",
+    "__hash__",
+    "__module__",
+    "__doc__",
+    "__dict__",
+    "__weakref__",
+    "__getstate__",
+    "__setstate__",
+    "__members__",
+    "__pybind11_module_local_v5_gcc_libstdcpp_cxxabi1020__",
+}
 
 
 def stub(name):
@@ -40,8 +49,11 @@ def stub(name):
 
 
 def runtime_members(cls):
-    return {m for m in vars(cls) if (not m.startswith("_") or m in ("__init__", "__eq__", "__contains__",
-            "__cuda_array_interface__"))} - IGNORED
+    return {
+        m
+        for m in vars(cls)
+        if (not m.startswith("_") or m in ("__init__", "__eq__", "__contains__", "__cuda_array_interface__"))
+    } - IGNORED
 
 
 def check_module(module, stubbed, skip=()):
@@ -77,6 +89,7 @@ def test_ops_stubs_match():
 @pytest.mark.skipif(not mixkv.built_with_cuda, reason="mixkv was built without CUDA (MIXKV_CUDA=OFF)")
 def test_cuda_stubs_match():
     import mixkv.cuda
+
     stubbed = stub("cuda.pyi")
     check_module(_core.cuda, stubbed)
     assert set(mixkv.cuda.__all__) == {n for n in stubbed if not n.startswith("_")}

@@ -1,10 +1,9 @@
 """The WindowQuant planner through Python: eq. 8 against NumPy, eq. 9, the
 precision rule, the batch vote, plan statistics, bad input."""
 
+import mixkv
 import numpy as np
 import pytest
-
-import mixkv
 from helpers import P, layout, make_cache
 
 
@@ -22,7 +21,7 @@ def eq8(lay, emb, window):
             text_rows.extend(range(start, start + seg.length))
         start += seg.length
     t = normalized_mean(emb[text_rows])
-    return [float(t @ normalized_mean(emb[s:s + window])) for s in lay.window_starts(window)]
+    return [float(t @ normalized_mean(emb[s : s + window])) for s in lay.window_starts(window)]
 
 
 def request(rng, frames=4, hidden=48, relevant=2):
@@ -31,7 +30,7 @@ def request(rng, frames=4, hidden=48, relevant=2):
     topic = rng.standard_normal(hidden).astype(np.float32)
     emb[:9] += 3 * topic
     emb[-7:] += 3 * topic
-    emb[9 + relevant * 32:9 + (relevant + 1) * 32] += 4 * topic
+    emb[9 + relevant * 32 : 9 + (relevant + 1) * 32] += 4 * topic
     return lay, emb
 
 
@@ -115,8 +114,10 @@ def test_layer_sensitivity_equals_numpy(rng):
     want = [float((b.ravel() @ a.ravel()) / np.linalg.norm(b) / np.linalg.norm(a)) for b, a in zip(before, after)]
     assert np.allclose(got, want, atol=1e-6)
     token_mean = mixkv.layer_sensitivity(before, after, mixkv.SensitivityReduction.TokenMean)
-    want_tm = [float(np.mean(np.sum(b * a, 1) / np.linalg.norm(b, axis=1) / np.linalg.norm(a, axis=1)))
-               for b, a in zip(before, after)]
+    want_tm = [
+        float(np.mean(np.sum(b * a, 1) / np.linalg.norm(b, axis=1) / np.linalg.norm(a, axis=1)))
+        for b, a in zip(before, after)
+    ]
     assert np.allclose(token_mean, want_tm, atol=1e-6)
 
 

@@ -7,10 +7,9 @@ arena, the swap buffer and describe_state() keep every byte."""
 
 import threading
 
+import mixkv
 import numpy as np
 import pytest
-
-import mixkv
 from helpers import P, layout, make_cache, plan_of, random_kv, store_sequence
 
 ops = mixkv.ops
@@ -19,8 +18,9 @@ INT32_MAX = 2**31 - 1
 
 def swap_cache(swap_blocks=(4, 4, 4)):
     shape = mixkv.CacheShape(2, 2, 64)
-    return mixkv.KVCache(mixkv.CacheConfig(shape, 2 << 20, 256 << 10, swap_blocks=list(swap_blocks),
-                                           fp16_windows_first=True))
+    return mixkv.KVCache(
+        mixkv.CacheConfig(shape, 2 << 20, 256 << 10, swap_blocks=list(swap_blocks), fp16_windows_first=True)
+    )
 
 
 def pool_blocks(cache, p):
@@ -74,8 +74,12 @@ def test_store_prefill_bounds_every_slot_and_window(stored):
         fp16 = mapping.fp16_slots
         fp16[-1] = bad
         mapping.fp16_slots = fp16
-        with Unchanged(cache), pytest.raises(mixkv.IndexOutOfRange,
-                                             match=rf"store_prefill: mapping.fp16_slots\[100\] = {bad}, expected -1"):
+        with (
+            Unchanged(cache),
+            pytest.raises(
+                mixkv.IndexOutOfRange, match=rf"store_prefill: mapping.fp16_slots\[100\] = {bad}, expected -1"
+            ),
+        ):
             ops.store_prefill(cache, k, v, mapping)
     for p, field in ((P.INT4, "int4_windows"), (P.INT2, "int2_windows")):
         limit = pool_blocks(cache, p)
@@ -84,8 +88,10 @@ def test_store_prefill_bounds_every_slot_and_window(stored):
             windows = getattr(mapping, field)
             windows[0].block_id = bad
             setattr(mapping, field, windows)
-            with Unchanged(cache), pytest.raises(mixkv.IndexOutOfRange,
-                                                 match=out_of_range(rf"mapping.{field}\[0\].block_id", bad, limit)):
+            with (
+                Unchanged(cache),
+                pytest.raises(mixkv.IndexOutOfRange, match=out_of_range(rf"mapping.{field}\[0\].block_id", bad, limit)),
+            ):
                 ops.store_prefill(cache, k, v, mapping)
 
 
@@ -94,9 +100,14 @@ def test_append_bounds_every_slot(stored, rng):
     k, v = random_kv(rng, 2, 2, 64)
     slots = pool_blocks(cache, P.FP16) * 32
     for bad in bad_ids(slots):
-        with Unchanged(cache), pytest.raises(mixkv.IndexOutOfRange,
-                                             match=rf"append: fp16_slots\[1\] = {bad}, expected -1 \(a padding row\) "
-                                                   rf"or 0 <= fp16_slots\[1\] < {slots} "):
+        with (
+            Unchanged(cache),
+            pytest.raises(
+                mixkv.IndexOutOfRange,
+                match=rf"append: fp16_slots\[1\] = {bad}, expected -1 \(a padding row\) "
+                rf"or 0 <= fp16_slots\[1\] < {slots} ",
+            ),
+        ):
             ops.append(cache, k, v, [-1, bad])
     before = cache.arena.copy()
     ops.append(cache, k, v, [-1, slots - 1])  # the last slot is in range
@@ -108,8 +119,12 @@ def test_copy_blocks_bounds_every_block(stored):
     for p in (P.FP16, P.INT4, P.INT2):
         limit = pool_blocks(cache, p)
         for bad in bad_ids(limit):
-            with Unchanged(cache), pytest.raises(mixkv.IndexOutOfRange,
-                                                 match="copy_blocks: " + out_of_range(r"copies\[1\].dst", bad, limit)):
+            with (
+                Unchanged(cache),
+                pytest.raises(
+                    mixkv.IndexOutOfRange, match="copy_blocks: " + out_of_range(r"copies\[1\].dst", bad, limit)
+                ),
+            ):
                 ops.copy_blocks(cache, [mixkv.BlockCopy(0, 1), mixkv.BlockCopy(2, bad)], p)
             with Unchanged(cache), pytest.raises(mixkv.IndexOutOfRange, match=rf"copies\[0\].src = {bad}"):
                 ops.copy_blocks(cache, [mixkv.BlockCopy(bad, 1)], p)
@@ -123,15 +138,18 @@ def test_swap_blocks_bounds_device_blocks_and_host_slots(stored):
         blocks = pool_blocks(cache, p)
         for direction in (ops.SwapDirection.DeviceToHost, ops.SwapDirection.HostToDevice):
             for bad in bad_ids(blocks):
-                with Unchanged(cache), pytest.raises(
-                        mixkv.IndexOutOfRange, match=out_of_range(r"copies\[1\].device_block", bad, blocks)):
+                with (
+                    Unchanged(cache),
+                    pytest.raises(mixkv.IndexOutOfRange, match=out_of_range(r"copies\[1\].device_block", bad, blocks)),
+                ):
                     ops.swap_blocks(cache, [mixkv.SwapCopy(p, 0, 0), mixkv.SwapCopy(p, bad, 1)], direction)
             for bad in bad_ids(4):
-                with Unchanged(cache), pytest.raises(
-                        mixkv.IndexOutOfRange, match=out_of_range(r"copies\[0\].host_slot", bad, 4)):
+                with (
+                    Unchanged(cache),
+                    pytest.raises(mixkv.IndexOutOfRange, match=out_of_range(r"copies\[0\].host_slot", bad, 4)),
+                ):
                     ops.swap_blocks(cache, [mixkv.SwapCopy(p, 0, bad)], direction)
-    ops.swap_blocks(cache, [mixkv.SwapCopy(P.INT2, pool_blocks(cache, P.INT2) - 1, 3)],
-                    ops.SwapDirection.DeviceToHost)
+    ops.swap_blocks(cache, [mixkv.SwapCopy(P.INT2, pool_blocks(cache, P.INT2) - 1, 3)], ops.SwapDirection.DeviceToHost)
 
 
 def test_a_cache_without_swap_pool_refuses_every_swap_copy():
@@ -152,9 +170,13 @@ def test_demote_ops_of_another_cache_are_bounded(rng):
     demote_ops = big.demote([mixkv.Demotion(39, 0, 1, P.INT2)])
     small = mixkv.KVCache(mixkv.CacheConfig(mixkv.CacheShape(1, 2, 64), 256 << 10, 256 << 10))
     assert demote_ops[0].src_block >= pool_blocks(small, P.FP16)
-    with Unchanged(small), pytest.raises(mixkv.IndexOutOfRange,
-                                         match="demote: " + out_of_range(r"ops\[0\].src_block", demote_ops[0].src_block,
-                                                            pool_blocks(small, P.FP16))):
+    with (
+        Unchanged(small),
+        pytest.raises(
+            mixkv.IndexOutOfRange,
+            match="demote: " + out_of_range(r"ops\[0\].src_block", demote_ops[0].src_block, pool_blocks(small, P.FP16)),
+        ),
+    ):
         ops.demote(small, demote_ops)
 
 
@@ -298,8 +320,10 @@ def test_nan_planted_in_a_block_is_refused_by_demote(rng):
     (op,) = demote_ops
     block = cache.block(P.FP16, op.src_block)  # a view into the arena
     block[100:102] = np.frombuffer(np.float16(np.nan).tobytes(), np.uint8)
-    with Unchanged(cache), pytest.raises(mixkv.InvalidArgument,
-                                         match=rf"demote: ops\[0\]: FP16 block {op.src_block} head 0: .* is NaN"):
+    with (
+        Unchanged(cache),
+        pytest.raises(mixkv.InvalidArgument, match=rf"demote: ops\[0\]: FP16 block {op.src_block} head 0: .* is NaN"),
+    ):
         ops.demote(cache, demote_ops)
     block[100:102] = np.frombuffer(np.float16(np.inf).tobytes(), np.uint8)
     with Unchanged(cache), pytest.raises(ValueError, match=r"spans \[.*inf"):
@@ -324,11 +348,25 @@ def test_bools_are_not_slots_or_ids(stored, rng):
         mapping.fp16_slots = [True]
 
 
-@pytest.mark.parametrize("cls", [
-    mixkv.KVCache, mixkv.KVCacheManager, mixkv.Scheduler, mixkv.WindowPlanner, mixkv.PrecisionPlan,
-    mixkv.TokenLayout, mixkv.BlockFormat, mixkv.StoreMapping, mixkv.PagedPoolTable, mixkv.DecodeMetadata,
-    mixkv.CacheConfig, mixkv.SchedulerConfig, mixkv.StepOutput, mixkv.DemoteOp,
-])
+@pytest.mark.parametrize(
+    "cls",
+    [
+        mixkv.KVCache,
+        mixkv.KVCacheManager,
+        mixkv.Scheduler,
+        mixkv.WindowPlanner,
+        mixkv.PrecisionPlan,
+        mixkv.TokenLayout,
+        mixkv.BlockFormat,
+        mixkv.StoreMapping,
+        mixkv.PagedPoolTable,
+        mixkv.DecodeMetadata,
+        mixkv.CacheConfig,
+        mixkv.SchedulerConfig,
+        mixkv.StepOutput,
+        mixkv.DemoteOp,
+    ],
+)
 def test_objects_cannot_be_made_without_init(cls):
     """Class.__new__ alone would leave an object without a C++ value, whose
     first use read uninitialized memory: it is not available."""

@@ -1,10 +1,9 @@
 """mixkv.Scheduler through Python, and the manager's swap and demotion with
 the CPU ops that carry them out."""
 
+import mixkv
 import numpy as np
 import pytest
-
-import mixkv
 from helpers import P, layout, make_cache, plan_of, random_kv, store_sequence
 
 ops = mixkv.ops
@@ -17,8 +16,9 @@ def prompt(rng, visual=200):
 
 def test_requests_flow_through_steps(rng):
     cache = make_cache(arena_bytes=8 << 20, slab_bytes=256 << 10)
-    sched = mixkv.Scheduler(cache, mixkv.SchedulerConfig(max_num_batched_tokens=256,
-                                                         planner=mixkv.PlannerConfig([0.5, 0.2])))
+    sched = mixkv.Scheduler(
+        cache, mixkv.SchedulerConfig(max_num_batched_tokens=256, planner=mixkv.PlannerConfig([0.5, 0.2]))
+    )
     lay, emb = prompt(rng)
     sched.add_request(mixkv.Request(1, lay, embeddings=emb, max_new_tokens=3))
     sched.add_request(mixkv.Request(2, lay, plan=mixkv.PrecisionPlan(2, 6), max_new_tokens=2))
@@ -51,11 +51,14 @@ def test_finish_cancel_and_rejection(rng):
     sched.add_request(mixkv.Request(3, huge, plan=mixkv.PrecisionPlan(2, 0)))
     out = sched.step()
     assert [(r.id, "cache" in r.reason or "budget" in r.reason or len(r.reason) > 0) for r in out.rejected] == [
-        (3, True)]
+        (3, True)
+    ]
     assert sched.finish(1) is True and sched.cancel(2) is True and sched.cancel(2) is False
     out = sched.step()
-    assert sorted((f.id, f.reason) for f in out.finished) == [(1, mixkv.FinishReason.Stopped),
-                                                              (2, mixkv.FinishReason.Cancelled)]
+    assert sorted((f.id, f.reason) for f in out.finished) == [
+        (1, mixkv.FinishReason.Stopped),
+        (2, mixkv.FinishReason.Cancelled),
+    ]
     assert not sched.has_unfinished()
     with pytest.raises(KeyError):
         sched.finish(99)
@@ -81,8 +84,9 @@ def test_bad_requests_name_the_field(rng):
 def test_swap_out_and_in_bring_the_bytes_back(rng):
     cache = make_cache(arena_bytes=4 << 20, slab_bytes=256 << 10)
     config = cache.config
-    swapping = mixkv.KVCache(mixkv.CacheConfig(config.shape, config.arena_bytes, config.slab_bytes,
-                                               swap_blocks=[16, 8, 8]))
+    swapping = mixkv.KVCache(
+        mixkv.CacheConfig(config.shape, config.arena_bytes, config.slab_bytes, swap_blocks=[16, 8, 8])
+    )
     lay = layout(("text", 10), ("visual", 64))
     store_sequence(swapping, 1, lay, plan_of([[P.FP16, P.INT4]] * 2), rng)
     md = swapping.decode_metadata([1])

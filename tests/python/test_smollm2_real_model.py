@@ -9,10 +9,9 @@ import importlib.util
 import pathlib
 import sys
 
+import mixkv
 import numpy as np
 import pytest
-
-import mixkv
 from mixkv import Precision
 
 HERE = pathlib.Path(__file__).resolve()
@@ -52,8 +51,11 @@ def test_gguf_shapes_and_tokenizer(model):
     c = model.config
     assert (c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, c.hidden) == (30, 9, 3, 64, 576)
     tok = model.tokenizer
-    for text in ["We the People of the United States, in Order to form a more perfect Union,",
-                 "Four score and seven years ago (1863)\n\n  -- naive cafe", "<|im_start|>user\nhi<|im_end|>\n"]:
+    for text in [
+        "We the People of the United States, in Order to form a more perfect Union,",
+        "Four score and seven years ago (1863)\n\n  -- naive cafe",
+        "<|im_start|>user\nhi<|im_end|>\n",
+    ]:
         assert tok.decode(tok.encode(text)) == text
     # Digits split one by one, special tokens whole (llama.cpp's "smollm" pre-tokenizer).
     assert [tok.tokens[i] for i in tok.encode("1787")] == ["1", "7", "8", "7"]
@@ -76,8 +78,9 @@ def test_fp16_cache_decodes_like_dense_and_int4_beats_int2(model, real_model_mod
     config = rm.cache_config(model, prompt.layout, list(plans.values()), 16, 2)
     engine = rm.make_engine(model, config, prompt, 2 * len(plans))
     dense = rm.DenseCache(ks, vs, c)
-    rec, greedy, dense_tokens, gap = rm.decode_all(model, engine, prompt, first_logits, plans, ks, vs, dense,
-                                                   max_new=8, progress=False)
+    rec, greedy, dense_tokens, gap = rm.decode_all(
+        model, engine, prompt, first_logits, plans, ks, vs, dense, max_new=8, progress=False
+    )
     engine.check_invariants()
     assert not engine.has_unfinished()  # every request finished with its stream
     assert len(greedy) == 8 and len(rec["FP16"]["cont_logp"]) == len(prompt.answer)
@@ -159,8 +162,10 @@ def test_question_attention_error_and_floors_within_budget(model, real_model_mod
     text = rm.read_text("calibration_declaration.txt")[:700]
     prompt = rm.Prompt(tok, text, "Who wrote this?", "Thomas Jefferson.")
     _, ks, vs, _ = model.prefill(prompt.ids)
-    errors = {p: rm.question_attention_error(model, prompt, ks, vs, p)
-              for p in (Precision.FP16, Precision.INT4, Precision.INT2)}
+    errors = {
+        p: rm.question_attention_error(model, prompt, ks, vs, p)
+        for p in (Precision.FP16, Precision.INT4, Precision.INT2)
+    }
     for e in errors.values():
         assert e.shape == (c.num_layers,) and np.all(np.isfinite(e))
     assert np.all(errors[Precision.FP16] == 0.0)

@@ -1,9 +1,8 @@
 """Value types: CacheShape, CacheConfig, Precision, BlockFormat, TokenLayout,
 PrecisionPlan."""
 
-import pytest
-
 import mixkv
+import pytest
 from helpers import P, layout, plan_of
 
 
@@ -64,7 +63,11 @@ def test_block_format_k_code_bytes():
     assert int2.k_runs_are_bytes
     # channels 0, 8, 1, 9 of run 0 are one word; run 1 starts 16 bytes on; channel 16 opens group 1
     assert [int2.k_code_byte(c, 0) for c in (0, 8, 1, 9, 2)] == [0, 1, 2, 3, 4]
-    assert (int2.k_code_byte(0, 1), int2.k_code_byte(16, 0), int2.k_code_byte(127, 7)) == (16, 128, 7 * 128 + 7 * 16 + 15)
+    assert (int2.k_code_byte(0, 1), int2.k_code_byte(16, 0), int2.k_code_byte(127, 7)) == (
+        16,
+        128,
+        7 * 128 + 7 * 16 + 15,
+    )
     offsets = {int2.k_code_byte(c, i) for c in range(128) for i in range(int2.k_channel_bytes)}
     assert offsets == set(range(int2.v_offset))  # the layout tiles the K codes exactly
     with pytest.raises(ValueError, match="k_code_byte: i = 8: expected in \\[0, k_channel_bytes = 8\\)"):

@@ -58,8 +58,8 @@ TEST(DeviceArenaFault, CudaMallocFailureIsOutOfMemoryAndLeavesTheRuntimeUsable) 
   DeviceArenaCopy device(host);
   const std::vector<BlockCopy> moves = {{src, dst}};
   DeviceVector<BlockCopy> dmoves(moves);
-  ASSERT_NO_THROW(gpu::demote({dmoves.get(), 1, device.pools[pool_index(Precision::FP16)],
-                               device.pools[pool_index(Precision::INT4)], nullptr}))
+  ASSERT_NO_THROW(gpu::demote(
+      {dmoves.get(), 1, device.pools[pool_index(Precision::FP16)], device.pools[pool_index(Precision::INT4)], nullptr}))
       << "the first launch after a failed cudaMalloc reported that failure as its own";
   const std::vector<DemoteOp> ops = {{0, 0, 1, Precision::FP16, src, Precision::INT4, dst}};
   cpu::demote(ops, host.views());

@@ -135,56 +135,55 @@ std::string case_name(const ::testing::TestParamInfo<Case>& info) { return info.
 // slot, so a std::bad_alloc at any allocation point changes nothing.
 INSTANTIATE_TEST_SUITE_P(
     Calls, HostAllocFailure,
-    ::testing::Values(Case{"add_sequence",
-                           [](KVCacheManager& m) {
-                             const TokenLayout layout({{TokenKind::Text, 3}, {TokenKind::Visual, 2 * kTinyBlock}});
-                             PrecisionPlan plan(2, 2);
-                             plan.set(1, 1, Precision::INT2);
-                             m.add_sequence(10, layout, plan);
-                           }},
-                      // Sequence 2 shares its partly filled tail with 1: a copy-on-write.
-                      Case{"append_tokens", [](KVCacheManager& m) { m.append_tokens(kBatch); }},
-                      Case{"swap_out", [](KVCacheManager& m) { m.swap_out(0); }},
-                      Case{"swap_in", [](KVCacheManager& m) { m.swap_in(3); }},
-                      Case{"demote",
-                           [](KVCacheManager& m) {
-                             const std::vector<Demotion> list = {{0, 0, 2, Precision::INT4},
-                                                                 {0, 1, 1, Precision::INT2}};
-                             m.demote(list);
-                           }},
-                      // Every tail full: a new FP16 block in every layer
-                      // (open_fp16_tails), by handle, compact slots.
-                      Case{"append_tokens_new_blocks",
-                           [](KVCacheManager& m) {
-                             const std::vector<SequenceHandle> batch = {m.handle(4), m.handle(0)};
-                             m.append_tokens(batch, AppendSlots::Compact);
-                           },
-                           [](KVCacheManager& m) { m.add_sequence(4, test::text(2 * kTinyBlock), PrecisionPlan(2, 0)); }},
-                      // No free slab left: grow() reclaims the empty INT4
-                      // and INT2 slabs that sequence 0 left behind.
-                      Case{"swap_in_reclaiming_slabs", [](KVCacheManager& m) { m.swap_in(3); },
-                           [](KVCacheManager& m) {
-                             m.free_sequence(0);
-                             m.add_sequence(5, test::text(18 * kTinyBlock), PrecisionPlan(2, 0));
-                             ASSERT_EQ(m.free_slabs(), 0);
-                             ASSERT_EQ(m.pool_stats(Precision::INT4).empty_slabs, 1);
-                           }},
-                      // Sequence 0's prompt is shared with its fork (swapped
-                      // out, so the blocks are 0's alone): demote copies it.
-                      Case{"demote_shared_prompt",
-                           [](KVCacheManager& m) {
-                             const std::vector<Demotion> list = {{0, 0, 2, Precision::INT2},
-                                                                 {0, 1, 1, Precision::INT4}};
-                             m.demote(list);
-                           },
-                           [](KVCacheManager& m) {
-                             m.fork(0, 12);
-                             m.swap_out(12);
-                           }},
-                      Case{"fork", [](KVCacheManager& m) { m.fork(0, 11); }},
-                      Case{"free_sequence", [](KVCacheManager& m) { m.free_sequence(0); }},
-                      Case{"decode_metadata", [](KVCacheManager& m) { (void)m.decode_metadata(kBatch); }},
-                      Case{"prefill_mapping", [](KVCacheManager& m) { (void)m.prefill_mapping(0, 1); }}),
+    ::testing::Values(
+        Case{"add_sequence",
+             [](KVCacheManager& m) {
+               const TokenLayout layout({{TokenKind::Text, 3}, {TokenKind::Visual, 2 * kTinyBlock}});
+               PrecisionPlan plan(2, 2);
+               plan.set(1, 1, Precision::INT2);
+               m.add_sequence(10, layout, plan);
+             }},
+        // Sequence 2 shares its partly filled tail with 1: a copy-on-write.
+        Case{"append_tokens", [](KVCacheManager& m) { m.append_tokens(kBatch); }},
+        Case{"swap_out", [](KVCacheManager& m) { m.swap_out(0); }},
+        Case{"swap_in", [](KVCacheManager& m) { m.swap_in(3); }},
+        Case{"demote",
+             [](KVCacheManager& m) {
+               const std::vector<Demotion> list = {{0, 0, 2, Precision::INT4}, {0, 1, 1, Precision::INT2}};
+               m.demote(list);
+             }},
+        // Every tail full: a new FP16 block in every layer
+        // (open_fp16_tails), by handle, compact slots.
+        Case{"append_tokens_new_blocks",
+             [](KVCacheManager& m) {
+               const std::vector<SequenceHandle> batch = {m.handle(4), m.handle(0)};
+               m.append_tokens(batch, AppendSlots::Compact);
+             },
+             [](KVCacheManager& m) { m.add_sequence(4, test::text(2 * kTinyBlock), PrecisionPlan(2, 0)); }},
+        // No free slab left: grow() reclaims the empty INT4
+        // and INT2 slabs that sequence 0 left behind.
+        Case{"swap_in_reclaiming_slabs", [](KVCacheManager& m) { m.swap_in(3); },
+             [](KVCacheManager& m) {
+               m.free_sequence(0);
+               m.add_sequence(5, test::text(18 * kTinyBlock), PrecisionPlan(2, 0));
+               ASSERT_EQ(m.free_slabs(), 0);
+               ASSERT_EQ(m.pool_stats(Precision::INT4).empty_slabs, 1);
+             }},
+        // Sequence 0's prompt is shared with its fork (swapped
+        // out, so the blocks are 0's alone): demote copies it.
+        Case{"demote_shared_prompt",
+             [](KVCacheManager& m) {
+               const std::vector<Demotion> list = {{0, 0, 2, Precision::INT2}, {0, 1, 1, Precision::INT4}};
+               m.demote(list);
+             },
+             [](KVCacheManager& m) {
+               m.fork(0, 12);
+               m.swap_out(12);
+             }},
+        Case{"fork", [](KVCacheManager& m) { m.fork(0, 11); }},
+        Case{"free_sequence", [](KVCacheManager& m) { m.free_sequence(0); }},
+        Case{"decode_metadata", [](KVCacheManager& m) { (void)m.decode_metadata(kBatch); }},
+        Case{"prefill_mapping", [](KVCacheManager& m) { (void)m.prefill_mapping(0, 1); }}),
     case_name);
 
 }  // namespace

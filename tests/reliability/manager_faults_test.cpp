@@ -17,8 +17,8 @@
 
 #include "../cache/cache_test_util.h"
 #include "host_backend.h"
-#include "mixkv/core/errors.h"
 #include "mixkv/cache/kv_cache_manager.h"
+#include "mixkv/core/errors.h"
 
 namespace mixkv {
 namespace {
@@ -84,7 +84,8 @@ TEST_P(AddUntilFull, FailsWholeAtTheBoundaryAndLosesNoCapacity) {
     for (SequenceId id = 0;; ++id) {
       const bool predicted = cache.can_allocate(cache.demand(layout, plan));
       if (!predicted) {
-        expect_oom_changes_nothing(backend, [&] { backend.add(id, layout, plan); }, "out of memory");
+        expect_oom_changes_nothing(
+            backend, [&] { backend.add(id, layout, plan); }, "out of memory");
         break;
       }
       ASSERT_NO_THROW(backend.add(id, layout, plan));
@@ -111,7 +112,12 @@ TEST(ArenaExhaustion, AppendBatchIsAllOrNothing) {
   backend.add(1, test::text(kTinyBlock), none);      // tail full
   backend.add(2, test::text(2 * kTinyBlock), none);  // the last free block
   ASSERT_FALSE(cache.can_allocate({1, 0, 0}));
-  expect_oom_changes_nothing(backend, [&] { backend.append({0, 1}); }, "FP16 pool");
+  expect_oom_changes_nothing(
+      backend,
+      [&] {
+        backend.append({0, 1});
+      },
+      "FP16 pool");
   EXPECT_EQ(cache.num_tokens(0), 5);
   // The sequence with room alone still appends.
   ASSERT_NO_THROW(backend.append({0}));
@@ -132,7 +138,8 @@ TEST(ArenaExhaustion, CopyOnWriteWithoutRoom) {
   backend.add(2, test::text(2 * kTinyBlock), none);  // the last 2 blocks
   const std::int32_t tail = cache.blocks(0, 0, Precision::FP16).back();
   ASSERT_EQ(cache.ref_count(Precision::FP16, tail), 2);
-  expect_oom_changes_nothing(backend, [&] { backend.append({1}); }, "FP16 pool");
+  expect_oom_changes_nothing(
+      backend, [&] { backend.append({1}); }, "FP16 pool");
   EXPECT_EQ(cache.ref_count(Precision::FP16, tail), 2);
 
   backend.free(2);
@@ -176,7 +183,8 @@ TEST(ArenaExhaustion, SwapInWaitsForRoomAndComesBackIdentical) {
   SequenceId next = 1;
   while (cache.can_allocate({1, 0, 0})) backend.add(next++, test::text(kTinyBlock), PrecisionPlan(2, 0));
   ASSERT_FALSE(cache.can_allocate(cache.blocks_held(0)));
-  expect_oom_changes_nothing(backend, [&] { backend.swap_in(0); }, "out of memory");
+  expect_oom_changes_nothing(
+      backend, [&] { backend.swap_in(0); }, "out of memory");
   EXPECT_TRUE(cache.is_swapped(0));
 
   for (SequenceId id = 1; id < next; ++id) backend.free(id);
@@ -196,7 +204,12 @@ TEST(ArenaExhaustion, DemoteWithoutTargetBlocks) {
   const TokenLayout layout = visual(4 * kTinyBlock);  // the whole FP16 slab
   backend.add(0, layout, uniform_plan(1, layout, Precision::FP16));
   ASSERT_FALSE(cache.why_not_demotable(0, 0, 1, Precision::INT4).has_value());
-  expect_oom_changes_nothing(backend, [&] { backend.demote({{0, 0, 1, Precision::INT4}}); }, "INT4 pool");
+  expect_oom_changes_nothing(
+      backend,
+      [&] {
+        backend.demote({{0, 0, 1, Precision::INT4}});
+      },
+      "INT4 pool");
   EXPECT_EQ(cache.plan(0).at(0, 1), Precision::FP16);
   backend.free(0);
   expect_whole(cache);
@@ -316,7 +329,8 @@ TEST(SwapPoolFull, SwapOutFailsWholeAndLeavesBothCopies) {
   backend.swap_out(0);
   EXPECT_EQ(cache.free_swap_slots(), (BlockCounts{0, 2, 2}));
   EXPECT_EQ(backend.snapshot(0), first);
-  expect_oom_changes_nothing(backend, [&] { backend.swap_out(1); }, "FP16 swap pool");
+  expect_oom_changes_nothing(
+      backend, [&] { backend.swap_out(1); }, "FP16 swap pool");
   EXPECT_FALSE(cache.is_swapped(1));
 
   backend.free(0);  // frees host slots
@@ -338,7 +352,8 @@ TEST(SwapPoolFull, EachPoolOnItsOwn) {
   KVCacheManager& cache = backend.cache();
   const TokenLayout layout = visual(kTinyBlock);
   backend.add(0, layout, uniform_plan(2, layout, Precision::INT2));  // 2 INT2 blocks (one a layer)
-  expect_oom_changes_nothing(backend, [&] { backend.swap_out(0); }, "INT2 swap pool");
+  expect_oom_changes_nothing(
+      backend, [&] { backend.swap_out(0); }, "INT2 swap pool");
   backend.free(0);
   expect_whole(cache);
 }
@@ -348,7 +363,8 @@ TEST(SwapPoolFull, NoHostPool) {
   HostBackend backend(tiny_config(1, 2));
   KVCacheManager& cache = backend.cache();
   backend.add(0, test::text(3), PrecisionPlan(1, 0));
-  expect_oom_changes_nothing(backend, [&] { backend.swap_out(0); }, "swap pool");
+  expect_oom_changes_nothing(
+      backend, [&] { backend.swap_out(0); }, "swap pool");
   backend.free(0);
   expect_whole(cache);
 }
@@ -360,12 +376,14 @@ TEST(SwapPoolFull, ExactFitRoundTrips) {
   config.swap_blocks = {6, 0, 0};
   HostBackend backend(config);
   KVCacheManager& cache = backend.cache();
-  for (SequenceId id = 0; id < 6; ++id) backend.add(id, test::text(1 + static_cast<std::int32_t>(id)), PrecisionPlan(1, 0));
+  for (SequenceId id = 0; id < 6; ++id)
+    backend.add(id, test::text(1 + static_cast<std::int32_t>(id)), PrecisionPlan(1, 0));
   const auto before = backend.snapshot_all();
   for (SequenceId id = 0; id < 6; ++id) backend.swap_out(id);
   EXPECT_EQ(cache.free_swap_slots(), (BlockCounts{0, 0, 0}));
   backend.add(6, test::text(1), PrecisionPlan(1, 0));
-  expect_oom_changes_nothing(backend, [&] { backend.swap_out(6); }, "FP16 swap pool");
+  expect_oom_changes_nothing(
+      backend, [&] { backend.swap_out(6); }, "FP16 swap pool");
   backend.free(6);
   for (const SequenceId id : {3, 0, 5, 1, 4, 2}) backend.swap_in(id);
   EXPECT_EQ(backend.snapshot_all(), before);

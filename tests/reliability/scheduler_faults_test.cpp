@@ -218,7 +218,6 @@ TEST(SwapPoolFull, FallsBackToRecomputeAndChangesNoOutput) {
               static_cast<long long>(tight.stats.preempted_recompute), compared);
 }
 
-
 // --- Liveness under memory pressure (a scheduler_fuzz finding, reduced by
 // hand; docs/reliability.md, "Findings"). One request alone in a 4-slab
 // cache: its plan (layer 0: FP16, INT2; layer 1: INT2, FP16) and its 39
@@ -369,23 +368,24 @@ TEST_P(TwoRequestsUnderPressure, BothEndWithoutThrash) {
   // by progress (the other request grows or ends).
   EXPECT_LE(st.preempted_swap + st.preempted_recompute, 4);
   for (const Precision q : kAllPrecisions) EXPECT_EQ(cache.pool_stats(q).used_blocks, 0) << to_string(q);
-  std::printf("demotion %d, %s, second request %d tokens: %lld steps, %zu finished, %zu rejected, %lld demotions, "
-              "%lld swaps, %lld recomputes\n",
-              p.demote ? 1 : 0, p.mode == PreemptionMode::Swap ? "swap" : "recompute", p.second_tokens,
-              static_cast<long long>(steps), finished.size(), rejected.size(), static_cast<long long>(st.demotions),
-              static_cast<long long>(st.preempted_swap), static_cast<long long>(st.preempted_recompute));
+  std::printf(
+      "demotion %d, %s, second request %d tokens: %lld steps, %zu finished, %zu rejected, %lld demotions, "
+      "%lld swaps, %lld recomputes\n",
+      p.demote ? 1 : 0, p.mode == PreemptionMode::Swap ? "swap" : "recompute", p.second_tokens,
+      static_cast<long long>(steps), finished.size(), rejected.size(), static_cast<long long>(st.demotions),
+      static_cast<long long>(st.preempted_swap), static_cast<long long>(st.preempted_recompute));
 }
 
-INSTANTIATE_TEST_SUITE_P(Modes, TwoRequestsUnderPressure,
-                         ::testing::Values(Pair{true, PreemptionMode::Swap, 40}, Pair{true, PreemptionMode::Recompute, 40},
-                                           Pair{false, PreemptionMode::Swap, 40},
-                                           Pair{false, PreemptionMode::Recompute, 40},
-                                           Pair{true, PreemptionMode::Swap, 5}, Pair{true, PreemptionMode::Recompute, 5}),
-                         [](const auto& info) {
-                           return std::string(info.param.demote ? "Demote" : "NoDemote") +
-                                  (info.param.mode == PreemptionMode::Swap ? "Swap" : "Recompute") +
-                                  std::to_string(info.param.second_tokens);
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    Modes, TwoRequestsUnderPressure,
+    ::testing::Values(Pair{true, PreemptionMode::Swap, 40}, Pair{true, PreemptionMode::Recompute, 40},
+                      Pair{false, PreemptionMode::Swap, 40}, Pair{false, PreemptionMode::Recompute, 40},
+                      Pair{true, PreemptionMode::Swap, 5}, Pair{true, PreemptionMode::Recompute, 5}),
+    [](const auto& info) {
+      return std::string(info.param.demote ? "Demote" : "NoDemote") +
+             (info.param.mode == PreemptionMode::Swap ? "Swap" : "Recompute") +
+             std::to_string(info.param.second_tokens);
+    });
 
 }  // namespace
 }  // namespace mixkv

@@ -319,8 +319,7 @@ TEST(SchedulerFork, ForkedRequestsUnderMemoryPressure) {
     }
     // A request recomputed after g tokens prefills its g-th token instead
     // of decoding it: that output (one per layer) is absent.
-    EXPECT_LE(big.outputs.size() - small.outputs.size(),
-              static_cast<std::size_t>(small.stats.preempted_recompute * 2));
+    EXPECT_LE(big.outputs.size() - small.outputs.size(), static_cast<std::size_t>(small.stats.preempted_recompute * 2));
     for (const auto& [key, o] : small.outputs) {
       const auto it = big.outputs.find(key);
       ASSERT_NE(it, big.outputs.end());

@@ -2,10 +2,9 @@
 // (some text-only, with no plan: all FP16) arrive over time at a cache small
 // enough to force demotion, swapping and preemption by recompute; a few
 // percent fork 1-3 children once their prompt is done (parallel sampling);
-// the engine (engine_sim.h) applies every step on real bytes. After every step the scheduler's and the manager's invariants
-// hold and every pool conserves its blocks; at the end every request has
-// finished or been rejected with a reason, exactly once, and every pool is
-// whole again. Swapped blocks come back bit-identical (EngineSim checks).
+// the engine (engine_sim.h) applies every step on real bytes. After every step the scheduler's and the manager's
+// invariants hold and every pool conserves its blocks; at the end every request has finished or been rejected with a
+// reason, exactly once, and every pool is whole again. Swapped blocks come back bit-identical (EngineSim checks).
 #include <gtest/gtest.h>
 
 #include <chrono>

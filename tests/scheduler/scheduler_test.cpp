@@ -13,8 +13,8 @@
 
 #include "../cache/cache_test_util.h"
 #include "engine_sim.h"
-#include "scheduler_test_util.h"
 #include "mixkv/scheduler/scheduler.h"
+#include "scheduler_test_util.h"
 
 namespace mixkv {
 namespace {
@@ -66,8 +66,9 @@ std::vector<Request> fp16_workload(int n, std::uint64_t seed) {
   auto pick = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
   std::vector<Request> rs;
   for (int i = 0; i < n; ++i) {
-    rs.push_back(request(i, {{TokenKind::Text, pick(1, 9)}, {TokenKind::Visual, pick(0, 70)}, {TokenKind::Text, pick(1, 9)}},
-                         pick(1, 60)));
+    rs.push_back(
+        request(i, {{TokenKind::Text, pick(1, 9)}, {TokenKind::Visual, pick(0, 70)}, {TokenKind::Text, pick(1, 9)}},
+                pick(1, 60)));
   }
   return rs;
 }
@@ -97,7 +98,8 @@ TEST(Scheduler, ForcedPreemptionChangesNoFp16Result) {
 TEST(Scheduler, CompactSlotsGiveTheSameOutputs) {
   std::vector<Request> work = fp16_workload(40, 5);
   for (Request& r : work) {
-    for (std::int32_t w = 1; w < r.plan->num_windows(); ++w) r.plan->set(w % 2, w, w % 3 == 0 ? Precision::INT2 : Precision::INT4);
+    for (std::int32_t w = 1; w < r.plan->num_windows(); ++w)
+      r.plan->set(w % 2, w, w % 3 == 0 ? Precision::INT2 : Precision::INT4);
   }
   SchedulerConfig config = base_config();
   config.preemption = PreemptionMode::Swap;
@@ -114,14 +116,15 @@ TEST(Scheduler, CompactSlotsGiveTheSameOutputs) {
 
 // Steps until `id` is in `state` (or gives up).
 void step_until(Scheduler& sched, test::EngineSim& engine, RequestId id, RequestState state) {
-  for (int i = 0; i < 200 && sched.contains(id) && sched.status(id).state != state; ++i) engine.apply(sched.step(), false);
+  for (int i = 0; i < 200 && sched.contains(id) && sched.status(id).state != state; ++i)
+    engine.apply(sched.step(), false);
   ASSERT_TRUE(sched.contains(id));
   ASSERT_EQ(sched.status(id).state, state);
 }
 
 TEST(Scheduler, CancelFreesEverythingInEveryState) {
-  for (const RequestState target : {RequestState::Waiting, RequestState::Prefilling, RequestState::Running,
-                                    RequestState::Swapped}) {
+  for (const RequestState target :
+       {RequestState::Waiting, RequestState::Prefilling, RequestState::Running, RequestState::Swapped}) {
     SchedulerConfig config = base_config();
     config.preemption = PreemptionMode::Swap;
     config.demote_under_pressure = false;
@@ -185,9 +188,9 @@ TEST(Scheduler, OneLargeRequestBlocksOthersOnlyForBoundedSteps) {
   config.max_head_bypass = 5;
   test::EngineSim engine(tiny(8), config);
   Scheduler& sched = engine.scheduler();
-  sched.add_request(request(0, {{TokenKind::Text, 60}}, 40));   // holds half the cache for a while
+  sched.add_request(request(0, {{TokenKind::Text, 60}}, 40));  // holds half the cache for a while
   engine.apply(sched.step(), false);
-  sched.add_request(request(1, {{TokenKind::Text, 200}}, 2));   // needs most of it: waits
+  sched.add_request(request(1, {{TokenKind::Text, 200}}, 2));  // needs most of it: waits
   for (RequestId id = 2; id < 6; ++id) sched.add_request(request(id, {{TokenKind::Text, 8}}, 2));
   std::int64_t step = 1;
   std::map<RequestId, std::int64_t> admitted;

@@ -60,12 +60,14 @@ std::map<RequestId, FinishReason> run_to_end(Scheduler& sched, test::EngineSim& 
 
 // The step after the free: the request is retired as Cancelled with a note
 // (only it), the step serves the others, and the books agree again.
-void expect_retired(Scheduler& sched, test::EngineSim& engine, RequestId id, std::map<RequestId, FinishReason>& reasons) {
+void expect_retired(Scheduler& sched, test::EngineSim& engine, RequestId id,
+                    std::map<RequestId, FinishReason>& reasons) {
   EXPECT_THROW(sched.check_invariants(), InvariantViolation);
   StepOutput out;
   ASSERT_NO_THROW(out = sched.step());
   engine.apply(out, false);
-  const auto it = std::find_if(out.finished.begin(), out.finished.end(), [&](const FinishedRequest& f) { return f.id == id; });
+  const auto it =
+      std::find_if(out.finished.begin(), out.finished.end(), [&](const FinishedRequest& f) { return f.id == id; });
   ASSERT_NE(it, out.finished.end()) << "request " << id << " was not retired";
   EXPECT_EQ(it->reason, FinishReason::Cancelled);
   EXPECT_NE(it->note.find("left the cache outside the scheduler"), std::string::npos) << it->note;

@@ -12,21 +12,22 @@ message: InvalidArgument (ValueError), OutOfMemory (MemoryError), UnknownId
 (RuntimeError).
 """
 
+from . import ops
 from ._core import (
     AppendResult,
     AppendSlots,
     BatchPolicy,
     BlockCopy,
-    BudgetedPlan,
     BlockFormat,
+    BudgetedPlan,
     CacheConfig,
     CacheShape,
     DecodeMetadata,
     DemoteOp,
     Demotion,
     DeviceError,
-    FinishReason,
     FinishedRequest,
+    FinishReason,
     IndexOutOfRange,
     InvalidArgument,
     InvariantViolation,
@@ -35,8 +36,8 @@ from ._core import (
     LayerThresholds,
     OutOfMemory,
     PagedPoolTable,
-    PlanStats,
     PlannerConfig,
+    PlanStats,
     PoolStats,
     Precision,
     PrecisionPlan,
@@ -70,7 +71,7 @@ from ._core import (
     plan_stats,
     window_similarity,
 )
-from . import ops
+
 # mixkv.Engine: the scheduler and a backend behind one object (engine.py).
 from .engine import BackendKind, CacheView, Engine, EngineStep, Finished, Prefill, Rejected
 

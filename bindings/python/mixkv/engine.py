@@ -88,16 +88,31 @@ class EngineStep:
     ``copies``.
     """
 
-    __slots__ = ("step", "prefills", "prefill_rows", "decodes", "finished", "rejected", "swapped_out", "swapped_in",
-                 "preempted", "num_batched_tokens", "demotions", "swap_out_blocks", "swap_in_blocks", "copies")
+    __slots__ = (
+        "step",
+        "prefills",
+        "prefill_rows",
+        "decodes",
+        "finished",
+        "rejected",
+        "swapped_out",
+        "swapped_in",
+        "preempted",
+        "num_batched_tokens",
+        "demotions",
+        "swap_out_blocks",
+        "swap_in_blocks",
+        "copies",
+    )
 
     def __init__(self, raw: dict, key_of) -> None:
         self.step: int = raw["step"]
         self.prefills: list[Prefill] = [Prefill(key_of(i), s, e, last) for i, s, e, last in raw["prefills"]]
         self.prefill_rows: int = sum(p.end - p.start for p in self.prefills)
         self.decodes: list[RequestKey] = [key_of(i) for i in raw["decodes"]]
-        self.finished: list[Finished] = [Finished(key_of(i), FinishReason(r), g, note)
-                                         for i, r, g, note in raw["finished"]]
+        self.finished: list[Finished] = [
+            Finished(key_of(i), FinishReason(r), g, note) for i, r, g, note in raw["finished"]
+        ]
         self.rejected: list[Rejected] = [Rejected(key_of(i), why) for i, why in raw["rejected"]]
         self.swapped_out: list[RequestKey] = [key_of(i) for i in raw["swapped_out"]]
         self.swapped_in: list[RequestKey] = [key_of(i) for i in raw["swapped_in"]]
@@ -109,9 +124,11 @@ class EngineStep:
         self.copies: int = raw["num_copies"]
 
     def __repr__(self) -> str:
-        return (f"EngineStep(step={self.step}, prefills={self.prefills}, decodes={self.decodes}, "
-                f"finished={self.finished}, rejected={self.rejected}, swapped_out={self.swapped_out}, "
-                f"swapped_in={self.swapped_in}, preempted={self.preempted}, demotions={self.demotions})")
+        return (
+            f"EngineStep(step={self.step}, prefills={self.prefills}, decodes={self.decodes}, "
+            f"finished={self.finished}, rejected={self.rejected}, swapped_out={self.swapped_out}, "
+            f"swapped_in={self.swapped_in}, preempted={self.preempted}, demotions={self.demotions})"
+        )
 
 
 def _check_key(fn: str, arg: str, key: Any) -> RequestKey:
@@ -250,19 +267,31 @@ class Engine:
     nothing.
     """
 
-    def __init__(self, cache_config: CacheConfig, scheduler_config: Optional[SchedulerConfig] = None, *,
-                 num_q_heads: int, backend: Union[str, Any] = "cpu", planner: Optional[PlannerConfig] = None,
-                 device: int = 0, sm_scale: Optional[float] = None, max_blocks_per_sequence: int = 0) -> None:
+    def __init__(
+        self,
+        cache_config: CacheConfig,
+        scheduler_config: Optional[SchedulerConfig] = None,
+        *,
+        num_q_heads: int,
+        backend: Union[str, Any] = "cpu",
+        planner: Optional[PlannerConfig] = None,
+        device: int = 0,
+        sm_scale: Optional[float] = None,
+        max_blocks_per_sequence: int = 0,
+    ) -> None:
         fn = "Engine"
         if _engine is None:
             raise ImportError(f"mixkv.Engine is not part of this build of mixkv ({_ENGINE_MISSING})")
         if not isinstance(cache_config, CacheConfig):
-            raise InvalidArgument(f"{fn}: cache_config: expected a mixkv.CacheConfig, got {type(cache_config).__name__}")
+            raise InvalidArgument(
+                f"{fn}: cache_config: expected a mixkv.CacheConfig, got {type(cache_config).__name__}"
+            )
         if scheduler_config is None:
             scheduler_config = SchedulerConfig()
         elif not isinstance(scheduler_config, SchedulerConfig):
             raise InvalidArgument(
-                f"{fn}: scheduler_config: expected a mixkv.SchedulerConfig or None, got {type(scheduler_config).__name__}")
+                f"{fn}: scheduler_config: expected a mixkv.SchedulerConfig or None, got {type(scheduler_config).__name__}"
+            )
         _check_int(fn, "num_q_heads", num_q_heads, 1)
         _check_int(fn, "device", device, 0)
         _check_int(fn, "max_blocks_per_sequence", max_blocks_per_sequence, 0)
@@ -273,19 +302,29 @@ class Engine:
         else:
             raise InvalidArgument(f"{fn}: backend: expected 'cpu' or 'cuda', got {backend!r}")
         if kind == BackendKind.CUDA and not _engine.built_with_cuda:
-            raise InvalidArgument(f"{fn}: backend: 'cuda' needs mixkv built with CUDA (mixkv.built_with_cuda is "
-                                  "False): expected 'cpu'")
+            raise InvalidArgument(
+                f"{fn}: backend: 'cuda' needs mixkv built with CUDA (mixkv.built_with_cuda is False): expected 'cpu'"
+            )
         if planner is not None and not isinstance(planner, PlannerConfig):
-            raise InvalidArgument(f"{fn}: planner: expected a mixkv.PlannerConfig or None, got {type(planner).__name__}")
+            raise InvalidArgument(
+                f"{fn}: planner: expected a mixkv.PlannerConfig or None, got {type(planner).__name__}"
+            )
         if planner is not None and scheduler_config.planner is not None:
             raise InvalidArgument(f"{fn}: planner: given twice (scheduler_config.planner is set too): expected one")
-        if sm_scale is not None and (isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float))
-                                     or not sm_scale > 0):
+        if sm_scale is not None and (
+            isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)) or not sm_scale > 0
+        ):
             raise InvalidArgument(f"{fn}: sm_scale = {sm_scale!r}: expected a positive number or None")
         # EngineConfig holds copies: the caller's configs stay as they were.
-        config = EngineConfig(cache_config, scheduler_config, num_q_heads=num_q_heads, backend=kind,
-                              cuda_device=device, sm_scale=float(sm_scale or 0.0),
-                              max_blocks_per_sequence=max_blocks_per_sequence)
+        config = EngineConfig(
+            cache_config,
+            scheduler_config,
+            num_q_heads=num_q_heads,
+            backend=kind,
+            cuda_device=device,
+            sm_scale=float(sm_scale or 0.0),
+            max_blocks_per_sequence=max_blocks_per_sequence,
+        )
         if planner is not None:
             config.scheduler.planner = planner
         self._core = _engine.Engine(config)
@@ -294,7 +333,7 @@ class Engine:
         shape = cache_config.shape
         self._num_q_heads = num_q_heads
         self._head_dim = shape.head_dim
-        self._ids: dict[RequestKey, int] = {}   # live caller id -> internal id
+        self._ids: dict[RequestKey, int] = {}  # live caller id -> internal id
         self._keys: dict[int, RequestKey] = {}  # internal id -> caller id
         self._retired: set[RequestKey] = set()  # caller ids that have left
         self._next_id = 0
@@ -312,8 +351,10 @@ class Engine:
     def _new_id(self, fn: str, arg: str, key: Any) -> int:
         _check_key(fn, arg, key)
         if key in self._ids:
-            raise InvalidArgument(f"{fn}: {arg} = {key!r}: already a live request (an id can be used again once "
-                                  "step() has reported its request finished or rejected)")
+            raise InvalidArgument(
+                f"{fn}: {arg} = {key!r}: already a live request (an id can be used again once "
+                "step() has reported its request finished or rejected)"
+            )
         internal = self._next_id
         self._next_id += 1
         return internal
@@ -323,9 +364,17 @@ class Engine:
         self._keys[internal] = key
         self._retired.discard(key)
 
-    def add_request(self, request_id: RequestKey, layout_or_num_tokens: Union[TokenLayout, int], *,
-                    plan: Optional[PrecisionPlan] = None, embeddings: Any = None, max_new_tokens: int,
-                    priority: int = 0, arrival_time: Optional[float] = None) -> None:
+    def add_request(
+        self,
+        request_id: RequestKey,
+        layout_or_num_tokens: Union[TokenLayout, int],
+        *,
+        plan: Optional[PrecisionPlan] = None,
+        embeddings: Any = None,
+        max_new_tokens: int,
+        priority: int = 0,
+        arrival_time: Optional[float] = None,
+    ) -> None:
         """Queues a request. ``layout_or_num_tokens``: the prompt's TokenLayout
         (text and visual segments), or an int: a text-only prompt of that many
         tokens. With a ``plan`` (PrecisionPlan) its windows are stored as it
@@ -342,8 +391,10 @@ class Engine:
             _check_int(fn, "layout_or_num_tokens", layout_or_num_tokens, 1)
             layout = TokenLayout([Segment(TokenKind.Text, layout_or_num_tokens)])
         else:
-            raise InvalidArgument(f"{fn}: layout_or_num_tokens: expected a mixkv.TokenLayout or a number of text "
-                                  f"tokens, got {type(layout_or_num_tokens).__name__}")
+            raise InvalidArgument(
+                f"{fn}: layout_or_num_tokens: expected a mixkv.TokenLayout or a number of text "
+                f"tokens, got {type(layout_or_num_tokens).__name__}"
+            )
         if plan is not None and not isinstance(plan, PrecisionPlan):
             raise InvalidArgument(f"{fn}: plan: expected a mixkv.PrecisionPlan or None, got {type(plan).__name__}")
         _check_int(fn, "max_new_tokens", max_new_tokens, 1)
@@ -353,8 +404,15 @@ class Engine:
         elif isinstance(arrival_time, bool) or not isinstance(arrival_time, (int, float)):
             raise InvalidArgument(f"{fn}: arrival_time: expected a number or None, got {type(arrival_time).__name__}")
         with _caller_ids(f"{fn}(request_id={request_id!r})"):
-            self._core.add_request(internal, layout, plan=plan, embeddings=embeddings, max_new_tokens=max_new_tokens,
-                                   priority=priority, arrival_time=float(arrival_time))
+            self._core.add_request(
+                internal,
+                layout,
+                plan=plan,
+                embeddings=embeddings,
+                max_new_tokens=max_new_tokens,
+                priority=priority,
+                arrival_time=float(arrival_time),
+            )
         self._bind(request_id, internal)
 
     def fork(self, parent_id: RequestKey, child_id: RequestKey, max_new_tokens: Optional[int] = None) -> None:
@@ -426,8 +484,10 @@ class Engine:
         for attribute in ("cuda_stream", "ptr"):
             if hasattr(stream, attribute):
                 return int(getattr(stream, attribute))
-        raise InvalidArgument(f"{fn}: stream: expected None, an int (cudaStream_t), a torch.cuda.Stream or a "
-                              f"cupy.cuda.Stream, got {type(stream).__name__}")
+        raise InvalidArgument(
+            f"{fn}: stream: expected None, an int (cudaStream_t), a torch.cuda.Stream or a "
+            f"cupy.cuda.Stream, got {type(stream).__name__}"
+        )
 
     def step(self, *, stream: Any = None) -> EngineStep:
         """Schedules the next step and applies its memory moves (demotions,
@@ -449,8 +509,9 @@ class Engine:
         [prefill_rows, num_kv_heads, head_dim] arrays on the engine's device."""
         self._core.store(layer, k, v, self._stream("Engine.store", stream))
 
-    def attend(self, layer: int, q: Any, k: Any, v: Any, out: Any = None, lse: Any = None, *,
-               stream: Any = None) -> Any:
+    def attend(
+        self, layer: int, q: Any, k: Any, v: Any, out: Any = None, lse: Any = None, *, stream: Any = None
+    ) -> Any:
         """One layer of the decode batch: appends k, v (float16 [batch,
         num_kv_heads, head_dim]) as the batch's newest tokens, then attends q
         (float16 [batch, num_q_heads, head_dim]) over each request's tokens in
@@ -480,8 +541,10 @@ class Engine:
             import numpy
 
             return numpy.empty(shape, dtype=numpy.float16)
-        raise InvalidArgument(f"Engine.attend: out: cannot allocate an output like q ({type(q).__name__}): pass "
-                              "out= (float16 [batch, num_q_heads, head_dim] on the engine's device)")
+        raise InvalidArgument(
+            f"Engine.attend: out: cannot allocate an output like q ({type(q).__name__}): pass "
+            "out= (float16 [batch, num_q_heads, head_dim] on the engine's device)"
+        )
 
     def synchronize(self) -> None:
         """Waits until everything enqueued so far has finished (CPU: returns at once)."""
@@ -521,8 +584,10 @@ class Engine:
             raise InvariantViolation(f"Engine: {len(self._ids)} live request ids but {len(self._keys)} internal ids")
         for key, internal in self._ids.items():
             if self._keys.get(internal) != key:
-                raise InvariantViolation(f"Engine: request id {key!r} maps to internal id {internal}, which maps back "
-                                         f"to {self._keys.get(internal)!r}")
+                raise InvariantViolation(
+                    f"Engine: request id {key!r} maps to internal id {internal}, which maps back "
+                    f"to {self._keys.get(internal)!r}"
+                )
             if not self._core.contains(internal):
                 raise InvariantViolation(f"Engine: request id {key!r} is live here but unknown to the scheduler")
 
@@ -531,5 +596,7 @@ class Engine:
         return self._core.describe_state()
 
     def __repr__(self) -> str:
-        return (f"mixkv.Engine(backend={self.backend!r}, device={self._device}, live requests={len(self._ids)}, "
-                f"num_q_heads={self._num_q_heads})")
+        return (
+            f"mixkv.Engine(backend={self.backend!r}, device={self._device}, live requests={len(self._ids)}, "
+            f"num_q_heads={self._num_q_heads})"
+        )

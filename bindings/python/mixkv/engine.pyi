@@ -36,9 +36,17 @@ class EngineConfig:
     cuda_device: int
     sm_scale: float
     max_blocks_per_sequence: int
-    def __init__(self, cache: CacheConfig, scheduler: SchedulerConfig, *, num_q_heads: int,
-                 backend: BackendKind = ..., cuda_device: int = 0, sm_scale: float = 0.0,
-                 max_blocks_per_sequence: int = 0) -> None: ...
+    def __init__(
+        self,
+        cache: CacheConfig,
+        scheduler: SchedulerConfig,
+        *,
+        num_q_heads: int,
+        backend: BackendKind = ...,
+        cuda_device: int = 0,
+        sm_scale: float = 0.0,
+        max_blocks_per_sequence: int = 0,
+    ) -> None: ...
 
 class Prefill(NamedTuple):
     request_id: RequestKey
@@ -94,12 +102,29 @@ class CacheView:
     def describe_state(self) -> str: ...
 
 class Engine:
-    def __init__(self, cache_config: CacheConfig, scheduler_config: Optional[SchedulerConfig] = None, *,
-                 num_q_heads: int, backend: Union[str, BackendKind] = "cpu", planner: Optional[PlannerConfig] = None,
-                 device: int = 0, sm_scale: Optional[float] = None, max_blocks_per_sequence: int = 0) -> None: ...
-    def add_request(self, request_id: RequestKey, layout_or_num_tokens: Union[TokenLayout, int], *,
-                    plan: Optional[PrecisionPlan] = None, embeddings: Optional[Array] = None, max_new_tokens: int,
-                    priority: int = 0, arrival_time: Optional[float] = None) -> None: ...
+    def __init__(
+        self,
+        cache_config: CacheConfig,
+        scheduler_config: Optional[SchedulerConfig] = None,
+        *,
+        num_q_heads: int,
+        backend: Union[str, BackendKind] = "cpu",
+        planner: Optional[PlannerConfig] = None,
+        device: int = 0,
+        sm_scale: Optional[float] = None,
+        max_blocks_per_sequence: int = 0,
+    ) -> None: ...
+    def add_request(
+        self,
+        request_id: RequestKey,
+        layout_or_num_tokens: Union[TokenLayout, int],
+        *,
+        plan: Optional[PrecisionPlan] = None,
+        embeddings: Optional[Array] = None,
+        max_new_tokens: int,
+        priority: int = 0,
+        arrival_time: Optional[float] = None,
+    ) -> None: ...
     def fork(self, parent_id: RequestKey, child_id: RequestKey, max_new_tokens: Optional[int] = None) -> None: ...
     def finish(self, request_id: RequestKey) -> bool: ...
     def cancel(self, request_id: RequestKey) -> bool: ...
@@ -109,8 +134,17 @@ class Engine:
     def stats(self) -> SchedulerStats: ...
     def step(self, *, stream: Stream = None) -> EngineStep: ...
     def store(self, layer: int, k: Array, v: Array, *, stream: Stream = None) -> None: ...
-    def attend(self, layer: int, q: Array, k: Array, v: Array, out: Optional[Array] = None,
-               lse: Optional[Array] = None, *, stream: Stream = None) -> Array: ...
+    def attend(
+        self,
+        layer: int,
+        q: Array,
+        k: Array,
+        v: Array,
+        out: Optional[Array] = None,
+        lse: Optional[Array] = None,
+        *,
+        stream: Stream = None,
+    ) -> Array: ...
     def synchronize(self) -> None: ...
     @property
     def cache(self) -> CacheView: ...

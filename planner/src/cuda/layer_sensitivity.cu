@@ -156,15 +156,9 @@ std::vector<double> layer_sensitivity(std::span<const EmbeddingsView> before, st
 
   const dim3 grid(static_cast<unsigned>((tokens + kWarpsPerBlock - 1) / kWarpsPerBlock), static_cast<unsigned>(layers));
   switch (before[0].type) {
-    case ElementType::F32:
-      token_sums_kernel<float><<<grid, kBlockThreads, 0, stream>>>(a);
-      break;
-    case ElementType::F16:
-      token_sums_kernel<__half><<<grid, kBlockThreads, 0, stream>>>(a);
-      break;
-    case ElementType::BF16:
-      token_sums_kernel<__nv_bfloat16><<<grid, kBlockThreads, 0, stream>>>(a);
-      break;
+    case ElementType::F32: token_sums_kernel<float><<<grid, kBlockThreads, 0, stream>>>(a); break;
+    case ElementType::F16: token_sums_kernel<__half><<<grid, kBlockThreads, 0, stream>>>(a); break;
+    case ElementType::BF16: token_sums_kernel<__nv_bfloat16><<<grid, kBlockThreads, 0, stream>>>(a); break;
   }
   MIXKV_CUDA_CHECK_LAUNCH("token_sums_kernel");
   layer_reduce_kernel<<<static_cast<unsigned>(layers), kBlockThreads, 0, stream>>>(a);

@@ -580,9 +580,8 @@ bool dependent_launch_usable() {
 
 void launch_similarity_kernels(ElementType type, bool vectorized, const BatchArgs& args, const RowLaunch& rows,
                                bool dependent, bool vote, cudaStream_t stream) {
-  with_types(type, vectorized, [&]<typename T, bool kVec>() {
-    launch_planner_kernels<T, kVec>(args, rows, dependent, vote, stream);
-  });
+  with_types(type, vectorized,
+             [&]<typename T, bool kVec>() { launch_planner_kernels<T, kVec>(args, rows, dependent, vote, stream); });
 }
 
 }  // namespace mixkv::gpu::planner_detail

@@ -25,8 +25,8 @@ struct ManagerTestAccess;
 
 struct CacheConfig {
   CacheShape shape;
-  std::size_t arena_bytes = 0;            // total KV memory, all pools together
-  std::size_t slab_bytes = 2u << 20;      // unit in which memory moves between pools
+  std::size_t arena_bytes = 0;        // total KV memory, all pools together
+  std::size_t slab_bytes = 2u << 20;  // unit in which memory moves between pools
   // Host swap pool: slots per pool for swapped-out blocks (swap_out/swap_in);
   // all 0 = no swapping. Bookkeeping only: the host buffer is the caller's
   // (pinned host memory with the GPU backend), swap_bytes() long.
@@ -43,10 +43,10 @@ struct CacheConfig {
 struct PoolStats {
   std::size_t block_bytes = 0;
   std::int32_t blocks_per_slab = 0;
-  std::int32_t slabs = 0;          // slabs this pool holds now
-  std::int64_t used_blocks = 0;    // blocks owned by at least one page table
-  std::int64_t free_blocks = 0;    // free blocks inside this pool's slabs
-  std::int32_t empty_slabs = 0;    // slabs with no used block (other pools may reclaim them)
+  std::int32_t slabs = 0;        // slabs this pool holds now
+  std::int64_t used_blocks = 0;  // blocks owned by at least one page table
+  std::int64_t free_blocks = 0;  // free blocks inside this pool's slabs
+  std::int32_t empty_slabs = 0;  // slabs with no used block (other pools may reclaim them)
 };
 
 // One window of one layer to move to a lower precision (demote()).

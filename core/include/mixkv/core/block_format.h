@@ -61,22 +61,19 @@ struct BlockFormat {
 
   MIXKV_HOST_DEVICE constexpr std::size_t k_offset() const { return 0; }
   MIXKV_HOST_DEVICE constexpr std::size_t v_offset() const {
-    return precision == Precision::FP16
-               ? static_cast<std::size_t>(block_size) * head_dim * 2
-               : k_channel_bytes() * head_dim;
+    return precision == Precision::FP16 ? static_cast<std::size_t>(block_size) * head_dim * 2
+                                        : k_channel_bytes() * head_dim;
   }
   // The parameter regions (quantized formats only): 4 bytes per channel
   // (K) and per token (V); where each half lies in them is below.
-  MIXKV_HOST_DEVICE constexpr std::size_t k_params_offset() const {
-    return v_offset() + v_token_bytes() * block_size;
-  }
+  MIXKV_HOST_DEVICE constexpr std::size_t k_params_offset() const { return v_offset() + v_token_bytes() * block_size; }
   MIXKV_HOST_DEVICE constexpr std::size_t v_params_offset() const {
     return k_params_offset() + static_cast<std::size_t>(head_dim) * 4;
   }
   // The halves of channel c's K (scale, min) and token t's V (scale, min).
   MIXKV_HOST_DEVICE constexpr std::size_t k_min_offset(int channel) const {
     const auto c = static_cast<std::size_t>(channel);  // unsigned: shifts, no sign fix-up
-    const std::size_t pair = c % 16 / 2;                // pair of the 16-channel group
+    const std::size_t pair = c % 16 / 2;               // pair of the 16-channel group
     return k_params_offset() + c / 16 * 64 + (pair % 4 * 2 + pair / 4) * 8 + c % 2 * 2;
   }
   MIXKV_HOST_DEVICE constexpr std::size_t k_scale_offset(int channel) const { return k_min_offset(channel) + 4; }
@@ -86,9 +83,8 @@ struct BlockFormat {
   MIXKV_HOST_DEVICE constexpr std::size_t v_min_offset(int token) const { return v_scale_offset(token) + 2; }
 
   MIXKV_HOST_DEVICE constexpr std::size_t head_bytes() const {
-    return precision == Precision::FP16
-               ? static_cast<std::size_t>(block_size) * head_dim * 2 * 2
-               : v_params_offset() + static_cast<std::size_t>(block_size) * 4;
+    return precision == Precision::FP16 ? static_cast<std::size_t>(block_size) * head_dim * 2 * 2
+                                        : v_params_offset() + static_cast<std::size_t>(block_size) * 4;
   }
   MIXKV_HOST_DEVICE constexpr std::size_t head_offset(int head) const {
     return head_bytes() * static_cast<std::size_t>(head);

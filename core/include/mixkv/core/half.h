@@ -27,7 +27,7 @@ inline Half float_to_half(float value) {
   if (abs >= 0x477ff000u) {  // rounds to a magnitude >= 65520: overflow to inf
     return {static_cast<std::uint16_t>(sign | 0x7c00u)};
   }
-  if (abs < 0x38800000u) {  // result is subnormal (or zero) in binary16
+  if (abs < 0x38800000u) {                                             // result is subnormal (or zero) in binary16
     if (abs < 0x33000000u) return {static_cast<std::uint16_t>(sign)};  // < 2^-25: zero
     const std::uint32_t exponent = abs >> 23;
     const std::uint32_t mantissa = (abs & 0x7fffffu) | 0x800000u;

@@ -11,8 +11,8 @@ namespace mixkv {
 enum class Precision : std::uint8_t { FP16 = 0, INT4 = 1, INT2 = 2 };
 
 inline constexpr int kNumPrecisions = 3;
-inline constexpr std::array<Precision, kNumPrecisions> kAllPrecisions = {
-    Precision::FP16, Precision::INT4, Precision::INT2};
+inline constexpr std::array<Precision, kNumPrecisions> kAllPrecisions = {Precision::FP16, Precision::INT4,
+                                                                         Precision::INT2};
 
 MIXKV_HOST_DEVICE constexpr int pool_index(Precision p) { return static_cast<int>(p); }
 

@@ -12,7 +12,6 @@ namespace mixkv::cpu {
 // NaN. Shapes: out_* [num_states][head_dim], lse_* [num_states]; out_a /
 // lse_a may alias out / lse (in-place accumulation).
 void merge_states(std::span<const float> out_a, std::span<const float> lse_a, std::span<const float> out_b,
-                  std::span<const float> lse_b, std::int32_t head_dim, std::span<float> out,
-                  std::span<float> lse);
+                  std::span<const float> lse_b, std::int32_t head_dim, std::span<float> out, std::span<float> lse);
 
 }  // namespace mixkv::cpu

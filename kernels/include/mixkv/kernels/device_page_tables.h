@@ -21,8 +21,8 @@ struct PageTableConfig {
   static constexpr std::int32_t kNoBound = INT32_MAX;
 
   std::int32_t num_layers = 0;
-  std::int32_t max_sequences = 0;             // sequence slots (the batch capacity)
-  std::int32_t max_blocks_per_sequence = 0;   // per (layer, pool): longest page list
+  std::int32_t max_sequences = 0;            // sequence slots (the batch capacity)
+  std::int32_t max_blocks_per_sequence = 0;  // per (layer, pool): longest page list
   // Per pool (pool_index): block ids in [0, pool_blocks[p]) are accepted,
   // the blocks of that pool in the arena (PoolView::num_blocks), so that
   // decode never reads outside it.

@@ -90,8 +90,8 @@ class DeviceStatus {
 // the device word and writes the record (value and limit first, then the
 // code word, so a host that sees the code sees the whole record); later ones
 // leave it as it is.
-__device__ inline void report_out_of_range(const DeviceStatusView& status, StatusOp op, StatusArg arg,
-                                           std::int32_t row, std::int32_t value, std::uint32_t limit) {
+__device__ inline void report_out_of_range(const DeviceStatusView& status, StatusOp op, StatusArg arg, std::int32_t row,
+                                           std::int32_t value, std::uint32_t limit) {
   const unsigned long long code = (1ull << 63) | (static_cast<unsigned long long>(op) << 56) |
                                   (static_cast<unsigned long long>(arg) << 48) |
                                   static_cast<unsigned long long>(static_cast<std::uint32_t>(row));

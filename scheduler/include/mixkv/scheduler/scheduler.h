@@ -145,7 +145,7 @@ class Scheduler {
   // UnknownId for an id never added.
   bool cancel(RequestId id);
 
-  bool contains(RequestId id) const;  // live: not yet reported as finished or rejected
+  bool contains(RequestId id) const;         // live: not yet reported as finished or rejected
   RequestStatus status(RequestId id) const;  // UnknownId unless contains(id)
   SchedulerStats stats() const;
   bool has_unfinished() const;  // live requests or reports pending

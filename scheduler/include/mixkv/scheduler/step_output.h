@@ -68,7 +68,7 @@ struct StepOutput {
   std::vector<SwapCopy> swap_in;
   std::vector<RequestId> swapped_out;  // requests whose blocks swap_out moves
   std::vector<RequestId> swapped_in;
-  std::vector<RequestId> preempted;    // preempted by recompute (blocks freed)
+  std::vector<RequestId> preempted;  // preempted by recompute (blocks freed)
 
   // Requests whose page lists changed this step other than by appending
   // (admitted, swapped in, demoted), and those forked since the previous
