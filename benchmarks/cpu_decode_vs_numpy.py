@@ -27,6 +27,7 @@ OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE, where the machine sets them for old
 OpenBLAS builds, slow a current NumPy: they are dropped for this process
 before NumPy loads (the JSON records the kernel OpenBLAS then runs).
 """
+
 import argparse
 import ctypes
 import json
@@ -63,9 +64,15 @@ class BlasThreads:
             self.controller = None
             path = next(line.split()[-1] for line in open("/proc/self/maps") if "openblas" in line)
             lib = ctypes.CDLL(path)
-            self.setter = next(getattr(lib, name) for name in (
-                "scipy_openblas_set_num_threads64_", "openblas_set_num_threads64_", "openblas_set_num_threads")
-                if hasattr(lib, name))
+            self.setter = next(
+                getattr(lib, name)
+                for name in (
+                    "scipy_openblas_set_num_threads64_",
+                    "openblas_set_num_threads64_",
+                    "openblas_set_num_threads",
+                )
+                if hasattr(lib, name)
+            )
             self.info = {"internal_api": "openblas", "setter": self.setter.__name__}
 
     def set(self, n):
@@ -134,6 +141,7 @@ def run_shape(name, q_heads, kv_heads, dim, batch, tokens, reps, blas, rng):
         def call():
             os.environ["MIXKV_NUM_THREADS"] = str(threads)
             ops.paged_decode_attention(cache, md, 0, q, sm_scale=sm_scale)
+
         return call
 
     def numpy_case(ks, vs, threads):
@@ -141,6 +149,7 @@ def run_shape(name, q_heads, kv_heads, dim, batch, tokens, reps, blas, rng):
             blas.set(threads)
             numpy_decode(q, ks, vs, sm_scale, np_out)
             blas.set(1)  # no BLAS threads left waiting for work while the next case runs
+
         return call
 
     cases = {}
@@ -194,10 +203,26 @@ def run_shape(name, q_heads, kv_heads, dim, batch, tokens, reps, blas, rng):
     base = {t: statistics.median(samples[("numpy f32", t)]) for t in (1, 2)}
     for (case, threads), xs in samples.items():
         ms = statistics.median(xs)
-        rows.append({"shape": name, "batch": batch, "tokens": tokens, "case": case, "threads": threads,
-                     "ms": ms, "x_numpy_f32": ms / base[threads], "samples_ms": xs})
-    checks = {"shape": name, "batch": batch, "tokens": tokens, "fp16_vs_numpy_rel_error": rel,
-              "threads_1_vs_2_bit_identical": identical_threads, "avx2_vs_portable_bit_identical": identical_simd}
+        rows.append(
+            {
+                "shape": name,
+                "batch": batch,
+                "tokens": tokens,
+                "case": case,
+                "threads": threads,
+                "ms": ms,
+                "x_numpy_f32": ms / base[threads],
+                "samples_ms": xs,
+            }
+        )
+    checks = {
+        "shape": name,
+        "batch": batch,
+        "tokens": tokens,
+        "fp16_vs_numpy_rel_error": rel,
+        "threads_1_vs_2_bit_identical": identical_threads,
+        "avx2_vs_portable_bit_identical": identical_simd,
+    }
     return rows, checks
 
 
@@ -212,26 +237,39 @@ def write_outputs(result):
         if key not in shapes:
             shapes.append(key)
     order = PLANS + ["numpy f32", "numpy f16"]
-    lines = ["| shape | batch x tokens | case | 1 thread (ms) | 2 threads (ms) | 1 thread / numpy f32 1 thread "
-             "| 2 threads / best numpy f32 |", "|---|---|---|---:|---:|---:|---:|"]
+    lines = [
+        "| shape | batch x tokens | case | 1 thread (ms) | 2 threads (ms) | 1 thread / numpy f32 1 thread "
+        "| 2 threads / best numpy f32 |",
+        "|---|---|---|---:|---:|---:|---:|",
+    ]
     for shape, batch, tokens in shapes:
-        ms = {(r["case"], r["threads"]): r["ms"] for r in rows if (r["shape"], r["batch"], r["tokens"]) ==
-              (shape, batch, tokens)}
+        ms = {
+            (r["case"], r["threads"]): r["ms"]
+            for r in rows
+            if (r["shape"], r["batch"], r["tokens"]) == (shape, batch, tokens)
+        }
         best = min(ms[("numpy f32", 1)], ms[("numpy f32", 2)])
         for case in order:
             name = case if case.startswith("numpy") else "mixkv " + case
-            lines.append(f"| {shape} | {batch} x {tokens:,} | {name} | {ms[(case, 1)]:.2f} | {ms[(case, 2)]:.2f} | "
-                         f"{ms[(case, 1)] / ms[('numpy f32', 1)]:.3f} | {ms[(case, 2)] / best:.3f} |")
+            lines.append(
+                f"| {shape} | {batch} x {tokens:,} | {name} | {ms[(case, 1)]:.2f} | {ms[(case, 2)]:.2f} | "
+                f"{ms[(case, 1)] / ms[('numpy f32', 1)]:.3f} | {ms[(case, 2)] / best:.3f} |"
+            )
     load = result["machine"]["load_avg_before"], result["machine"]["load_avg_after"]
-    lines += ["", f"Medians of {result['reps']} alternating repetitions; load average (1/5/15 min) "
-              f"{' / '.join(f'{x:.2f}' for x in load[0])} before, {' / '.join(f'{x:.2f}' for x in load[1])} after; "
-              f"{result['machine']['cpus']} CPUs; NumPy {result['numpy']} with {result['blas'].get('internal_api')} "
-              f"({result['blas'].get('architecture', '?')} kernel)."]
+    lines += [
+        "",
+        f"Medians of {result['reps']} alternating repetitions; load average (1/5/15 min) "
+        f"{' / '.join(f'{x:.2f}' for x in load[0])} before, {' / '.join(f'{x:.2f}' for x in load[1])} after; "
+        f"{result['machine']['cpus']} CPUs; NumPy {result['numpy']} with {result['blas'].get('internal_api')} "
+        f"({result['blas'].get('architecture', '?')} kernel).",
+    ]
     for c in result["checks"]:
-        lines.append(f"Check {c['shape']} {c['batch']} x {c['tokens']}: FP16 vs NumPy relative error "
-                     f"{c['fp16_vs_numpy_rel_error']:.1e}; 1 vs 2 threads bit-identical: "
-                     f"{c['threads_1_vs_2_bit_identical']}; AVX2 vs portable bit-identical: "
-                     f"{c['avx2_vs_portable_bit_identical']}.")
+        lines.append(
+            f"Check {c['shape']} {c['batch']} x {c['tokens']}: FP16 vs NumPy relative error "
+            f"{c['fp16_vs_numpy_rel_error']:.1e}; 1 vs 2 threads bit-identical: "
+            f"{c['threads_1_vs_2_bit_identical']}; AVX2 vs portable bit-identical: "
+            f"{c['avx2_vs_portable_bit_identical']}."
+        )
     with open(os.path.join(RESULTS, "cpu_decode_vs_numpy.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
@@ -245,8 +283,15 @@ def write_outputs(result):
     for ax, (shape, batch, tokens) in zip(axes[0], shapes):
         x = np.arange(len(order))
         for i, threads in enumerate((1, 2)):
-            ys = [next(r["ms"] for r in rows if (r["shape"], r["batch"], r["tokens"], r["case"], r["threads"]) ==
-                       (shape, batch, tokens, case, threads)) for case in order]
+            ys = [
+                next(
+                    r["ms"]
+                    for r in rows
+                    if (r["shape"], r["batch"], r["tokens"], r["case"], r["threads"])
+                    == (shape, batch, tokens, case, threads)
+                )
+                for case in order
+            ]
             ax.bar(x + (i - 0.5) * 0.4, ys, 0.4, label=f"{threads} thread{'s' if threads > 1 else ''}")
         ax.set_xticks(x, [c.replace("numpy ", "np ") for c in order], rotation=45)
         ax.set_title(f"{shape}, {batch} x {tokens}", fontsize=9)
@@ -265,8 +310,11 @@ def main():
     args = parser.parse_args()
     shapes = [("Llama-3-8B 32/8x128", 32, 8, 128, 8, 2048)]
     if not args.quick:
-        shapes += [("SmolLM2 9/3x64", 9, 3, 64, 1, 512), ("SmolLM2 9/3x64", 9, 3, 64, 1, 4096),
-                   ("SmolLM2 9/3x64", 9, 3, 64, 8, 2048)]
+        shapes += [
+            ("SmolLM2 9/3x64", 9, 3, 64, 1, 512),
+            ("SmolLM2 9/3x64", 9, 3, 64, 1, 4096),
+            ("SmolLM2 9/3x64", 9, 3, 64, 8, 2048),
+        ]
     blas = BlasThreads()
     rng = np.random.default_rng(2024)
     load_before = os.getloadavg()
@@ -275,10 +323,21 @@ def main():
         r, c = run_shape(*shape, args.reps, blas, rng)
         rows += r
         checks.append(c)
-    result = {"machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine(),
-                          "load_avg_before": load_before, "load_avg_after": os.getloadavg()},
-              "numpy": np.__version__, "blas": blas.info, "dropped_env": DROPPED_ENV, "reps": args.reps,
-              "block_size": BLOCK, "rows": rows, "checks": checks}
+    result = {
+        "machine": {
+            "cpus": os.cpu_count(),
+            "processor": platform.processor() or platform.machine(),
+            "load_avg_before": load_before,
+            "load_avg_after": os.getloadavg(),
+        },
+        "numpy": np.__version__,
+        "blas": blas.info,
+        "dropped_env": DROPPED_ENV,
+        "reps": args.reps,
+        "block_size": BLOCK,
+        "rows": rows,
+        "checks": checks,
+    }
     write_outputs(result)
 
 

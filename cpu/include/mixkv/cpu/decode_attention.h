@@ -16,19 +16,27 @@ namespace mixkv::cpu {
 //   out: [batch][num_q_heads][head_dim] float
 //   lse: [batch][num_q_heads] float, natural log of sum_t exp(score_t);
 //        -inf for a sequence with no tokens (whose output is 0).
-// Accumulation is in double on the dequantized K/V (read_head), which makes
-// this the reference the CUDA kernels are held to.
+// Scores, softmax weights and each block's weighted values are float32
+// (AVX2/FMA/F16C where the CPU has them, portable code giving the same bits
+// elsewhere), summed across blocks in double; quantized blocks are read
+// through their (scale, min) without dequantizing. Within 1e-5 of a float64 attention on the dequantized K/V
+// (read_head), which makes this the reference the CUDA kernels are held to
+// (the bound: src/decode_compute.h).
 // Throws IndexOutOfRange for a page-table block id outside [0, num_blocks)
 // of its pool, InvalidArgument for malformed tables, sizes, NaN/inf in q, or
 // out, lse and q overlapping; nothing is written then.
 struct DecodeAttentionArgs {
   std::span<const Half> q;
   std::int32_t num_q_heads = 0;
-  float sm_scale = 0.0f;  // usually 1/sqrt(head_dim)
+  float sm_scale = 0.0f;                                               // usually 1/sqrt(head_dim)
   const std::array<PagedPoolTable, kNumPrecisions>* tables = nullptr;  // one layer
   PoolViews pools{};
   std::span<float> out;
   std::span<float> lse;
+  // Threads to use at most (a small layer uses fewer); 0 or less:
+  // MIXKV_NUM_THREADS if set, else std::thread::hardware_concurrency(). The
+  // result is the same for any count (each pair's arithmetic is fixed).
+  std::int32_t num_threads = 0;
 };
 void decode_attention(const DecodeAttentionArgs& args);
 
