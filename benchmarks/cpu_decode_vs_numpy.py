@@ -38,9 +38,8 @@ import time
 
 DROPPED_ENV = {name: os.environ.pop(name) for name in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE") if name in os.environ}
 
-import numpy as np  # noqa: E402
-
 import mixkv  # noqa: E402
+import numpy as np  # noqa: E402
 from mixkv import ops  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")

@@ -34,7 +34,7 @@ def main():
     rows = medians(run)
     read_bw = next(b["bytes/s"] for name, b in rows.items() if name.startswith("BM_ReadBandwidth"))
     table = []
-    for name, b in rows.items():
+    for b in rows.values():
         if "label" not in b:
             continue
         shape, plan, threads = b["label"].split("|")
