@@ -43,6 +43,20 @@ void* operator new(std::size_t bytes) {
 }
 void operator delete(void* p) noexcept { std::free(p); }
 void operator delete(void* p, std::size_t) noexcept { std::free(p); }
+// Every other unaligned form goes to malloc/free too, so that no block
+// allocated by the runtime's operator is freed by ours (AddressSanitizer
+// reports the mismatch). The nothrow and array forms inject no failure:
+// the library under test uses neither, GoogleTest uses nothrow new.
+void* operator new(std::size_t bytes, const std::nothrow_t&) noexcept { return std::malloc(bytes == 0 ? 1 : bytes); }
+void* operator new[](std::size_t bytes) {
+  if (void* p = std::malloc(bytes == 0 ? 1 : bytes)) return p;
+  throw std::bad_alloc();
+}
+void* operator new[](std::size_t bytes, const std::nothrow_t&) noexcept { return std::malloc(bytes == 0 ? 1 : bytes); }
+void operator delete(void* p, const std::nothrow_t&) noexcept { std::free(p); }
+void operator delete[](void* p) noexcept { std::free(p); }
+void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
+void operator delete[](void* p, const std::nothrow_t&) noexcept { std::free(p); }
 
 namespace mixkv {
 namespace {
