@@ -28,9 +28,8 @@ constexpr int kCopyPairs = 4;
 // Caps both store kernels at 64 registers: 8 CTAs (32 warps) per SM for
 // the units kernel and FP16-only plans (no dynamic shared memory); with two
 // tile stages (36 KB at D 128, S 32) shared memory allows store_prefill_kernel
-// 6 anyway. (Without the cap the CTA-wide FP16 copy of stop 12 took 95 for
-// its loads in flight; the units kernel at 56 registers, 9 CTAs, was no
-// faster.)
+// 6 anyway. Without the cap a CTA-wide FP16 copy takes 95 registers for
+// its loads in flight, and more CTAs than 8 buy nothing.
 constexpr int kMinCtasPerSm = 8;
 
 // Tile buffers in shared memory: two where they fit, else one. Shared by
