@@ -12,6 +12,10 @@
 #include "simd.h"
 #include "thread_pool.h"
 
+#if MIXKV_HAVE_AVX2_PATH
+#include <cpuid.h>
+#endif
+
 namespace mixkv::cpu::detail {
 namespace {
 
@@ -131,8 +135,11 @@ RunChunk select_kernel() {
   const char* forced = std::getenv("MIXKV_CPU_SIMD");
   const bool portable_only = forced != nullptr && std::string_view(forced) == "portable";
   __builtin_cpu_init();
-  if (!portable_only && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-      __builtin_cpu_supports("f16c")) {
+  // F16C from CPUID (leaf 1, ECX bit 29): clang 14's __builtin_cpu_supports
+  // does not know it; avx2 there also checks that the OS saves the registers.
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  const bool f16c = __get_cpuid(1, &eax, &ebx, &ecx, &edx) != 0 && (ecx & (1u << 29)) != 0;
+  if (!portable_only && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c) {
     return &avx2::run_chunk;
   }
 #endif

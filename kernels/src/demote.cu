@@ -65,7 +65,17 @@ __global__ void __launch_bounds__(kThreads)
       v[t * P + c] = detail::dequant_device(vc, half_at(f.v_scale_offset(t)), half_at(f.v_min_offset(t)));
     }
   }
-  __syncthreads();
+  // NaN or inf must not reach the quantizer's float-to-int conversion: a
+  // corrupt source skips the move (the whole CTA, after the barrier) and is
+  // recorded, as the CPU backend rejects it.
+  bool finite = true;
+  for (int i = threadIdx.x; i < S * D; i += blockDim.x) {
+    finite = finite && isfinite(k[(i / D) * P + i % D]) && isfinite(v[(i / D) * P + i % D]);
+  }
+  if (__syncthreads_or(!finite)) {
+    if (threadIdx.x == 0) report_out_of_range(status, StatusOp::Demote, StatusArg::MoveSrcNotFinite, row, head, 0);
+    return;
+  }
   char* out = reinterpret_cast<char*>(dst.block(move.dst)) + dst.format.head_offset(head);
   detail::quantize_tile<float, kThreads>(dst.format, static_cast<const float*>(tile), tile + 2 * S * P, out);
 }

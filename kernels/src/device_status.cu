@@ -64,6 +64,7 @@ void DeviceStatus::raise_if_set(cudaStream_t stream) {
   const std::optional<StatusOffence> o = offence();
   if (!o) return;
   reset(stream);
+  if (o->arg == StatusArg::MoveSrcNotFinite) throw InvalidArgument(describe(*o));
   throw IndexOutOfRange(describe(*o));
 }
 
@@ -96,6 +97,9 @@ std::string DeviceStatus::describe(const StatusOffence& o) {
     case StatusArg::SwapDeviceBlock:
       return "swap_blocks: copies[" + row + "].device_block = " + value + ": expected a block id in " + range +
              " of its device pool; the copy was skipped";
+    case StatusArg::MoveSrcNotFinite:
+      return "demote: moves[" + row + "].src holds NaN or inf (head " + value +
+             "): a corrupt block cannot be requantized; the move was skipped";
     case StatusArg::SwapHostSlot:
       return "swap_blocks: copies[" + row + "].host_slot = " + value + ": expected a slot in " + range +
              " of its swap pool; the copy was skipped";

@@ -5,7 +5,9 @@
 // block's dequantized values (cpu::read_head).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <climits>
+#include <cstring>
 #include <limits>
 
 #include "cuda_test_util.h"
@@ -188,6 +190,55 @@ TEST(DemoteCudaBadIds, SkippedRecordedAndRaised) {
       EXPECT_TRUE(device.download() == expected);
     }
   }
+}
+
+// A source block holding NaN (a corrupt block) is skipped whole and
+// recorded, as the CPU backend rejects it; the other moves are exact.
+TEST(DemoteCudaNonFinite, SourceWithNanIsSkippedRecordedAndRaised) {
+  MIXKV_REQUIRE_CUDA();
+  const int heads = 2, dim = 128, block = 32;
+  TestArena arena(heads, dim, block, {4, 4, 4}, 5);
+  Rng rng(7);
+  for (auto& b : arena.bytes()) b = static_cast<std::byte>(rng() & 0x3b);  // finite FP16 values
+  const PoolViews host = bounded_views(arena);
+  const BlockCopy first{arena.alloc(Precision::FP16), arena.alloc(Precision::INT2)};
+  const BlockCopy corrupt{arena.alloc(Precision::FP16), arena.alloc(Precision::INT2)};
+  const BlockCopy last{arena.alloc(Precision::FP16), arena.alloc(Precision::INT2)};
+  const std::vector<BlockCopy> good = {first, last};
+  DeviceArenaCopy reference(arena);
+  DeviceVector<BlockCopy> dgood(good);
+  gpu::demote({dgood.get(), 2, reference.pools[0], reference.pools[2], nullptr});
+  const std::vector<std::byte> expected = reference.download();
+
+  // A NaN in head 1's V rows of the corrupt source.
+  const BlockFormat f = host[0].format;
+  std::byte* v = host[0].block(corrupt.src) + f.head_offset(1) + f.v_offset();
+  const std::uint16_t nan_bits = 0x7e00;
+  std::memcpy(v + 2 * (5 * dim + 17), &nan_bits, sizeof nan_bits);
+  DeviceArenaCopy device(arena);
+  const std::vector<std::byte> before = device.download();
+  const std::vector<BlockCopy> moves = {first, corrupt, last};
+  DeviceVector<BlockCopy> dmoves(moves);
+  gpu::DeviceStatus status;
+  gpu::demote({dmoves.get(), 3, device.pools[0], device.pools[2], nullptr, &status});
+  expect_error_naming<InvalidArgument>([&] { status.check(nullptr); },
+                                       {"demote: moves[1].src holds NaN or inf (head 1)", "skipped"});
+  expect_context_usable("demote of a NaN block");
+  // Everything but the two good moves' destinations is as before: the
+  // corrupt move wrote nothing.
+  const std::vector<std::byte> after = device.download();
+  const std::size_t int2_bytes = host[2].format.block_bytes();
+  auto block_range = [&](Precision p, std::int32_t id) {
+    const std::size_t begin = static_cast<std::size_t>(host[pool_index(p)].block(id) - arena.bytes().data());
+    return std::pair{begin, begin + host[pool_index(p)].format.block_bytes()};
+  };
+  const auto [c0, c1] = block_range(Precision::INT2, corrupt.dst);
+  EXPECT_TRUE(std::equal(after.begin() + c0, after.begin() + c1, before.begin() + c0));
+  for (const BlockCopy& m : good) {
+    const auto [b0, b1] = block_range(Precision::INT2, m.dst);
+    EXPECT_TRUE(std::equal(after.begin() + b0, after.begin() + b1, expected.begin() + b0));
+  }
+  EXPECT_EQ(int2_bytes, static_cast<std::size_t>(c1 - c0));
 }
 
 TEST(DemoteCudaBadInput, RejectsPromotion) {

@@ -11,18 +11,20 @@ namespace mixkv::gpu {
 // The op and the argument of an id a kernel found out of range.
 enum class StatusOp : std::uint8_t { Append = 1, CopyBlocks = 2, Demote = 3, SwapBlocks = 4 };
 enum class StatusArg : std::uint8_t {
-  Fp16Slot = 1,     // append: fp16_slots[row]
-  CopySrc,          // copy_blocks: copies[row].src
-  CopyDst,          // copy_blocks: copies[row].dst
-  MoveSrc,          // demote: moves[row].src
-  MoveDst,          // demote: moves[row].dst
-  SwapPool,         // swap_blocks: copies[row].pool
-  SwapDeviceBlock,  // swap_blocks: copies[row].device_block
-  SwapHostSlot,     // swap_blocks: copies[row].host_slot
+  Fp16Slot = 1,      // append: fp16_slots[row]
+  CopySrc,           // copy_blocks: copies[row].src
+  CopyDst,           // copy_blocks: copies[row].dst
+  MoveSrc,           // demote: moves[row].src
+  MoveDst,           // demote: moves[row].dst
+  SwapPool,          // swap_blocks: copies[row].pool
+  SwapDeviceBlock,   // swap_blocks: copies[row].device_block
+  SwapHostSlot,      // swap_blocks: copies[row].host_slot
+  MoveSrcNotFinite,  // demote: moves[row].src holds NaN or inf (value: the head)
 };
 
-// The first out-of-range id a kernel met: row `row` of the op's list held
-// `value`, and the ids accepted were [0, limit).
+// The first offence a kernel met: row `row` of the op's list held `value`,
+// and the ids accepted were [0, limit) (for MoveSrcNotFinite: the source
+// block of row `row` holds NaN or inf in head `value`).
 struct StatusOffence {
   StatusOp op{};
   StatusArg arg{};
@@ -64,7 +66,8 @@ class DeviceStatus {
   // CUDA call: complete once the offending kernel has finished).
   std::optional<StatusOffence> offence() const;
   // If an offence is recorded: clears the status (the device word in the
-  // order of `stream`) and throws IndexOutOfRange with describe(offence).
+  // order of `stream`) and throws IndexOutOfRange with describe(offence)
+  // (InvalidArgument for a source block that holds NaN or inf).
   // No synchronization.
   void raise_if_set(cudaStream_t stream);
   // Synchronizes `stream`, then raise_if_set(stream).
