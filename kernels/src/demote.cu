@@ -66,8 +66,9 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
   // NaN or inf must not reach the quantizer's float-to-int conversion: a
-  // corrupt source skips the move (the whole CTA, after the barrier) and is
-  // recorded, as the CPU backend rejects it.
+  // corrupt source head is skipped (the whole CTA, after the barrier) and
+  // recorded, as the CPU backend rejects the block; each head is a CTA, so
+  // the move's finite heads are still requantized.
   bool finite = true;
   for (int i = threadIdx.x; i < S * D; i += blockDim.x) {
     finite = finite && isfinite(k[(i / D) * P + i % D]) && isfinite(v[(i / D) * P + i % D]);

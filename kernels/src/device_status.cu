@@ -99,7 +99,7 @@ std::string DeviceStatus::describe(const StatusOffence& o) {
              " of its device pool; the copy was skipped";
     case StatusArg::MoveSrcNotFinite:
       return "demote: moves[" + row + "].src holds NaN or inf (head " + value +
-             "): a corrupt block cannot be requantized; the move was skipped";
+             "): a corrupt block cannot be requantized; that head of the move was skipped";
     case StatusArg::SwapHostSlot:
       return "swap_blocks: copies[" + row + "].host_slot = " + value + ": expected a slot in " + range +
              " of its swap pool; the copy was skipped";

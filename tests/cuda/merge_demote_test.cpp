@@ -192,8 +192,8 @@ TEST(DemoteCudaBadIds, SkippedRecordedAndRaised) {
   }
 }
 
-// A source block holding NaN (a corrupt block) is skipped whole and
-// recorded, as the CPU backend rejects it; the other moves are exact.
+// A source head holding NaN (a corrupt block) is skipped and recorded, as
+// the CPU backend rejects the block; the other moves are exact.
 TEST(DemoteCudaNonFinite, SourceWithNanIsSkippedRecordedAndRaised) {
   MIXKV_REQUIRE_CUDA();
   const int heads = 2, dim = 128, block = 32;
@@ -224,8 +224,8 @@ TEST(DemoteCudaNonFinite, SourceWithNanIsSkippedRecordedAndRaised) {
   expect_error_naming<InvalidArgument>([&] { status.check(nullptr); },
                                        {"demote: moves[1].src holds NaN or inf (head 1)", "skipped"});
   expect_context_usable("demote of a NaN block");
-  // Everything but the two good moves' destinations is as before: the
-  // corrupt move wrote nothing.
+  // The corrupt move's NaN head wrote nothing (each head is a CTA and is
+  // checked on its own); the good moves are exact.
   const std::vector<std::byte> after = device.download();
   const std::size_t int2_bytes = host[2].format.block_bytes();
   auto block_range = [&](Precision p, std::int32_t id) {
@@ -233,7 +233,10 @@ TEST(DemoteCudaNonFinite, SourceWithNanIsSkippedRecordedAndRaised) {
     return std::pair{begin, begin + host[pool_index(p)].format.block_bytes()};
   };
   const auto [c0, c1] = block_range(Precision::INT2, corrupt.dst);
-  EXPECT_TRUE(std::equal(after.begin() + c0, after.begin() + c1, before.begin() + c0));
+  const BlockFormat g = host[2].format;
+  const std::size_t h0 = c0 + g.head_offset(1);
+  const std::size_t h1 = h0 + g.head_bytes();
+  EXPECT_TRUE(std::equal(after.begin() + h0, after.begin() + h1, before.begin() + h0));
   for (const BlockCopy& m : good) {
     const auto [b0, b1] = block_range(Precision::INT2, m.dst);
     EXPECT_TRUE(std::equal(after.begin() + b0, after.begin() + b1, expected.begin() + b0));
