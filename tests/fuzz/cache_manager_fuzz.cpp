@@ -548,13 +548,5 @@ extern "C" int LLVMFuzzerInitialize(int*, char***) {
 }
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
-  using namespace mixkv;
-  using namespace mixkv::fuzz;
-  ++counters.inputs;
-  FuzzedDataProvider in(data, size);
-  const CacheConfig config = decode_config(in);
-  std::optional<KVCacheManager> cache;
-  if (attempt("KVCacheManager(config)", [&] { cache.emplace(config); }) != Outcome::Ok) return 0;
-  Harness(in, *cache).run();
-  return 0;
+  return mixkv::fuzz::run_cache_input<mixkv::fuzz::Harness>(data, size, mixkv::fuzz::decode_config);
 }

@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <exception>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -245,5 +246,19 @@ class Shadow {
   std::array<std::vector<Tag>, kNumPrecisions> device_;
   std::array<std::vector<Tag>, kNumPrecisions> host_;
 };
+
+// One input of a fuzzer over a cache: a config decoded from the input
+// (`decode`), a manager built from it (a refused config ends the input), then
+// Harness(in, manager).run() over the rest of the input.
+template <typename Harness, typename Decode>
+int run_cache_input(const std::uint8_t* data, std::size_t size, Decode decode) {
+  ++counters.inputs;
+  FuzzedDataProvider in(data, size);
+  const CacheConfig config = decode(in);
+  std::optional<KVCacheManager> cache;
+  if (attempt("KVCacheManager(config)", [&] { cache.emplace(config); }) != Outcome::Ok) return 0;
+  Harness(in, *cache).run();
+  return 0;
+}
 
 }  // namespace mixkv::fuzz
