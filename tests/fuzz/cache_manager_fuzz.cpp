@@ -38,19 +38,12 @@ struct Live {
 };
 
 CacheConfig decode_config(FuzzedDataProvider& in) {
-  CacheConfig c;
-  c.shape.num_layers = in.ConsumeIntegralInRange<std::int32_t>(1, 3);
-  c.shape.num_kv_heads = in.ConsumeIntegralInRange<std::int32_t>(1, 2);
-  c.shape.head_dim = in.ConsumeBool() ? 32 : 16;
-  c.shape.block_size = in.ConsumeBool() ? 32 : 16;
+  CacheConfig c = decode_cache_config(
+      in,
+      ConfigRanges{
+          .max_layers = 3, .max_blocks_per_slab = 4, .max_slab_padding = 300, .max_slabs = 8, .max_swap_slots = 12});
   const std::size_t fp16_block = static_cast<std::size_t>(c.shape.num_kv_heads) * c.shape.head_dim *
                                  static_cast<std::size_t>(c.shape.block_size) * 2 * sizeof(std::uint16_t);
-  c.slab_bytes =
-      fp16_block * in.ConsumeIntegralInRange<std::size_t>(1, 4) + in.ConsumeIntegralInRange<std::size_t>(0, 300);
-  c.arena_bytes = c.slab_bytes * in.ConsumeIntegralInRange<std::size_t>(1, 8) +
-                  in.ConsumeIntegralInRange<std::size_t>(0, c.slab_bytes - 1);
-  for (std::int64_t& slots : c.swap_blocks) slots = in.ConsumeIntegralInRange<std::int64_t>(0, 12);
-  c.fp16_windows_first = in.ConsumeBool();
   if (in.ConsumeIntegralInRange<int>(0, 15) == 0) {
     // Malformed on purpose: the constructor must throw a typed error or build
     // a working manager, nothing else.

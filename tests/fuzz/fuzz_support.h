@@ -247,6 +247,35 @@ class Shadow {
   std::array<std::vector<Tag>, kNumPrecisions> host_;
 };
 
+// The ranges a fuzzer draws a small cache's config from.
+struct ConfigRanges {
+  std::int32_t max_layers = 2;
+  std::size_t max_blocks_per_slab = 3;  // FP16 blocks a slab holds at most
+  std::size_t max_slab_padding = 200;   // bytes past them
+  std::size_t max_slabs = 6;
+  std::int64_t max_swap_slots = 4;  // per pool
+};
+
+// A small, valid cache config drawn from `in` (head_dim and block_size 16 or
+// 32, a slab of whole FP16 blocks plus padding, an arena of whole slabs plus
+// a partial one).
+inline CacheConfig decode_cache_config(FuzzedDataProvider& in, const ConfigRanges& r) {
+  CacheConfig c;
+  c.shape.num_layers = in.ConsumeIntegralInRange<std::int32_t>(1, r.max_layers);
+  c.shape.num_kv_heads = in.ConsumeIntegralInRange<std::int32_t>(1, 2);
+  c.shape.head_dim = in.ConsumeBool() ? 32 : 16;
+  c.shape.block_size = in.ConsumeBool() ? 32 : 16;
+  const std::size_t fp16_block = static_cast<std::size_t>(c.shape.num_kv_heads) * c.shape.head_dim *
+                                 static_cast<std::size_t>(c.shape.block_size) * 2 * sizeof(std::uint16_t);
+  c.slab_bytes = fp16_block * in.ConsumeIntegralInRange<std::size_t>(1, r.max_blocks_per_slab) +
+                 in.ConsumeIntegralInRange<std::size_t>(0, r.max_slab_padding);
+  c.arena_bytes = c.slab_bytes * in.ConsumeIntegralInRange<std::size_t>(1, r.max_slabs) +
+                  in.ConsumeIntegralInRange<std::size_t>(0, c.slab_bytes - 1);
+  for (std::int64_t& slots : c.swap_blocks) slots = in.ConsumeIntegralInRange<std::int64_t>(0, r.max_swap_slots);
+  c.fp16_windows_first = in.ConsumeBool();
+  return c;
+}
+
 // One input of a fuzzer over a cache: a config decoded from the input
 // (`decode`), a manager built from it (a refused config ends the input), then
 // Harness(in, manager).run() over the rest of the input.

@@ -34,22 +34,7 @@ namespace {
 
 constexpr int kMaxCalls = 64;
 
-CacheConfig decode_config(FuzzedDataProvider& in) {
-  CacheConfig c;
-  c.shape.num_layers = in.ConsumeIntegralInRange<std::int32_t>(1, 2);
-  c.shape.num_kv_heads = in.ConsumeIntegralInRange<std::int32_t>(1, 2);
-  c.shape.head_dim = in.ConsumeBool() ? 32 : 16;
-  c.shape.block_size = in.ConsumeBool() ? 32 : 16;
-  const std::size_t fp16_block = static_cast<std::size_t>(c.shape.num_kv_heads) * c.shape.head_dim *
-                                 static_cast<std::size_t>(c.shape.block_size) * 2 * sizeof(std::uint16_t);
-  c.slab_bytes =
-      fp16_block * in.ConsumeIntegralInRange<std::size_t>(1, 3) + in.ConsumeIntegralInRange<std::size_t>(0, 200);
-  c.arena_bytes = c.slab_bytes * in.ConsumeIntegralInRange<std::size_t>(1, 6) +
-                  in.ConsumeIntegralInRange<std::size_t>(0, c.slab_bytes - 1);
-  for (std::int64_t& slots : c.swap_blocks) slots = in.ConsumeIntegralInRange<std::int64_t>(0, 4);
-  c.fp16_windows_first = in.ConsumeBool();
-  return c;
-}
+CacheConfig decode_config(FuzzedDataProvider& in) { return decode_cache_config(in, ConfigRanges{}); }
 
 class Harness {
  public:
