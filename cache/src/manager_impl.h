@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -120,6 +121,10 @@ struct KVCacheManager::Impl {
   void release_handle(const Sequence& seq);
   AppendResult append(const std::vector<Sequence*>& all, AppendSlots form);
   BlockCounts count_fresh(const std::vector<Sequence*>& seqs) const;
+  // Speculative decoding (manager_speculative.cpp): counts[i] tokens for
+  // all[i]; and truncation of each seqs[s] to targets[s] tokens (validated).
+  AppendResult append_rows(const std::vector<Sequence*>& all, std::span<const std::int32_t> counts, AppendSlots form);
+  void drop_tokens(std::span<Sequence* const> seqs, std::span<const std::int32_t> targets);
   void prepare_general(const std::vector<Sequence*>& all, const std::vector<std::size_t>& general, bool any_forked,
                        std::int64_t fresh_blocks, AppendResult& result);
   void fill_general(const std::vector<Sequence*>& all, const std::vector<std::size_t>& general, bool any_forked,

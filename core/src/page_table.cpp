@@ -203,6 +203,25 @@ void PageTable::open_fp16_tails(std::span<const std::int32_t> block_ids) {
   room_ = block_size_ - 1;
 }
 
+void PageTable::drop_fp16_tokens(std::int32_t count) {
+  std::int64_t fewest = count;
+  for (std::int32_t layer = 0; layer < num_layers(); ++layer) fewest = std::min(fewest, fp16_tokens(layer));
+  if (count < 0 || fewest < count) {
+    throw InvalidArgument("count = " + std::to_string(count) + ", expected 0 <= count <= " + std::to_string(fewest) +
+                          " (the fewest FP16 tokens of a layer)");
+  }
+  if (count == 0) return;
+  settle();
+  for (std::size_t l = 0; l < layers_.size(); ++l) {
+    std::vector<std::int32_t>& list = layers_[l].blocks[0];
+    const std::int64_t left = fp16_tokens(static_cast<std::int32_t>(l)) - count;
+    const std::int64_t keep = (left + block_size_ - 1) / block_size_;
+    list.resize(static_cast<std::size_t>(keep));  // shrinking: no allocation
+    base_fills_[l] = static_cast<std::int32_t>(left - std::max<std::int64_t>(keep - 1, 0) * block_size_);
+    tails_[l] = keep == 0 ? -1 : list.back();
+  }
+}
+
 void PageTable::insert_block(std::int32_t layer, Precision p, std::int32_t index, std::int32_t block_id) {
   Layer& l = layer_at(layer);
   if (!is_quantized(p)) {

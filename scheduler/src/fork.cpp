@@ -71,6 +71,10 @@ void Scheduler::fork(RequestId parent, RequestId child, std::int32_t max_new_tok
   if (s.vanished(p)) {
     throw InvalidArgument(name + ": parent's sequence left the cache outside the scheduler, expected it in the cache");
   }
+  if (p.drafts > 0) {
+    throw InvalidArgument(name + ": parent has " + std::to_string(p.drafts) +
+                          " draft tokens awaiting accept(), expected them accepted or rejected first");
+  }
   if (s.entries.contains(child)) {
     throw InvalidArgument(name + ": child = " + std::to_string(child) + " is a live request, expected a new id");
   }
@@ -112,6 +116,7 @@ void Scheduler::fork(RequestId parent, RequestId child, std::int32_t max_new_tok
   c.preemptions = 0;
   c.bypassed = 0;
   c.lone_swap_at = -1;
+  c.next_drafts = -1;
   if (auto reason = s.never_fits(c)) {
     throw InvalidArgument(name + ": max_new_tokens = " + std::to_string(max_new_tokens) + ": the child could never " +
                           "complete alone in this cache: " + *reason);

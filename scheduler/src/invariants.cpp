@@ -21,6 +21,7 @@ void Scheduler::check_invariants() const {
   std::size_t resident = 0;
   std::int32_t prefilling = 0;
   std::size_t decoding = 0;
+  std::int32_t overrides = 0;
   // Checked before the slots: with more requests than slots, some slot is
   // out of range or shared, which would hide the excess.
   if (s.running.size() > static_cast<std::size_t>(s.config.max_num_seqs)) {
@@ -64,6 +65,13 @@ void Scheduler::check_invariants() const {
       if (e.state == RequestState::Prefilling && e.computed == e.prompt.num_tokens())
         fail(who + " prefills a done prompt");
       if (e.generated > e.max_new_tokens) fail(who + " generated more than max_new_tokens");
+      // Drafts stay in the cache only between a step and accept().
+      if (e.drafts < 0 ||
+          (e.drafts > 0 && (e.state != RequestState::Running || e.done || e.generated + e.drafts > e.max_new_tokens))) {
+        fail(who + " holds " + std::to_string(e.drafts) + " drafts awaiting accept() after generating " +
+             std::to_string(e.generated) + " of " + std::to_string(e.max_new_tokens) + " tokens");
+      }
+      overrides += e.next_drafts >= 0 ? 1 : 0;
       const bool listed = e.decode_index >= 0 && static_cast<std::size_t>(e.decode_index) < s.decoding.size() &&
                           s.decoding[static_cast<std::size_t>(e.decode_index)] == &e;
       if (listed != (e.state == RequestState::Running)) fail(who + " is wrongly (un)listed for decoding");
@@ -77,6 +85,10 @@ void Scheduler::check_invariants() const {
   if (prefilling != s.prefilling || decoding != s.decoding.size()) {
     fail("counts " + std::to_string(s.prefilling) + " prefilling and " + std::to_string(s.decoding.size()) +
          " decoding requests, the queues hold " + std::to_string(prefilling) + " and " + std::to_string(decoding));
+  }
+  if (overrides != s.overrides) {
+    fail("counts " + std::to_string(s.overrides) + " requests with drafts set by speculate(), the queues hold " +
+         std::to_string(overrides));
   }
   if (in_queues != s.entries.size()) {
     fail(std::to_string(s.entries.size()) + " live requests but " + std::to_string(in_queues) + " queued");
@@ -116,6 +128,10 @@ std::string Scheduler::describe_state() const {
       out += std::to_string(e.generated);
       out += " slot ";
       out += std::to_string(e.slot);
+      if (e.drafts > 0) {
+        out += " drafts ";
+        out += std::to_string(e.drafts);
+      }
       out += ')';
     }
     out += "\n";

@@ -37,6 +37,9 @@ Scheduler::Impl::Impl(KVCacheManager& c, SchedulerConfig cfg, std::shared_ptr<Pl
     bad("max_demotions_per_step = " + std::to_string(config.max_demotions_per_step) + ", expected >= 0");
   }
   if (config.lookahead < 0) bad("lookahead = " + std::to_string(config.lookahead) + ", expected >= 0");
+  if (config.num_speculative_tokens < 0) {
+    bad("num_speculative_tokens = " + std::to_string(config.num_speculative_tokens) + ", expected >= 0");
+  }
   if (config.max_head_bypass < 0) {
     bad("max_head_bypass = " + std::to_string(config.max_head_bypass) + ", expected >= 0");
   }
@@ -209,6 +212,7 @@ void Scheduler::Impl::release(Entry& e) {
       e.state == RequestState::Prefilling || e.state == RequestState::Running || e.state == RequestState::Swapped;
   if (holds && !vanished(e)) cache.free_sequence(e.id);
   drop_slot(e);
+  if (e.next_drafts >= 0) --overrides;
   if (e.hook.is_linked()) {
     Queue& q = e.state == RequestState::Waiting ? waiting : (e.state == RequestState::Swapped ? swapped : running);
     q.erase(q.iterator_to(e));
@@ -371,6 +375,7 @@ StepOutput Scheduler::step() {
   Impl& s = *impl_;
   StepOutput out;
   out.step = ++s.stats.steps;
+  if (!s.speculating.empty()) s.reject_drafts();  // the last step's drafts that accept() did not take
 
   // Requests whose last token came out of the previous step.
   for (Entry* e : s.done) {
@@ -405,21 +410,28 @@ StepOutput Scheduler::step() {
     return opening * s.num_layers + (sharing ? s.tail_copies(decodes) : 0);
   };
   std::int64_t need = list_batch();
-  if (!s.cache.can_allocate({need + s.demote_headroom, 0, 0})) {
+  const bool relieved = !s.cache.can_allocate({need + s.demote_headroom, 0, 0});
+  if (relieved) {
     s.sweep_vanished(&decodes);
     need = list_batch();
     s.relieve(decodes, need, out);
     need = list_batch();
   }
+  // Draft rows (speculative decoding) only with memory to spare.
+  const bool drafting = s.wants_drafts() && s.assign_drafts(decodes, need, relieved);
   const AppendSlots form = s.config.per_layer_slots ? AppendSlots::PerLayer : AppendSlots::Compact;
+  auto append = [&] {
+    const std::span<const SequenceHandle> batch(handles);
+    return drafting ? s.cache.append_tokens(batch, s.draft_counts(decodes), form) : s.cache.append_tokens(batch, form);
+  };
   try {
-    out.append = s.cache.append_tokens(std::span<const SequenceHandle>(handles), form);
+    out.append = append();
   } catch (const UnknownId&) {
     // A stale handle: that request's sequence vanished. The append changed
     // nothing; without it the batch needs no more room than was ensured.
     s.sweep_vanished(&decodes);
     list_batch();
-    out.append = s.cache.append_tokens(std::span<const SequenceHandle>(handles), form);
+    out.append = append();
   }
   for (Entry* e : decodes) {
     if (sharing && e->shares_tail) e->shares_tail = s.tail_shared(*e);
@@ -430,8 +442,9 @@ StepOutput Scheduler::step() {
       s.done.push_back(e);
     }
   }
-  budget -= static_cast<std::int32_t>(decodes.size());
-  out.num_batched_tokens += static_cast<std::int32_t>(decodes.size());
+  const auto rows = static_cast<std::int32_t>(decodes.size()) + (drafting ? s.commit_drafts(decodes, out) : 0);
+  budget -= rows;
+  out.num_batched_tokens += rows;
   s.stats.decode_tokens += static_cast<std::int64_t>(decodes.size());
 
   // 2. Prompts already admitted go on, oldest first.
@@ -542,7 +555,7 @@ bool Scheduler::contains(RequestId id) const { return impl_->entries.contains(id
 
 RequestStatus Scheduler::status(RequestId id) const {
   const Entry& e = impl_->live(id, "id");
-  return RequestStatus{e.state, e.prompt.num_tokens(), e.computed, e.generated, e.slot, e.preemptions};
+  return RequestStatus{e.state, e.prompt.num_tokens(), e.computed, e.generated, e.slot, e.preemptions, e.drafts};
 }
 
 SchedulerStats Scheduler::stats() const {

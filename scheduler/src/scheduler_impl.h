@@ -1,7 +1,8 @@
 #pragma once
 // The scheduler's private state, shared by its source files (scheduler.cpp:
 // requests and steps; fork.cpp: forks; pressure.cpp: demotion and
-// preemption; metadata.cpp: CSR decode metadata; invariants.cpp: the checker) and by the tests'
+// preemption; speculative.cpp: draft tokens; metadata.cpp: CSR decode
+// metadata; invariants.cpp: the checker) and by the tests'
 // access hook (tests/scheduler/scheduler_access.h), which corrupts it to
 // prove that every check can fail.
 #include <cstdint>
@@ -41,6 +42,11 @@ struct Entry {
   // after an append once its tails are private; an unset flag means private
   // tails (check_invariants), which keeps the decode need O(1) a request.
   bool shares_tail = false;
+  // Speculative decoding: draft tokens in the cache awaiting accept() (set
+  // for the step being scheduled, then until accept() or the next step),
+  // and the drafts speculate() asked for the next decode (-1: the config's).
+  std::int32_t drafts = 0;
+  std::int32_t next_drafts = -1;
   RequestId id = 0;
   const PageTable* table = nullptr;  // while resident in device memory
 
@@ -123,7 +129,9 @@ struct Scheduler::Impl {
   std::vector<FinishedRequest> finished_reports;
   std::vector<RejectedRequest> rejected_reports;
   std::vector<RequestId> last_decodes;
-  std::vector<RequestId> forked;  // children since the last step, for tables_changed
+  std::vector<RequestId> forked;       // children since the last step, for tables_changed
+  std::vector<RequestId> speculating;  // decoded with drafts in the last step
+  std::int32_t overrides = 0;          // entries with next_drafts >= 0
   std::int64_t next_order = 0;
   SchedulerStats stats;
 
@@ -173,6 +181,20 @@ struct Scheduler::Impl {
   std::int64_t tail_copies(const std::vector<Entry*>& decodes) const;
   std::int64_t decode_need(const std::vector<Entry*>& decodes) const;
   void list_forked(StepOutput& out);
+
+  // Speculative decoding (speculative.cpp): whether a step may give drafts;
+  // the drafts of the batch `decodes` (Entry::drafts) under the step's
+  // budget and memory, true when some has any (`relieved`: the step relieved
+  // memory pressure, none then); the append's counts; after the append, the
+  // token counts and decode_rows, returning the draft rows; the drafts the
+  // last step left unaccepted rejected; drafts of `e` dropped down to
+  // `accepted`.
+  bool wants_drafts() const { return config.num_speculative_tokens > 0 || overrides > 0; }
+  bool assign_drafts(const std::vector<Entry*>& decodes, std::int64_t need, bool relieved);
+  std::vector<std::int32_t> draft_counts(const std::vector<Entry*>& decodes) const;
+  std::int32_t commit_drafts(const std::vector<Entry*>& decodes, StepOutput& out);
+  void reject_drafts();
+  void settle_drafts(Entry& e, std::int32_t accepted);
 
   void schedule_chunk(Entry& e, std::int32_t end, StepOutput& out);
   void build_metadata(const std::vector<Entry*>& decodes, StepOutput& out) const;  // metadata.cpp

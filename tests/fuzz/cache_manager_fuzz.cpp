@@ -5,8 +5,8 @@
 // host swap pool of 0-12 slots per pool, either FP16 packing; sometimes a
 // malformed one), the rest up to 200 calls, valid and invalid, with ids from
 // a small range so that they collide: add_sequence, append_tokens (by id and
-// by handle, per-layer and compact slots), fork, free_sequence, swap_out,
-// swap_in, demote,
+// by handle, per-layer and compact slots; several tokens a sequence),
+// truncate, fork, free_sequence, swap_out, swap_in, demote,
 // decode_metadata, prefill_mapping and the inspection calls.
 //
 // Checked after every call: check_invariants(); the call returned or threw a
@@ -69,7 +69,7 @@ class Harness {
     for (int call = 0; call < kMaxCalls && in_.remaining_bytes() > 0; ++call) {
       const std::string before = cache_.describe_state();
       bool unchanged = false;  // the state must equal `before` afterwards
-      switch (in_.ConsumeIntegralInRange<int>(0, 11)) {
+      switch (in_.ConsumeIntegralInRange<int>(0, 13)) {
         case 0:
         case 1: unchanged = !add(); break;
         case 2: unchanged = !append(/*by_handle=*/false); break;
@@ -87,6 +87,8 @@ class Harness {
           mapping();
           unchanged = true;
           break;
+        case 11: unchanged = !append_rows(); break;
+        case 12: unchanged = !truncate(); break;
         default:
           inspect();
           unchanged = true;
@@ -275,6 +277,48 @@ class Harness {
         shadow_.fp16_slot(slots[i][static_cast<std::size_t>(layer)]) = layer_tag(seq.tokens.back(), layer);
       }
     }
+    return true;
+  }
+
+  // Speculative decoding: counts[i] tokens for ids[i] (a count list of the
+  // wrong length now and then), written where the page tables put them.
+  bool append_rows() {
+    std::vector<SequenceId> ids(in_.ConsumeIntegralInRange<std::size_t>(0, 3));
+    for (SequenceId& id : ids) id = some_id();
+    std::vector<std::int32_t> counts(ids.size() + (in_.ConsumeIntegralInRange<int>(0, 15) == 0 ? 1 : 0));
+    for (std::int32_t& c : counts) c = in_.ConsumeIntegralInRange<std::int32_t>(-1, 2 * bs_ + 2);
+    const AppendSlots form = in_.ConsumeBool() ? AppendSlots::Compact : AppendSlots::PerLayer;
+    AppendResult r;
+    if (attempt("append_tokens(counts)", [&] { r = cache_.append_tokens(ids, counts, form); }) != Outcome::Ok) {
+      return false;
+    }
+    for (const BlockCopy& c : r.copies) shadow_.copy_fp16_block(c.src, c.dst);
+    std::size_t row = 0;
+    for (std::size_t i = 0; i < ids.size(); ++i) {
+      Live& seq = live_.at(ids[i]);
+      const PageTable& t = cache_.page_table(ids[i]);
+      for (std::int32_t j = 0; j < counts[i]; ++j, ++row) {
+        seq.tokens.push_back(fresh_tag());
+        for (std::int32_t layer = 0; layer < layers_; ++layer) {
+          const std::int32_t slot = t.fp16_slot(layer, t.fp16_tokens(layer) - counts[i] + j);
+          if (form == AppendSlots::PerLayer && r.slots[static_cast<std::size_t>(layer)][row] != slot) {
+            finding("append_tokens(counts): slots[layer][row] is not where the page table puts the token");
+          }
+          shadow_.fp16_slot(slot) = layer_tag(seq.tokens.back(), layer);
+        }
+      }
+    }
+    return true;
+  }
+
+  bool truncate() {
+    const SequenceId id = some_id();
+    const auto held = held_blocks(id);
+    const auto tokens = static_cast<std::int32_t>(live_.contains(id) ? live_.at(id).tokens.size() : 0);
+    const std::int32_t keep = tokens - in_.ConsumeIntegralInRange<std::int32_t>(-1, 2 * bs_ + 2);
+    if (attempt("truncate", [&] { cache_.truncate(id, keep); }) != Outcome::Ok) return false;
+    live_.at(id).tokens.resize(static_cast<std::size_t>(keep));
+    poison_released(held);
     return true;
   }
 

@@ -155,6 +155,44 @@ class KVCacheManager {
   AppendResult append_tokens(std::span<const SequenceHandle> handles, AppendSlots form = AppendSlots::PerLayer);
   SequenceHandle handle(SequenceId id) const;
 
+  // --- Speculative decoding: several tokens per sequence, then truncation ---
+  // counts[i] >= 1 decode tokens for sequence i (distinct ids, FP16 in every
+  // layer; counts.size() == ids.size(), else InvalidArgument naming counts).
+  // All or nothing: OutOfMemory leaves every sequence as it was. Layout:
+  // sequence i's tokens are consecutive, in order, from row r_i = counts[0]
+  // + ... + counts[i - 1] (FlashInfer's qo_indptr), so
+  //   slots[layer][r_i + j]  (AppendSlots::PerLayer; sum(counts) a layer)
+  // is the FP16 slot of its j-th new token. offsets[i] is the offset of its
+  // first token in its block (the same in every layer, 0 for a new block);
+  // copies, tails_changed and tail_blocks are as above (tails after the
+  // call). A token past the first block boundary sits in a block that no
+  // tail names: with AppendSlots::Compact, read it from the page table
+  // (page_table(id).fp16_slot(layer, fp16_tokens(layer) - counts[i] + j)).
+  // With every count 1 the result equals the one-token call's.
+  AppendResult append_tokens(std::span<const SequenceId> ids, std::span<const std::int32_t> counts,
+                             AppendSlots form = AppendSlots::PerLayer);
+  AppendResult append_tokens(std::span<const SequenceHandle> handles, std::span<const std::int32_t> counts,
+                             AppendSlots form = AppendSlots::PerLayer);
+  // Drops the last tokens of `id` so that it holds num_tokens: the rejected
+  // drafts of a verification step. Only appended tokens can go:
+  // InvalidArgument naming num_tokens below the prompt length
+  // (layout(id).num_tokens()) or above num_tokens(id); UnknownId naming id;
+  // InvalidArgument for a swapped-out id. Every layer's FP16 blocks left
+  // empty are released (a block shared after a fork only loses this
+  // holder); a partly filled tail that is still shared is copied on the next
+  // append (copy-on-write, as after fork()). Blocks are released in the
+  // reverse of the order append_tokens took them, so appending and then
+  // truncating back restores describe_state() exactly, unless the append
+  // took a slab (released blocks stay in their pool, which keeps the empty
+  // slab until another pool needs it) or copied a shared tail (the private
+  // copy stays: the original may since have been rewritten by its other
+  // holders, so the sequence cannot share it again).
+  void truncate(SequenceId id, std::int32_t num_tokens);
+  // The same for several sequences at once, all or nothing (errors name
+  // ids[i] or num_tokens[i]): releasing in the reverse of one append_tokens
+  // call's order restores the free lists after a batch append too.
+  void truncate(std::span<const SequenceId> ids, std::span<const std::int32_t> num_tokens);
+
   // `child` shares every block of `parent` (ref counts); the partly filled
   // FP16 tail is copied on the first append to either.
   void fork(SequenceId parent, SequenceId child);

@@ -79,6 +79,13 @@ class PageTable {
   // num_layers(), every id is >= 0 and every layer's tail is full or absent.
   void open_fp16_tails(std::span<const std::int32_t> block_ids);
 
+  // Speculative decoding: removes the last `count` FP16 tokens of every
+  // layer (decode tokens are the last FP16 tokens of each layer), dropping
+  // the blocks left empty from the lists; the caller reads their ids first
+  // to release them. Allocates nothing. All or nothing: InvalidArgument
+  // naming count unless 0 <= count <= fp16_tokens(layer) in every layer.
+  void drop_fp16_tokens(std::int32_t count);
+
   // Capacity only, for callers that must change the table without failing
   // after they have taken blocks (the manager's calls give the strong
   // guarantee under std::bad_alloc too): these may throw std::bad_alloc and

@@ -25,6 +25,7 @@ struct RequestStatus {
   std::int32_t generated = 0;        // tokens generated so far
   std::int32_t slot = -1;            // page-table slot while it holds device memory
   std::int32_t preemptions = 0;      // times preempted (recompute or swap)
+  std::int32_t drafts = 0;           // draft tokens of the last step awaiting accept()
 };
 
 struct SchedulerStats {
@@ -43,6 +44,8 @@ struct SchedulerStats {
   std::int64_t forks = 0;      // successful fork() calls
   std::int64_t decode_tokens = 0;
   std::int64_t prefill_tokens = 0;
+  std::int64_t draft_tokens = 0;     // draft rows scheduled (speculative decoding)
+  std::int64_t accepted_tokens = 0;  // of them, accepted (accept())
 };
 
 // The continuous-batching scheduler, driven one step at a time by a
@@ -127,9 +130,10 @@ class Scheduler {
   // private copies; cancelling one leaves the others their shared blocks.
   // Errors (nothing changed): UnknownId for a parent that is not live;
   // InvalidArgument for a parent that is not Running (its prompt not fully
-  // prefilled, or swapped out), a child id that is live (or held by the
-  // cache), max_new_tokens 0 or below -1, -1 for a parent with no token
-  // left, or a child that could never complete alone in the cache;
+  // prefilled, or swapped out) or has drafts awaiting accept(), a child id
+  // that is live (or held by the cache), max_new_tokens 0 or below -1, -1
+  // for a parent with no token left, or a child that could never complete
+  // alone in the cache;
   // OutOfMemory when max_num_seqs requests already hold device memory (no
   // free slot).
   void fork(RequestId parent, RequestId child, std::int32_t max_new_tokens = -1);
@@ -144,6 +148,25 @@ class Scheduler {
   // Cancelled. Idempotent: false for a request that has already left;
   // UnknownId for an id never added.
   bool cancel(RequestId id);
+
+  // Speculative decoding (SchedulerConfig::num_speculative_tokens): the
+  // draft tokens `id` asks for in its next decode step instead of the
+  // config's default (capped the same way); the steps after use the default
+  // again. UnknownId unless contains(id); InvalidArgument naming num_drafts
+  // below 0.
+  void speculate(RequestId id, std::int32_t num_drafts);
+  // After verifying the last step's decode of `id`: its first num_accepted
+  // drafts (0 .. status(id).drafts) were accepted. The rejected ones leave
+  // the cache (KVCacheManager::truncate) and the step counts num_accepted
+  // + 1 generated tokens (the accepted drafts, then the token sampled after
+  // them, whose K/V the next step stores as its first row); a request that
+  // reaches max_new_tokens so is reported finished by the next step. Drafts
+  // not accepted before the next step() are all rejected there, as
+  // accept(id, 0). Errors (nothing changed): UnknownId unless contains(id);
+  // InvalidArgument for a request with no drafts awaiting acceptance (none
+  // in the last step, or accepted already) or whose sequence left the
+  // cache, and naming num_accepted outside 0 .. drafts.
+  void accept(RequestId id, std::int32_t num_accepted);
 
   bool contains(RequestId id) const;         // live: not yet reported as finished or rejected
   RequestStatus status(RequestId id) const;  // UnknownId unless contains(id)
@@ -160,7 +183,8 @@ class Scheduler {
   // Running (device) and Swapped (host) requests, slots unique, running
   // sequences within max_num_seqs, a shared partly filled FP16 tail only
   // among requests marked as forked (the ones whose copies the decode need
-  // counts). Throws InvariantViolation.
+  // counts), drafts awaiting accept() only on Running requests and within
+  // max_new_tokens. Throws InvariantViolation.
   void check_invariants() const;
   // Canonical text of the scheduler's queues and the manager's state.
   std::string describe_state() const;

@@ -65,6 +65,16 @@ struct SchedulerConfig {
   // Fill PrefillChunk::mappings. Off, an engine asks the cache
   // (KVCacheManager::prefill_mapping) itself; simulations skip them.
   bool build_mappings = true;
+  // Speculative decoding: draft tokens a Running request gets in each decode
+  // step (Scheduler::speculate() sets one request's next step instead); 0:
+  // plain decoding. A decode with k drafts has 1 + k query rows, its last
+  // sampled token and then the drafts, each stored like a decode token
+  // (StepOutput::decode_rows); Scheduler::accept() takes the rejected ones
+  // back after verification. Drafts are capped by the request's remaining
+  // tokens (generated + 1 + k <= max_new_tokens), by the step's token budget
+  // (in batch order) and by memory: a step never demotes or preempts for
+  // drafts, it gives fewer (none in a step that relieved memory pressure).
+  std::int32_t num_speculative_tokens = 0;
   // Plans requests that come with embeddings instead of a plan: the CPU
   // planner (make_cpu_plan_source) under this config. Any other source (the
   // GPU planner) is passed to the Scheduler's constructor instead; at most

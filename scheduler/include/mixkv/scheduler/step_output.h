@@ -62,6 +62,21 @@ struct StepOutput {
   // blocks: read from the page table for tables_changed, replaced by
   // append.tail_blocks for the decodes listed in append.tails_changed.
   AppendResult append;
+  // Speculative decoding (SchedulerConfig::num_speculative_tokens,
+  // Scheduler::speculate): empty when no decode of the step has drafts,
+  // the plain step above. Otherwise [decodes.size() + 1] row offsets
+  // (FlashInfer's qo_indptr): decodes[i] has the query rows
+  // decode_rows[i] .. decode_rows[i + 1] - 1, its last sampled token first,
+  // then its drafts (decode_rows[i + 1] - decode_rows[i] - 1 of them), all
+  // stored this step: append.slots[layer][r] is row r's FP16 slot
+  // (KVCacheManager::append_tokens with counts), append.offsets[i] the
+  // offset of decodes[i]'s first row. The metadata covers every row's token
+  // too (the cache after the append), as in a plain step; an attention that
+  // takes the new rows from k/v (causal among them) reads each decode's
+  // FP16 pages without its last decode_rows[i + 1] - decode_rows[i] tokens.
+  // After verification the engine calls Scheduler::accept for each decode
+  // with drafts.
+  std::vector<std::int32_t> decode_rows;
 
   std::vector<DemoteOp> demotions;
   std::vector<SwapCopy> swap_out;
@@ -83,7 +98,7 @@ struct StepOutput {
   std::vector<FinishedRequest> finished;
   std::vector<RejectedRequest> rejected;
 
-  std::int32_t num_batched_tokens = 0;  // decodes + prefill chunk rows
+  std::int32_t num_batched_tokens = 0;  // decode rows (drafts included) + prefill chunk rows
 
   // Decode attention metadata of `decodes` for every layer and pool, CSR
   // (SchedulerConfig::build_metadata; empty layers otherwise).
