@@ -5,10 +5,12 @@
 #include <string>
 #include <vector>
 
+#include "mixkv/cache/prefix_tables.h"
 #include "mixkv/core/errors.h"
 #include "mixkv/core/half.h"
 #include "mixkv/cpu/decode_attention.h"
 #include "mixkv/cpu/demote.h"
+#include "mixkv/cpu/extend_attention.h"
 #include "mixkv/cpu/store.h"
 #include "mixkv/cpu/swap.h"
 #include "mixkv/engine/cpu_backend.h"
@@ -57,26 +59,75 @@ class CpuBackendImpl final : public CpuBackend {
     cpu::store_prefill(halves(k), halves(v), inputs_.mappings[static_cast<std::size_t>(layer)], pools_);
   }
 
+  void prefill(std::int32_t layer, const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
+               const TensorView* lse) override {
+    engine_detail::check_prefill("CpuBackend::prefill", inputs_, config_, layer, q, k, v, out, lse, DeviceKind::CPU, 0,
+                                 alignof(float));
+    if (inputs_.rows == 0) return;
+    // The prefixes are the same for every layer's call: built once a step.
+    if (!prefix_built_) {
+      prefix_ = prefix_metadata(manager_, inputs_.chunk_ids, inputs_.chunk_starts);
+      prefix_built_ = true;
+    }
+    const auto rows = static_cast<std::size_t>(inputs_.rows) * static_cast<std::size_t>(config_.num_q_heads);
+    out_f32_.resize(rows * static_cast<std::size_t>(config_.cache.shape.head_dim));
+    lse_f32_.resize(rows);
+    cpu::ExtendAttentionArgs args;
+    args.qo_indptr = inputs_.qo_indptr;
+    args.q = halves(q);
+    args.k = halves(k);
+    args.v = halves(v);
+    args.num_q_heads = config_.num_q_heads;
+    args.sm_scale = engine_detail::sm_scale(config_);
+    args.tables = &prefix_.layers[static_cast<std::size_t>(layer)];
+    args.pools = pools_;
+    args.out = out_f32_;
+    args.lse = lse != nullptr ? std::span<float>(static_cast<float*>(lse->data), rows) : std::span<float>(lse_f32_);
+    cpu::extend_attention(args);
+    cpu::store_prefill(halves(k), halves(v), inputs_.mappings[static_cast<std::size_t>(layer)], pools_);
+    Half* o = static_cast<Half*>(out.data);
+    for (std::size_t i = 0; i < out_f32_.size(); ++i) o[i] = float_to_half(out_f32_[i]);
+  }
+
   void attend(std::int32_t layer, const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
               const TensorView* lse) override {
     engine_detail::check_attend("CpuBackend::attend", inputs_, config_, layer, q, k, v, out, lse, DeviceKind::CPU, 0,
                                 alignof(float));
-    const auto batch = static_cast<std::size_t>(inputs_.batch);
-    if (batch == 0) return;
-    const std::span<const std::int32_t> slots(inputs_.slots.data() + static_cast<std::size_t>(layer) * batch, batch);
+    const auto n = static_cast<std::size_t>(inputs_.decode_rows);
+    if (n == 0) return;
+    const std::span<const std::int32_t> slots(inputs_.slots.data() + static_cast<std::size_t>(layer) * n, n);
     cpu::append(halves(k), halves(v), slots, pools_[pool_index(Precision::FP16)]);
-    const auto rows = batch * static_cast<std::size_t>(config_.num_q_heads);
+    const auto rows = n * static_cast<std::size_t>(config_.num_q_heads);
     out_f32_.resize(rows * static_cast<std::size_t>(config_.cache.shape.head_dim));
     lse_f32_.resize(rows);
-    cpu::DecodeAttentionArgs args;
-    args.q = halves(q);
-    args.num_q_heads = config_.num_q_heads;
-    args.sm_scale = engine_detail::sm_scale(config_);
-    args.tables = &metadata_.layers[static_cast<std::size_t>(layer)];
-    args.pools = pools_;
-    args.out = out_f32_;
-    args.lse = lse != nullptr ? std::span<float>(static_cast<float*>(lse->data), rows) : std::span<float>(lse_f32_);
-    cpu::decode_attention(args);
+    const std::span<float> lse_out =
+        lse != nullptr ? std::span<float>(static_cast<float*>(lse->data), rows) : std::span<float>(lse_f32_);
+    if (inputs_.decode_indptr.empty()) {
+      cpu::DecodeAttentionArgs args;
+      args.q = halves(q);
+      args.num_q_heads = config_.num_q_heads;
+      args.sm_scale = engine_detail::sm_scale(config_);
+      args.tables = &metadata_.layers[static_cast<std::size_t>(layer)];
+      args.pools = pools_;
+      args.out = out_f32_;
+      args.lse = lse_out;
+      cpu::decode_attention(args);
+    } else {
+      // Drafts: the rows come from k, v (causal among a decode's rows), the
+      // pages without them (verify_tables_).
+      cpu::ExtendAttentionArgs args;
+      args.qo_indptr = inputs_.decode_indptr;
+      args.q = halves(q);
+      args.k = halves(k);
+      args.v = halves(v);
+      args.num_q_heads = config_.num_q_heads;
+      args.sm_scale = engine_detail::sm_scale(config_);
+      args.tables = &verify_tables_.layers[static_cast<std::size_t>(layer)];
+      args.pools = pools_;
+      args.out = out_f32_;
+      args.lse = lse_out;
+      cpu::extend_attention(args);
+    }
     Half* o = static_cast<Half*>(out.data);
     for (std::size_t i = 0; i < out_f32_.size(); ++i) o[i] = float_to_half(out_f32_[i]);
   }
@@ -97,6 +148,7 @@ class CpuBackendImpl final : public CpuBackend {
     cpu::swap_blocks(step.swap_in, SwapDirection::HostToDevice, pools_, host_pools_);
     cpu::copy_blocks(step.append.copies, pools_[pool_index(Precision::FP16)]);
     engine_detail::build_inputs(step, manager_, inputs_);
+    prefix_built_ = false;
     // Metadata as of this step, kept whole: a request cancelled before
     // attend() leaves its blocks unused until the next step, so reading
     // them then is still reading its tokens.
@@ -104,6 +156,10 @@ class CpuBackendImpl final : public CpuBackend {
       metadata_ = step.metadata;
     } else {
       metadata_ = manager_.decode_metadata(step.decodes);
+    }
+    if (!inputs_.decode_indptr.empty()) {
+      verify_tables_ = metadata_;
+      engine_detail::drop_fp16_tails(verify_tables_, inputs_.decode_indptr, config_.cache.shape.block_size);
     }
   }
 
@@ -120,6 +176,9 @@ class CpuBackendImpl final : public CpuBackend {
   PoolViews host_pools_;
   StepInputs inputs_;
   DecodeMetadata metadata_;
+  DecodeMetadata prefix_;         // prefill(): the page lists before each chunk
+  DecodeMetadata verify_tables_;  // drafts: metadata_ without each decode's rows
+  bool prefix_built_ = false;
   std::vector<float> out_f32_;
   std::vector<float> lse_f32_;
 };

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "mixkv/cache/prefix_tables.h"
 #include "mixkv/core/errors.h"
 #include "mixkv/engine/backend.h"
 #include "mixkv/kernels/decode_plan.h"
@@ -20,6 +21,7 @@
 #include "mixkv/kernels/device_arena.h"
 #include "mixkv/kernels/device_page_tables.h"
 #include "mixkv/kernels/device_status.h"
+#include "mixkv/kernels/extend_plan.h"
 #include "mixkv/kernels/store.h"
 #include "mixkv/kernels/swap.h"
 #include "step_inputs.h"
@@ -131,13 +133,20 @@ class CudaBackend final : public Backend {
     engine_detail::check_store("CudaBackend::store", inputs_, config_, layer, k, v, DeviceKind::CUDA, device_, 16);
     if (inputs_.rows == 0) return;
     const DeviceGuard guard(device_);
-    gpu::StorePrefillArgs args;
-    mappings_[static_cast<std::size_t>(layer)].fill(args);
-    args.k = static_cast<const Half*>(k.data);
-    args.v = static_cast<const Half*>(v.data);
-    args.pools = pools_;
-    args.stream = stream_;
-    gpu::store_prefill(args);
+    launch_store(layer, k, v);
+  }
+
+  void prefill(std::int32_t layer, const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
+               const TensorView* lse) override {
+    engine_detail::check_prefill("CudaBackend::prefill", inputs_, config_, layer, q, k, v, out, lse, DeviceKind::CUDA,
+                                 device_, 16);
+    if (inputs_.rows == 0) return;
+    const DeviceGuard guard(device_);
+    // The prefixes are the same for every layer: their page lists go into
+    // tables of their own (slot c: chunk c) and are planned once a step.
+    if (!prefix_planned_) plan_prefix();
+    run_extend(*prefix_plan_, layer, q, k, v, out, lse);
+    launch_store(layer, k, v);
   }
 
   void attend(std::int32_t layer, const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
@@ -149,12 +158,18 @@ class CudaBackend final : public Backend {
     gpu::AppendArgs append;
     append.k = static_cast<const Half*>(k.data);
     append.v = static_cast<const Half*>(v.data);
-    append.fp16_slots = device_ints_.get() + slots_offset_ + static_cast<std::size_t>(layer) * inputs_.batch;
-    append.batch = inputs_.batch;
+    append.fp16_slots = device_ints_.get() + slots_offset_ + static_cast<std::size_t>(layer) * inputs_.decode_rows;
+    append.batch = inputs_.decode_rows;
     append.fp16_pool = pools_[pool_index(Precision::FP16)];
     append.stream = stream_;
     append.status = &status_;
     gpu::append(append);
+    if (!inputs_.decode_indptr.empty()) {
+      // Drafts: extend attention, the rows from k and v (verify_plan_ leaves
+      // them out of the pages they were just appended to).
+      run_extend(*verify_plan_, layer, q, k, v, out, lse);
+      return;
+    }
     gpu::DecodeRunArgs run;
     run.layer = layer;
     run.q = static_cast<const Half*>(q.data);
@@ -248,7 +263,14 @@ class CudaBackend final : public Backend {
     // the decode plan, and every layer's prefill mapping.
     for (std::size_t i = 0; i < batch; ++i) tables_.sync(step.decode_slots[i], manager_.page_table(step.decodes[i]));
     tables_.upload(stream_);
-    if (batch > 0) plan_.plan(step.decode_slots, stream_);
+    if (batch > 0 && inputs_.decode_indptr.empty()) plan_.plan(step.decode_slots, stream_);
+    if (batch > 0 && !inputs_.decode_indptr.empty()) {
+      if (!verify_plan_) verify_plan_ = make_extend_plan(tables_);
+      std::vector<std::int32_t> exclude(batch);
+      for (std::size_t i = 0; i < batch; ++i) exclude[i] = inputs_.decode_indptr[i + 1] - inputs_.decode_indptr[i];
+      verify_plan_->plan(step.decode_slots, inputs_.decode_indptr, stream_, exclude);
+    }
+    prefix_planned_ = false;
     if (inputs_.rows > 0) {
       for (std::size_t l = 0; l < mappings_.size(); ++l) mappings_[l].upload(inputs_.mappings[l], layout_, stream_);
     }
@@ -272,6 +294,11 @@ class CudaBackend final : public Backend {
       throw InvalidArgument(std::string(fn) +
                             ": step.swap_out / swap_in: expected none without a host swap pool (cache.swap_blocks)");
     }
+    if (!step.decode_rows.empty() && step.decode_rows.back() > extend_rows()) {
+      throw InvalidArgument(std::string(fn) + ": step.decode_rows ends at " + std::to_string(step.decode_rows.back()) +
+                            " rows: expected <= max_prefill_rows = " + std::to_string(extend_rows()) +
+                            " (the rows one extend plan holds)");
+    }
     const std::int32_t bound = tables_.config().max_blocks_per_sequence;
     for (std::size_t i = 0; i < step.decodes.size(); ++i) {
       const PageTable& t = manager_.page_table(step.decodes[i]);
@@ -286,6 +313,79 @@ class CudaBackend final : public Backend {
         }
       }
     }
+  }
+
+  void launch_store(std::int32_t layer, const TensorView& k, const TensorView& v) {
+    gpu::StorePrefillArgs args;
+    mappings_[static_cast<std::size_t>(layer)].fill(args);
+    args.k = static_cast<const Half*>(k.data);
+    args.v = static_cast<const Half*>(v.data);
+    args.pools = pools_;
+    args.stream = stream_;
+    gpu::store_prefill(args);
+  }
+
+  // Rows one extend plan takes: the step's token budget (max_prefill_rows),
+  // which bounds prefill rows and decode rows alike.
+  std::int32_t extend_rows() const {
+    return config_.max_prefill_rows > 0 ? config_.max_prefill_rows : kDefaultExtendRows;
+  }
+
+  std::unique_ptr<gpu::ExtendPlan> make_extend_plan(const gpu::DevicePageTables& tables) const {
+    const CacheShape& s = config_.cache.shape;
+    return std::make_unique<gpu::ExtendPlan>(
+        gpu::ExtendPlanConfig{s.num_layers, config_.num_q_heads, s.num_kv_heads, s.head_dim, s.block_size,
+                              config_.max_num_seqs, extend_rows()},
+        tables);
+  }
+
+  // The page lists before each prefill chunk into prefix_tables_ (slot c:
+  // chunk c) and one extend plan over them.
+  void plan_prefix() {
+    if (!prefix_tables_) {
+      prefix_tables_.emplace(gpu::PageTableConfig{config_.cache.shape.num_layers, config_.max_num_seqs,
+                                                  tables_.config().max_blocks_per_sequence},
+                             layout_);
+      prefix_plan_ = make_extend_plan(*prefix_tables_);
+    }
+    const DecodeMetadata prefix = prefix_metadata(manager_, inputs_.chunk_ids, inputs_.chunk_starts);
+    const std::int32_t bound = prefix_tables_->config().max_blocks_per_sequence;
+    std::vector<std::int32_t> slots(inputs_.chunk_ids.size());
+    for (std::size_t c = 0; c < slots.size(); ++c) {
+      slots[c] = static_cast<std::int32_t>(c);
+      for (std::size_t l = 0; l < prefix.layers.size(); ++l) {
+        for (const Precision p : kAllPrecisions) {
+          const PagedPoolTable& t = prefix.layers[l][pool_index(p)];
+          const std::span<const std::int32_t> list(t.indices.data() + t.indptr[c],
+                                                   static_cast<std::size_t>(t.indptr[c + 1] - t.indptr[c]));
+          if (list.size() > static_cast<std::size_t>(bound)) {
+            throw InvalidArgument("CudaBackend::prefill: step.prefills[" + std::to_string(c) + "] reads " +
+                                  std::to_string(list.size()) + " " + std::string(to_string(p)) + " blocks in layer " +
+                                  std::to_string(l) +
+                                  ": expected <= max_blocks_per_sequence = " + std::to_string(bound));
+          }
+          prefix_tables_->set_blocks(slots[c], static_cast<std::int32_t>(l), p, list, t.last_block_len[c]);
+        }
+      }
+    }
+    prefix_tables_->upload(stream_);
+    prefix_plan_->plan(slots, inputs_.qo_indptr, stream_);
+    prefix_planned_ = true;
+  }
+
+  void run_extend(const gpu::ExtendPlan& plan, std::int32_t layer, const TensorView& q, const TensorView& k,
+                  const TensorView& v, const TensorView& out, const TensorView* lse) const {
+    gpu::ExtendRunArgs run;
+    run.layer = layer;
+    run.q = static_cast<const Half*>(q.data);
+    run.k = static_cast<const Half*>(k.data);
+    run.v = static_cast<const Half*>(v.data);
+    run.out = static_cast<Half*>(out.data);
+    run.lse = lse != nullptr ? static_cast<float*>(lse->data) : nullptr;
+    run.sm_scale = engine_detail::sm_scale(config_);
+    run.pools = pools_;
+    run.stream = stream_;
+    plan.run(run);
   }
 
   void swap(const std::vector<SwapCopy>& copies, SwapDirection direction, gpu::DeviceSwapList& list) {
@@ -311,6 +411,14 @@ class CudaBackend final : public Backend {
   gpu::DevicePools host_pools_{};
   gpu::DevicePageTables tables_;
   gpu::DecodePlan plan_;
+  // Extend attention, made on first use: prefill() through the cache
+  // (prefix_tables_ hold the page lists before each chunk) and decodes
+  // with drafts (over tables_).
+  static constexpr std::int32_t kDefaultExtendRows = 8192;
+  std::optional<gpu::DevicePageTables> prefix_tables_;
+  std::unique_ptr<gpu::ExtendPlan> prefix_plan_;
+  std::unique_ptr<gpu::ExtendPlan> verify_plan_;
+  bool prefix_planned_ = false;
   std::vector<gpu::DeviceStoreMapping> mappings_;  // [layer], uploaded in apply()
   gpu::DeviceSwapList swap_out_list_;
   gpu::DeviceSwapList swap_in_list_;

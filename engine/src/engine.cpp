@@ -49,6 +49,17 @@ struct Engine::Impl {
     if (!stepped) throw InvalidArgument(std::string(fn) + ": no step yet: expected step() first");
   }
   DeviceKind device() const { return backend->kind() == BackendKind::CUDA ? DeviceKind::CUDA : DeviceKind::CPU; }
+  // q, k, v, out (and lse) of `n` query rows on the engine's device.
+  void require_rows(const char* fn, std::int64_t n, const TensorView& q, const TensorView& k, const TensorView& v,
+                    const TensorView& out, const TensorView* lse) const {
+    const CacheShape& shape = config.cache.shape;
+    const std::int32_t dev = config.cuda_device;
+    require_tensor(fn, "q", q, DType::F16, device(), dev, {n, config.num_q_heads, shape.head_dim});
+    require_tensor(fn, "k", k, DType::F16, device(), dev, {n, shape.num_kv_heads, shape.head_dim});
+    require_tensor(fn, "v", v, DType::F16, device(), dev, {n, shape.num_kv_heads, shape.head_dim});
+    require_tensor(fn, "out", out, DType::F16, device(), dev, {n, config.num_q_heads, shape.head_dim});
+    if (lse != nullptr) require_tensor(fn, "lse", *lse, DType::F32, device(), dev, {n, config.num_q_heads});
+  }
 };
 
 Engine::Engine(EngineConfig config, std::shared_ptr<PlanSource> planner) : impl_(std::make_unique<Impl>()) {
@@ -80,6 +91,9 @@ void Engine::fork(RequestId parent, RequestId child, std::int32_t max_new_tokens
   impl_->scheduler->fork(parent, child, max_new_tokens);
 }
 
+void Engine::speculate(RequestId id, std::int32_t num_drafts) { impl_->scheduler->speculate(id, num_drafts); }
+void Engine::accept(RequestId id, std::int32_t num_accepted) { impl_->scheduler->accept(id, num_accepted); }
+
 bool Engine::finish(RequestId id) { return impl_->scheduler->finish(id); }
 bool Engine::cancel(RequestId id) { return impl_->scheduler->cancel(id); }
 bool Engine::has_unfinished() const { return impl_->scheduler->has_unfinished(); }
@@ -108,19 +122,23 @@ void Engine::store(std::int32_t layer, const TensorView& k, const TensorView& v)
   s.backend->store(layer, k, v);
 }
 
+void Engine::prefill(std::int32_t layer, const TensorView& q, const TensorView& k, const TensorView& v,
+                     const TensorView& out, const TensorView* lse) {
+  const Impl& s = *impl_;
+  s.require_step("Engine::prefill");
+  std::int64_t rows = 0;
+  for (const PrefillChunk& c : s.last.prefills) rows += c.end - c.start;
+  s.require_rows("Engine::prefill", rows, q, k, v, out, lse);
+  s.backend->prefill(layer, q, k, v, out, lse);
+}
+
 void Engine::attend(std::int32_t layer, const TensorView& q, const TensorView& k, const TensorView& v,
                     const TensorView& out, const TensorView* lse) {
   const Impl& s = *impl_;
   s.require_step("Engine::attend");
-  const auto batch = static_cast<std::int64_t>(s.last.decodes.size());
-  const CacheShape& shape = s.config.cache.shape;
-  const std::int32_t dev = s.config.cuda_device;
-  const char* fn = "Engine::attend";
-  require_tensor(fn, "q", q, DType::F16, s.device(), dev, {batch, s.config.num_q_heads, shape.head_dim});
-  require_tensor(fn, "k", k, DType::F16, s.device(), dev, {batch, shape.num_kv_heads, shape.head_dim});
-  require_tensor(fn, "v", v, DType::F16, s.device(), dev, {batch, shape.num_kv_heads, shape.head_dim});
-  require_tensor(fn, "out", out, DType::F16, s.device(), dev, {batch, s.config.num_q_heads, shape.head_dim});
-  if (lse != nullptr) require_tensor(fn, "lse", *lse, DType::F32, s.device(), dev, {batch, s.config.num_q_heads});
+  const std::int64_t rows = s.last.decode_rows.empty() ? static_cast<std::int64_t>(s.last.decodes.size())
+                                                       : std::int64_t{s.last.decode_rows.back()};
+  s.require_rows("Engine::attend", rows, q, k, v, out, lse);
   s.backend->attend(layer, q, k, v, out, lse);
 }
 

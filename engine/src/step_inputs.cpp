@@ -93,6 +93,27 @@ void check_step(const char* fn, const StepOutput& step, const KVCacheManager& ma
     });
     require_live(fn, manager, step.decodes[i], [&] { return at("step.decodes", i); });
   }
+  // Rows of the decode batch: one a decode, or decode_rows' CSR offsets.
+  std::size_t rows_of_batch = batch;
+  if (!step.decode_rows.empty()) {
+    require(step.decode_rows.size() == batch + 1 && step.decode_rows[0] == 0, fn, [&] {
+      return "step.decode_rows has " + str(static_cast<std::int64_t>(step.decode_rows.size())) +
+             " entries: expected none or decodes.size() + 1 = " + str(static_cast<std::int64_t>(batch + 1)) +
+             " offsets from 0";
+    });
+    for (std::size_t i = 0; i < batch; ++i) {
+      require(step.decode_rows[i + 1] > step.decode_rows[i], fn, [&] {
+        return at("step.decode_rows", i + 1) + " = " + str(step.decode_rows[i + 1]) + ": expected > " +
+               at("step.decode_rows", i) + " = " + str(step.decode_rows[i]) + " (a decode has at least one row)";
+      });
+      const std::int32_t n = step.decode_rows[i + 1] - step.decode_rows[i];
+      require(n <= manager.num_tokens(step.decodes[i]), fn, [&] {
+        return at("step.decode_rows", i + 1) + ": " + str(n) + " rows for a sequence of " +
+               str(manager.num_tokens(step.decodes[i])) + " tokens: expected rows it has appended";
+      });
+    }
+    rows_of_batch = static_cast<std::size_t>(step.decode_rows.back());
+  }
   const AppendResult& a = step.append;
   if (!a.slots.empty()) {
     require(a.slots.size() == static_cast<std::size_t>(layers), fn, [&] {
@@ -100,9 +121,9 @@ void check_step(const char* fn, const StepOutput& step, const KVCacheManager& ma
              " layers: expected num_layers = " + str(layers);
     });
     for (std::int32_t l = 0; l < layers; ++l) {
-      require(a.slots[static_cast<std::size_t>(l)].size() == batch, fn, [&] {
+      require(a.slots[static_cast<std::size_t>(l)].size() == rows_of_batch, fn, [&] {
         return "step.append.slots[" + str(l) + "] has " + str(static_cast<std::int64_t>(a.slots[l].size())) +
-               " slots: expected the batch, " + str(static_cast<std::int64_t>(batch));
+               " slots: expected the batch's rows, " + str(static_cast<std::int64_t>(rows_of_batch));
       });
     }
   } else {
@@ -161,7 +182,15 @@ void build_inputs(const StepOutput& step, const KVCacheManager& manager, StepInp
   const std::size_t batch = step.decodes.size();
   inputs.batch = static_cast<std::int32_t>(batch);
   inputs.rows = 0;
-  for (const PrefillChunk& chunk : step.prefills) inputs.rows += chunk.end - chunk.start;
+  inputs.chunk_ids.clear();
+  inputs.chunk_starts.clear();
+  inputs.qo_indptr.assign(1, 0);
+  for (const PrefillChunk& chunk : step.prefills) {
+    inputs.rows += chunk.end - chunk.start;
+    inputs.chunk_ids.push_back(chunk.id);
+    inputs.chunk_starts.push_back(chunk.start);
+    inputs.qo_indptr.push_back(inputs.rows);
+  }
 
   inputs.mappings.resize(static_cast<std::size_t>(layers));
   for (std::int32_t l = 0; l < layers; ++l) {
@@ -191,11 +220,29 @@ void build_inputs(const StepOutput& step, const KVCacheManager& manager, StepInp
     }
   }
 
-  inputs.slots.resize(static_cast<std::size_t>(layers) * batch);
+  inputs.decode_indptr = step.decode_rows;
+  inputs.decode_rows = step.decode_rows.empty() ? inputs.batch : step.decode_rows.back();
+  const auto n_rows = static_cast<std::size_t>(inputs.decode_rows);
+  inputs.slots.resize(static_cast<std::size_t>(layers) * n_rows);
   if (!step.append.slots.empty()) {
     for (std::int32_t l = 0; l < layers; ++l) {
       const auto& row = step.append.slots[static_cast<std::size_t>(l)];
-      std::copy(row.begin(), row.end(), inputs.slots.begin() + static_cast<std::ptrdiff_t>(l * batch));
+      std::copy(row.begin(), row.end(), inputs.slots.begin() + static_cast<std::ptrdiff_t>(l * n_rows));
+    }
+  } else if (!step.decode_rows.empty()) {
+    // Drafts in compact form: a decode's rows are the last FP16 tokens of
+    // every layer, which may span a block boundary: read from the table.
+    for (std::size_t i = 0; i < batch; ++i) {
+      const PageTable& t = manager.page_table(step.decodes[i]);
+      const std::int32_t first = step.decode_rows[i];
+      const std::int32_t n = step.decode_rows[i + 1] - first;
+      for (std::int32_t l = 0; l < layers; ++l) {
+        const std::int64_t tokens = t.fp16_tokens(l);
+        for (std::int32_t j = 0; j < n; ++j) {
+          inputs.slots[static_cast<std::size_t>(l) * n_rows + static_cast<std::size_t>(first + j)] =
+              t.fp16_slot(l, tokens - n + j);
+        }
+      }
     }
   } else {
     // The compact form: the new token sits at the same offset of every
@@ -223,18 +270,19 @@ void check_store(const char* fn, const StepInputs& inputs, const BackendConfig& 
   require_aligned(fn, "v", v, align);
 }
 
-void check_attend(const char* fn, const StepInputs& inputs, const BackendConfig& config, std::int32_t layer,
-                  const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
-                  const TensorView* lse, DeviceKind device, std::int32_t device_id, std::size_t align) {
-  require_applied(fn, inputs);
-  require_layer(fn, config, layer);
+namespace {
+
+// q, k, v, out (and lse) of `n` query rows: shapes, dtypes, device,
+// alignment, and outputs disjoint from the inputs.
+void check_qkv_out(const char* fn, const BackendConfig& config, std::int64_t n, const TensorView& q,
+                   const TensorView& k, const TensorView& v, const TensorView& out, const TensorView* lse,
+                   DeviceKind device, std::int32_t device_id, std::size_t align) {
   const CacheShape& s = config.cache.shape;
-  const std::int64_t b = inputs.batch;
-  require_tensor(fn, "q", q, DType::F16, device, device_id, {b, config.num_q_heads, s.head_dim});
-  require_tensor(fn, "k", k, DType::F16, device, device_id, {b, s.num_kv_heads, s.head_dim});
-  require_tensor(fn, "v", v, DType::F16, device, device_id, {b, s.num_kv_heads, s.head_dim});
-  require_tensor(fn, "out", out, DType::F16, device, device_id, {b, config.num_q_heads, s.head_dim});
-  if (lse != nullptr) require_tensor(fn, "lse", *lse, DType::F32, device, device_id, {b, config.num_q_heads});
+  require_tensor(fn, "q", q, DType::F16, device, device_id, {n, config.num_q_heads, s.head_dim});
+  require_tensor(fn, "k", k, DType::F16, device, device_id, {n, s.num_kv_heads, s.head_dim});
+  require_tensor(fn, "v", v, DType::F16, device, device_id, {n, s.num_kv_heads, s.head_dim});
+  require_tensor(fn, "out", out, DType::F16, device, device_id, {n, config.num_q_heads, s.head_dim});
+  if (lse != nullptr) require_tensor(fn, "lse", *lse, DType::F32, device, device_id, {n, config.num_q_heads});
   require_aligned(fn, "q", q, align);
   require_aligned(fn, "k", k, align);
   require_aligned(fn, "v", v, align);
@@ -250,6 +298,45 @@ void check_attend(const char* fn, const StepInputs& inputs, const BackendConfig&
               [&] { return std::string("lse overlaps ") + name + ": expected disjoint memory"; });
   }
   if (lse != nullptr) require(!overlap(out, *lse), fn, [&] { return "out overlaps lse: expected disjoint memory"; });
+}
+
+}  // namespace
+
+void check_prefill(const char* fn, const StepInputs& inputs, const BackendConfig& config, std::int32_t layer,
+                   const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
+                   const TensorView* lse, DeviceKind device, std::int32_t device_id, std::size_t align) {
+  require_applied(fn, inputs);
+  require_layer(fn, config, layer);
+  check_qkv_out(fn, config, inputs.rows, q, k, v, out, lse, device, device_id, align);
+}
+
+void check_attend(const char* fn, const StepInputs& inputs, const BackendConfig& config, std::int32_t layer,
+                  const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
+                  const TensorView* lse, DeviceKind device, std::int32_t device_id, std::size_t align) {
+  require_applied(fn, inputs);
+  require_layer(fn, config, layer);
+  check_qkv_out(fn, config, inputs.decode_rows, q, k, v, out, lse, device, device_id, align);
+}
+
+void drop_fp16_tails(DecodeMetadata& metadata, std::span<const std::int32_t> rows_indptr, std::int32_t block_size) {
+  for (auto& tables : metadata.layers) {
+    PagedPoolTable& t = tables[pool_index(Precision::FP16)];
+    std::vector<std::int32_t> indices;
+    indices.reserve(t.indices.size());
+    std::vector<std::int32_t> indptr{0};
+    for (std::size_t i = 0; i + 1 < t.indptr.size(); ++i) {
+      const std::int32_t blocks = t.indptr[i + 1] - t.indptr[i];
+      const std::int64_t tokens = blocks == 0 ? 0 : std::int64_t{blocks - 1} * block_size + t.last_block_len[i];
+      const std::int64_t kept = tokens - (rows_indptr[i + 1] - rows_indptr[i]);
+      const auto keep_blocks = static_cast<std::int32_t>((kept + block_size - 1) / block_size);
+      indices.insert(indices.end(), t.indices.begin() + t.indptr[i], t.indices.begin() + t.indptr[i] + keep_blocks);
+      indptr.push_back(static_cast<std::int32_t>(indices.size()));
+      t.last_block_len[i] =
+          keep_blocks == 0 ? 0 : static_cast<std::int32_t>(kept - std::int64_t{keep_blocks - 1} * block_size);
+    }
+    t.indices = std::move(indices);
+    t.indptr = std::move(indptr);
+  }
 }
 
 float sm_scale(const BackendConfig& config) {

@@ -129,6 +129,44 @@ TEST_P(CudaLoop, MatchesTheCpuBackend) {
   }
 }
 
+// Prefill through the cache (extend attention over the prefix pages) and
+// speculative decoding (3 drafts a decode, verified by extend attention):
+// the same decisions and outputs as the CPU backend.
+TEST_P(CudaLoop, PrefillAndDraftsMatchTheCpuBackend) {
+  MIXKV_REQUIRE_CUDA();
+  const bool mixed = GetParam();
+  for (const std::uint32_t seed : {1u, 2u}) {
+    test::WorkloadOptions o;
+    o.seed = seed;
+    o.requests = 18;
+    o.max_new_tokens = 40;
+    o.mixed_plans = mixed;
+    const test::Workload workload(CacheShape{2, 2, 64, 32}, o);
+    EngineConfig cc = config(BackendKind::CPU, mixed), gc = config(BackendKind::CUDA, mixed);
+    cc.scheduler.num_speculative_tokens = gc.scheduler.num_speculative_tokens = 3;
+    Engine cpu(cc);
+    Engine gpu(gc);
+    test::HostMemory host;
+    DeviceMemory device;
+    test::Outputs want, got;
+    const test::RunStats sc = test::run_engine(cpu, workload, host, want, /*through_cache=*/true);
+    const test::RunStats sg = test::run_engine(gpu, workload, device, got, /*through_cache=*/true);
+    EXPECT_NO_THROW(gpu.backend().synchronize());
+    EXPECT_EQ(sg.steps, sc.steps);
+    EXPECT_EQ(sg.drafts, sc.drafts);
+    EXPECT_GT(sg.drafts, 0);
+    const test::Diff d = test::compare(got, want);
+    const test::Diff p = test::compare(got.prefill, want.prefill);
+    std::printf("seed %u %s: %lld drafts, decode |out| %.2e |lse| %.2e, prefill |out| %.2e |lse| %.2e\n", seed,
+                mixed ? "mixed" : "fp16", static_cast<long long>(sg.drafts), d.out, d.lse, p.out, p.lse);
+    EXPECT_LE(d.out, mixed ? 5e-3 : 2e-3) << "seed " << seed;
+    EXPECT_LE(d.lse, 1e-3) << "seed " << seed;
+    EXPECT_LE(p.out, mixed ? 5e-3 : 2e-3) << "seed " << seed;
+    EXPECT_LE(p.lse, 1e-3) << "seed " << seed;
+    test::expect_empty(gpu.cache());
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Plans, CudaLoop, ::testing::Values(false, true),
                          [](const auto& info) { return info.param ? std::string("Mixed") : std::string("Fp16"); });
 

@@ -17,9 +17,11 @@
 #include <utility>
 #include <vector>
 
+#include "mixkv/cache/prefix_tables.h"
 #include "mixkv/core/half.h"
 #include "mixkv/cpu/decode_attention.h"
 #include "mixkv/cpu/demote.h"
+#include "mixkv/cpu/quantize.h"
 #include "mixkv/cpu/store.h"
 #include "mixkv/cpu/swap.h"
 #include "mixkv/engine/engine.h"
@@ -45,15 +47,34 @@ inline Half model_value(RequestId id, std::int64_t pos, std::int32_t layer, std:
   return float_to_half(static_cast<float>(2.0 * static_cast<double>(k >> 11) / 9007199254740992.0 - 1.0));
 }
 
-// Decode outputs: (request, position, layer) -> out [q_heads * head_dim] and lse [q_heads].
+// Decode outputs: (request, position, layer) -> out [q_heads * head_dim] and
+// lse [q_heads]; `prefill` the same for prefill rows (Engine::prefill).
 struct Outputs {
-  std::map<std::tuple<RequestId, std::int64_t, std::int32_t>, std::pair<std::vector<float>, std::vector<float>>> rows;
+  using Rows =
+      std::map<std::tuple<RequestId, std::int64_t, std::int32_t>, std::pair<std::vector<float>, std::vector<float>>>;
+  Rows rows;
+  Rows prefill;
 };
+
+// Records rows [0, n) of out ([n][q_heads * head_dim]) and lse ([n][q_heads])
+// under (id(i), position(i), layer).
+template <class Id, class Pos>
+void record(Outputs::Rows& into, std::size_t n, Id&& id, Pos&& position, std::int32_t layer,
+            const std::vector<float>& out, const std::vector<float>& lse, std::int32_t q_heads) {
+  const std::size_t row = out.size() / std::max<std::size_t>(n, 1);
+  const auto qh = static_cast<std::size_t>(q_heads);
+  for (std::size_t i = 0; i < n; ++i) {
+    into[{id(i), position(i), layer}] = {std::vector<float>(out.begin() + static_cast<std::ptrdiff_t>(i * row),
+                                                            out.begin() + static_cast<std::ptrdiff_t>((i + 1) * row)),
+                                         std::vector<float>(lse.begin() + static_cast<std::ptrdiff_t>(i * qh),
+                                                            lse.begin() + static_cast<std::ptrdiff_t>((i + 1) * qh))};
+  }
+}
 
 // What one run did, for the tests to assert that the pressure paths ran.
 struct RunStats {
   std::int64_t steps = 0, demotions = 0, swaps_out = 0, swaps_in = 0, recomputes = 0, forks = 0, cancels = 0;
-  std::int64_t prefill_rows = 0, decode_tokens = 0, copies = 0;
+  std::int64_t prefill_rows = 0, decode_tokens = 0, copies = 0, drafts = 0, accepted = 0;
 };
 
 struct WorkloadOptions {
@@ -215,9 +236,11 @@ class HostMemory : public Memory {
   std::deque<std::vector<float>> words_;
 };
 
-// One run of `workload` on `engine`: every step's stores and attends; after
+// One run of `workload` on `engine`: every step's stores (or, with
+// `through_cache`, prefills attending through the cache) and attends; after
 // every step the scheduler's and the manager's invariants.
-inline RunStats run_engine(Engine& engine, Workload workload, Memory& mem, Outputs& outputs) {
+inline RunStats run_engine(Engine& engine, Workload workload, Memory& mem, Outputs& outputs,
+                           bool through_cache = false) {
   RunStats stats;
   std::map<RequestId, std::pair<RequestId, std::int64_t>> lineage;
   const CacheShape& s = engine.config().cache.shape;
@@ -232,9 +255,15 @@ inline RunStats run_engine(Engine& engine, Workload workload, Memory& mem, Outpu
     stats.swaps_in += static_cast<std::int64_t>(out.swapped_in.size());
     stats.recomputes += static_cast<std::int64_t>(out.preempted.size());
     stats.copies += static_cast<std::int64_t>(out.append.copies.size());
-    const auto batch = static_cast<std::int64_t>(out.decodes.size());
-    std::vector<std::int64_t> pos(out.decodes.size());
-    for (std::size_t b = 0; b < pos.size(); ++b) pos[b] = engine.cache().num_tokens(out.decodes[b]) - 1;
+    // Decode rows: one a decode, or with drafts (step.decode_rows) the
+    // sequence's last n tokens, the sampled one first.
+    std::vector<std::pair<RequestId, std::int64_t>> decode_rows;
+    for (std::size_t b = 0; b < out.decodes.size(); ++b) {
+      const std::int64_t n = out.decode_rows.empty() ? 1 : out.decode_rows[b + 1] - out.decode_rows[b];
+      const std::int64_t tokens = engine.cache().num_tokens(out.decodes[b]);
+      for (std::int64_t j = 0; j < n; ++j) decode_rows.emplace_back(out.decodes[b], tokens - n + j);
+    }
+    const auto batch = static_cast<std::int64_t>(decode_rows.size());
     std::int64_t rows = 0;
     for (const PrefillChunk& c : out.prefills) rows += c.end - c.start;
     stats.prefill_rows += rows;
@@ -245,29 +274,50 @@ inline RunStats run_engine(Engine& engine, Workload workload, Memory& mem, Outpu
         model_rows(lineage, c.id, c.start, c.end, layer, s.num_kv_heads, s.head_dim, 1, k);
         model_rows(lineage, c.id, c.start, c.end, layer, s.num_kv_heads, s.head_dim, 2, v);
       }
-      engine.store(layer, mem.input(k, {rows, s.num_kv_heads, s.head_dim}),
-                   mem.input(v, {rows, s.num_kv_heads, s.head_dim}));
+      if (!through_cache) {
+        engine.store(layer, mem.input(k, {rows, s.num_kv_heads, s.head_dim}),
+                     mem.input(v, {rows, s.num_kv_heads, s.head_dim}));
+      } else if (rows > 0) {
+        std::vector<Half> q;
+        std::vector<std::pair<RequestId, std::int64_t>> who;
+        for (const PrefillChunk& c : out.prefills) {
+          model_rows(lineage, c.id, c.start, c.end, layer, qh, s.head_dim, 7, q);
+          for (std::int64_t p = c.start; p < c.end; ++p) who.emplace_back(c.id, p);
+        }
+        const TensorView o = mem.output(DType::F16, {rows, qh, s.head_dim});
+        const TensorView lse = mem.output(DType::F32, {rows, qh});
+        engine.prefill(layer, mem.input(q, {rows, qh, s.head_dim}), mem.input(k, {rows, s.num_kv_heads, s.head_dim}),
+                       mem.input(v, {rows, s.num_kv_heads, s.head_dim}), o, &lse);
+        record(
+            outputs.prefill, who.size(), [&](std::size_t i) { return who[i].first; },
+            [&](std::size_t i) { return who[i].second; }, layer, mem.read(o), mem.read(lse), qh);
+      }
       if (batch == 0) continue;
       std::vector<Half> q, dk, dv;
-      for (std::size_t b = 0; b < pos.size(); ++b) {
-        model_rows(lineage, out.decodes[b], pos[b], pos[b] + 1, layer, qh, s.head_dim, 7, q);
-        model_rows(lineage, out.decodes[b], pos[b], pos[b] + 1, layer, s.num_kv_heads, s.head_dim, 1, dk);
-        model_rows(lineage, out.decodes[b], pos[b], pos[b] + 1, layer, s.num_kv_heads, s.head_dim, 2, dv);
+      for (const auto& [id, p] : decode_rows) {
+        model_rows(lineage, id, p, p + 1, layer, qh, s.head_dim, 7, q);
+        model_rows(lineage, id, p, p + 1, layer, s.num_kv_heads, s.head_dim, 1, dk);
+        model_rows(lineage, id, p, p + 1, layer, s.num_kv_heads, s.head_dim, 2, dv);
       }
       const TensorView o = mem.output(DType::F16, {batch, qh, s.head_dim});
       const TensorView lse = mem.output(DType::F32, {batch, qh});
       engine.attend(layer, mem.input(q, {batch, qh, s.head_dim}), mem.input(dk, {batch, s.num_kv_heads, s.head_dim}),
                     mem.input(dv, {batch, s.num_kv_heads, s.head_dim}), o, &lse);
-      const std::vector<float> ov = mem.read(o);
-      const std::vector<float> lv = mem.read(lse);
-      const std::size_t row = static_cast<std::size_t>(qh) * s.head_dim;
-      for (std::size_t b = 0; b < pos.size(); ++b) {
-        outputs.rows[{out.decodes[b], pos[b], layer}] = {
-            std::vector<float>(ov.begin() + static_cast<std::ptrdiff_t>(b * row),
-                               ov.begin() + static_cast<std::ptrdiff_t>((b + 1) * row)),
-            std::vector<float>(lv.begin() + static_cast<std::ptrdiff_t>(b * qh),
-                               lv.begin() + static_cast<std::ptrdiff_t>((b + 1) * qh))};
-      }
+      record(
+          outputs.rows, decode_rows.size(), [&](std::size_t i) { return decode_rows[i].first; },
+          [&](std::size_t i) { return decode_rows[i].second; }, layer, mem.read(o), mem.read(lse), qh);
+    }
+    // Drafts: a pseudo-random number of them accepted (the rest leave the
+    // cache and are decoded again as later rows).
+    for (std::size_t b = 0; !out.decode_rows.empty() && b < out.decodes.size(); ++b) {
+      const std::int32_t drafts = out.decode_rows[b + 1] - out.decode_rows[b] - 1;
+      if (drafts == 0) continue;
+      const auto tokens = static_cast<std::uint64_t>(engine.cache().num_tokens(out.decodes[b]));
+      const auto accepted = static_cast<std::int32_t>(mix64(static_cast<std::uint64_t>(out.decodes[b]) * 131 + tokens) %
+                                                      static_cast<std::uint64_t>(drafts + 1));
+      engine.accept(out.decodes[b], accepted);
+      stats.drafts += drafts;
+      stats.accepted += accepted;
     }
     mem.release();
     engine.scheduler().check_invariants();
@@ -275,11 +325,90 @@ inline RunStats run_engine(Engine& engine, Workload workload, Memory& mem, Outpu
   return stats;
 }
 
+// What a prefill chunk's rows compute, in float64: row j of the chunk
+// attends to the keys the cache holds before the chunk (page lists of
+// prefix_metadata, dequantized by read_head) and to chunk rows <= j (k, v:
+// [rows][kv_heads][head_dim]). out [rows][q_heads][head_dim] rounded to FP16
+// as the backends write it, lse [rows][q_heads].
+inline void dense_prefill(const KVCacheManager& cache, const PoolViews& pools, SequenceId id, std::int32_t start,
+                          std::int32_t layer, std::int32_t q_heads, const std::vector<Half>& q,
+                          const std::vector<Half>& k, const std::vector<Half>& v, std::vector<float>& out,
+                          std::vector<float>& lse) {
+  const CacheShape& s = cache.config().shape;
+  const std::size_t d = static_cast<std::size_t>(s.head_dim);
+  const std::size_t kvh = static_cast<std::size_t>(s.num_kv_heads);
+  const std::size_t rows = k.size() / (kvh * d);
+  const auto tables = prefix_metadata(cache, std::vector<SequenceId>{id}, std::vector<std::int32_t>{start})
+                          .layers[static_cast<std::size_t>(layer)];
+  // Cached keys and values per KV head: [kv_head][token][channel].
+  std::vector<std::vector<float>> ck(kvh), cv(kvh);
+  const std::size_t bs = static_cast<std::size_t>(s.block_size);
+  std::vector<float> kb(bs * d), vb(bs * d);
+  for (const Precision p : kAllPrecisions) {
+    const PagedPoolTable& t = tables[pool_index(p)];
+    const PoolView& pool = pools[pool_index(p)];
+    for (std::int32_t j = t.indptr[0]; j < t.indptr[1]; ++j) {
+      const std::size_t n = j + 1 == t.indptr[1] ? static_cast<std::size_t>(t.last_block_len[0]) : bs;
+      for (std::size_t h = 0; h < kvh; ++h) {
+        cpu::read_head(
+            pool.format,
+            pool.block(t.indices[static_cast<std::size_t>(j)]) + pool.format.head_offset(static_cast<int>(h)),
+            kb.data(), vb.data());
+        ck[h].insert(ck[h].end(), kb.begin(), kb.begin() + static_cast<std::ptrdiff_t>(n * d));
+        cv[h].insert(cv[h].end(), vb.begin(), vb.begin() + static_cast<std::ptrdiff_t>(n * d));
+      }
+    }
+  }
+  const std::size_t qh = static_cast<std::size_t>(q_heads);
+  const std::size_t group = qh / kvh;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  out.assign(rows * qh * d, 0.0f);
+  lse.assign(rows * qh, 0.0f);
+  for (std::size_t r = 0; r < rows; ++r) {
+    for (std::size_t h = 0; h < qh; ++h) {
+      const std::size_t g = h / group;
+      const Half* qr = &q[(r * qh + h) * d];
+      std::vector<double> score;
+      std::vector<const float*> cached_v;
+      const std::size_t cached = ck[g].size() / d;
+      for (std::size_t t = 0; t < cached; ++t) {
+        double dot = 0.0;
+        for (std::size_t c = 0; c < d; ++c) dot += double{half_to_float(qr[c])} * ck[g][t * d + c];
+        score.push_back(dot * scale);
+      }
+      for (std::size_t t = 0; t <= r; ++t) {
+        double dot = 0.0;
+        for (std::size_t c = 0; c < d; ++c)
+          dot += double{half_to_float(qr[c])} * half_to_float(k[(t * kvh + g) * d + c]);
+        score.push_back(dot * scale);
+      }
+      const double m = *std::max_element(score.begin(), score.end());
+      double sum = 0.0;
+      std::vector<double> acc(d, 0.0);
+      for (std::size_t t = 0; t < score.size(); ++t) {
+        const double w = std::exp(score[t] - m);
+        sum += w;
+        for (std::size_t c = 0; c < d; ++c) {
+          acc[c] +=
+              w * (t < cached ? double{cv[g][t * d + c]} : double{half_to_float(v[((t - cached) * kvh + g) * d + c])});
+        }
+      }
+      for (std::size_t c = 0; c < d; ++c) {
+        out[(r * qh + h) * d + c] = half_to_float(float_to_half(static_cast<float>(acc[c] / sum)));
+      }
+      lse[r * qh + h] = static_cast<float>(m + std::log(sum));
+    }
+  }
+}
+
 // The reference: the same workload on a private manager and scheduler, every
 // step applied by hand with the cpu ops (demote, swap out, swap in, copies,
 // store through the chunks' mappings, append at append.slots, attention over
 // step.metadata), outputs rounded to FP16 as the backends write them.
-inline void run_reference(const EngineConfig& config, Workload workload, Outputs& outputs) {
+// With `prefill_outputs`, every prefill row's attention through the cache
+// too (dense_prefill), before its chunk is stored.
+inline void run_reference(const EngineConfig& config, Workload workload, Outputs& outputs,
+                          bool prefill_outputs = false) {
   KVCacheManager cache(config.cache);
   SchedulerConfig sc = config.scheduler;
   sc.build_metadata = sc.per_layer_slots = sc.build_mappings = true;
@@ -304,6 +433,15 @@ inline void run_reference(const EngineConfig& config, Workload workload, Outputs
         std::vector<Half> k, v;
         model_rows(lineage, c.id, c.start, c.end, layer, s.num_kv_heads, s.head_dim, 1, k);
         model_rows(lineage, c.id, c.start, c.end, layer, s.num_kv_heads, s.head_dim, 2, v);
+        if (prefill_outputs) {
+          std::vector<Half> q;
+          model_rows(lineage, c.id, c.start, c.end, layer, qh, s.head_dim, 7, q);
+          std::vector<float> o, l;
+          dense_prefill(cache, pools, c.id, c.start, layer, qh, q, k, v, o, l);
+          record(
+              outputs.prefill, static_cast<std::size_t>(c.end - c.start), [&](std::size_t) { return c.id; },
+              [&](std::size_t i) { return c.start + static_cast<std::int64_t>(i); }, layer, o, l, qh);
+        }
         cpu::store_prefill(k, v, c.mappings[static_cast<std::size_t>(layer)], pools);
       }
     }
@@ -357,16 +495,16 @@ inline void expect_empty(const KVCacheManager& cache) {
 struct Diff {
   double out = 0.0, lse = 0.0;
 };
-inline Diff compare(const Outputs& a, const Outputs& b, bool a_may_lack = false) {
+inline Diff compare(const Outputs::Rows& a, const Outputs::Rows& b, bool a_may_lack = false) {
   Diff d;
   if (a_may_lack) {
-    EXPECT_LE(a.rows.size(), b.rows.size());
+    EXPECT_LE(a.size(), b.size());
   } else {
-    EXPECT_EQ(a.rows.size(), b.rows.size());
+    EXPECT_EQ(a.size(), b.size());
   }
-  for (const auto& [key, ab] : a.rows) {
-    const auto it = b.rows.find(key);
-    if (it == b.rows.end()) {
+  for (const auto& [key, ab] : a) {
+    const auto it = b.find(key);
+    if (it == b.end()) {
       ADD_FAILURE() << "request " << std::get<0>(key) << " position " << std::get<1>(key) << " layer "
                     << std::get<2>(key) << ": missing in the other run";
       continue;
@@ -379,6 +517,9 @@ inline Diff compare(const Outputs& a, const Outputs& b, bool a_may_lack = false)
     }
   }
   return d;
+}
+inline Diff compare(const Outputs& a, const Outputs& b, bool a_may_lack = false) {
+  return compare(a.rows, b.rows, a_may_lack);
 }
 
 }  // namespace mixkv::test

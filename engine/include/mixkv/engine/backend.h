@@ -71,11 +71,27 @@ class Backend {
   // the cache's 16-bit type.
   virtual void store(std::int32_t layer, const TensorView& k, const TensorView& v) = 0;
 
+  // One layer of the step's prefill chunks with attention through the
+  // cache (extend attention), so an engine keeps no copy of its own of a
+  // prompt: each chunk's rows attend to every prompt row before the chunk
+  // (stored by earlier steps, read at the precision it was stored in) and
+  // causally to each other; then k and v are stored as store() stores them.
+  //   q:   [rows, num_q_heads, head_dim], k, v: [rows, num_kv_heads,
+  //        head_dim], rows of step.prefills concatenated (16-bit type)
+  //   out: like q; lse: [rows, num_q_heads] float32 when given.
+  // Per layer an engine calls prefill() or store(), not both.
+  virtual void prefill(std::int32_t layer, const TensorView& q, const TensorView& k, const TensorView& v,
+                       const TensorView& out, const TensorView* lse) = 0;
+
   // One layer of the decode batch: appends k, v ([batch, num_kv_heads,
   // head_dim]) at the batch's slots, then attends q ([batch, num_q_heads,
   // head_dim]) over every pool, writing out ([batch, num_q_heads,
   // head_dim], the 16-bit type) and, when given, lse ([batch, num_q_heads]
-  // float32, natural log).
+  // float32, natural log). With drafts (step.decode_rows) every array has
+  // decode_rows.back() rows instead, decode i's rows being its sampled
+  // token then its drafts: each row attends to the sequence's earlier
+  // tokens and causally to the rows of its decode (extend attention), so
+  // one call verifies every draft.
   virtual void attend(std::int32_t layer, const TensorView& q, const TensorView& k, const TensorView& v,
                       const TensorView& out, const TensorView* lse) = 0;
 

@@ -20,7 +20,8 @@ struct EngineConfig {
 
 // A serving engine's loop over mixkv: the scheduler and a backend. Each step
 //   const StepOutput& s = engine.step();     // schedules and applies memory moves
-//   for layer: engine.store(layer, k, v);    // rows of s.prefills, concatenated
+//   for layer: engine.prefill(layer, q, k, v, out);  // rows of s.prefills, concatenated
+//              (or engine.store(layer, k, v) after the engine's own attention)
 //              engine.attend(layer, q, k, v, out);  // the batch s.decodes
 //   then the engine samples, and calls finish()/cancel()/fork() as needed.
 class Engine {
@@ -43,6 +44,12 @@ class Engine {
   void add_request(const Request& request);
   // Parallel sampling: `child` shares every block of the running `parent`.
   void fork(RequestId parent, RequestId child, std::int32_t max_new_tokens = -1);
+  // Speculative decoding (Scheduler::speculate / accept): `id` gets
+  // num_drafts draft rows in its next decode (step().decode_rows), and after
+  // verifying them the engine reports how many were accepted; the rejected
+  // ones leave the cache.
+  void speculate(RequestId id, std::int32_t num_drafts);
+  void accept(RequestId id, std::int32_t num_accepted);
   bool finish(RequestId id);
   bool cancel(RequestId id);
   bool has_unfinished() const;
@@ -57,6 +64,11 @@ class Engine {
   void store(std::int32_t layer, const TensorView& k, const TensorView& v);
   void attend(std::int32_t layer, const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
               const TensorView* lse = nullptr);
+  // The step's prefill chunks attending through the cache, then stored
+  // (Backend::prefill): q, out [rows, num_q_heads, head_dim], k, v [rows,
+  // num_kv_heads, head_dim]. Per layer, prefill() or store(), not both.
+  void prefill(std::int32_t layer, const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
+               const TensorView* lse = nullptr);
 
  private:
   struct Impl;
