@@ -6,10 +6,11 @@
 // KVCacheManager) and errors through pybind11's shared registry, so
 // `import mixkv` must come first (the package does it).
 //
-// Threads: store() and attend() release the GIL while the backend works
-// (their arrays are borrowed first, with the GIL); every other call keeps
-// it. A per-engine mutex serializes the C++ calls, since the engine is not
-// thread-safe and a call without the GIL no longer excludes the others.
+// Threads: store(), prefill() and attend() release the GIL while the
+// backend works (their arrays are borrowed first, with the GIL); every other
+// call keeps it. A per-engine mutex serializes the C++ calls, since the
+// engine is not thread-safe and a call without the GIL no longer excludes
+// the others.
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -57,6 +58,31 @@ void use_stream(PyEngine& self, std::intptr_t stream) {
   self.engine->backend().set_stream(reinterpret_cast<void*>(stream));
 }
 
+// attend() and prefill(): borrows the arrays with the GIL held, then runs
+// `op` without it under the engine's mutex.
+using AttentionOp = void (Engine::*)(std::int32_t, const TensorView&, const TensorView&, const TensorView&,
+                                     const TensorView&, const TensorView*);
+void run_attention(PyEngine& self, const char* fn, AttentionOp op, std::int32_t layer, py::handle q, py::handle k,
+                   py::handle v, py::handle out, py::handle lse, std::intptr_t stream) {
+  const EngineConfig& c = self.engine->config();
+  const BorrowedArray qb = borrow_array(q, fn, "q", expect(c, DType::F16, false, stream));
+  const BorrowedArray kb = borrow_array(k, fn, "k", expect(c, DType::F16, false, stream));
+  const BorrowedArray vb = borrow_array(v, fn, "v", expect(c, DType::F16, false, stream));
+  const BorrowedArray ob = borrow_array(out, fn, "out", expect(c, DType::F16, true, stream));
+  BorrowedArray lb;
+  if (!lse.is_none()) lb = borrow_array(lse, fn, "lse", expect(c, DType::F32, true, stream));
+  const TensorView qv = qb.view();
+  const TensorView kv = kb.view();
+  const TensorView vv = vb.view();
+  const TensorView ov = ob.view();
+  const TensorView lv = lb.view();
+  const bool with_lse = !lse.is_none();
+  py::gil_scoped_release release;
+  const std::lock_guard<std::mutex> lock(self.mutex);
+  use_stream(self, stream);
+  ((*self.engine).*op)(layer, qv, kv, vv, ov, with_lse ? &lv : nullptr);
+}
+
 py::dict step_dict(const StepOutput& s) {
   py::list prefills;
   for (const PrefillChunk& c : s.prefills) prefills.append(py::make_tuple(c.id, c.start, c.end, c.last));
@@ -70,6 +96,7 @@ py::dict step_dict(const StepOutput& s) {
   d["step"] = s.step;
   d["prefills"] = prefills;
   d["decodes"] = py::cast(s.decodes);
+  d["decode_rows"] = py::cast(s.decode_rows);
   d["finished"] = finished;
   d["rejected"] = rejected;
   d["swapped_out"] = py::cast(s.swapped_out);
@@ -196,6 +223,20 @@ PYBIND11_MODULE(_engine, m) {
           },
           py::arg("parent"), py::arg("child"), py::arg("max_new_tokens") = -1)
       .def(
+          "speculate",
+          [](PyEngine& self, RequestId id, std::int32_t num_drafts) {
+            auto lock = acquire(self.mutex);
+            self.engine->speculate(id, num_drafts);
+          },
+          py::arg("id"), py::arg("num_drafts"))
+      .def(
+          "accept",
+          [](PyEngine& self, RequestId id, std::int32_t num_accepted) {
+            auto lock = acquire(self.mutex);
+            self.engine->accept(id, num_accepted);
+          },
+          py::arg("id"), py::arg("num_accepted"))
+      .def(
           "finish",
           [](PyEngine& self, RequestId id) {
             auto lock = acquire(self.mutex);
@@ -257,24 +298,15 @@ PYBIND11_MODULE(_engine, m) {
           "attend",
           [](PyEngine& self, std::int32_t layer, py::handle q, py::handle k, py::handle v, py::handle out,
              py::handle lse, std::intptr_t stream) {
-            const EngineConfig& c = self.engine->config();
-            const char* fn = "Engine.attend";
-            const BorrowedArray qb = borrow_array(q, fn, "q", expect(c, DType::F16, false, stream));
-            const BorrowedArray kb = borrow_array(k, fn, "k", expect(c, DType::F16, false, stream));
-            const BorrowedArray vb = borrow_array(v, fn, "v", expect(c, DType::F16, false, stream));
-            const BorrowedArray ob = borrow_array(out, fn, "out", expect(c, DType::F16, true, stream));
-            BorrowedArray lb;
-            if (!lse.is_none()) lb = borrow_array(lse, fn, "lse", expect(c, DType::F32, true, stream));
-            const TensorView qv = qb.view();
-            const TensorView kv = kb.view();
-            const TensorView vv = vb.view();
-            const TensorView ov = ob.view();
-            const TensorView lv = lb.view();
-            const bool with_lse = !lse.is_none();
-            py::gil_scoped_release release;
-            const std::lock_guard<std::mutex> lock(self.mutex);
-            use_stream(self, stream);
-            self.engine->attend(layer, qv, kv, vv, ov, with_lse ? &lv : nullptr);
+            run_attention(self, "Engine.attend", &Engine::attend, layer, q, k, v, out, lse, stream);
+          },
+          py::arg("layer"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse") = py::none(),
+          py::arg("stream") = 0)
+      .def(
+          "prefill",
+          [](PyEngine& self, std::int32_t layer, py::handle q, py::handle k, py::handle v, py::handle out,
+             py::handle lse, std::intptr_t stream) {
+            run_attention(self, "Engine.prefill", &Engine::prefill, layer, q, k, v, out, lse, stream);
           },
           py::arg("layer"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse") = py::none(),
           py::arg("stream") = 0)

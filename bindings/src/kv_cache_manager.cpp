@@ -22,7 +22,7 @@ std::string window_slot_repr(const WindowSlot& w) {
   return "WindowSlot(block_id=" + std::to_string(w.block_id) + ", first_row=" + std::to_string(w.first_row) + ")";
 }
 
-// [layer][i] slots of AppendResult as one [num_layers, batch] array.
+// [layer][row] slots of AppendResult as one [num_layers, rows] array.
 py::array_t<std::int32_t> slots_array(const std::vector<std::vector<std::int32_t>>& slots) {
   const py::ssize_t layers = static_cast<py::ssize_t>(slots.size());
   const py::ssize_t batch = slots.empty() ? 0 : static_cast<py::ssize_t>(slots.front().size());
@@ -141,16 +141,15 @@ void bind_kv_cache_manager(py::module_& m) {
       .value("Compact", AppendSlots::Compact, "the compact form only: O(batch) outside block boundaries")
       .finalize();
 
-  py::class_<AppendResult>(m, "AppendResult", init_only(),
-                           "What append_tokens() allocated for one decode token per sequence.")
+  py::class_<AppendResult>(m, "AppendResult", init_only(), "What append_tokens() allocated for the new decode tokens.")
       .def_property_readonly(
           "slots", [](const AppendResult& r) { return slots_array(r.slots); },
-          "int32 array [num_layers, batch]: FP16 slot of sequence i's new token in each layer (empty with "
-          "AppendSlots.Compact).")
+          "int32 array [num_layers, rows]: FP16 slot of each new token in each layer, rows = batch (one token "
+          "a sequence) or sum(counts) (empty with AppendSlots.Compact).")
       .def_property_readonly(
           "offsets", [](const AppendResult& r) { return int32_array(r.offsets); },
-          "int32 [batch]: the new token's offset in its FP16 tail block, the same in every layer (compact form: "
-          "slot = tail * block_size + offset).")
+          "int32 [batch]: the (first) new token's offset in its FP16 tail block, the same in every layer (compact "
+          "form: slot = tail * block_size + offset).")
       .def_property_readonly(
           "tails_changed", [](const AppendResult& r) { return int32_array(r.tails_changed); },
           "int32: batch indices whose tail block changed in some layer (new block or copy-on-write).")
@@ -222,6 +221,31 @@ void bind_kv_cache_manager(py::module_& m) {
           py::arg("ids"), py::arg("form") = AppendSlots::PerLayer,
           "One decode token for each sequence (distinct ids), FP16 in every layer. All or nothing: "
           "MemoryError leaves every sequence as it was.")
+      .def(
+          "append_tokens",
+          [](KVCacheManager& mgr, const std::vector<SequenceId>& ids, py::handle counts, AppendSlots form) {
+            return mgr.append_tokens(ids, index_vector(counts, "append_tokens: counts"), form);
+          },
+          py::arg("ids"), py::arg("counts"), py::arg("form") = AppendSlots::PerLayer,
+          "Speculative decoding: counts[i] >= 1 tokens for sequence i (an int32 array or a sequence of ints, one "
+          "per id), FP16 in every layer, all or nothing. Sequence i's tokens are rows r_i = counts[0] + ... + "
+          "counts[i - 1] onwards of slots[layer] (FlashInfer's qo_indptr); offsets[i] is the offset of its first "
+          "token in its block. With every count 1 the result equals the one-token call's.")
+      .def(
+          "truncate", [](KVCacheManager& mgr, SequenceId id, std::int32_t num_tokens) { mgr.truncate(id, num_tokens); },
+          py::arg("id"), py::arg("num_tokens"),
+          "Drops the last tokens of `id` so that it holds num_tokens (the rejected drafts of a verification step). "
+          "Only appended tokens can go: ValueError naming num_tokens below the prompt's length or above "
+          "num_tokens(id), or for a swapped-out id. FP16 blocks left empty are released in the reverse of the "
+          "order append_tokens took them.")
+      .def(
+          "truncate",
+          [](KVCacheManager& mgr, const std::vector<SequenceId>& ids, py::handle num_tokens) {
+            mgr.truncate(ids, index_vector(num_tokens, "truncate: num_tokens"));
+          },
+          py::arg("ids"), py::arg("num_tokens"),
+          "The same for several sequences at once (num_tokens: an int32 array or a sequence of ints, one per id), "
+          "all or nothing; errors name ids[i] or num_tokens[i].")
       .def("fork", &KVCacheManager::fork, py::arg("parent"), py::arg("child"),
            "`child` shares every block of `parent`; the partly filled FP16 tail is copied on the first append.")
       .def("free_sequence", &KVCacheManager::free_sequence, py::arg("id"))

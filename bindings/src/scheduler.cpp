@@ -69,7 +69,7 @@ void bind_scheduler(py::module_& m) {
                        SchedulingPolicy policy, double watermark, bool demote_under_pressure,
                        std::int32_t max_demotions_per_step, PreemptionMode preemption, std::int32_t lookahead,
                        std::int32_t max_head_bypass, bool build_metadata, bool per_layer_slots, bool build_mappings,
-                       std::optional<PlannerConfig> planner) {
+                       std::int32_t num_speculative_tokens, std::optional<PlannerConfig> planner) {
              // Field by field: the struct may grow (the defaults stay the C++ ones).
              SchedulerConfig c;
              c.max_num_seqs = max_num_seqs;
@@ -85,6 +85,7 @@ void bind_scheduler(py::module_& m) {
              c.build_metadata = build_metadata;
              c.per_layer_slots = per_layer_slots;
              c.build_mappings = build_mappings;
+             c.num_speculative_tokens = num_speculative_tokens;
              c.planner = std::move(planner);
              return c;
            }),
@@ -96,7 +97,7 @@ void bind_scheduler(py::module_& m) {
            py::arg("preemption") = defaults.preemption, py::arg("lookahead") = defaults.lookahead,
            py::arg("max_head_bypass") = defaults.max_head_bypass, py::arg("build_metadata") = defaults.build_metadata,
            py::arg("per_layer_slots") = defaults.per_layer_slots, py::arg("build_mappings") = defaults.build_mappings,
-           py::arg("planner") = py::none())
+           py::arg("num_speculative_tokens") = defaults.num_speculative_tokens, py::arg("planner") = py::none())
       .def_readwrite("max_num_seqs", &SchedulerConfig::max_num_seqs)
       .def_readwrite("max_num_batched_tokens", &SchedulerConfig::max_num_batched_tokens)
       .def_readwrite("chunked_prefill", &SchedulerConfig::chunked_prefill)
@@ -111,6 +112,10 @@ void bind_scheduler(py::module_& m) {
       .def_readwrite("per_layer_slots", &SchedulerConfig::per_layer_slots,
                      "fill StepOutput.append.slots; off, only the compact form")
       .def_readwrite("build_mappings", &SchedulerConfig::build_mappings, "fill PrefillChunk.mappings")
+      .def_readwrite("num_speculative_tokens", &SchedulerConfig::num_speculative_tokens,
+                     "draft tokens a Running request gets in each decode step (Scheduler.speculate sets one "
+                     "request's next step instead); 0: plain decoding. Capped by the request's remaining tokens, "
+                     "the step's token budget and free memory (never a demotion or preemption for drafts)")
       .def_readwrite("planner", &SchedulerConfig::planner);
 
   py::class_<PyRequest>(m, "Request", init_only(),
@@ -179,7 +184,15 @@ void bind_scheduler(py::module_& m) {
       .def_readonly("prefills", &StepOutput::prefills)
       .def_readonly("decodes", &StepOutput::decodes, "the decode batch, in batch order")
       .def_property_readonly("decode_slots", [](const StepOutput& o) { return int32_array(o.decode_slots); })
-      .def_readonly("append", &StepOutput::append)
+      .def_readonly("append", &StepOutput::append,
+                    "the decode rows' FP16 slots: append.slots [num_layers, rows], rows = len(decodes), or "
+                    "decode_rows[-1] when some decode has drafts")
+      .def_property_readonly(
+          "decode_rows", [](const StepOutput& o) { return int32_array(o.decode_rows); },
+          "int32 [len(decodes) + 1] row offsets (FlashInfer's qo_indptr) when some decode has drafts, else empty: "
+          "decodes[i] has rows decode_rows[i] .. decode_rows[i + 1] - 1, its last sampled token first, then its "
+          "drafts, all stored this step (causal among them). After verifying them, Scheduler.accept each decode "
+          "with drafts.")
       .def_readonly("demotions", &StepOutput::demotions)
       .def_readonly("swap_out", &StepOutput::swap_out)
       .def_readonly("swap_in", &StepOutput::swap_in)
@@ -198,7 +211,8 @@ void bind_scheduler(py::module_& m) {
       .def_readonly("computed_tokens", &RequestStatus::computed_tokens)
       .def_readonly("generated", &RequestStatus::generated)
       .def_readonly("slot", &RequestStatus::slot)
-      .def_readonly("preemptions", &RequestStatus::preemptions);
+      .def_readonly("preemptions", &RequestStatus::preemptions)
+      .def_readonly("drafts", &RequestStatus::drafts, "draft tokens of the last step awaiting accept()");
   py::class_<SchedulerStats>(m, "SchedulerStats", init_only(), "Queue sizes and counters since the scheduler was made.")
       .def_readonly("steps", &SchedulerStats::steps)
       .def_readonly("waiting", &SchedulerStats::waiting)
@@ -214,7 +228,9 @@ void bind_scheduler(py::module_& m) {
       .def_readonly("preempted_swap", &SchedulerStats::preempted_swap)
       .def_readonly("demotions", &SchedulerStats::demotions)
       .def_readonly("decode_tokens", &SchedulerStats::decode_tokens)
-      .def_readonly("prefill_tokens", &SchedulerStats::prefill_tokens);
+      .def_readonly("prefill_tokens", &SchedulerStats::prefill_tokens)
+      .def_readonly("draft_tokens", &SchedulerStats::draft_tokens, "draft rows scheduled (speculative decoding)")
+      .def_readonly("accepted_tokens", &SchedulerStats::accepted_tokens, "of them, accepted (accept())");
 
   py::class_<Scheduler>(m, "Scheduler", init_only(),
                         "The continuous-batching scheduler over `cache` (which must start empty; while the scheduler "
@@ -244,6 +260,17 @@ void bind_scheduler(py::module_& m) {
            "Parallel sampling: `child` shares every block of the Running `parent` and decodes from the next step; "
            "max_new_tokens counts its tokens after the fork (-1: as many as the parent has left). MemoryError "
            "when no slot is free (retry later); ValueError/KeyError otherwise, changing nothing.")
+      .def("speculate", &Scheduler::speculate, py::arg("id"), py::arg("num_drafts"),
+           "Speculative decoding: the draft tokens `id` asks for in its next decode step instead of "
+           "config.num_speculative_tokens (capped the same way); the steps after use the default again. KeyError "
+           "for a request that is not live; ValueError naming num_drafts below 0.")
+      .def("accept", &Scheduler::accept, py::arg("id"), py::arg("num_accepted"),
+           "After verifying the last step's decode of `id`: its first num_accepted drafts (0 .. "
+           "status(id).drafts) were accepted. The rejected ones leave the cache, and the step counts "
+           "num_accepted + 1 generated tokens (the accepted drafts, then the token sampled after them, whose K/V "
+           "the next step stores as its first row). Drafts not accepted before the next step() are all rejected "
+           "there. ValueError for a request without drafts awaiting acceptance, or naming num_accepted out of "
+           "range; KeyError for a request that is not live.")
       .def("contains", &Scheduler::contains, py::arg("id"))
       .def("__contains__", &Scheduler::contains, py::arg("id"))
       .def("status", &Scheduler::status, py::arg("id"))

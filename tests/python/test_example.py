@@ -1,4 +1,5 @@
-"""examples/llama_decode.py runs end to end (small sizes) and prints its table."""
+"""examples/llama_decode.py runs end to end (small sizes) and prints its table; the README's and
+docs/python.md's examples run as pasted and print what the docs show."""
 
 import pathlib
 import subprocess
@@ -64,3 +65,22 @@ def test_readme_example_runs():
     assert result.returncode == 0, result.stderr
     assert "video-qa Length 4 tokens" in result.stdout and "chat Length 4 tokens" in result.stdout
     assert "'INT2'" in result.stdout
+
+
+PYTHON_MD = pathlib.Path(__file__).resolve().parents[2] / "docs" / "python.md"
+
+
+def section_example(heading):
+    """The first Python block of a docs/python.md section and the output its text shows after "prints"."""
+    text = PYTHON_MD.read_text().split(f"\n### {heading}\n", 1)[1].split("\n### ", 1)[0]
+    code = text.split("```python\n", 1)[1].split("```", 1)[0]
+    printed = text.split("\nprints\n\n", 1)[1].split("\n\n", 1)[0]
+    return code, [line[4:] for line in printed.splitlines()]
+
+
+def test_python_md_engine_examples_run_and_print_what_the_docs_say():
+    for heading in ("Chunked prefill through the cache", "Speculative decoding"):
+        code, printed = section_example(heading)
+        result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, f"{heading}: {result.stderr}"
+        assert result.stdout.splitlines() == printed, heading

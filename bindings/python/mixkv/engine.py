@@ -1,24 +1,26 @@
 """mixkv.Engine: the scheduler and a backend (CPU or CUDA) behind one object.
 
 An engine author adds requests, calls ``step()`` once per model step, and per
-layer hands the model's K/V/Q to ``store()`` (prefill rows) and ``attend()``
-(the decode batch). Everything mixkv must do between two steps (demotions,
-swaps, copy-on-write copies, page tables, the decode plan) happens inside
-``step()``. Arrays cross through DLPack without copies: NumPy and torch CPU
-tensors on the CPU backend, torch and CuPy CUDA tensors on the CUDA backend.
-docs/python.md walks through a full loop.
+layer hands the model's K/V/Q to ``prefill()`` (the prompt chunks, attention
+through the cache) or ``store()`` (the prompt chunks' K/V after the engine's
+own attention), and to ``attend()`` (the decode batch, with its draft rows
+under speculative decoding: ``speculate()`` and ``accept()``). Everything
+mixkv must do between two steps (demotions, swaps, copy-on-write copies,
+page tables, the decode plan) happens inside ``step()``. Arrays cross through
+DLPack without copies: NumPy and torch CPU tensors on the CPU backend, torch
+and CuPy CUDA tensors on the CUDA backend. docs/python.md walks through a
+full loop.
 """
 
 from __future__ import annotations
 
 import sys
 import time
-from typing import Any, NamedTuple, Optional, Union
+from typing import Any, Optional, Union
 
 from . import _core
 from ._core import (
     CacheConfig,
-    FinishReason,
     InvalidArgument,
     InvariantViolation,
     PlannerConfig,
@@ -29,6 +31,7 @@ from ._core import (
     TokenLayout,
     UnknownId,
 )
+from ._engine_views import CacheView, EngineStep, Finished, Prefill, Rejected, RequestKey
 
 try:
     from . import _engine
@@ -36,99 +39,10 @@ except ImportError as _error:  # a package built without engine/
     _engine = None
     _ENGINE_MISSING = str(_error)
 
-RequestKey = Union[str, int]
-
 __all__ = ["BackendKind", "CacheView", "Engine", "EngineConfig", "EngineStep", "Finished", "Prefill", "Rejected"]
 
 BackendKind = _engine.BackendKind if _engine is not None else None
 EngineConfig = _engine.EngineConfig if _engine is not None else None
-
-
-class Prefill(NamedTuple):
-    """Prompt rows [start, end) of a request computed in this step; ``last``:
-    they complete the prompt, so the model samples the request's next token
-    from the last row."""
-
-    request_id: RequestKey
-    start: int
-    end: int
-    last: bool
-
-
-class Finished(NamedTuple):
-    """A request that left: why (FinishReason), how many tokens it generated,
-    and a note when the scheduler ended it itself (empty otherwise)."""
-
-    request_id: RequestKey
-    reason: FinishReason
-    generated: int
-    note: str
-
-
-class Rejected(NamedTuple):
-    """A request that can never fit the cache, with the reason."""
-
-    request_id: RequestKey
-    reason: str
-
-
-class EngineStep:
-    """What the model runs in one step, its memory moves already applied.
-
-    ``prefills``: the prompt chunks (Prefill), in the order their rows are
-    concatenated for ``Engine.store``; ``prefill_rows`` rows in all.
-    ``decodes``: the requests of the decode batch, in batch order (row i of
-    ``Engine.attend``'s arrays is ``decodes[i]``). ``finished`` and
-    ``rejected``: requests that left since the previous step (their ids may
-    be used again from now on). ``swapped_out`` / ``swapped_in``: requests
-    whose blocks moved to / from host memory; ``preempted``: requests whose
-    blocks were freed, to be prefilled again later (their prompt then is the
-    original prompt followed by the tokens they had generated). Counts of
-    the moves applied: ``demotions``, ``swap_out_blocks``, ``swap_in_blocks``,
-    ``copies``.
-    """
-
-    __slots__ = (
-        "step",
-        "prefills",
-        "prefill_rows",
-        "decodes",
-        "finished",
-        "rejected",
-        "swapped_out",
-        "swapped_in",
-        "preempted",
-        "num_batched_tokens",
-        "demotions",
-        "swap_out_blocks",
-        "swap_in_blocks",
-        "copies",
-    )
-
-    def __init__(self, raw: dict, key_of) -> None:
-        self.step: int = raw["step"]
-        self.prefills: list[Prefill] = [Prefill(key_of(i), s, e, last) for i, s, e, last in raw["prefills"]]
-        self.prefill_rows: int = sum(p.end - p.start for p in self.prefills)
-        self.decodes: list[RequestKey] = [key_of(i) for i in raw["decodes"]]
-        self.finished: list[Finished] = [
-            Finished(key_of(i), FinishReason(r), g, note) for i, r, g, note in raw["finished"]
-        ]
-        self.rejected: list[Rejected] = [Rejected(key_of(i), why) for i, why in raw["rejected"]]
-        self.swapped_out: list[RequestKey] = [key_of(i) for i in raw["swapped_out"]]
-        self.swapped_in: list[RequestKey] = [key_of(i) for i in raw["swapped_in"]]
-        self.preempted: list[RequestKey] = [key_of(i) for i in raw["preempted"]]
-        self.num_batched_tokens: int = raw["num_batched_tokens"]
-        self.demotions: int = raw["num_demotions"]
-        self.swap_out_blocks: int = raw["num_swap_out"]
-        self.swap_in_blocks: int = raw["num_swap_in"]
-        self.copies: int = raw["num_copies"]
-
-    def __repr__(self) -> str:
-        return (
-            f"EngineStep(step={self.step}, prefills={self.prefills}, decodes={self.decodes}, "
-            f"finished={self.finished}, rejected={self.rejected}, swapped_out={self.swapped_out}, "
-            f"swapped_in={self.swapped_in}, preempted={self.preempted}, demotions={self.demotions})"
-        )
 
 
 def _check_key(fn: str, arg: str, key: Any) -> RequestKey:
@@ -168,78 +82,6 @@ def _library(array: Any) -> str:
     return type(array).__module__.split(".", 1)[0]
 
 
-class CacheView:
-    """The engine's cache manager, read only: pool statistics, formats and
-    each request's blocks (by the caller's request ids). Changing the cache
-    is the engine's business (add_request, fork, finish, cancel)."""
-
-    __slots__ = ("_engine", "_manager")
-
-    def __init__(self, engine: "Engine", manager) -> None:
-        self._engine = engine
-        self._manager = manager
-
-    def _id(self, fn: str, request_id: RequestKey) -> int:
-        return self._engine._internal(f"Engine.cache.{fn}", "request_id", request_id)
-
-    @property
-    def config(self) -> CacheConfig:
-        """A copy of the cache's configuration."""
-        return self._manager.config
-
-    @property
-    def total_slabs(self) -> int:
-        return self._manager.total_slabs
-
-    @property
-    def free_slabs(self) -> int:
-        return self._manager.free_slabs
-
-    def format(self, precision):
-        """The BlockFormat of a pool."""
-        return self._manager.format(precision)
-
-    def pool_stats(self, precision):
-        """Blocks and slabs of a pool now (PoolStats)."""
-        return self._manager.pool_stats(precision)
-
-    def demand(self, layout: TokenLayout, plan: PrecisionPlan):
-        """Blocks per pool [FP16, INT4, INT2] a prompt needs over all layers."""
-        return self._manager.demand(layout, plan)
-
-    def can_allocate(self, blocks) -> bool:
-        return self._manager.can_allocate(blocks)
-
-    def holds(self, request_id: RequestKey) -> bool:
-        """Whether the request holds memory now (device blocks or host swap slots)."""
-        return self._manager.contains(self._id("holds", request_id))
-
-    def num_tokens(self, request_id: RequestKey) -> int:
-        return self._manager.num_tokens(self._id("num_tokens", request_id))
-
-    def plan(self, request_id: RequestKey) -> PrecisionPlan:
-        return self._manager.plan(self._id("plan", request_id))
-
-    def blocks(self, request_id: RequestKey, layer: int, precision):
-        """Block ids of (request, layer, pool) in order (NumPy int32)."""
-        return self._manager.blocks(self._id("blocks", request_id), layer, precision)
-
-    def blocks_held(self, request_id: RequestKey):
-        return self._manager.blocks_held(self._id("blocks_held", request_id))
-
-    def is_swapped(self, request_id: RequestKey) -> bool:
-        return self._manager.is_swapped(self._id("is_swapped", request_id))
-
-    def free_swap_slots(self):
-        return self._manager.free_swap_slots()
-
-    def check_invariants(self) -> None:
-        self._manager.check_invariants()
-
-    def describe_state(self) -> str:
-        return self._manager.describe_state()
-
-
 class Engine:
     """A serving engine's loop over mixkv: the continuous-batching scheduler
     and a backend holding the KV memory, on the CPU or a CUDA device.
@@ -249,7 +91,7 @@ class Engine:
         while engine.has_unfinished():
             step = engine.step()                               # memory moves applied
             for layer in range(num_layers):
-                engine.store(layer, k_rows, v_rows)            # step.prefills' rows
+                o = engine.prefill(layer, q_rows, k_rows, v_rows)  # step.prefills' rows
                 out = engine.attend(layer, q, k, v)            # step.decodes' batch
             ... sample; engine.finish(request_id) on EOS ...
 
@@ -337,7 +179,8 @@ class Engine:
         self._keys: dict[int, RequestKey] = {}  # internal id -> caller id
         self._retired: set[RequestKey] = set()  # caller ids that have left
         self._next_id = 0
-        self._batch = 0  # rows of the last step's decode batch
+        self._decode_rows = 0  # rows of the last step's decode batch (drafts included)
+        self._prefill_rows = 0  # rows of the last step's prefill chunks
         self._cache = CacheView(self, self._core.cache)
 
     # -- requests -------------------------------------------------------------------------------------------------
@@ -429,6 +272,33 @@ class Engine:
             self._core.fork(parent, child, -1 if max_new_tokens is None else max_new_tokens)
         self._bind(child_id, child)
 
+    def speculate(self, request_id: RequestKey, num_drafts: int) -> None:
+        """Speculative decoding: ``request_id`` gets ``num_drafts`` draft
+        rows in its next decode step instead of the scheduler config's
+        ``num_speculative_tokens`` (the steps after use that default again).
+        Drafts are capped by the tokens the request has left, the step's
+        token budget and free memory: a step may give fewer, or none. The
+        step's ``decode_rows`` says how many it got."""
+        fn = "Engine.speculate"
+        internal = self._internal(fn, "request_id", request_id)
+        _check_int(fn, "num_drafts", num_drafts, 0)
+        with _caller_ids(f"{fn}(request_id={request_id!r}, num_drafts={num_drafts!r})"):
+            self._core.speculate(internal, num_drafts)
+
+    def accept(self, request_id: RequestKey, num_accepted: int) -> None:
+        """After verifying the last step's drafts of ``request_id``: its first
+        ``num_accepted`` drafts (0 .. ``status(request_id).drafts``) were
+        accepted. The rejected ones leave the cache, and the step counts
+        ``num_accepted + 1`` generated tokens: the accepted drafts, then the
+        token sampled after them, whose K/V the next step's first row of
+        the request brings. Drafts not accepted before the next ``step()``
+        are all rejected there."""
+        fn = "Engine.accept"
+        internal = self._internal(fn, "request_id", request_id)
+        _check_int(fn, "num_accepted", num_accepted, 0)
+        with _caller_ids(f"{fn}(request_id={request_id!r}, num_accepted={num_accepted!r})"):
+            self._core.accept(internal, num_accepted)
+
     def _end(self, fn: str, request_id: RequestKey, call) -> bool:
         _check_key(fn, "request_id", request_id)
         internal = self._ids.get(request_id)
@@ -500,33 +370,59 @@ class Engine:
             if internal is not None:
                 del self._keys[internal]
                 self._retired.add(key)
-        self._batch = len(result.decodes)
+        self._decode_rows = result.num_decode_rows
+        self._prefill_rows = result.prefill_rows
         return result
 
     def store(self, layer: int, k: Any, v: Any, *, stream: Any = None) -> None:
         """One layer's K and V of the step's prefill rows, the chunks'
         rows concatenated in ``step.prefills`` order: float16
-        [prefill_rows, num_kv_heads, head_dim] arrays on the engine's device."""
+        [prefill_rows, num_kv_heads, head_dim] arrays on the engine's device.
+        For an engine that ran its own prefill attention; ``prefill`` does
+        both. Per layer, call ``prefill`` or ``store``, not both."""
         self._core.store(layer, k, v, self._stream("Engine.store", stream))
 
     def attend(
         self, layer: int, q: Any, k: Any, v: Any, out: Any = None, lse: Any = None, *, stream: Any = None
     ) -> Any:
-        """One layer of the decode batch: appends k, v (float16 [batch,
+        """One layer of the decode batch: appends k, v (float16 [rows,
         num_kv_heads, head_dim]) as the batch's newest tokens, then attends q
-        (float16 [batch, num_q_heads, head_dim]) over each request's tokens in
-        every pool. Writes and returns ``out`` (float16 [batch, num_q_heads,
-        head_dim]; allocated like q, with q's library and device, when not
-        given) and, when given, ``lse`` (float32 [batch, num_q_heads], the
-        natural-log sum of exponentials of the scaled scores)."""
+        (float16 [rows, num_q_heads, head_dim]) over each request's tokens in
+        every pool. ``rows`` is ``step.num_decode_rows``: one row a request
+        of ``step.decodes``, or, when the step has draft tokens, the rows of
+        ``step.decode_rows`` (each request's last sampled token, then its
+        drafts, attending causally to each other). Writes and returns
+        ``out`` (float16 [rows, num_q_heads, head_dim]; allocated like q,
+        with q's library and device, when not given) and, when given,
+        ``lse`` (float32 [rows, num_q_heads], the natural-log sum of
+        exponentials of the scaled scores)."""
         s = self._stream("Engine.attend", stream)
         if out is None:
-            out = self._empty_like(q)
+            out = self._empty_like(q, self._decode_rows, "Engine.attend")
         self._core.attend(layer, q, k, v, out, lse, s)
         return out
 
-    def _empty_like(self, q: Any) -> Any:
-        shape = (self._batch, self._num_q_heads, self._head_dim)
+    def prefill(
+        self, layer: int, q: Any, k: Any, v: Any, out: Any = None, lse: Any = None, *, stream: Any = None
+    ) -> Any:
+        """One layer of the step's prefill chunks, attention through the
+        cache: each chunk's rows (q float16 [rows, num_q_heads, head_dim], k
+        and v [rows, num_kv_heads, head_dim], the chunks' rows concatenated
+        in ``step.prefills`` order) attend to every prompt row stored before
+        the chunk, at the precision it was stored in, and causally to each
+        other; then k and v are stored as ``store`` stores them. The engine
+        keeps no copy of the prompt. Writes and returns ``out`` (float16
+        [rows, num_q_heads, head_dim], allocated like q when not given) and,
+        when given, ``lse`` (float32 [rows, num_q_heads]). Per layer, call
+        ``prefill`` or ``store``, not both."""
+        s = self._stream("Engine.prefill", stream)
+        if out is None:
+            out = self._empty_like(q, self._prefill_rows, "Engine.prefill")
+        self._core.prefill(layer, q, k, v, out, lse, s)
+        return out
+
+    def _empty_like(self, q: Any, rows: int, fn: str) -> Any:
+        shape = (rows, self._num_q_heads, self._head_dim)
         library = _library(q)
         if library == "torch":
             import torch
@@ -542,8 +438,8 @@ class Engine:
 
             return numpy.empty(shape, dtype=numpy.float16)
         raise InvalidArgument(
-            f"Engine.attend: out: cannot allocate an output like q ({type(q).__name__}): pass "
-            "out= (float16 [batch, num_q_heads, head_dim] on the engine's device)"
+            f"{fn}: out: cannot allocate an output like q ({type(q).__name__}): pass "
+            "out= (float16 [rows, num_q_heads, head_dim] on the engine's device)"
         )
 
     def synchronize(self) -> None:

@@ -69,6 +69,8 @@ class EngineStep:
     prefills: list[Prefill]
     prefill_rows: int
     decodes: list[RequestKey]
+    decode_rows: list[int]
+    num_decode_rows: int
     finished: list[Finished]
     rejected: list[Rejected]
     swapped_out: list[RequestKey]
@@ -126,6 +128,8 @@ class Engine:
         arrival_time: Optional[float] = None,
     ) -> None: ...
     def fork(self, parent_id: RequestKey, child_id: RequestKey, max_new_tokens: Optional[int] = None) -> None: ...
+    def speculate(self, request_id: RequestKey, num_drafts: int) -> None: ...
+    def accept(self, request_id: RequestKey, num_accepted: int) -> None: ...
     def finish(self, request_id: RequestKey) -> bool: ...
     def cancel(self, request_id: RequestKey) -> bool: ...
     def has_unfinished(self) -> bool: ...
@@ -135,6 +139,17 @@ class Engine:
     def step(self, *, stream: Stream = None) -> EngineStep: ...
     def store(self, layer: int, k: Array, v: Array, *, stream: Stream = None) -> None: ...
     def attend(
+        self,
+        layer: int,
+        q: Array,
+        k: Array,
+        v: Array,
+        out: Optional[Array] = None,
+        lse: Optional[Array] = None,
+        *,
+        stream: Stream = None,
+    ) -> Array: ...
+    def prefill(
         self,
         layer: int,
         q: Array,
