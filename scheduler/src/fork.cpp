@@ -75,6 +75,13 @@ void Scheduler::fork(RequestId parent, RequestId child, std::int32_t max_new_tok
     throw InvalidArgument(name + ": parent has " + std::to_string(p.drafts) +
                           " draft tokens awaiting accept(), expected them accepted or rejected first");
   }
+  if (p.exact) {
+    // Its FP16 windows are to be demoted in place, which a shared block
+    // never is: a child would pin the parent's windows at FP16.
+    throw InvalidArgument(name +
+                          ": parent's plan is pending (prefill_mode = Exact: its windows are still FP16, demoted "
+                          "at a coming step), expected status(parent).plan_pending == false");
+  }
   if (s.entries.contains(child)) {
     throw InvalidArgument(name + ": child = " + std::to_string(child) + " is a live request, expected a new id");
   }
@@ -112,7 +119,7 @@ void Scheduler::fork(RequestId parent, RequestId child, std::int32_t max_new_tok
   c.done = false;
   c.max_new_tokens = p.generated + more;
   c.plan = s.cache.plan(parent);
-  c.demand = s.cache.demand(c.prompt, c.plan);
+  s.refresh_demand(c);
   c.preemptions = 0;
   c.bypassed = 0;
   c.lone_swap_at = -1;

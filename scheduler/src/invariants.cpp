@@ -71,6 +71,11 @@ void Scheduler::check_invariants() const {
         fail(who + " holds " + std::to_string(e.drafts) + " drafts awaiting accept() after generating " +
              std::to_string(e.generated) + " of " + std::to_string(e.max_new_tokens) + " tokens");
       }
+      if (e.state == RequestState::Waiting) {
+        if (e.exact) fail(who + " is marked exact without memory");
+      } else {
+        s.check_plan(e, who);  // prefill_modes.cpp
+      }
       overrides += e.next_drafts >= 0 ? 1 : 0;
       const bool listed = e.decode_index >= 0 && static_cast<std::size_t>(e.decode_index) < s.decoding.size() &&
                           s.decoding[static_cast<std::size_t>(e.decode_index)] == &e;
@@ -89,6 +94,12 @@ void Scheduler::check_invariants() const {
   if (overrides != s.overrides) {
     fail("counts " + std::to_string(s.overrides) + " requests with drafts set by speculate(), the queues hold " +
          std::to_string(overrides));
+  }
+  std::size_t planning = 0;
+  for (const auto& [id, e] : s.entries) planning += e.exact && e.computed == e.prompt.num_tokens() ? 1 : 0;
+  if (planning != s.planning.size()) {
+    fail("lists " + std::to_string(s.planning.size()) + " requests awaiting their plan's demotions, the entries " +
+         std::to_string(planning));
   }
   if (in_queues != s.entries.size()) {
     fail(std::to_string(s.entries.size()) + " live requests but " + std::to_string(in_queues) + " queued");
@@ -132,6 +143,7 @@ std::string Scheduler::describe_state() const {
         out += " drafts ";
         out += std::to_string(e.drafts);
       }
+      if (e.exact) out += " exact";
       out += ')';
     }
     out += "\n";

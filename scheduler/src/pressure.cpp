@@ -10,7 +10,6 @@
 #include <vector>
 
 #include <boost/unordered/unordered_flat_map.hpp>
-#include <boost/unordered/unordered_flat_set.hpp>
 
 #include "scheduler_impl.h"
 
@@ -32,9 +31,9 @@ void Scheduler::Impl::preempt(Entry& e, StepOutput& out) {
     // Demotions may have changed its footprint since admission: a request
     // that can no longer complete in this cache ends here (as after a
     // recompute below) instead of holding host slots until it comes back
-    // and fails again.
-    e.plan = cache.plan(e.id);
-    e.demand = cache.demand(e.prompt, e.plan);
+    // and fails again. Pending plan demotions wait until it is back.
+    settle_plan(e);
+    refresh_demand(e);
     if (auto reason = never_fits(e)) {
       reject(e, *std::move(reason));
       return;
@@ -60,8 +59,10 @@ void Scheduler::Impl::preempt(Entry& e, StepOutput& out) {
     return;
   }
   // Recompute: the prompt becomes the original plus every generated token
-  // (as FP16 text); the plan keeps its demotions.
-  e.plan = cache.plan(e.id);
+  // (as FP16 text); the plan keeps its demotions. An exact request is
+  // prefilled FP16 again and demoted to that plan after it.
+  settle_plan(e);
+  unplan(e);
   cache.free_sequence(e.id);
   drop_slot(e);
   std::vector<Segment> segments(e.original.segments().begin(), e.original.segments().end());
@@ -73,7 +74,7 @@ void Scheduler::Impl::preempt(Entry& e, StepOutput& out) {
     }
   }
   e.prompt = TokenLayout(std::move(segments));
-  e.demand = cache.demand(e.prompt, e.plan);
+  refresh_demand(e);
   e.computed = 0;
   e.num_tokens = 0;
   set_state(e, RequestState::Waiting);
@@ -122,18 +123,29 @@ std::int64_t Scheduler::Impl::fp16_room(const BlockCounts& taken, std::int64_t f
 // there was: a demotion that costs a slab for less than a slab of relief is
 // never made (it could leave a lone request unable to grow at all). With
 // none kept, preemption follows. Never window 0, never text (neither is in
-// demote_order).
+// demote_order), never a window whose plan demotion is pending.
+//
+// The step's plan demotions (`plans`, whose targets can be had) come first
+// in the same manager call: every room above counts them (their targets
+// taken, their FP16 sources freed), and "the room there was" is the room
+// they leave. They are made whatever else is.
 void Scheduler::Impl::demote_for(std::int64_t need, std::int64_t target, const std::vector<Entry*>& decodes,
-                                 StepOutput& out) {
+                                 const PlanDemotions& plans, StepOutput& out) {
   using Candidate = std::pair<float, Entry*>;
   auto later = [](const Candidate& a, const Candidate& b) {
     return std::tie(a.first, a.second->order) > std::tie(b.first, b.second->order);
   };
   using Heap = std::priority_queue<Candidate, std::vector<Candidate>, decltype(later)>;
-  const std::int64_t room_before = fp16_room({0, 0, 0}, 0);
-  std::vector<Demotion> demotions;
-  std::vector<std::int64_t> rooms;  // rooms[i]: FP16 room after demotions [0, i] (-1: targets not had)
+  const std::size_t forced = plans.list.size();
+  const std::int64_t p4 = plans.taken[at(Precision::INT4)];
+  const std::int64_t p2 = plans.taken[at(Precision::INT2)];
+  const std::int64_t room_before = fp16_room(plans.taken, plans.freed);
+  std::vector<Demotion> demotions = plans.list;
+  // rooms[i]: FP16 room after the plan demotions and pressure demotions
+  // [0, i] (-1: targets not had).
+  std::vector<std::int64_t> rooms;
   const auto limit = static_cast<std::size_t>(config.max_demotions_per_step);
+  auto pressure = [&] { return demotions.size() - forced; };
   // One record per window looked at: a window whose demotions do not all
   // survive the cut below is looked at again in a later step.
   struct Looked {
@@ -166,7 +178,7 @@ void Scheduler::Impl::demote_for(std::int64_t need, std::int64_t target, const s
     for (Entry* e : decodes) {
       if (e->*cursor < e->demote_order.size()) heap.push({e->plan.score(e->demote_order[e->*cursor]), e});
     }
-    auto more = [&] { return room() >= 0 && room() < target && demotions.size() < limit; };
+    auto more = [&] { return room() >= 0 && room() < target && pressure() < limit; };
     while (!heap.empty() && more()) {
       Entry* e = heap.top().second;
       heap.pop();
@@ -175,13 +187,13 @@ void Scheduler::Impl::demote_for(std::int64_t need, std::int64_t target, const s
       const PrecisionPlan& plan = cache.plan(e->id);
       auto [fp, fresh] = footprints.try_emplace(e);
       if (fresh) {
-        fp->second = footprint(*e, plan);
+        fp->second = footprint(*e, e->exact ? eventual_plan(*e) : plan);
         over += slabs_for(fp->second) > total_slabs ? 1 : 0;
       }
       std::int32_t layer = 0;
       bool shared = false;
-      for (; layer < num_layers && demotions.size() < limit; ++layer) {
-        if (plan.at(layer, window) != from || below_floor(layer, to)) continue;
+      for (; layer < num_layers && pressure() < limit; ++layer) {
+        if (plan.at(layer, window) != from || below_floor(layer, to) || plan_pending(*e, plan, layer, window)) continue;
         if (cache.why_not_demotable(e->id, layer, window, to)) {
           const std::int32_t block = cache.window_block(e->id, layer, window);
           shared = shared || (block >= 0 && cache.ref_count(from, block) > 1);
@@ -210,15 +222,16 @@ void Scheduler::Impl::demote_for(std::int64_t need, std::int64_t target, const s
 
   // 1. FP16 -> INT4.
   const bool fp16_done = take(&Entry::demote_cursor, Precision::FP16, Precision::INT4, [&] {
-    const auto n = static_cast<std::int64_t>(demotions.size());
-    return fp16_room({0, n, 0}, n);
+    const auto n = static_cast<std::int64_t>(pressure());
+    return fp16_room({0, p4 + n, p2}, plans.freed + n);
   });
-  const auto to_int4 = static_cast<std::int64_t>(demotions.size());
+  const auto to_int4 = static_cast<std::int64_t>(pressure());
 
   // 2. INT4 -> INT2: the room of the INT2 targets (exact) plus the INT4
   // slabs whose last used block goes. Step 1's INT4 targets fill partly used
   // INT4 slabs first, so up to to_int4 of the slabs counted as emptied that
-  // had free blocks may receive one and stay in use: those are not counted.
+  // had free blocks may receive one and stay in use: those are not counted
+  // (nor up to one a plan demotion's INT4 target).
   if (fp16_done && room() >= 0 && room() < target) {
     const PoolStats int4 = cache.pool_stats(Precision::INT4);
     const std::int64_t fp16_per_slab = cache.pool_stats(Precision::FP16).blocks_per_slab;
@@ -233,9 +246,9 @@ void Scheduler::Impl::demote_for(std::int64_t need, std::int64_t target, const s
       if (--it->second == 0) {
         (cache.used_in_slab(Precision::INT4, slab) == int4.blocks_per_slab ? emptied_full : emptied_partial) += 1;
       }
-      const std::int64_t n = static_cast<std::int64_t>(demotions.size()) - to_int4;
-      const std::int64_t r = fp16_room({0, to_int4, n}, to_int4);
-      const std::int64_t emptied = emptied_full + std::max<std::int64_t>(emptied_partial - to_int4, 0);
+      const std::int64_t n = static_cast<std::int64_t>(pressure()) - to_int4;
+      const std::int64_t r = fp16_room({0, p4 + to_int4, p2 + n}, plans.freed + to_int4);
+      const std::int64_t emptied = emptied_full + std::max<std::int64_t>(emptied_partial - p4 - to_int4, 0);
       return r < 0 ? r : r + emptied * fp16_per_slab;
     });
   }
@@ -254,23 +267,22 @@ void Scheduler::Impl::demote_for(std::int64_t need, std::int64_t target, const s
   // Windows with a demotion cut off are looked at again later (in reverse,
   // so a request's cursor goes back to its first such window).
   for (auto it = looked.rbegin(); it != looked.rend(); ++it) {
-    if (it->end > n) it->entry->*(it->cursor) = it->cursor_before;
+    if (it->end > forced + n) it->entry->*(it->cursor) = it->cursor_before;
   }
-  if (n == 0) return;
-  demotions.resize(n);
-  const std::vector<DemoteOp> ops = cache.demote(demotions);
-  out.demotions.insert(out.demotions.end(), ops.begin(), ops.end());
-  stats.demotions += static_cast<std::int64_t>(ops.size());
-  boost::unordered_flat_set<RequestId> changed;
-  for (const Demotion& d : demotions) {
-    if (changed.insert(d.id).second) out.tables_changed.push_back(d.id);
-  }
+  demotions.resize(forced + n);
+  commit_demotions(demotions, plans, out);
 }
 
-// Makes room for `need` new FP16 blocks of the decode batch: demotion first
-// (if enabled), then preemption of the lowest-ranked running requests.
-void Scheduler::Impl::relieve(std::vector<Entry*>& decodes, std::int64_t& need, StepOutput& out) {
-  if (demote_headroom > 0) demote_for(need, need + demote_headroom, decodes, out);
+// Makes room for `need` new FP16 blocks of the decode batch: the step's plan
+// demotions and demotion (if enabled) first, then preemption of the
+// lowest-ranked running requests.
+void Scheduler::Impl::relieve(std::vector<Entry*>& decodes, std::int64_t& need, const PlanDemotions& plans,
+                              StepOutput& out) {
+  if (demote_headroom > 0) {
+    demote_for(need, need + demote_headroom, decodes, plans, out);
+  } else {
+    commit_demotions(plans.list, plans, out);
+  }
   while (!cache.can_allocate({need, 0, 0}) && !running.empty()) {
     Entry& victim = *std::prev(running.end());
     const bool decoding = victim.state == RequestState::Running;

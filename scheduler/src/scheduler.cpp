@@ -47,6 +47,13 @@ Scheduler::Impl::Impl(KVCacheManager& c, SchedulerConfig cfg, std::shared_ptr<Pl
   if (policy < 0 || policy > 1) bad("policy = " + std::to_string(policy) + ", expected FCFS (0) or Priority (1)");
   const auto mode = static_cast<int>(config.preemption);
   if (mode < 0 || mode > 1) bad("preemption = " + std::to_string(mode) + ", expected Recompute (0) or Swap (1)");
+  const auto prefill = static_cast<int>(config.prefill_mode);
+  if (prefill < 0 || prefill > 1)
+    bad("prefill_mode = " + std::to_string(prefill) + ", expected Compact (0) or Exact (1)");
+  if (config.prefill_mode == PrefillMode::Exact && !cc.fp16_windows_first) {
+    bad("prefill_mode = Exact needs the cache's fp16_windows_first = true (CacheConfig::fp16_windows_first): the "
+        "plan's demotions after the prompt move whole FP16 blocks, one a window");
+  }
   if (config.planner && planner) {
     throw InvalidArgument(
         "config.planner and planner are both given, expected at most one source of plans (config.planner builds "
@@ -150,6 +157,7 @@ std::optional<std::string> Scheduler::Impl::never_fits(const Entry& e) const {
            " tokens exceeds max_num_batched_tokens = " + std::to_string(config.max_num_batched_tokens) +
            " and chunked_prefill is off";
   }
+  if (auto reason = fp16_never_fits(e)) return reason;
   const BlockCounts most = footprint(e, e.plan);
   const std::int64_t total = cache.total_slabs();
   if (slabs_for(most) > total) {
@@ -211,6 +219,7 @@ void Scheduler::Impl::release(Entry& e) {
   const bool holds =
       e.state == RequestState::Prefilling || e.state == RequestState::Running || e.state == RequestState::Swapped;
   if (holds && !vanished(e)) cache.free_sequence(e.id);
+  unplan(e);
   drop_slot(e);
   if (e.next_drafts >= 0) --overrides;
   if (e.hook.is_linked()) {
@@ -282,6 +291,7 @@ void Scheduler::Impl::schedule_chunk(Entry& e, std::int32_t end, StepOutput& out
   stats.prefill_tokens += end - e.computed;
   e.computed = end;
   if (chunk.last) {
+    if (e.exact) planning.push_back(&e);  // demoted to its plan at the next step
     set_state(e, RequestState::Running);
     ++e.generated;
     if (e.generated >= e.max_new_tokens) {
@@ -359,6 +369,8 @@ void Scheduler::add_request(const Request& r) {
   e.prompt = r.layout;
   e.plan = std::move(plan);
   e.demand = demand;
+  e.fp16_demand = demand;
+  if (s.exact_mode()) s.refresh_demand(e);  // the all-FP16 demand too
   e.window_starts = r.layout.window_starts(s.block_size);
   for (std::int32_t w = 1; w < e.plan.num_windows(); ++w) e.demote_order.push_back(w);
   std::stable_sort(e.demote_order.begin(), e.demote_order.end(),
@@ -383,6 +395,10 @@ StepOutput Scheduler::step() {
   }
   s.done.clear();
   s.sweep_vanished(nullptr);
+  // Exact prompts completed earlier: their plans' demotions, made below
+  // with any pressure demotion in one manager call.
+  Impl::PlanDemotions plans;
+  if (!s.planning.empty()) s.collect_plans(plans);
 
   std::int32_t budget = s.config.max_num_batched_tokens;
 
@@ -410,12 +426,14 @@ StepOutput Scheduler::step() {
     return opening * s.num_layers + (sharing ? s.tail_copies(decodes) : 0);
   };
   std::int64_t need = list_batch();
-  const bool relieved = !s.cache.can_allocate({need + s.demote_headroom, 0, 0});
+  const bool relieved = !s.room_for(need + s.demote_headroom, plans);
   if (relieved) {
     s.sweep_vanished(&decodes);
     need = list_batch();
-    s.relieve(decodes, need, out);
+    s.relieve(decodes, need, plans, out);
     need = list_batch();
+  } else if (!plans.list.empty() || !plans.complete.empty()) {
+    s.commit_demotions(plans.list, plans, out);
   }
   // Draft rows (speculative decoding) only with memory to spare.
   const bool drafting = s.wants_drafts() && s.assign_drafts(decodes, need, relieved);
@@ -485,9 +503,11 @@ StepOutput Scheduler::step() {
     for (auto it = s.waiting.begin(); it != s.waiting.end() && room() && budget > 0;) {
       Entry& e = *it++;
       const std::int32_t end = s.chunk_end(e, budget);
-      if (end != 0 && s.fits(e.demand, true)) {
+      const bool exact = end != 0 && s.stores_fp16(e, end);
+      if (end != 0 && s.fits(exact ? e.fp16_demand : e.demand, true)) {
         s.waiting.erase(s.waiting.iterator_to(e));
-        s.cache.add_sequence(e.id, e.prompt, e.plan);
+        e.exact = exact;
+        s.cache.add_sequence(e.id, e.prompt, s.admitted_plan(e));
         e.handle = s.cache.handle(e.id);
         s.set_state(e, RequestState::Prefilling);
         e.num_tokens = e.prompt.num_tokens();
@@ -555,7 +575,9 @@ bool Scheduler::contains(RequestId id) const { return impl_->entries.contains(id
 
 RequestStatus Scheduler::status(RequestId id) const {
   const Entry& e = impl_->live(id, "id");
-  return RequestStatus{e.state, e.prompt.num_tokens(), e.computed, e.generated, e.slot, e.preemptions, e.drafts};
+  RequestStatus st{e.state, e.prompt.num_tokens(), e.computed, e.generated, e.slot, e.preemptions, e.drafts};
+  st.plan_pending = e.exact;
+  return st;
 }
 
 SchedulerStats Scheduler::stats() const {

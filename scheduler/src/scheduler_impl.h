@@ -1,7 +1,8 @@
 #pragma once
 // The scheduler's private state, shared by its source files (scheduler.cpp:
 // requests and steps; fork.cpp: forks; pressure.cpp: demotion and
-// preemption; speculative.cpp: draft tokens; metadata.cpp: CSR decode
+// preemption; prefill_modes.cpp: exact prefill and the plans' demotions
+// after it; speculative.cpp: draft tokens; metadata.cpp: CSR decode
 // metadata; invariants.cpp: the checker) and by the tests'
 // access hook (tests/scheduler/scheduler_access.h), which corrupts it to
 // prove that every check can fail.
@@ -59,10 +60,17 @@ struct Entry {
   TokenLayout original;
 
   // The prompt to prefill now: the original, plus the generated tokens as
-  // text after a recompute. The plan follows the manager's after demotions.
+  // text after a recompute. The plan follows the manager's after demotions
+  // (Impl::settle_plan), except that a plan demotion still pending stays in
+  // it: the plan is what the request's windows end up at.
   TokenLayout prompt;
   PrecisionPlan plan;
-  BlockCounts demand{};                     // cache.demand(prompt, plan)
+  BlockCounts demand{};       // cache.demand(prompt, plan)
+  BlockCounts fp16_demand{};  // the same all FP16 (Exact; else == demand)
+  // PrefillMode::Exact: admitted with every window but window 0 FP16 (a
+  // prompt in several chunks). Set at admission, cleared once the plan's demotions are made
+  // (or by a recompute); from the last chunk on it is in Impl::planning.
+  bool exact = false;
   std::vector<std::int32_t> window_starts;  // of prompt (text adds no window)
 
   std::int32_t computed = 0;  // prompt rows computed
@@ -89,6 +97,16 @@ struct KeyLess {
 using Queue = boost::intrusive::multiset<Entry, boost::intrusive::member_hook<Entry, SetHook, &Entry::hook>,
                                          boost::intrusive::compare<KeyLess>>;
 
+// The demotions that apply plans in one step (Impl::collect_plans): the
+// longest prefix of the pending ones, in planning order, whose target blocks
+// the pools can give now.
+struct PlanDemotions {
+  std::vector<Demotion> list;
+  std::vector<Entry*> complete;  // requests whose every pending demotion is in `list`
+  BlockCounts taken{};           // target blocks of `list`
+  std::int64_t freed = 0;        // FP16 blocks `list` releases
+};
+
 inline std::string counts_text(const BlockCounts& c) {
   return "FP16 " + std::to_string(c[0]) + ", INT4 " + std::to_string(c[1]) + ", INT2 " + std::to_string(c[2]);
 }
@@ -98,6 +116,7 @@ inline std::string counts_text(const BlockCounts& c) {
 struct Scheduler::Impl {
   using Entry = scheduler_detail::Entry;
   using Queue = scheduler_detail::Queue;
+  using PlanDemotions = scheduler_detail::PlanDemotions;
 
   KVCacheManager& cache;
   SchedulerConfig config;
@@ -131,7 +150,11 @@ struct Scheduler::Impl {
   std::vector<RequestId> last_decodes;
   std::vector<RequestId> forked;       // children since the last step, for tables_changed
   std::vector<RequestId> speculating;  // decoded with drafts in the last step
-  std::int32_t overrides = 0;          // entries with next_drafts >= 0
+  // Exact requests past their last chunk whose plan demotions are pending,
+  // in the order their prompts completed (Running ones demote, Swapped ones
+  // wait until they are back).
+  std::vector<Entry*> planning;
+  std::int32_t overrides = 0;  // entries with next_drafts >= 0
   std::int64_t next_order = 0;
   SchedulerStats stats;
 
@@ -164,12 +187,42 @@ struct Scheduler::Impl {
 
   // Memory pressure (pressure.cpp).
   void preempt(Entry& e, StepOutput& out);
-  void relieve(std::vector<Entry*>& decodes, std::int64_t& need, StepOutput& out);
+  // Makes room for `need` FP16 blocks; `plans` are made in the same manager
+  // call as any pressure demotion (one demote call a step).
+  void relieve(std::vector<Entry*>& decodes, std::int64_t& need, const PlanDemotions& plans, StepOutput& out);
   bool below_floor(std::int32_t layer, Precision to) const {
     return !floors.empty() && pool_index(to) > pool_index(floors[static_cast<std::size_t>(layer)]);
   }
   std::int64_t fp16_room(const BlockCounts& taken, std::int64_t freed) const;
-  void demote_for(std::int64_t need, std::int64_t target, const std::vector<Entry*>& decodes, StepOutput& out);
+  void demote_for(std::int64_t need, std::int64_t target, const std::vector<Entry*>& decodes,
+                  const PlanDemotions& plans, StepOutput& out);
+
+  // Prefill modes (prefill_modes.cpp), in order: whether `e`, admitted now
+  // with a first chunk ending at `end`, is stored FP16; the manager's plan
+  // for it; demand and fp16_demand from its prompt and plan; its plan merged
+  // with the manager's (each window at the lower: pressure demotions kept,
+  // pending plan demotions too), and e.plan set to that; why its FP16 prompt
+  // can never fit; leaving Impl::planning (clears exact); the step's plan
+  // demotions; whether `blocks` FP16 blocks can be had once they are made;
+  // making them (and the pressure demotions after them in `demotions`) in
+  // one manager call; the plans' invariants for `e`.
+  bool exact_mode() const { return config.prefill_mode == PrefillMode::Exact; }
+  bool stores_fp16(const Entry& e, std::int32_t end) const;
+  PrecisionPlan admitted_plan(const Entry& e) const;
+  void refresh_demand(Entry& e) const;
+  PrecisionPlan eventual_plan(const Entry& e) const;
+  void settle_plan(Entry& e) const { e.plan = eventual_plan(e); }
+  std::optional<std::string> fp16_never_fits(const Entry& e) const;
+  void unplan(Entry& e);
+  void collect_plans(PlanDemotions& plans);
+  bool room_for(std::int64_t blocks, const PlanDemotions& plans) const;
+  void commit_demotions(const std::vector<Demotion>& demotions, const PlanDemotions& plans, StepOutput& out);
+  // Whether (layer, window) of `e`, whose manager plan is `held`, waits for
+  // a plan demotion: pressure leaves it to the plan.
+  static bool plan_pending(const Entry& e, const PrecisionPlan& held, std::int32_t layer, std::int32_t window) {
+    return e.exact && pool_index(e.plan.at(layer, window)) > pool_index(held.at(layer, window));
+  }
+  void check_plan(const Entry& e, const std::string& who) const;
 
   // Forks (fork.cpp): whether a partly filled FP16 tail of `e` (resident,
   // not vanished) is shared; the FP16 blocks the copy-on-write of shared

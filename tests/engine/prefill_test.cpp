@@ -6,7 +6,12 @@
 // equal those of store() bit for bit (prefill() stores the same bytes).
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "engine_loop.h"
@@ -112,6 +117,143 @@ TEST_P(PrefillLoop, DraftRowsEqualPlainDecodes) {
     std::printf("seed %u: %lld drafts, %lld accepted, %zu decode rows, max |out| diff %.2e, |lse| diff %.2e\n", seed,
                 static_cast<long long>(stats.drafts), static_cast<long long>(stats.accepted), drafted.rows.size(),
                 d.out, d.lse);
+  }
+}
+
+// Rows recorded by Engine::prefill against a float64 causal attention over
+// the model's own K/V (every earlier row FP16, as the model made it, read
+// from no cache): the largest |out| and |lse| difference.
+test::Diff against_dense(const Outputs::Rows& rows, const CacheShape& s, std::int32_t q_heads) {
+  const std::map<RequestId, std::pair<RequestId, std::int64_t>> no_forks;
+  const auto d = static_cast<std::size_t>(s.head_dim);
+  const auto kvh = static_cast<std::size_t>(s.num_kv_heads);
+  const auto group = static_cast<std::size_t>(q_heads) / kvh;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  std::map<std::pair<RequestId, std::int32_t>, std::pair<std::vector<Half>, std::vector<Half>>> kv;  // rows 0..
+  test::Diff diff;
+  for (const auto& [key, got] : rows) {
+    const auto [id, pos, layer] = key;
+    auto& [k, v] = kv[{id, layer}];
+    const auto have = static_cast<std::int64_t>(k.size() / (kvh * d));
+    if (have <= pos) {
+      test::model_rows(no_forks, id, have, pos + 1, layer, s.num_kv_heads, s.head_dim, 1, k);
+      test::model_rows(no_forks, id, have, pos + 1, layer, s.num_kv_heads, s.head_dim, 2, v);
+    }
+    std::vector<Half> q;
+    test::model_rows(no_forks, id, pos, pos + 1, layer, q_heads, s.head_dim, 7, q);
+    for (std::size_t h = 0; h < static_cast<std::size_t>(q_heads); ++h) {
+      const std::size_t g = h / group;
+      std::vector<double> score(static_cast<std::size_t>(pos) + 1);
+      for (std::size_t t = 0; t < score.size(); ++t) {
+        double dot = 0.0;
+        for (std::size_t c = 0; c < d; ++c) {
+          dot += double{half_to_float(q[h * d + c])} * half_to_float(k[(t * kvh + g) * d + c]);
+        }
+        score[t] = dot * scale;
+      }
+      const double m = *std::max_element(score.begin(), score.end());
+      double sum = 0.0;
+      std::vector<double> acc(d, 0.0);
+      for (std::size_t t = 0; t < score.size(); ++t) {
+        const double w = std::exp(score[t] - m);
+        sum += w;
+        for (std::size_t c = 0; c < d; ++c) acc[c] += w * half_to_float(v[(t * kvh + g) * d + c]);
+      }
+      for (std::size_t c = 0; c < d; ++c) {
+        const float want = half_to_float(float_to_half(static_cast<float>(acc[c] / sum)));
+        diff.out = std::max(diff.out, static_cast<double>(std::abs(got.first[h * d + c] - want)));
+      }
+      diff.lse = std::max(diff.lse, std::abs(static_cast<double>(got.second[h]) - (m + std::log(sum))));
+    }
+  }
+  return diff;
+}
+
+// PrefillMode::Exact: a prompt prefilled in chunks is held FP16 until its
+// last chunk, so every prefill row equals a dense FP16 causal attention
+// over the model's own K/V (one FP16 rounding of out apart), where compact
+// mode's later chunks read quantized windows. After the plan's demotions
+// (the step after the last chunk) the decodes read the quantized windows:
+// with no memory pressure both modes run the same schedule and every decode
+// output is equal bit for bit (the demote kernel quantizes an FP16 window
+// as the store does). Under pressure (swaps, recomputes, demotions) the
+// engine still equals the hand-applied reference and the dense attention.
+TEST(EnginePrefill, ExactModeEqualsDenseFp16AndDecodesLikeCompact) {
+  WorkloadOptions o;
+  o.seed = 5;
+  o.requests = 12;
+  o.max_new_tokens = 12;
+  o.forks = false;  // fork points and cancels depend on the schedule, which memory changes
+  o.cancels = false;
+  EngineConfig c = config(true, 200);
+  const Workload workload(c.cache.shape, o);
+  HostMemory mem;
+  Outputs compact, exact;
+  {
+    Engine engine(c);
+    test::run_engine(engine, workload, mem, compact, /*through_cache=*/true);
+    test::expect_empty(engine.cache());
+  }
+  c.scheduler.prefill_mode = PrefillMode::Exact;
+  Engine engine(c);
+  test::run_engine(engine, workload, mem, exact, /*through_cache=*/true);
+  EXPECT_FALSE(engine.has_unfinished());
+  test::expect_empty(engine.cache());
+  const SchedulerStats st = engine.scheduler().stats();
+  EXPECT_GT(st.plan_demotions, 0);
+  EXPECT_EQ(st.demotions + st.preempted_swap + st.preempted_recompute, 0);
+  const test::Diff exact_dense = against_dense(exact.prefill, c.cache.shape, c.num_q_heads);
+  const test::Diff compact_dense = against_dense(compact.prefill, c.cache.shape, c.num_q_heads);
+  EXPECT_LE(exact_dense.out, 1e-3);
+  EXPECT_LE(exact_dense.lse, 1e-4);
+  EXPECT_GT(compact_dense.out, 1e-2) << "compact mode's later chunks read no quantized window";
+  const test::Diff decode = test::compare(exact.rows, compact.rows);
+  EXPECT_EQ(decode.out, 0.0);
+  EXPECT_EQ(decode.lse, 0.0);
+  std::printf(
+      "%lld plan demotions; prefill rows vs dense FP16: exact %.2e (lse %.2e), compact %.2e (lse %.2e); decodes "
+      "exact vs compact %.2e\n",
+      static_cast<long long>(st.plan_demotions), exact_dense.out, exact_dense.lse, compact_dense.out, compact_dense.lse,
+      decode.out);
+}
+
+TEST(EnginePrefill, ExactModeUnderPressureMatchesTheReference) {
+  for (const PreemptionMode mode : {PreemptionMode::Swap, PreemptionMode::Recompute}) {
+    EngineConfig c = config(true, 8);
+    c.scheduler.prefill_mode = PrefillMode::Exact;
+    c.scheduler.preemption = mode;
+    WorkloadOptions o;
+    o.seed = 1;
+    o.requests = 24;
+    o.max_new_tokens = 30;
+    o.forks = false;  // the dense reference takes no lineage
+    const Workload workload(c.cache.shape, o);
+    Engine engine(c);
+    HostMemory mem;
+    Outputs got, want;
+    const RunStats stats = test::run_engine(engine, workload, mem, got, /*through_cache=*/true);
+    test::run_reference(c, workload, want, /*prefill_outputs=*/true);
+    EXPECT_FALSE(engine.has_unfinished());
+    test::expect_empty(engine.cache());
+    const SchedulerStats st = engine.scheduler().stats();
+    EXPECT_GT(st.plan_demotions, 0);
+    EXPECT_GT(st.plan_waits, 0);
+    EXPECT_GT(st.demotions, 0);
+    EXPECT_GT(mode == PreemptionMode::Swap ? stats.swaps_out : stats.recomputes, 0);
+    const test::Diff decode = test::compare(got, want);
+    EXPECT_EQ(decode.out, 0.0);
+    EXPECT_EQ(decode.lse, 0.0);
+    const test::Diff reference = test::compare(got.prefill, want.prefill);
+    EXPECT_LE(reference.out, 1e-3);
+    const test::Diff dense = against_dense(got.prefill, c.cache.shape, c.num_q_heads);
+    EXPECT_LE(dense.out, 1e-3);
+    EXPECT_LE(dense.lse, 1e-4);
+    std::printf(
+        "%lld plan demotions (%lld waits), %lld pressure demotions, %lld swaps, %lld recomputes; prefill rows vs "
+        "dense FP16 %.2e (lse %.2e)\n",
+        static_cast<long long>(st.plan_demotions), static_cast<long long>(st.plan_waits),
+        static_cast<long long>(st.demotions), static_cast<long long>(stats.swaps_out),
+        static_cast<long long>(stats.recomputes), dense.out, dense.lse);
   }
 }
 

@@ -5,6 +5,7 @@
 // the engine (engine_sim.h) applies every step on real bytes. After every step the scheduler's and the manager's
 // invariants hold and every pool conserves its blocks; at the end every request has finished or been rejected with a
 // reason, exactly once, and every pool is whole again. Swapped blocks come back bit-identical (EngineSim checks).
+// Both prefill modes: under Exact, chunked prompts are stored FP16 and demoted to their plans after the last chunk.
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -27,6 +28,7 @@ struct Workload {
   std::int32_t requests = 10000;
   SchedulingPolicy policy = SchedulingPolicy::FCFS;
   bool per_layer_slots = true;  // false: the engine has only the compact slots
+  PrefillMode prefill = PrefillMode::Compact;
 };
 
 CacheConfig small_cache() {
@@ -51,6 +53,7 @@ class Simulation {
     c.watermark = 0.0;
     c.policy = w.policy;
     c.per_layer_slots = w.per_layer_slots;
+    c.prefill_mode = w.prefill;
     c.preemption = PreemptionMode::Swap;  // falls back to recompute when the host pool is full
     c.demote_under_pressure = true;
     c.max_demotions_per_step = 8;
@@ -146,6 +149,8 @@ class Simulation {
         static_cast<long long>(st.preempted_recompute), static_cast<long long>(st.preempted_swap),
         static_cast<long long>(engine_.blocks_swapped_back()), static_cast<long long>(st.demotions),
         static_cast<long long>(int4_to_int2_), seconds);
+    std::printf("%lld plan demotions after exact prefill, %lld waits for their target blocks\n",
+                static_cast<long long>(st.plan_demotions), static_cast<long long>(st.plan_waits));
     std::printf("cancelled/finished by the engine in state: waiting %d, prefilling %d, running %d, swapped %d\n",
                 cancelled_in_[0], cancelled_in_[1], cancelled_in_[2], cancelled_in_[3]);
     std::printf("%lld children forked (%lld refused for want of a slot), %lld preemptions of forked requests\n",
@@ -171,6 +176,14 @@ class Simulation {
     EXPECT_GT(st.forks, 0);
     EXPECT_GT(forked_preempted_, 0);
     for (int s = 0; s < 4; ++s) EXPECT_GT(cancelled_in_[s], 0) << "no cancel in state " << s;
+    if (w_.prefill == PrefillMode::Exact) {
+      EXPECT_GT(st.plan_demotions, 0);
+      EXPECT_GT(st.plan_waits, 0);
+      EXPECT_GT(exact_recomputed_, 0) << "no request recomputed with its plan pending or prefilling FP16";
+      EXPECT_GT(exact_swapped_, 0) << "no request swapped out with its plan pending or prefilling FP16";
+    } else {
+      EXPECT_EQ(st.plan_demotions, 0);
+    }
   }
 
  private:
@@ -202,10 +215,12 @@ class Simulation {
         ++it;
         continue;
       } catch (const InvalidArgument& e) {
-        // -1 for a parent at its last token, or a child too long to ever
-        // complete alone: refused by name, nothing else is expected.
+        // -1 for a parent at its last token, a child too long to ever
+        // complete alone, or a parent whose plan is pending (exact prefill):
+        // refused by name, nothing else is expected.
         const std::string what = e.what();
         EXPECT_TRUE(what.find("has generated all") != std::string::npos ||
+                    what.find("plan is pending") != std::string::npos ||
                     what.find("could never complete alone") != std::string::npos)
             << what;
         ++it;
@@ -222,8 +237,16 @@ class Simulation {
   }
 
   void record(const StepOutput& out) {
-    for (const RequestId id : out.swapped_out) forked_preempted_ += family_.contains(id) ? 1 : 0;
+    for (const RequestId id : out.swapped_out) {
+      forked_preempted_ += family_.contains(id) ? 1 : 0;
+      exact_swapped_ += sched_.contains(id) && sched_.status(id).plan_pending ? 1 : 0;
+    }
     for (const RequestId id : out.preempted) forked_preempted_ += family_.contains(id) ? 1 : 0;
+    for (const RequestId id : out.preempted) exact_recomputed_ += exact_before_.contains(id) ? 1 : 0;
+    exact_before_.clear();
+    for (const RequestId id : live_) {
+      if (sched_.contains(id) && sched_.status(id).plan_pending) exact_before_.insert(id);
+    }
     for (const FinishedRequest& f : out.finished) {
       EXPECT_TRUE(reported_.insert(f.id).second) << "request " << f.id << " reported twice";
       live_.erase(f.id);
@@ -241,10 +264,18 @@ class Simulation {
     }
     EXPECT_LE(out.num_batched_tokens, 96);
     EXPECT_LE(out.decodes.size(), 10u);
-    // INT4 -> INT2 only once no FP16 window of the decoding requests is
-    // left to demote.
+    // Plan demotions first, from FP16 windows only (pressure never touches
+    // a window whose plan demotion is pending). Under pressure, INT4 ->
+    // INT2 only once no FP16 window of the decoding requests is left to
+    // demote.
+    ASSERT_LE(out.plan_demotions, static_cast<std::int32_t>(out.demotions.size()));
+    for (std::int32_t i = 0; i < out.plan_demotions; ++i) {
+      EXPECT_EQ(out.demotions[static_cast<std::size_t>(i)].src_precision, Precision::FP16);
+      EXPECT_NE(out.demotions[static_cast<std::size_t>(i)].window, 0);
+    }
     bool to_int2 = false;
-    for (const DemoteOp& op : out.demotions) {
+    for (std::size_t i = static_cast<std::size_t>(out.plan_demotions); i < out.demotions.size(); ++i) {
+      const DemoteOp& op = out.demotions[i];
       EXPECT_NE(op.window, 0);
       if (op.dst_precision == Precision::INT2) {
         EXPECT_EQ(op.src_precision, Precision::INT4);
@@ -254,6 +285,7 @@ class Simulation {
     }
     for (const RequestId id : to_int2 ? out.decodes : std::vector<RequestId>{}) {
       if (!cache_.contains(id) || cache_.is_swapped(id)) continue;  // preempted after the demotions
+      if (sched_.status(id).plan_pending) continue;                 // its FP16 windows wait for the plan
       const PrecisionPlan& plan = cache_.plan(id);
       for (std::int32_t layer = 0; layer < plan.num_layers(); ++layer) {
         for (std::int32_t w = 1; w < plan.num_windows(); ++w) {
@@ -319,6 +351,9 @@ class Simulation {
   std::int64_t slot_refusals_ = 0;
   std::int64_t forked_preempted_ = 0;
   std::int64_t int4_to_int2_ = 0;
+  std::set<RequestId> exact_before_;  // plan pending (exact prefill) before the step
+  std::int64_t exact_recomputed_ = 0;
+  std::int64_t exact_swapped_ = 0;
 };
 
 TEST(SchedulerRandomized, TenThousandRequestsUnderPressure) {
@@ -328,6 +363,20 @@ TEST(SchedulerRandomized, TenThousandRequestsUnderPressure) {
 
 TEST(SchedulerRandomized, PriorityPolicyUnderPressure) {
   Simulation sim(Workload{2, 2000, SchedulingPolicy::Priority, /*per_layer_slots=*/false});
+  sim.run();
+}
+
+// Exact prefill: chunked prompts held FP16, then demoted to their plans
+// (retried when the pools cannot give the targets), under the same
+// pressure, forks (refused while a parent's plan is pending), cancels,
+// swaps and recomputes.
+TEST(SchedulerRandomized, ExactPrefillUnderPressure) {
+  Simulation sim(Workload{3, 4000, SchedulingPolicy::FCFS, /*per_layer_slots=*/true, PrefillMode::Exact});
+  sim.run();
+}
+
+TEST(SchedulerRandomized, ExactPrefillPriorityPolicy) {
+  Simulation sim(Workload{4, 2000, SchedulingPolicy::Priority, /*per_layer_slots=*/false, PrefillMode::Exact});
   sim.run();
 }
 

@@ -26,6 +26,9 @@ struct RequestStatus {
   std::int32_t slot = -1;            // page-table slot while it holds device memory
   std::int32_t preemptions = 0;      // times preempted (recompute or swap)
   std::int32_t drafts = 0;           // draft tokens of the last step awaiting accept()
+  // PrefillMode::Exact: the prompt is held FP16 and its plan not applied
+  // yet (from admission until the plan's demotions are all made).
+  bool plan_pending = false;
 };
 
 struct SchedulerStats {
@@ -40,8 +43,13 @@ struct SchedulerStats {
   std::int64_t vanished = 0;   // sequences that left the cache outside the scheduler
   std::int64_t preempted_recompute = 0;
   std::int64_t preempted_swap = 0;
-  std::int64_t demotions = 0;  // (window, layer) demotions
-  std::int64_t forks = 0;      // successful fork() calls
+  std::int64_t demotions = 0;  // (window, layer) demotions under memory pressure
+  // PrefillMode::Exact: (window, layer) demotions that applied plans, and
+  // the times (one per request and step) some of a request's waited for
+  // target blocks the pools could not give.
+  std::int64_t plan_demotions = 0;
+  std::int64_t plan_waits = 0;
+  std::int64_t forks = 0;  // successful fork() calls
   std::int64_t decode_tokens = 0;
   std::int64_t prefill_tokens = 0;
   std::int64_t draft_tokens = 0;     // draft rows scheduled (speculative decoding)
@@ -57,8 +65,10 @@ struct SchedulerStats {
 //   sched.finish(id);                   // a request hit EOS
 //
 // Every step assumes the previous one was executed. Admission uses each
-// request's exact per-pool block demand from its plan; the whole prompt is
-// allocated at admission, prefill chunks only split the compute.
+// request's exact per-pool block demand from its plan (all FP16 for a
+// prompt prefilled in chunks under PrefillMode::Exact, demoted to the plan
+// the step after its last chunk); the whole prompt is allocated at
+// admission, prefill chunks only split the compute.
 //
 // The scheduler drives `cache` (which must outlive it and start empty):
 // while the scheduler lives, nothing else may add, free, append, swap or
@@ -87,8 +97,10 @@ class Scheduler {
   // InvalidArgument naming them. Either way the source's config() must
   // match the cache (window_size == block_size, one sensitivity per layer,
   // min_precision empty or one per layer), and its min_precision floors
-  // bind demotion. InvalidArgument naming the config field, or `cache` when
-  // it holds sequences; config.planner itself is validated by WindowPlanner.
+  // bind demotion under pressure (not the plans' own demotions after an
+  // exact prefill). InvalidArgument naming the config field (prefill_mode =
+  // Exact with a cache without fp16_windows_first too), or `cache` when it
+  // holds sequences; config.planner itself is validated by WindowPlanner.
   Scheduler(KVCacheManager& cache, SchedulerConfig config, std::shared_ptr<PlanSource> planner = nullptr);
   ~Scheduler();
   Scheduler(const Scheduler&) = delete;
@@ -130,7 +142,8 @@ class Scheduler {
   // private copies; cancelling one leaves the others their shared blocks.
   // Errors (nothing changed): UnknownId for a parent that is not live;
   // InvalidArgument for a parent that is not Running (its prompt not fully
-  // prefilled, or swapped out) or has drafts awaiting accept(), a child id
+  // prefilled, or swapped out), has drafts awaiting accept() or its plan
+  // pending (status().plan_pending: a shared window is never demoted), a child id
   // that is live (or held by the cache), max_new_tokens 0 or below -1, -1
   // for a parent with no token left, or a child that could never complete
   // alone in the cache;
@@ -184,7 +197,10 @@ class Scheduler {
   // sequences within max_num_seqs, a shared partly filled FP16 tail only
   // among requests marked as forked (the ones whose copies the decode need
   // counts), drafts awaiting accept() only on Running requests and within
-  // max_new_tokens. Throws InvariantViolation.
+  // max_new_tokens, and the plans: a compact request's manager plan at or
+  // below its own, an exact one's all FP16 while it prefills, then above its
+  // plan exactly where a demotion is pending (each one demotable). Throws
+  // InvariantViolation.
   void check_invariants() const;
   // Canonical text of the scheduler's queues and the manager's state.
   std::string describe_state() const;

@@ -22,6 +22,23 @@ enum class PreemptionMode : std::uint8_t {
   Swap = 1,
 };
 
+// How a prompt prefilled in several chunks is stored while it is prefilled
+// (docs/scheduler.md, "Prefill modes").
+enum class PrefillMode : std::uint8_t {
+  // Each window at its plan's precision as its chunk completes: later chunks
+  // read earlier windows quantized. Admission reserves the plan's demand.
+  Compact = 0,
+  // Every window FP16 in every layer until the prompt is done, so every
+  // chunk attends to FP16 keys (the prefill output equals unchunked dense
+  // prefill); the step after the last chunk demotes the windows to the plan
+  // (StepOutput::demotions, first plan_demotions of them). Admission
+  // reserves the all-FP16 demand. A prompt prefilled in one chunk reads no
+  // earlier chunk, so it is stored at its plan at once, as in Compact.
+  // Needs CacheConfig::fp16_windows_first (only a window alone in its FP16
+  // block can be demoted).
+  Exact = 1,
+};
+
 struct SchedulerConfig {
   // Requests holding memory (prefilling + running) at most.
   std::int32_t max_num_seqs = 256;
@@ -33,6 +50,7 @@ struct SchedulerConfig {
   // window is stored from all of its rows at once). Without chunking, a
   // prompt over max_num_batched_tokens is rejected.
   bool chunked_prefill = true;
+  PrefillMode prefill_mode = PrefillMode::Compact;
   SchedulingPolicy policy = SchedulingPolicy::FCFS;
   // Fraction of the arena's slabs that admitting a request must leave
   // obtainable (as FP16 blocks), so that running requests can grow.

@@ -79,6 +79,10 @@ struct StepOutput {
   std::vector<std::int32_t> decode_rows;
 
   std::vector<DemoteOp> demotions;
+  // demotions[0, plan_demotions) apply the plans of prompts prefilled FP16
+  // (PrefillMode::Exact), the rest relieve memory pressure; one manager
+  // call made them all, so any order still holds.
+  std::int32_t plan_demotions = 0;
   std::vector<SwapCopy> swap_out;
   std::vector<SwapCopy> swap_in;
   std::vector<RequestId> swapped_out;  // requests whose blocks swap_out moves
