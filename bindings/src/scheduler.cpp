@@ -50,6 +50,12 @@ void bind_scheduler(py::module_& m) {
       .value("Recompute", PreemptionMode::Recompute, "free its blocks, prefill prompt + generated tokens again later")
       .value("Swap", PreemptionMode::Swap, "copy its blocks to the host swap pool and back later")
       .finalize();
+  py::native_enum<PrefillMode>(m, "PrefillMode", "enum.IntEnum",
+                               "How a prompt prefilled in several chunks is stored while it is prefilled.")
+      .value("Compact", PrefillMode::Compact, "each window at its plan's precision as its chunk completes")
+      .value("Exact", PrefillMode::Exact,
+             "every window FP16 until the prompt is done, then demoted to the plan (needs fp16_windows_first)")
+      .finalize();
   py::native_enum<RequestState>(m, "RequestState", "enum.IntEnum", "Where a request stands.")
       .value("Waiting", RequestState::Waiting)
       .value("Prefilling", RequestState::Prefilling)
@@ -69,7 +75,8 @@ void bind_scheduler(py::module_& m) {
                        SchedulingPolicy policy, double watermark, bool demote_under_pressure,
                        std::int32_t max_demotions_per_step, PreemptionMode preemption, std::int32_t lookahead,
                        std::int32_t max_head_bypass, bool build_metadata, bool per_layer_slots, bool build_mappings,
-                       std::int32_t num_speculative_tokens, std::optional<PlannerConfig> planner) {
+                       std::int32_t num_speculative_tokens, PrefillMode prefill_mode,
+                       std::optional<PlannerConfig> planner) {
              // Field by field: the struct may grow (the defaults stay the C++ ones).
              SchedulerConfig c;
              c.max_num_seqs = max_num_seqs;
@@ -86,6 +93,7 @@ void bind_scheduler(py::module_& m) {
              c.per_layer_slots = per_layer_slots;
              c.build_mappings = build_mappings;
              c.num_speculative_tokens = num_speculative_tokens;
+             c.prefill_mode = prefill_mode;
              c.planner = std::move(planner);
              return c;
            }),
@@ -97,7 +105,8 @@ void bind_scheduler(py::module_& m) {
            py::arg("preemption") = defaults.preemption, py::arg("lookahead") = defaults.lookahead,
            py::arg("max_head_bypass") = defaults.max_head_bypass, py::arg("build_metadata") = defaults.build_metadata,
            py::arg("per_layer_slots") = defaults.per_layer_slots, py::arg("build_mappings") = defaults.build_mappings,
-           py::arg("num_speculative_tokens") = defaults.num_speculative_tokens, py::arg("planner") = py::none())
+           py::arg("num_speculative_tokens") = defaults.num_speculative_tokens,
+           py::arg("prefill_mode") = defaults.prefill_mode, py::arg("planner") = py::none())
       .def_readwrite("max_num_seqs", &SchedulerConfig::max_num_seqs)
       .def_readwrite("max_num_batched_tokens", &SchedulerConfig::max_num_batched_tokens)
       .def_readwrite("chunked_prefill", &SchedulerConfig::chunked_prefill)
@@ -116,6 +125,9 @@ void bind_scheduler(py::module_& m) {
                      "draft tokens a Running request gets in each decode step (Scheduler.speculate sets one "
                      "request's next step instead); 0: plain decoding. Capped by the request's remaining tokens, "
                      "the step's token budget and free memory (never a demotion or preemption for drafts)")
+      .def_readwrite("prefill_mode", &SchedulerConfig::prefill_mode,
+                     "Compact: windows stored at their plan as chunks complete; Exact: FP16 while the prompt is "
+                     "prefilled (chunks read FP16 keys), then demoted to the plan")
       .def_readwrite("planner", &SchedulerConfig::planner);
 
   py::class_<PyRequest>(m, "Request", init_only(),
@@ -194,6 +206,8 @@ void bind_scheduler(py::module_& m) {
           "drafts, all stored this step (causal among them). After verifying them, Scheduler.accept each decode "
           "with drafts.")
       .def_readonly("demotions", &StepOutput::demotions)
+      .def_readonly("plan_demotions", &StepOutput::plan_demotions,
+                    "demotions[0:plan_demotions] apply the plans of prompts prefilled FP16 (PrefillMode.Exact)")
       .def_readonly("swap_out", &StepOutput::swap_out)
       .def_readonly("swap_in", &StepOutput::swap_in)
       .def_readonly("swapped_out", &StepOutput::swapped_out)
@@ -212,6 +226,8 @@ void bind_scheduler(py::module_& m) {
       .def_readonly("generated", &RequestStatus::generated)
       .def_readonly("slot", &RequestStatus::slot)
       .def_readonly("preemptions", &RequestStatus::preemptions)
+      .def_readonly("plan_pending", &RequestStatus::plan_pending,
+                    "exact prefill: the plan's demotions are not all made yet")
       .def_readonly("drafts", &RequestStatus::drafts, "draft tokens of the last step awaiting accept()");
   py::class_<SchedulerStats>(m, "SchedulerStats", init_only(), "Queue sizes and counters since the scheduler was made.")
       .def_readonly("steps", &SchedulerStats::steps)
@@ -226,7 +242,9 @@ void bind_scheduler(py::module_& m) {
       .def_readonly("forks", &SchedulerStats::forks)
       .def_readonly("preempted_recompute", &SchedulerStats::preempted_recompute)
       .def_readonly("preempted_swap", &SchedulerStats::preempted_swap)
-      .def_readonly("demotions", &SchedulerStats::demotions)
+      .def_readonly("demotions", &SchedulerStats::demotions, "pressure demotions")
+      .def_readonly("plan_demotions", &SchedulerStats::plan_demotions, "demotions applying exact-mode plans")
+      .def_readonly("plan_waits", &SchedulerStats::plan_waits, "steps a request's plan demotions waited for blocks")
       .def_readonly("decode_tokens", &SchedulerStats::decode_tokens)
       .def_readonly("prefill_tokens", &SchedulerStats::prefill_tokens)
       .def_readonly("draft_tokens", &SchedulerStats::draft_tokens, "draft rows scheduled (speculative decoding)")

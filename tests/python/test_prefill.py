@@ -86,23 +86,25 @@ def dequantized(layout, plan_rows, k, v, layer):
     return k, v
 
 
-def make_engine(backend="cpu", budget=BUDGET):
+def make_engine(backend="cpu", budget=BUDGET, mode=mixkv.PrefillMode.Compact):
+    cache = mixkv.CacheConfig(SHAPE, 32 * SLAB, SLAB)
+    cache.fp16_windows_first = mode == mixkv.PrefillMode.Exact  # exact mode demotes whole-block windows
     return mixkv.Engine(
-        mixkv.CacheConfig(SHAPE, 32 * SLAB, SLAB),
-        mixkv.SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=budget),
+        cache,
+        mixkv.SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=budget, prefill_mode=mode),
         num_q_heads=Q_HEADS,
         backend=backend,
     )
 
 
-def run(backend="cpu", to_device=None, from_device=None):
+def run(backend="cpu", to_device=None, from_device=None, mode=mixkv.PrefillMode.Compact):
     """Prefills both requests in chunks through the cache, then decodes one
     token each. Returns {request: outputs}: prefill out [tokens, LAYERS,
     Q_HEADS, D] and lse [tokens, LAYERS, Q_HEADS], the decode row's out
     [LAYERS, Q_HEADS, D], and each request's chunks."""
     to_device = to_device or (lambda a: a)
     from_device = from_device or (lambda a: a)
-    engine = make_engine(backend)
+    engine = make_engine(backend, mode=mode)
     engine.add_request("chat", TEXT_TOKENS, max_new_tokens=2, arrival_time=0)
     engine.add_request("video", VIDEO, plan=plan_of(VIDEO_PLAN), max_new_tokens=2, arrival_time=1)
     lengths = {"chat": TEXT_TOKENS, "video": VIDEO.num_tokens}
@@ -155,7 +157,7 @@ def cpu_run():
     return run()
 
 
-def check_against_reference(result, request, layout, plan_rows):
+def check_against_reference(result, request, layout, plan_rows, exact_prefill=False):
     n = layout.num_tokens
     chunks = result[request]["chunks"]
     assert chunks[0][0] == 0 and chunks[-1][1] == n and len(chunks) >= 2
@@ -167,9 +169,11 @@ def check_against_reference(result, request, layout, plan_rows):
         v = rows("v", request, range(n), layer)
         kq, vq = dequantized(layout, plan_rows, k, v, layer) if plan_rows else (k, v)
         for start, end in chunks:
-            # Rows of earlier chunks as the cache holds them, the chunk's own rows exact.
-            keys = np.concatenate([kq[:start], k[start:end]])
-            values = np.concatenate([vq[:start], v[start:end]])
+            # Rows of earlier chunks as the cache holds them (FP16 in exact
+            # mode while the prompt is prefilled), the chunk's own rows exact.
+            kp, vp = (k, v) if exact_prefill else (kq, vq)
+            keys = np.concatenate([kp[:start], k[start:end]])
+            values = np.concatenate([vp[:start], v[start:end]])
             want, want_lse = causal_attention(q[start:end], keys, values, range(start, end))
             got = result[request]["out"][start:end, layer].astype(np.float64)
             np.testing.assert_allclose(got, want, rtol=0, atol=TOLERANCE)
@@ -193,6 +197,24 @@ def test_video_request_reads_earlier_chunks_at_their_precision(cpu_run):
     q, k, v = (rows(kind, "video", range(VIDEO.num_tokens), 0) for kind in ("q", "k", "v"))
     exact, _ = causal_attention(q[start:], k, v, range(start, VIDEO.num_tokens))
     assert np.abs(cpu_run["video"]["out"][start:, 0].astype(np.float64) - exact).max() > 10 * TOLERANCE
+
+
+def test_exact_mode_prefills_over_fp16_and_decodes_over_the_plan():
+    """PrefillMode.Exact: every chunk reads the earlier rows FP16 (the output
+    of unchunked dense prefill), and the decode after the prompt reads the
+    windows demoted to the plan."""
+    result = run(mode=mixkv.PrefillMode.Exact)
+    check_against_reference(result, "video", VIDEO, VIDEO_PLAN, exact_prefill=True)
+    check_against_reference(result, "chat", TokenLayout([Segment(TokenKind.Text, TEXT_TOKENS)]), None)
+
+
+def test_exact_mode_needs_fp16_windows_first():
+    with pytest.raises(ValueError, match="prefill_mode"):
+        mixkv.Engine(
+            mixkv.CacheConfig(SHAPE, 32 * SLAB, SLAB),
+            mixkv.SchedulerConfig(prefill_mode=mixkv.PrefillMode.Exact),
+            num_q_heads=Q_HEADS,
+        )
 
 
 def torch_or_skip():

@@ -43,6 +43,7 @@ from ._core import (
     PrecisionPlan,
     PreemptionMode,
     PrefillChunk,
+    PrefillMode,
     RejectedRequest,
     Request,
     RequestState,

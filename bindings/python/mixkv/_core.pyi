@@ -370,6 +370,10 @@ class PreemptionMode(enum.IntEnum):
     Recompute = 0
     Swap = 1
 
+class PrefillMode(enum.IntEnum):
+    Compact = 0
+    Exact = 1
+
 class RequestState(enum.IntEnum):
     Waiting = 0
     Prefilling = 1
@@ -397,6 +401,7 @@ class SchedulerConfig:
     per_layer_slots: bool
     build_mappings: bool
     num_speculative_tokens: int
+    prefill_mode: PrefillMode
     planner: PlannerConfig | None
     def __init__(
         self,
@@ -415,6 +420,7 @@ class SchedulerConfig:
         per_layer_slots: bool = True,
         build_mappings: bool = True,
         num_speculative_tokens: int = 0,
+        prefill_mode: PrefillMode = PrefillMode.Compact,
         planner: PlannerConfig | None = None,
     ) -> None: ...
 
@@ -482,6 +488,8 @@ class StepOutput:
     @property
     def decode_rows(self) -> _Int32Array: ...
     @property
+    def plan_demotions(self) -> int: ...
+    @property
     def demotions(self) -> list[DemoteOp]: ...
     @property
     def swap_out(self) -> list[SwapCopy]: ...
@@ -507,6 +515,8 @@ class StepOutput:
 class RequestStatus:
     @property
     def state(self) -> RequestState: ...
+    @property
+    def plan_pending(self) -> bool: ...
     @property
     def prompt_tokens(self) -> int: ...
     @property
@@ -551,6 +561,10 @@ class SchedulerStats:
     def decode_tokens(self) -> int: ...
     @property
     def prefill_tokens(self) -> int: ...
+    @property
+    def plan_demotions(self) -> int: ...
+    @property
+    def plan_waits(self) -> int: ...
     @property
     def draft_tokens(self) -> int: ...
     @property
