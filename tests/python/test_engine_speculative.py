@@ -17,9 +17,9 @@ import mixkv
 import numpy as np
 import pytest
 
-LAYERS, KV_HEADS, Q_HEADS, HEAD_DIM, BLOCK = 2, 2, 4, 32, 16
+LAYERS, KV_HEADS, Q_HEADS, HEAD_DIM, BLOCK = 2, 2, 4, 64, 16  # a built CUDA instance
 SHAPE = mixkv.CacheShape(LAYERS, KV_HEADS, HEAD_DIM, BLOCK)
-SLAB = 16 << 10
+SLAB = 32 << 10
 VOCAB = 50
 TOLERANCE = 2e-3
 # id: (prompt tokens, max_new_tokens)
@@ -187,7 +187,7 @@ def test_engine_speculative_errors_name_the_argument_and_change_nothing():
     # attend takes the step's rows: one a decode plus its drafts.
     q1 = np.zeros((1, Q_HEADS, HEAD_DIM), np.float16)
     kv1 = np.zeros((1, KV_HEADS, HEAD_DIM), np.float16)
-    with pytest.raises(mixkv.InvalidArgument, match=r"Engine::attend: q: expected .*shape \(3, 4, 32\)"):
+    with pytest.raises(mixkv.InvalidArgument, match=r"Engine::attend: q: expected .*shape \(3, 4, 64\)"):
         engine.attend(0, q1, kv1, kv1)
     assert engine.describe_state() == before and "a2" not in engine
     q = np.zeros((3, Q_HEADS, HEAD_DIM), np.float16)

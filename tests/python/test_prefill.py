@@ -20,9 +20,9 @@ import pytest
 from helpers import P, plan_of
 from mixkv import Segment, TokenKind, TokenLayout
 
-LAYERS, KV_HEADS, Q_HEADS, HEAD_DIM, BLOCK = 2, 2, 4, 32, 16
+LAYERS, KV_HEADS, Q_HEADS, HEAD_DIM, BLOCK = 2, 2, 4, 64, 16  # a built CUDA instance
 SHAPE = mixkv.CacheShape(LAYERS, KV_HEADS, HEAD_DIM, BLOCK)
-SLAB = 16 << 10  # 4 FP16 blocks
+SLAB = 32 << 10  # 4 FP16 blocks
 BUDGET = 40  # max_num_batched_tokens: each prompt takes several chunks
 TOLERANCE = 2e-3
 
@@ -266,15 +266,15 @@ def test_bad_arrays_name_the_argument_and_change_nothing():
         engine.prefill(0, q, kv, np.zeros((20, HEAD_DIM, KV_HEADS), np.float16).transpose(0, 2, 1))
     with pytest.raises(mixkv.InvalidArgument, match=r"Engine.prefill: k: .* got list"):
         engine.prefill(0, q, [[1.0]], kv)
-    with pytest.raises(mixkv.InvalidArgument, match=r"Engine::prefill: q: expected .*shape \(20, 4, 32\)"):
+    with pytest.raises(mixkv.InvalidArgument, match=r"Engine::prefill: q: expected .*shape \(20, 4, 64\)"):
         engine.prefill(0, q[:-1], kv, kv)
-    with pytest.raises(mixkv.InvalidArgument, match=r"Engine::prefill: q: expected .*shape \(20, 4, 32\)"):
+    with pytest.raises(mixkv.InvalidArgument, match=r"Engine::prefill: q: expected .*shape \(20, 4, 64\)"):
         engine.prefill(0, np.zeros((20, KV_HEADS, HEAD_DIM), np.float16), kv, kv)
     with pytest.raises(mixkv.InvalidArgument, match=r"Engine::prefill: k: expected .*shape \(20, 2, 32\)"):
         engine.prefill(0, q, kv[:-1], kv)
     with pytest.raises(mixkv.InvalidArgument, match=r"Engine::prefill: v: expected .*shape \(20, 2, 32\)"):
         engine.prefill(0, q, kv, np.zeros((20, KV_HEADS, 16), np.float16))
-    with pytest.raises(mixkv.InvalidArgument, match=r"Engine::prefill: out: expected .*shape \(20, 4, 32\)"):
+    with pytest.raises(mixkv.InvalidArgument, match=r"Engine::prefill: out: expected .*shape \(20, 4, 64\)"):
         engine.prefill(0, q, kv, kv, out=np.zeros((19, Q_HEADS, HEAD_DIM), np.float16))
     readonly = np.zeros_like(q)
     readonly.flags.writeable = False
@@ -295,7 +295,7 @@ def test_bad_arrays_name_the_argument_and_change_nothing():
     assert step.prefills == [] and step.decodes == ["a"]
     empty = engine.prefill(0, q[:0], kv[:0], kv[:0])
     assert empty.shape == (0, Q_HEADS, HEAD_DIM)
-    with pytest.raises(mixkv.InvalidArgument, match=r"Engine::prefill: q: expected .*shape \(0, 4, 32\)"):
+    with pytest.raises(mixkv.InvalidArgument, match=r"Engine::prefill: q: expected .*shape \(0, 4, 64\)"):
         engine.prefill(0, q, kv, kv)
 
 
