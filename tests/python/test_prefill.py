@@ -270,9 +270,9 @@ def test_bad_arrays_name_the_argument_and_change_nothing():
         engine.prefill(0, q[:-1], kv, kv)
     with pytest.raises(mixkv.InvalidArgument, match=r"Engine::prefill: q: expected .*shape \(20, 4, 64\)"):
         engine.prefill(0, np.zeros((20, KV_HEADS, HEAD_DIM), np.float16), kv, kv)
-    with pytest.raises(mixkv.InvalidArgument, match=r"Engine::prefill: k: expected .*shape \(20, 2, 32\)"):
+    with pytest.raises(mixkv.InvalidArgument, match=r"Engine::prefill: k: expected .*shape \(20, 2, 64\)"):
         engine.prefill(0, q, kv[:-1], kv)
-    with pytest.raises(mixkv.InvalidArgument, match=r"Engine::prefill: v: expected .*shape \(20, 2, 32\)"):
+    with pytest.raises(mixkv.InvalidArgument, match=r"Engine::prefill: v: expected .*shape \(20, 2, 64\)"):
         engine.prefill(0, q, kv, np.zeros((20, KV_HEADS, 16), np.float16))
     with pytest.raises(mixkv.InvalidArgument, match=r"Engine::prefill: out: expected .*shape \(20, 4, 64\)"):
         engine.prefill(0, q, kv, kv, out=np.zeros((19, Q_HEADS, HEAD_DIM), np.float16))
