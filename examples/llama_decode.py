@@ -10,6 +10,7 @@ workload then runs with an all-FP16 cache, and the closing table compares the
 two: memory per pool, tokens/s, and how often the generated tokens agree.
 
     python examples/llama_decode.py [--requests 6] [--frames 4] [--new-tokens 24] [--backend auto]
+                                    [--prefill-mode exact|compact] [--step-tokens 128]
 
 mixkv.Engine holds the cache and applies each step's memory moves (demotions,
 swaps, copy-on-write copies, page tables); the loop below only runs the model
@@ -19,9 +20,14 @@ in NumPy on the host; each layer's q/k/v go to the GPU as torch tensors);
 `auto` picks `cuda` where mixkv was built with CUDA and torch sees a GPU.
 Attention outputs are float16 on both.
 
-Prefill attention (a chunk's rows over the prompt so far) is the engine's
-job, not mixkv's: it is done densely here, with the exact K/V, while the K/V
-go into the cache through Engine.store.
+Prefill goes through the cache too (Engine.prefill): a chunk's rows attend
+to the prompt rows that earlier chunks stored and causally to each other, and
+the engine keeps no copy of the prompt. The prefill mode says what earlier
+chunks are read as: `exact` (the default) holds a chunked prompt FP16 until
+its last chunk and then demotes it to its plan, so the prefill equals dense
+prefill; `compact` stores each window at its plan as its chunk completes,
+so later chunks read earlier windows quantized, and a prompt never takes
+its FP16 size in the cache.
 """
 
 import argparse
@@ -99,7 +105,8 @@ class Model:
 
 
 def causal_attention(q, k, v, first_position):
-    """Prefill attention of rows first_position.. over keys 0..: q [rows, Hq, D], k/v [keys, Hkv, D]."""
+    """Dense attention of rows first_position.. over keys 0..: q [rows, Hq, D], k/v [keys, Hkv, D]. For the
+    calibration pass only: the serving loop's prefill attention is mixkv's (Engine.prefill)."""
     group = Q_HEADS // KV_HEADS
     k = np.repeat(k.astype(np.float32), group, axis=1)
     v = np.repeat(v.astype(np.float32), group, axis=1)
@@ -202,10 +209,14 @@ def serve(
     swap_blocks=0,
     preemption=mixkv.PreemptionMode.Recompute,
     forced=None,
+    prefill_mode=mixkv.PrefillMode.Exact,
+    step_tokens=128,
 ):
     """Runs the workload through a mixkv.Engine on one backend; returns the generated tokens, the logits each
     came from, peak pool usage, scheduler counters and timings. `forced` (id -> tokens) feeds those tokens
-    instead of the argmax, so that two runs see the same sequences and their logits can be compared."""
+    instead of the argmax, so that two runs see the same sequences and their logits can be compared.
+    `prefill_mode`: mixkv.PrefillMode.Exact or Compact (what a chunk reads of the chunks before it);
+    `step_tokens`: the rows a step computes at most (prompt chunks and decodes), so longer prompts are chunked."""
     shape = mixkv.CacheShape(LAYERS, KV_HEADS, HEAD_DIM, WINDOW)
     config = mixkv.CacheConfig(
         shape, arena_bytes, slab_bytes=256 << 10, swap_blocks=[swap_blocks] * 3, fp16_windows_first=True
@@ -215,7 +226,9 @@ def serve(
     )
     engine = mixkv.Engine(
         config,
-        mixkv.SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=384, preemption=preemption),
+        mixkv.SchedulerConfig(
+            max_num_seqs=8, max_num_batched_tokens=step_tokens, preemption=preemption, prefill_mode=prefill_mode
+        ),
         num_q_heads=Q_HEADS,
         backend=backend,
         planner=planner,
@@ -224,8 +237,9 @@ def serve(
     by_id = {r["id"]: r for r in requests}
     generated = {r["id"]: [] for r in requests}
     logits_of = {r["id"]: [] for r in requests}
-    prefill_kv = {}  # id -> [layer] -> (k rows, v rows): the engine's prefill attention input
     peak = [0, 0, 0]
+    peak_bytes = 0
+    block_bytes = [engine.cache.format(p).block_bytes for p in mixkv.Precision]
     total = sum(r["max_new_tokens"] for r in requests)
     progress = Progress(total)
     decode_time = prefill_time = 0.0
@@ -246,39 +260,27 @@ def serve(
             )
         step += 1
         out = engine.step()  # the scheduler's decisions, their memory moves already applied
-        for rid in out.preempted:
-            prefill_kv.pop(rid, None)
 
-        # Prefill chunks, layer by layer: each layer's K/V rows of every chunk go to the cache in one store.
-        # A recomputed prompt is the original prompt plus the generated tokens.
+        # Prefill chunks, layer by layer, every chunk's rows in one call: Engine.prefill attends each chunk's
+        # rows to the rows its request stored before (read through the cache) and causally to each other, then
+        # stores the chunk's K/V. A recomputed prompt is the original prompt plus the generated tokens.
         start = time.perf_counter()
         if out.prefills:
-            hs, positions = [], []
+            rows, positions = [], []
             for chunk in out.prefills:
                 r = by_id[chunk.request_id]
                 prompt = np.concatenate([r["embeddings"], model.embed[generated[chunk.request_id]]])
-                hs.append(prompt[chunk.start : chunk.end])
+                rows.append(prompt[chunk.start : chunk.end])
                 positions.append(np.arange(chunk.start, chunk.end))
-                if chunk.start == 0:
-                    prefill_kv[chunk.request_id] = [
-                        (np.zeros((0, KV_HEADS, HEAD_DIM), np.float16),) * 2 for _ in range(LAYERS)
-                    ]
+            h, positions = np.concatenate(rows), np.concatenate(positions)
             for layer in range(LAYERS):
-                qkv = [model.qkv(layer, h, p) for h, p in zip(hs, positions)]
-                engine.store(
-                    layer,
-                    to_engine(np.concatenate([k for _, k, _ in qkv])),
-                    to_engine(np.concatenate([v for _, _, v in qkv])),
-                )
-                for i, (chunk, (q, k, v)) in enumerate(zip(out.prefills, qkv)):
-                    old_k, old_v = prefill_kv[chunk.request_id][layer]
-                    all_k, all_v = np.concatenate([old_k, k]), np.concatenate([old_v, v])
-                    prefill_kv[chunk.request_id][layer] = (all_k, all_v)
-                    hs[i] = model.finish_layer(layer, hs[i], causal_attention(q, all_k, all_v, chunk.start))
-            for chunk, h in zip(out.prefills, hs):
-                if chunk.last:
-                    sample(chunk.request_id, model.logits(h[-1]))
-                    del prefill_kv[chunk.request_id]
+                q, k, v = model.qkv(layer, h, positions)
+                attn = engine.prefill(layer, to_engine(q.astype(np.float16)), to_engine(k), to_engine(v))
+                h = model.finish_layer(layer, h, from_engine(attn))
+            last_rows = np.cumsum([chunk.end - chunk.start for chunk in out.prefills]) - 1
+            for chunk, row in zip(out.prefills, last_rows):
+                if chunk.last:  # the prompt is complete: its last row gives the first token
+                    sample(chunk.request_id, model.logits(h[row]))
         prefill_time += time.perf_counter() - start
 
         # The decode batch: per layer, the engine appends the K/V and attends over the three pools.
@@ -299,6 +301,8 @@ def serve(
 
         for p in mixkv.Precision:
             peak[p] = max(peak[p], engine.cache.pool_stats(p).used_blocks)
+        used = sum(engine.cache.pool_stats(p).used_blocks * block_bytes[p] for p in mixkv.Precision)
+        peak_bytes = max(peak_bytes, used)
         stats = engine.stats()
         progress.update(
             sum(len(g) for g in generated.values()),
@@ -308,17 +312,18 @@ def serve(
     progress.close()
     engine.check_invariants()
     stats = engine.stats()
-    block_bytes = [engine.cache.format(p).block_bytes for p in mixkv.Precision]
     return dict(
         generated=generated,
         logits=logits_of,
         peak=peak,
+        peak_bytes=peak_bytes,
         block_bytes=block_bytes,
         decode_time=decode_time,
         prefill_time=prefill_time,
         decode_tokens=decode_tokens,
         prefill_tokens=stats.prefill_tokens,
         demotions=stats.demotions,
+        plan_demotions=stats.plan_demotions,
         preempted_recompute=stats.preempted_recompute,
         preempted_swap=stats.preempted_swap,
     )
@@ -333,6 +338,19 @@ def main():
     parser.add_argument("--swap-blocks", type=int, default=0, help="host swap blocks per pool")
     parser.add_argument("--preemption", choices=("recompute", "swap"), default="recompute")
     parser.add_argument("--backend", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument(
+        "--prefill-mode",
+        choices=("exact", "compact"),
+        default="exact",
+        help="exact: a chunked prompt is held FP16 until its last chunk, then demoted to its plan (prefill equals "
+        "dense prefill); compact: each window is stored at its plan as its chunk completes (less memory)",
+    )
+    parser.add_argument(
+        "--step-tokens",
+        type=int,
+        default=128,
+        help="rows a step computes at most (max_num_batched_tokens): longer prompts are prefilled in chunks",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--sensitivity",
@@ -344,6 +362,7 @@ def main():
     args = parser.parse_args()
     backend = pick_backend(args.backend)
     preemption = mixkv.PreemptionMode.Swap if args.preemption == "swap" else mixkv.PreemptionMode.Recompute
+    prefill_mode = mixkv.PrefillMode.Exact if args.prefill_mode == "exact" else mixkv.PrefillMode.Compact
 
     rng = np.random.default_rng(args.seed)
     model = Model(rng)
@@ -353,13 +372,22 @@ def main():
     print(
         f"mixkv {mixkv.__version__}: {args.requests} requests of {requests[0]['layout'].num_tokens} prompt tokens, "
         f"{args.new_tokens} new tokens each; measured layer sensitivities {np.round(measured, 3).tolist()}, "
-        f"planning with {np.round(sensitivities, 3).tolist()}; {backend} backend"
+        f"planning with {np.round(sensitivities, 3).tolist()}; {backend} backend, {args.prefill_mode} prefill"
     )
     runs = {}
     for name, fp16_only in (("WindowQuant", False), ("FP16", True)):
         print(f"{name} cache:")
         runs[name] = serve(
-            model, requests, sensitivities, fp16_only, args.arena_mib << 20, backend, args.swap_blocks, preemption
+            model,
+            requests,
+            sensitivities,
+            fp16_only,
+            args.arena_mib << 20,
+            backend,
+            args.swap_blocks,
+            preemption,
+            prefill_mode=prefill_mode,
+            step_tokens=args.step_tokens,
         )
 
     wq, fp = runs["WindowQuant"], runs["FP16"]
@@ -368,13 +396,13 @@ def main():
     for p in mixkv.Precision:
         cells = [f"{r['peak'][p]} x {r['block_bytes'][p] // 1024} KiB" for r in (wq, fp)]
         print(f"{'peak ' + p.name + ' blocks':24}{cells[0]:>14}{cells[1]:>14}")
-    kib = [sum(r["peak"][p] * r["block_bytes"][p] for p in mixkv.Precision) / 1024 for r in (wq, fp)]
+    kib = [r["peak_bytes"] / 1024 for r in (wq, fp)]  # the largest total of one step
     print(f"{'peak KV memory (KiB)':24}{kib[0]:>14.0f}{kib[1]:>14.0f}")
     tps = [r["decode_tokens"] / r["decode_time"] for r in (wq, fp)]
     print(f"{'decode tokens/s':24}{tps[0]:>14.1f}{tps[1]:>14.1f}")
     ptps = [r["prefill_tokens"] / r["prefill_time"] for r in (wq, fp)]
     print(f"{'prefill tokens/s':24}{ptps[0]:>14.1f}{ptps[1]:>14.1f}")
-    for key in ("demotions", "preempted_recompute", "preempted_swap"):
+    for key in ("demotions", "plan_demotions", "preempted_recompute", "preempted_swap"):
         print(f"{key.replace('_', ' '):24}{wq[key]:>14}{fp[key]:>14}")
     same = total = prefix = 0
     for rid, tokens in fp["generated"].items():
@@ -390,9 +418,14 @@ def main():
         if backend == "cuda"
         else "mixkv's CPU backend (float64 reference attention), not of the CUDA kernels"
     )
+    held = (
+        " (exact prefill holds a chunked prompt FP16 until its last chunk; --prefill-mode compact does not)"
+        if wq["plan_demotions"]
+        else ""
+    )
     print(
-        f"\nKV memory {kib[1] / kib[0]:.2f}x smaller with WindowQuant. Tokens/s are of this NumPy engine (the "
-        f"model's matrices on the host) with attention on {attention}."
+        f"\nPeak KV memory {kib[1] / kib[0]:.2f}x smaller with WindowQuant{held}. Tokens/s are of this NumPy engine "
+        f"(the model's matrices on the host) with attention on {attention}."
     )
 
 

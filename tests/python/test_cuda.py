@@ -309,14 +309,14 @@ def load_llama_decode_example():
     ids=["demotions", "swaps", "recomputes"],
 )
 def test_scheduler_driven_engine_matches_the_cpu_backend(fp16_only, workload, preemption):
-    """examples/llama_decode.py's engine loop (mixkv.Scheduler deciding, the engine applying demotions, swaps,
-    preemptions, device page-table syncs, one DecodePlan a step) on a DeviceKVCache against the same loop on the
-    CPU backend, in a 1 MiB arena that forces the memory moves. The GPU run is fed the CPU run's tokens, so both
+    """examples/llama_decode.py's engine loop (a mixkv.Engine: the scheduler deciding, the backend applying
+    demotions, swaps, preemptions and page tables, prompts prefilled through the cache) on the CUDA backend
+    against the same loop on the CPU backend, in a 1 MiB arena that forces the memory moves. The GPU run is fed the CPU run's tokens, so both
     see the same sequences: the scheduler must make the same decisions and every logit must agree."""
     example = load_llama_decode_example()
     requests_count, frames, new_tokens = workload
     runs = []
-    for backend in (example.HostBackend, example.CudaBackend):
+    for backend in ("cpu", "cuda"):
         rng = np.random.default_rng(7)
         model = example.Model(rng)
         requests = example.make_requests(rng, model, requests_count, frames, new_tokens)
