@@ -302,7 +302,7 @@ def load_llama_decode_example():
 @pytest.mark.parametrize(
     "fp16_only, workload, preemption",
     [
-        (False, (12, 2, 48), mixkv.PreemptionMode.Swap),  # WindowQuant plans, demoted under pressure
+        (False, (12, 2, 48), mixkv.PreemptionMode.Swap),  # WindowQuant plans, applied by demotion
         (True, (16, 1, 80), mixkv.PreemptionMode.Swap),  # FP16 floors: swapped out and in instead
         (True, (16, 1, 80), mixkv.PreemptionMode.Recompute),  # freed and prefilled again
     ],
@@ -335,10 +335,10 @@ def test_scheduler_driven_engine_matches_the_cpu_backend(fp16_only, workload, pr
             )
         )
     host, device = runs
-    moves = {"demotions": host["demotions"], "swaps": host["preempted_swap"], "recomputes": host["preempted_recompute"]}
+    moves = {"demotions": host["demotions"] + host["plan_demotions"], "swaps": host["preempted_swap"], "recomputes": host["preempted_recompute"]}
     expected = "demotions" if not fp16_only else ("swaps" if preemption == mixkv.PreemptionMode.Swap else "recomputes")
     assert moves[expected] > 0, f"the arena forced no {expected}: {moves}"
-    for key in ("demotions", "preempted_swap", "preempted_recompute", "peak", "decode_tokens", "prefill_tokens"):
+    for key in ("demotions", "plan_demotions", "preempted_swap", "preempted_recompute", "peak", "decode_tokens", "prefill_tokens"):
         assert device[key] == host[key], key
     worst = 0.0
     for rid, logits in host["logits"].items():
