@@ -8,6 +8,7 @@
 #include <string>
 
 #include <unistd.h>
+#include <boost/unordered/unordered_flat_map.hpp>
 
 namespace mixkv {
 
@@ -119,6 +120,10 @@ KVCacheManager::Impl::Impl(const CacheConfig& c) : config(checked(c)), arena(c.a
   }
   layer_ids.resize(static_cast<std::size_t>(num_layers()));
   slot_rows.resize(static_cast<std::size_t>(num_layers()));
+  if (c.prefix_cache.enabled) {
+    index = std::make_unique<PrefixIndex>(
+        num_layers(), std::array<BlockPool*, kNumPrecisions>{pools[0].get(), pools[1].get(), pools[2].get()});
+  }
 }
 
 const Sequence& KVCacheManager::Impl::find(SequenceId id, const char* name) const {
@@ -223,28 +228,89 @@ BlockCounts KVCacheManager::Impl::prompt_demand(const TokenLayout& layout, const
   return need;
 }
 
-// Why `need` cannot be allocated now, or nullopt when it can. Exact: each
-// pool first uses its own free blocks (partly used slabs first), then the
-// pools that still lack blocks share the free slabs plus the empty slabs the
-// other pools keep after their own allocation (BlockPool::spare_slabs_after).
-std::optional<std::string> KVCacheManager::Impl::shortfall(const BlockCounts& need) const {
-  std::int64_t slabs = arena.free_slabs();
-  for (const Precision p : kAllPrecisions) slabs += pool(p).spare_slabs_after(need[at(p)]);
-  for (const Precision p : kAllPrecisions) {
-    const BlockPool& bp = pool(p);
-    const std::int64_t missing = need[at(p)] - bp.free_blocks();
+namespace {
+
+// Exact: each pool first uses its own free blocks (partly used slabs first),
+// then the pools that still lack blocks share the free slabs plus the empty
+// slabs the other pools keep after their own allocation (what
+// BlockPool::spare_slabs_after counts). The first pool that lacks blocks,
+// or -1; `slabs` ends as the slabs obtainable before it.
+int lacking(const Supplies& pools, std::int64_t free_slabs, const BlockCounts& need, std::int64_t& slabs) {
+  slabs = free_slabs;
+  for (std::size_t p = 0; p < pools.size(); ++p) {
+    const detail::Supply& s = pools[p];
+    const std::int64_t blocks = need[p];
+    if (blocks < 0 || blocks > s.free) continue;
+    const std::int64_t in_partial = s.free - s.empty * s.per_slab;
+    slabs += blocks <= in_partial ? s.empty : s.empty - (blocks - in_partial + s.per_slab - 1) / s.per_slab;
+  }
+  for (std::size_t p = 0; p < pools.size(); ++p) {
+    const std::int64_t missing = need[p] - pools[p].free;
     if (missing <= 0) continue;
-    const std::int64_t wanted = (missing + bp.blocks_per_slab() - 1) / bp.blocks_per_slab();
-    if (wanted > slabs) {
-      return "the " + std::string(to_string(p)) + " pool needs " + std::to_string(need[at(p)]) + " blocks, " +
-             std::to_string(bp.free_blocks() + slabs * bp.blocks_per_slab()) + " available (" +
-             std::to_string(bp.free_blocks()) + " free in its slabs + " + std::to_string(slabs) +
-             " obtainable slabs of " + std::to_string(bp.blocks_per_slab()) +
-             " blocks); blocks needed: " + counts_text(need);
-    }
+    const std::int64_t wanted = (missing + pools[p].per_slab - 1) / pools[p].per_slab;
+    if (wanted > slabs) return static_cast<int>(p);
     slabs -= wanted;
   }
-  return std::nullopt;
+  return -1;
+}
+
+}  // namespace
+
+Supplies KVCacheManager::Impl::supplies() const {
+  Supplies s;
+  for (const Precision p : kAllPrecisions) {
+    const BlockPool& bp = pool(p);
+    s[at(p)] = {bp.free_blocks(), bp.empty_slabs(), bp.blocks_per_slab()};
+  }
+  return s;
+}
+
+// Why `need` cannot be allocated now, or nullopt when it can: first as the
+// pools stand, then as they would stand with every cached block no
+// sequence holds evicted (less those `match` would share): free blocks of
+// their pools, and slabs whose used blocks all go empty.
+std::optional<std::string> KVCacheManager::Impl::shortfall(const BlockCounts& need, const PrefixMatch* match) const {
+  const Supplies plain = supplies();
+  std::int64_t slabs = 0;
+  const int short_pool = lacking(plain, arena.free_slabs(), need, slabs);
+  if (short_pool < 0) return std::nullopt;
+  const std::int64_t cached = index ? index->evictable_total() : 0;
+  if (cached > 0) {
+    Supplies view = plain;
+    boost::unordered_flat_map<std::int64_t, std::int32_t> in_slab;  // (pool << 32 | slab) -> evictable blocks
+    auto slab_key = [&](Precision p, std::int32_t block) {
+      return (std::int64_t{pool_index(p)} << 32) | (block / pool(p).blocks_per_slab());
+    };
+    index->for_each_evictable([&](Precision p, std::int32_t block) {
+      ++in_slab[slab_key(p, block)];
+      ++view[at(p)].free;
+    });
+    for (const Precision p : kAllPrecisions) {
+      if (match == nullptr) break;
+      for (const std::int32_t block : match->revived_ids[at(p)]) {
+        const auto it = in_slab.find(slab_key(p, block));
+        if (it == in_slab.end() || it->second == 0) continue;
+        --it->second;
+        --view[at(p)].free;
+      }
+    }
+    for (const auto& [key, count] : in_slab) {
+      const auto p = static_cast<Precision>(key >> 32);
+      if (count > 0 && count == pool(p).used_in_slab(static_cast<std::int32_t>(key & 0xffffffff))) ++view[at(p)].empty;
+    }
+    std::int64_t ignored = 0;
+    if (lacking(view, arena.free_slabs(), need, ignored) < 0) return std::nullopt;
+  }
+  const Precision p = kAllPrecisions[static_cast<std::size_t>(short_pool)];
+  const BlockPool& bp = pool(p);
+  std::string reason = "the " + std::string(to_string(p)) + " pool needs " + std::to_string(need[at(p)]) + " blocks, " +
+                       std::to_string(bp.free_blocks() + slabs * bp.blocks_per_slab()) + " available (" +
+                       std::to_string(bp.free_blocks()) + " free in its slabs + " + std::to_string(slabs) +
+                       " obtainable slabs of " + std::to_string(bp.blocks_per_slab()) +
+                       " blocks); blocks needed: " + counts_text(need);
+  if (cached > 0)
+    reason += "; evicting the " + std::to_string(cached) + " cached blocks no sequence holds is not enough";
+  return reason;
 }
 
 void KVCacheManager::Impl::grow(Precision p) {
@@ -274,13 +340,15 @@ void KVCacheManager::Impl::grow(Precision p) {
 // and of the slab records grow() will add) and changes nothing the state
 // shows; the call then makes its other host allocations, and only then
 // take_blocks() moves blocks and slabs, allocating nothing.
-void KVCacheManager::Impl::prepare_blocks(const BlockCounts& need, const std::string& what, BlockIds& ids) {
-  if (auto reason = shortfall(need)) throw OutOfMemory(what + ": out of memory: " + *reason);
+void KVCacheManager::Impl::prepare_blocks(const BlockCounts& need, const std::string& what, BlockIds& ids,
+                                          const PrefixMatch* match) {
+  if (auto reason = shortfall(need, match)) throw OutOfMemory(what + ": out of memory: " + *reason);
   for (const Precision p : kAllPrecisions) {
     ids[at(p)].clear();
     ids[at(p)].reserve(static_cast<std::size_t>(need[at(p)]));
     // take_blocks() grows a pool once per slab it lacks after its own free
-    // blocks; other pools only give it empty slabs they do not need.
+    // blocks (eviction only adds to them); other pools only give it empty
+    // slabs they do not need.
     const BlockPool& bp = pool(p);
     const std::int64_t missing = need[at(p)] - bp.free_blocks();
     if (missing > 0) {
@@ -294,6 +362,11 @@ void KVCacheManager::Impl::prepare_blocks(const BlockCounts& need, const std::st
 // Cannot fail: shortfall() found them, ids has their capacity and every
 // slab grow() adds has its record (arena give_back/take allocate nothing).
 void KVCacheManager::Impl::take_blocks(const BlockCounts& need, BlockIds& ids) {
+  if (index && index->evictable_total() > 0) {
+    std::int64_t slabs = 0;
+    while (lacking(supplies(), arena.free_slabs(), need, slabs) >= 0 && index->evict_one()) {
+    }
+  }
   // Every pool takes its own free blocks before any pool grows, so a slab is
   // never reclaimed from a pool that still needs it (the order shortfall()
   // counted in).
@@ -368,12 +441,18 @@ bool KVCacheManager::can_allocate(const BlockCounts& blocks) const {
 }
 
 void KVCacheManager::add_sequence(SequenceId id, const TokenLayout& layout, const PrecisionPlan& plan) {
-  Impl& m = *impl_;
+  impl_->add(id, layout, plan, nullptr);
+}
+
+void KVCacheManager::Impl::add(SequenceId id, const TokenLayout& layout, const PrecisionPlan& plan,
+                               const PrefixShares* shares) {
+  Impl& m = *this;
   if (m.sequences.contains(id)) {
     throw InvalidArgument("id = " + std::to_string(id) + " is already a sequence of this cache, expected a new id");
   }
   m.require_prompt(layout, plan);
-  const BlockCounts need = m.prompt_demand(layout, plan);
+  const bool sharing = shares != nullptr && !shares->lists.empty();
+  const BlockCounts need = sharing ? shares->match.demand : m.prompt_demand(layout, plan);
   const std::int32_t bs = m.block_size();
 
   // Prepare: every host allocation (the block ids, slab records, the
@@ -382,7 +461,7 @@ void KVCacheManager::add_sequence(SequenceId id, const TokenLayout& layout, cons
   // (Slab records first: the heap layout that order leaves keeps
   // append_tokens up to 10% faster in scheduler_bench.)
   BlockIds ids;
-  m.prepare_blocks(need, "add_sequence(id = " + std::to_string(id) + ")", ids);
+  m.prepare_blocks(need, "add_sequence(id = " + std::to_string(id) + ")", ids, sharing ? &shares->match : nullptr);
   Sequence seq{.prompt = std::make_shared<Prompt>(Prompt{layout, plan}),
                .num_tokens = layout.num_tokens(),
                .table = PageTable(m.num_layers(), m.block_size())};
@@ -398,20 +477,38 @@ void KVCacheManager::add_sequence(SequenceId id, const TokenLayout& layout, cons
   // Last: emplace either inserts or changes nothing (Boost's strong guarantee).
   Sequence& added = m.sequences.emplace(id, std::move(seq)).first->second;
 
-  // Commit: nothing below allocates or throws. The blocks go out layer by
-  // layer, in allocation order.
+  // Commit: nothing below allocates or throws. Shared blocks are retained
+  // first, so that making room evicts none of them. Fresh blocks go out
+  // layer by layer, in allocation order.
+  if (sharing) {
+    for (const BlockIds& lists : shares->lists) {
+      for (const Precision p : kAllPrecisions) {
+        for (const std::int32_t block : lists[at(p)]) {
+          if (block < 0) continue;
+          m.pool(p).retain(block);
+          m.holders_changed(p, block);
+        }
+      }
+    }
+  }
   m.take_blocks(need, ids);
   std::array<std::size_t, kNumPrecisions> next{};
+  auto block_at = [&](std::int32_t layer, Precision p, std::size_t position) {
+    const std::int32_t shared = sharing ? shares->lists[static_cast<std::size_t>(layer)][at(p)][position] : -1;
+    return shared >= 0 ? shared : ids[at(p)][next[at(p)]++];
+  };
   for (std::int32_t layer = 0; layer < m.num_layers(); ++layer) {
     const auto windows = plan.window_counts(layer);
     std::int64_t fp16_tokens = layout.num_tokens() - (std::int64_t{windows[1]} + windows[2]) * bs;
-    while (fp16_tokens > 0) {
+    for (std::size_t j = 0; fp16_tokens > 0; ++j) {
       const auto fill = static_cast<std::int32_t>(std::min<std::int64_t>(fp16_tokens, bs));
-      added.table.push_block(layer, Precision::FP16, ids[0][next[0]++], fill);
+      added.table.push_block(layer, Precision::FP16, block_at(layer, Precision::FP16, j), fill);
       fp16_tokens -= fill;
     }
     for (const Precision p : {Precision::INT4, Precision::INT2}) {
-      for (std::int32_t w = 0; w < windows[at(p)]; ++w) added.table.push_block(layer, p, ids[at(p)][next[at(p)]++], bs);
+      for (std::int32_t w = 0; w < windows[at(p)]; ++w) {
+        added.table.push_block(layer, p, block_at(layer, p, static_cast<std::size_t>(w)), bs);
+      }
     }
   }
   m.register_handle(added);

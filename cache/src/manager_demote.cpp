@@ -62,7 +62,10 @@ std::optional<std::string> KVCacheManager::Impl::why_not(const Sequence& seq, st
            std::to_string(block_size()) + " (they share blocks with other tokens; fp16_windows_first avoids this)";
   }
   const std::int32_t block = seq.table.blocks(layer, current)[static_cast<std::size_t>(index)];
-  const std::int32_t refs = pool(current).ref_count(block);
+  // The prefix index keeps its reference to the original, whose bytes the
+  // demotion only reads: the sequence moves to the copy.
+  const bool cached = this->index && this->index->node_of(current, block) != nullptr;
+  const std::int32_t refs = pool(current).ref_count(block) - (cached ? 1 : 0);
   if (refs != 1) {
     return "its " + std::string(to_string(current)) + " block " + std::to_string(block) + " is shared by " +
            std::to_string(refs) + " sequences (a shared block is never demoted in place)";
@@ -176,7 +179,9 @@ std::vector<DemoteOp> KVCacheManager::demote(std::span<const Demotion> demotions
     prompt.plan.set(d.layer, d.window, d.target);
     ops.push_back({d.id, d.layer, d.window, current, src, d.target, dst});
   }
-  for (const DemoteOp& op : ops) m.pool(op.src_precision).release(op.src_block);
+  for (const DemoteOp& op : ops) {
+    if (!m.pool(op.src_precision).release(op.src_block)) m.holders_changed(op.src_precision, op.src_block);
+  }
   return ops;
 }
 

@@ -19,6 +19,7 @@
 #include "mixkv/core/checks.h"
 #include "mixkv/core/errors.h"
 #include "mixkv/core/page_table.h"
+#include "prefix_index.h"
 
 namespace mixkv {
 namespace detail {
@@ -77,17 +78,37 @@ void reserve_geometric(std::vector<T>& v, std::size_t size) {
   if (v.capacity() < size) v.reserve(std::max(size, 2 * v.capacity()));
 }
 
+// What a pool can give: its free blocks, its empty slabs, blocks a slab.
+struct Supply {
+  std::int64_t free = 0;
+  std::int64_t empty = 0;
+  std::int64_t per_slab = 1;
+};
+using Supplies = std::array<Supply, kNumPrecisions>;
+
+// A match against the prefix index with what add_sequence needs besides
+// the summary: per layer and pool, the block at each list position that the
+// sequence shares (-1: a fresh one), each list at its final size.
+struct PrefixShares {
+  PrefixMatch match;
+  std::vector<BlockIds> lists;  // [layer][pool_index][position]; empty: no block shared
+};
+
 }  // namespace detail
 
 using detail::at;
 using detail::BlockIds;
 using detail::counts_text;
+using detail::PrefixIndex;
+using detail::PrefixNode;
+using detail::PrefixShares;
 using detail::Prompt;
 using detail::require_index;
 using detail::require_precision;
 using detail::require_slots_form;
 using detail::reserve_geometric;
 using detail::Sequence;
+using detail::Supplies;
 using detail::SwapPool;
 
 struct KVCacheManager::Impl {
@@ -115,6 +136,13 @@ struct KVCacheManager::Impl {
   std::vector<std::int32_t> layer_ids;
   std::vector<std::uint8_t> tail_changed;
   std::vector<std::int32_t*> slot_rows;
+
+  // Prefix caching (manager_prefix.cpp): null when off.
+  std::unique_ptr<PrefixIndex> index;
+  std::int64_t prefix_hits = 0;
+  std::int64_t prefix_hit_rows = 0;
+  std::int64_t prefix_published = 0;
+  BlockCounts prefix_shared{};
 
   void reserve_handle();
   void register_handle(Sequence& seq);
@@ -152,9 +180,25 @@ struct KVCacheManager::Impl {
   void require_layer(std::int32_t layer) const { require_index("layer", layer, num_layers()); }
   void require_prompt(const TokenLayout& layout, const PrecisionPlan& plan) const;
   BlockCounts prompt_demand(const TokenLayout& layout, const PrecisionPlan& plan) const;
+  // add_sequence, sharing shares->lists' blocks when given.
+  void add(SequenceId id, const TokenLayout& layout, const PrecisionPlan& plan, const PrefixShares* shares);
 
-  std::optional<std::string> shortfall(const BlockCounts& need) const;
-  void prepare_blocks(const BlockCounts& need, const std::string& what, BlockIds& ids);
+  // Prefix caching (manager_prefix.cpp): the prompt's match with the shared
+  // blocks' places; after a sequence retained or released `block`, the
+  // index's view of it.
+  PrefixShares match(const TokenLayout& layout, const PrecisionPlan& plan, std::span<const TokenKey> keys) const;
+  void holders_changed(Precision p, std::int32_t block) {
+    if (index) index->holders_changed(p, block);
+  }
+
+  // Why `need` cannot be allocated now (after `match` takes its shared
+  // blocks), or nullopt; counts what eviction would free.
+  std::optional<std::string> shortfall(const BlockCounts& need, const PrefixMatch* match = nullptr) const;
+  Supplies supplies() const;
+  void prepare_blocks(const BlockCounts& need, const std::string& what, BlockIds& ids,
+                      const PrefixMatch* match = nullptr);
+  // Evicts cached blocks (least recently released first) until `need`
+  // fits without eviction, then takes it.
   void take_blocks(const BlockCounts& need, BlockIds& ids);
   void grow(Precision p);
   // check_invariants() for the handle registry as a whole.

@@ -132,18 +132,37 @@ void KVCacheManager::check_invariants() const {
            std::to_string(room));
     }
   }
+  // The prefix index holds one reference on each block it files (each
+  // filed once: its map is keyed by block).
+  std::array<boost::unordered_flat_map<std::int32_t, std::int32_t>, kNumPrecisions> cached;
+  if (m.index) {
+    m.index->check();
+    m.index->for_each_block([&](Precision p, std::int32_t block) {
+      if (block >= m.pool(p).id_limit() || !m.pool(p).owns_slab(block / m.pool(p).blocks_per_slab())) {
+        fail("prefix index: " + std::string(to_string(p)) + " block " + std::to_string(block) +
+             " is outside the pool's slabs");
+      }
+      ++cached[at(p)][block];
+      ++holders[at(p)][block];
+    });
+  } else if (m.config.prefix_cache.enabled) {
+    fail("prefix caching is on but the manager has no prefix index");
+  }
   for (const Precision p : kAllPrecisions) {
     const BlockPool& bp = m.pool(p);
     for (const auto& [block, count] : holders[at(p)]) {
       if (bp.ref_count(block) != count) {
+        const std::int32_t tables = count - (cached[at(p)].contains(block) ? 1 : 0);
         fail(std::string(to_string(p)) + " block " + std::to_string(block) + " has ref count " +
-             std::to_string(bp.ref_count(block)) + " but " + std::to_string(count) + " page tables hold it");
+             std::to_string(bp.ref_count(block)) + " but " + std::to_string(tables) + " page tables hold it" +
+             (tables != count ? " and the prefix index" : ""));
       }
     }
     // Every used block is held: otherwise it leaked.
     if (static_cast<std::int64_t>(holders[at(p)].size()) != bp.used_blocks()) {
       fail(std::string(to_string(p)) + " pool has " + std::to_string(bp.used_blocks()) +
-           " used blocks but page tables hold " + std::to_string(holders[at(p)].size()));
+           " used blocks but page tables " + (m.index ? "and the prefix index " : "") + "hold " +
+           std::to_string(holders[at(p)].size()));
     }
     // Host swap pool: free + held == capacity, each free slot listed once.
     const SwapPool& sp = m.swap[at(p)];
@@ -189,6 +208,7 @@ std::string KVCacheManager::describe_state() const {
     for (const std::int32_t slot : m.swap[at(p)].free) put(" ", slot);
     out += "\n";
   }
+  if (m.index) m.index->describe(out);
   for (const SequenceId id : sequence_ids()) {
     const Sequence& seq = m.sequences.at(id);
     put("sequence ", id);

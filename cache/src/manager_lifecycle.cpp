@@ -43,8 +43,8 @@ void KVCacheManager::free_sequence(SequenceId id) {
           SwapPool& sp = m.swap[at(p)];
           sp.used[static_cast<std::size_t>(*b)] = 0;
           sp.free.push_back(*b);
-        } else {
-          m.pool(p).release(*b);
+        } else if (!m.pool(p).release(*b)) {
+          m.holders_changed(p, *b);  // perhaps the prefix index's alone now
         }
       }
     }

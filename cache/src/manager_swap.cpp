@@ -82,7 +82,9 @@ std::vector<SwapCopy> KVCacheManager::swap_out(SequenceId id) {
     }
   }
   // Released only now: the copies above read the blocks before anyone reuses them.
-  for (const SwapCopy& c : copies) m.pool(c.pool).release(c.device_block);
+  for (const SwapCopy& c : copies) {
+    if (!m.pool(c.pool).release(c.device_block)) m.holders_changed(c.pool, c.device_block);
+  }
   seq.table = std::move(host);
   seq.swapped = true;
   return copies;

@@ -60,6 +60,12 @@ void Scheduler::check_invariants() const {
         fail(who + " holds slot " + std::to_string(e.slot) + " without device memory");
       }
       if (e.computed < 0 || e.computed > e.prompt.num_tokens()) fail(who + " computed " + std::to_string(e.computed));
+      // Rows taken from the prefix cache are part of what is computed, and
+      // only memory holds them.
+      if (e.cached < 0 || e.cached > e.computed || (e.cached > 0 && e.state == RequestState::Waiting)) {
+        fail(who + " took " + std::to_string(e.cached) + " rows from the prefix cache, " + std::to_string(e.computed) +
+             " computed");
+      }
       if (e.state == RequestState::Running && e.computed != e.prompt.num_tokens())
         fail(who + " runs before its prompt is done");
       if (e.state == RequestState::Prefilling && e.computed == e.prompt.num_tokens())
@@ -144,6 +150,10 @@ std::string Scheduler::describe_state() const {
         out += std::to_string(e.drafts);
       }
       if (e.exact) out += " exact";
+      if (e.cached > 0) {
+        out += " cached ";
+        out += std::to_string(e.cached);
+      }
       out += ')';
     }
     out += "\n";

@@ -146,7 +146,11 @@ void Scheduler::Impl::commit_demotions(const std::vector<Demotion>& demotions, c
       if (changed.insert(d.id).second) out.tables_changed.push_back(d.id);
     }
   }
-  for (Entry* e : plans.complete) unplan(*e);
+  for (Entry* e : plans.complete) {
+    unplan(*e);
+    // Its plan's demotions are stored once this step runs.
+    if (prefix_caching() && !e->keys.empty()) publishing.push_back(e->id);
+  }
 }
 
 void Scheduler::Impl::check_plan(const Entry& e, const std::string& who) const {

@@ -76,6 +76,7 @@ void Scheduler::Impl::preempt(Entry& e, StepOutput& out) {
   e.prompt = TokenLayout(std::move(segments));
   refresh_demand(e);
   e.computed = 0;
+  e.cached = 0;
   e.num_tokens = 0;
   set_state(e, RequestState::Waiting);
   out.preempted.push_back(e.id);

@@ -118,10 +118,10 @@ Entry& Scheduler::Impl::live(RequestId id, const char* name) {
 
 // Whether `blocks` can be had now, leaving the watermark for the running
 // requests' growth when there are any.
-bool Scheduler::Impl::fits(const BlockCounts& blocks, bool with_reserve) const {
+bool Scheduler::Impl::fits(const BlockCounts& blocks, bool with_reserve, const PrefixMatch* match) const {
   BlockCounts need = blocks;
   if (with_reserve && !running.empty()) need[0] += reserve_fp16;
-  return cache.can_allocate(need);
+  return match != nullptr ? cache.can_allocate(need, *match) : cache.can_allocate(need);
 }
 
 // The most `e` will ever hold under `plan`: its prompt plus max_new_tokens - 1
@@ -167,21 +167,21 @@ std::optional<std::string> Scheduler::Impl::never_fits(const Entry& e) const {
   return std::nullopt;
 }
 
-// End of the chunk that starts at e.computed with `budget` tokens: never
+// End of the chunk that starts at `start` with `budget` tokens: never
 // inside a visual window (a quantized window is stored from all its rows at
 // once), 0 when no chunk fits.
-std::int32_t Scheduler::Impl::chunk_end(const Entry& e, std::int32_t budget) const {
+std::int32_t Scheduler::Impl::chunk_end(const Entry& e, std::int32_t budget, std::int32_t start) const {
   const std::int32_t total = e.prompt.num_tokens();
-  const std::int32_t remaining = total - e.computed;
+  const std::int32_t remaining = total - start;
   if (remaining <= budget) return total;
   if (!config.chunked_prefill) return 0;
-  std::int32_t end = e.computed + budget;
+  std::int32_t end = start + budget;
   const auto next = std::upper_bound(e.window_starts.begin(), e.window_starts.end(), end - 1);
   if (next != e.window_starts.begin()) {
     const std::int32_t start = *std::prev(next);
     if (start < end && end < start + block_size) end = start;
   }
-  return end > e.computed ? end : 0;
+  return end > start ? end : 0;
 }
 
 // Keeps `decoding` and the prefilling count in step with the states.
@@ -290,6 +290,7 @@ void Scheduler::Impl::schedule_chunk(Entry& e, std::int32_t end, StepOutput& out
   out.num_batched_tokens += end - e.computed;
   stats.prefill_tokens += end - e.computed;
   e.computed = end;
+  if (prefix_caching() && !e.keys.empty() && !e.exact) publishing.push_back(e.id);
   if (chunk.last) {
     if (e.exact) planning.push_back(&e);  // demoted to its plan at the next step
     set_state(e, RequestState::Running);
@@ -329,6 +330,10 @@ void Scheduler::add_request(const Request& r) {
     throw InvalidArgument(name +
                           ": request has both a plan and embeddings, expected at most one of request.plan and "
                           "request.embeddings");
+  }
+  if (!r.token_keys.empty() && r.token_keys.size() != static_cast<std::size_t>(r.layout.num_tokens())) {
+    throw InvalidArgument(name + ": request.token_keys has " + std::to_string(r.token_keys.size()) +
+                          " keys, expected none or one per prompt row (" + std::to_string(r.layout.num_tokens()) + ")");
   }
   if (static_cast<std::int64_t>(r.layout.num_tokens()) + r.max_new_tokens > std::numeric_limits<std::int32_t>::max()) {
     throw InvalidArgument(name + ": request.max_new_tokens = " + std::to_string(r.max_new_tokens) +
@@ -372,6 +377,7 @@ void Scheduler::add_request(const Request& r) {
   e.fp16_demand = demand;
   if (s.exact_mode()) s.refresh_demand(e);  // the all-FP16 demand too
   e.window_starts = r.layout.window_starts(s.block_size);
+  e.keys = r.token_keys;
   for (std::int32_t w = 1; w < e.plan.num_windows(); ++w) e.demote_order.push_back(w);
   std::stable_sort(e.demote_order.begin(), e.demote_order.end(),
                    [&](std::int32_t a, std::int32_t b) { return e.plan.score(a) < e.plan.score(b); });
@@ -388,6 +394,8 @@ StepOutput Scheduler::step() {
   StepOutput out;
   out.step = ++s.stats.steps;
   if (!s.speculating.empty()) s.reject_drafts();  // the last step's drafts that accept() did not take
+  // Rows the last step stored, before anything leaves with them.
+  if (!s.publishing.empty()) s.publish_stored();
 
   // Requests whose last token came out of the previous step.
   for (Entry* e : s.done) {
@@ -470,7 +478,7 @@ StepOutput Scheduler::step() {
     Entry& e = *it++;
     if (budget == 0) break;
     if (e.state != RequestState::Prefilling) continue;
-    const std::int32_t end = s.chunk_end(e, budget);
+    const std::int32_t end = s.chunk_end(e, budget, e.computed);
     if (end == 0) continue;
     budget -= end - e.computed;
     s.schedule_chunk(e, end, out);
@@ -502,12 +510,11 @@ StepOutput Scheduler::step() {
     std::int32_t looked = 0;
     for (auto it = s.waiting.begin(); it != s.waiting.end() && room() && budget > 0;) {
       Entry& e = *it++;
-      const std::int32_t end = s.chunk_end(e, budget);
-      const bool exact = end != 0 && s.stores_fp16(e, end);
-      if (end != 0 && s.fits(exact ? e.fp16_demand : e.demand, true)) {
+      const Impl::Admission a = s.admission(e, budget);
+      if (a.end != 0 && s.fits(a.demand, true, a.match ? &*a.match : nullptr)) {
         s.waiting.erase(s.waiting.iterator_to(e));
-        e.exact = exact;
-        s.cache.add_sequence(e.id, e.prompt, s.admitted_plan(e));
+        e.exact = a.exact;
+        s.add_to_cache(e, a);
         e.handle = s.cache.handle(e.id);
         s.set_state(e, RequestState::Prefilling);
         e.num_tokens = e.prompt.num_tokens();
@@ -515,8 +522,8 @@ StepOutput Scheduler::step() {
         s.take_slot(e);
         s.running.insert(e);
         out.tables_changed.push_back(e.id);
-        budget -= end - e.computed;
-        s.schedule_chunk(e, end, out);
+        budget -= a.end - e.computed;
+        s.schedule_chunk(e, a.end, out);
         continue;
       }
       if (blocked == nullptr) {
@@ -577,6 +584,7 @@ RequestStatus Scheduler::status(RequestId id) const {
   const Entry& e = impl_->live(id, "id");
   RequestStatus st{e.state, e.prompt.num_tokens(), e.computed, e.generated, e.slot, e.preemptions, e.drafts};
   st.plan_pending = e.exact;
+  st.cached_tokens = e.cached;
   return st;
 }
 

@@ -74,6 +74,10 @@ struct Entry {
   std::vector<std::int32_t> window_starts;  // of prompt (text adds no window)
 
   std::int32_t computed = 0;  // prompt rows computed
+  // Prefix caching: the original prompt's content keys (Request::token_keys)
+  // and the rows its last admission took from the cache.
+  std::vector<TokenKey> keys;
+  std::int32_t cached = 0;
   std::int32_t preemptions = 0;
   std::int32_t bypassed = 0;  // steps in which requests behind it were admitted instead
   // `generated` when it was last swapped out as the only request holding
@@ -97,6 +101,16 @@ struct KeyLess {
 using Queue = boost::intrusive::multiset<Entry, boost::intrusive::member_hook<Entry, SetHook, &Entry::hook>,
                                          boost::intrusive::compare<KeyLess>>;
 
+// How a waiting request would be admitted now (Impl::admission): its first
+// chunk's rows and storage, and the cached blocks it would share.
+struct Admission {
+  std::int32_t start = 0;            // first row to compute: the cached prefix's end
+  std::int32_t end = 0;              // of the first chunk; 0 when none fits the budget
+  bool exact = false;                // stored FP16 (PrefillMode::Exact)
+  std::optional<PrefixMatch> match;  // a hit (rows > 0)
+  BlockCounts demand{};              // blocks to allocate
+};
+
 // The demotions that apply plans in one step (Impl::collect_plans): the
 // longest prefix of the pending ones, in planning order, whose target blocks
 // the pools can give now.
@@ -117,6 +131,7 @@ struct Scheduler::Impl {
   using Entry = scheduler_detail::Entry;
   using Queue = scheduler_detail::Queue;
   using PlanDemotions = scheduler_detail::PlanDemotions;
+  using Admission = scheduler_detail::Admission;
 
   KVCacheManager& cache;
   SchedulerConfig config;
@@ -150,6 +165,9 @@ struct Scheduler::Impl {
   std::vector<RequestId> last_decodes;
   std::vector<RequestId> forked;       // children since the last step, for tables_changed
   std::vector<RequestId> speculating;  // decoded with drafts in the last step
+  // Prefix caching: requests whose stored rows grew in the last step (a
+  // chunk computed, an exact plan applied), published at the next.
+  std::vector<RequestId> publishing;
   // Exact requests past their last chunk whose plan demotions are pending,
   // in the order their prompts completed (Running ones demote, Swapped ones
   // wait until they are back).
@@ -164,8 +182,10 @@ struct Scheduler::Impl {
   BlockCounts footprint(const Entry& e, const PrecisionPlan& plan) const;
   std::int64_t slabs_for(const BlockCounts& blocks) const;
   std::optional<std::string> never_fits(const Entry& e) const;
-  std::int32_t chunk_end(const Entry& e, std::int32_t budget) const;
-  bool fits(const BlockCounts& blocks, bool with_reserve) const;
+  // End of a chunk of `e` from row `start` (e.computed, or a cached
+  // prefix's end) within `budget` tokens.
+  std::int32_t chunk_end(const Entry& e, std::int32_t budget, std::int32_t start) const;
+  bool fits(const BlockCounts& blocks, bool with_reserve, const PrefixMatch* match = nullptr) const;
 
   void set_state(Entry& e, RequestState state);
   void take_slot(Entry& e);
@@ -248,6 +268,15 @@ struct Scheduler::Impl {
   std::int32_t commit_drafts(const std::vector<Entry*>& decodes, StepOutput& out);
   void reject_drafts();
   void settle_drafts(Entry& e, std::int32_t accepted);
+
+  // Prefix caching (prefix_hits.cpp): whether the cache has it; how `e`
+  // would be admitted with `budget` tokens; admitting it so (its sequence
+  // added, sharing the match's blocks); publishing the rows the last step
+  // stored.
+  bool prefix_caching() const { return cache.config().prefix_cache.enabled; }
+  Admission admission(const Entry& e, std::int32_t budget) const;
+  void add_to_cache(Entry& e, const Admission& a);
+  void publish_stored();
 
   void schedule_chunk(Entry& e, std::int32_t end, StepOutput& out);
   void build_metadata(const std::vector<Entry*>& decodes, StepOutput& out) const;  // metadata.cpp

@@ -58,6 +58,11 @@ struct ManagerTestAccess {
   static std::int64_t& free_count(BlockPool& b) { return b.free_blocks_; }
   static std::int32_t& slab_count(BlockPool& b) { return b.num_slabs_; }
   static auto& reserved(BlockPool& b) { return b.reserved_records_; }
+
+  // --- PrefixIndex ---
+  static PrefixIndex& index(KVCacheManager& m) { return *m.impl_->index; }
+  static auto& lru(PrefixIndex& x) { return x.lru_; }
+  static BlockCounts& evictable(PrefixIndex& x) { return x.evictable_; }
 };
 
 }  // namespace detail

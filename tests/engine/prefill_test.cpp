@@ -16,6 +16,7 @@
 
 #include "engine_loop.h"
 #include "mixkv/core/errors.h"
+#include "mixkv/engine/cpu_backend.h"
 
 namespace mixkv {
 namespace {
@@ -256,6 +257,257 @@ TEST(EnginePrefill, ExactModeUnderPressureMatchesTheReference) {
         static_cast<long long>(stats.recomputes), dense.out, dense.lse);
   }
 }
+
+// --- Prefix caching (CacheConfig::prefix_cache) ---
+// The model stand-in of these tests: a prompt row's K/V is a function of the
+// prompt's content up to it (its keys and kinds: what a causal model's are),
+// so two prompts with a common prefix have the same K/V there; queries and
+// generated tokens' K/V are the request's own.
+struct PrefixRequest {
+  Request request;
+  std::int64_t arrives = 0;  // loop step
+};
+
+struct PrefixRun {
+  Outputs outputs;
+  test::Diff prefill_vs_dense;                    // prefill rows against float64 over the cache's bytes
+  std::map<RequestId, std::int32_t> first_start;  // first chunk's start row per request
+  std::map<RequestId, PrecisionPlan> plans;       // as stored at admission
+  SchedulerStats stats;
+};
+
+// [row]: the content id of each prompt row (a hash of the rows up to it).
+std::vector<std::uint64_t> content_ids(const Request& r) {
+  std::vector<std::uint64_t> ids;
+  std::uint64_t h = 0x9e37;
+  std::size_t row = 0;
+  for (const Segment& seg : r.layout.segments()) {
+    for (std::int32_t i = 0; i < seg.length; ++i, ++row) {
+      h = test::mix64(h ^ test::mix64(r.token_keys.at(row) + (seg.kind == TokenKind::Visual ? 1 : 0)));
+      ids.push_back(h);
+    }
+  }
+  return ids;
+}
+
+PrefixRun run_prefix(const EngineConfig& c, const std::vector<PrefixRequest>& requests) {
+  PrefixRun run;
+  Engine engine(c);
+  auto* cpu = dynamic_cast<CpuBackend*>(&engine.backend());
+  const CacheShape& s = c.cache.shape;
+  const std::int32_t qh = c.num_q_heads;
+  std::map<RequestId, std::vector<std::uint64_t>> content;
+  std::map<RequestId, std::int32_t> prompt;
+  // Rows [from, to) of `id`: K/V (what 1, 2) by content below the prompt's
+  // end, by request after; queries (what 7) by request.
+  auto rows = [&](RequestId id, std::int64_t from, std::int64_t to, std::int32_t layer, std::int32_t heads,
+                  std::int32_t what, std::vector<Half>& out) {
+    for (std::int64_t pos = from; pos < to; ++pos) {
+      const bool by_content = what != 7 && pos < prompt.at(id);
+      const auto who = static_cast<RequestId>(by_content ? content.at(id)[static_cast<std::size_t>(pos)] >> 2 : id);
+      for (std::int32_t h = 0; h < heads; ++h) {
+        for (std::int32_t ch = 0; ch < s.head_dim; ++ch) out.push_back(test::model_value(who, pos, layer, h, ch, what));
+      }
+    }
+  };
+  HostMemory mem;
+  for (std::int64_t step = 0; step < 400; ++step) {
+    for (const PrefixRequest& r : requests) {
+      if (r.arrives != step) continue;
+      engine.add_request(r.request);
+      content[r.request.id] = content_ids(r.request);
+      prompt[r.request.id] = r.request.layout.num_tokens();
+    }
+    if (!engine.has_unfinished()) break;
+    const StepOutput& out = engine.step();
+    std::int64_t n = 0;
+    for (const PrefillChunk& chunk : out.prefills) {
+      n += chunk.end - chunk.start;
+      if (run.first_start.emplace(chunk.id, chunk.start).second)
+        run.plans.emplace(chunk.id, engine.cache().plan(chunk.id));
+    }
+    const auto batch = static_cast<std::int64_t>(out.decodes.size());
+    for (std::int32_t layer = 0; layer < s.num_layers; ++layer) {
+      if (n > 0) {
+        std::vector<Half> q, k, v;
+        for (const PrefillChunk& chunk : out.prefills) {
+          std::vector<Half> cq, ck, cv;
+          rows(chunk.id, chunk.start, chunk.end, layer, qh, 7, cq);
+          rows(chunk.id, chunk.start, chunk.end, layer, s.num_kv_heads, 1, ck);
+          rows(chunk.id, chunk.start, chunk.end, layer, s.num_kv_heads, 2, cv);
+          std::vector<float> o, l;
+          test::dense_prefill(engine.cache(), cpu->arena_pools(), chunk.id, chunk.start, layer, qh, cq, ck, cv, o, l);
+          test::record(
+              run.outputs.prefill, static_cast<std::size_t>(chunk.end - chunk.start),
+              [&](std::size_t) { return chunk.id; }, [&](std::size_t i) { return chunk.start + std::int64_t(i); },
+              layer, o, l, qh);
+          q.insert(q.end(), cq.begin(), cq.end());
+          k.insert(k.end(), ck.begin(), ck.end());
+          v.insert(v.end(), cv.begin(), cv.end());
+        }
+        const TensorView o = mem.output(DType::F16, {n, qh, s.head_dim});
+        const TensorView lse = mem.output(DType::F32, {n, qh});
+        engine.prefill(layer, mem.input(q, {n, qh, s.head_dim}), mem.input(k, {n, s.num_kv_heads, s.head_dim}),
+                       mem.input(v, {n, s.num_kv_heads, s.head_dim}), o, &lse);
+        Outputs::Rows got;
+        std::size_t at = 0;
+        const std::vector<float> of = mem.read(o), lf = mem.read(lse);
+        for (const PrefillChunk& chunk : out.prefills) {
+          const std::size_t m = static_cast<std::size_t>(chunk.end - chunk.start);
+          const std::size_t width = static_cast<std::size_t>(qh * s.head_dim);
+          test::record(
+              got, m, [&](std::size_t) { return chunk.id; },
+              [&](std::size_t i) { return chunk.start + std::int64_t(i); }, layer,
+              std::vector<float>(of.begin() + static_cast<std::ptrdiff_t>(at * width),
+                                 of.begin() + static_cast<std::ptrdiff_t>((at + m) * width)),
+              std::vector<float>(lf.begin() + static_cast<std::ptrdiff_t>(at * qh),
+                                 lf.begin() + static_cast<std::ptrdiff_t>((at + m) * qh)),
+              qh);
+          at += m;
+        }
+        Outputs::Rows want;
+        for (const auto& [key, value] : got) want[key] = run.outputs.prefill.at(key);
+        const test::Diff d = test::compare(got, want);
+        run.prefill_vs_dense.out = std::max(run.prefill_vs_dense.out, d.out);
+        run.prefill_vs_dense.lse = std::max(run.prefill_vs_dense.lse, d.lse);
+      }
+      if (batch == 0) continue;
+      std::vector<Half> q, k, v;
+      for (const RequestId id : out.decodes) {
+        const std::int64_t pos = engine.cache().num_tokens(id) - 1;
+        rows(id, pos, pos + 1, layer, qh, 7, q);
+        rows(id, pos, pos + 1, layer, s.num_kv_heads, 1, k);
+        rows(id, pos, pos + 1, layer, s.num_kv_heads, 2, v);
+      }
+      const TensorView o = mem.output(DType::F16, {batch, qh, s.head_dim});
+      const TensorView lse = mem.output(DType::F32, {batch, qh});
+      engine.attend(layer, mem.input(q, {batch, qh, s.head_dim}), mem.input(k, {batch, s.num_kv_heads, s.head_dim}),
+                    mem.input(v, {batch, s.num_kv_heads, s.head_dim}), o, &lse);
+      test::record(
+          run.outputs.rows, out.decodes.size(), [&](std::size_t i) { return out.decodes[i]; },
+          [&](std::size_t i) { return engine.cache().num_tokens(out.decodes[i]) - 1; }, layer, mem.read(o),
+          mem.read(lse), qh);
+    }
+    mem.release();
+    engine.scheduler().check_invariants();
+  }
+  EXPECT_FALSE(engine.has_unfinished());
+  run.stats = engine.scheduler().stats();
+  // What is left is the index's alone: evicting it empties the cache.
+  const PrefixCacheStats cached = engine.cache().prefix_stats();
+  EXPECT_EQ(cached.cached, cached.evictable);
+  const_cast<KVCacheManager&>(engine.cache()).evict_prefix_cache();
+  test::expect_empty(engine.cache());
+  return run;
+}
+
+// 2 layers, 2 KV heads, head_dim 64, block 16, chunks of at most 64 rows,
+// memory to spare (no demotion, no preemption: the bytes of a position do
+// not depend on the schedule).
+EngineConfig prefix_config(bool windows_first, bool caching) {
+  EngineConfig c;
+  c.cache.shape = CacheShape{2, 2, 64, 16};
+  c.cache.slab_bytes = 64 << 10;
+  c.cache.arena_bytes = std::size_t{200} * c.cache.slab_bytes;
+  c.cache.fp16_windows_first = windows_first;
+  c.cache.prefix_cache.enabled = caching;
+  c.scheduler.max_num_seqs = 8;
+  c.scheduler.max_num_batched_tokens = 64;
+  c.scheduler.watermark = 0.0;
+  c.num_q_heads = 4;
+  return c;
+}
+
+// A system text of 32 rows, a video of 4 windows (rows 32..96) planned
+// FP16, INT4, INT2, INT4 (window 1 INT2 in layer 1), a question of
+// `question_rows` from question `question`.
+PrefixRequest video_question(RequestId id, std::int64_t arrives, std::int32_t question, std::int32_t question_rows) {
+  PrefixRequest r{Request{}, arrives};
+  r.request.id = id;
+  r.request.layout = TokenLayout({{TokenKind::Text, 32}, {TokenKind::Visual, 64}, {TokenKind::Text, question_rows}});
+  PrecisionPlan plan(2, 4);
+  for (std::int32_t l = 0; l < 2; ++l) {
+    plan.set(l, 1, l == 1 ? Precision::INT2 : Precision::INT4);
+    plan.set(l, 2, Precision::INT2);
+    plan.set(l, 3, Precision::INT4);
+  }
+  r.request.plan = plan;
+  for (std::int32_t i = 0; i < 96; ++i) r.request.token_keys.push_back(1000 + i);
+  for (std::int32_t i = 0; i < question_rows; ++i) r.request.token_keys.push_back(5000 + 100 * question + i);
+  r.request.max_new_tokens = 6;
+  r.request.arrival_time = static_cast<double>(id);
+  return r;
+}
+
+class PrefixCacheLoop : public ::testing::TestWithParam<bool> {};
+
+// The second request with a prompt the cache holds prefills only what
+// follows the cached prefix, and decodes bit for bit as with prefix
+// caching off: a text prompt asked again, and one video asked several
+// questions (one of them twice).
+TEST_P(PrefixCacheLoop, ASecondPromptPrefillsOnlyItsSuffix) {
+  PrefixRequest text_a{Request{}, 0};
+  text_a.request.id = 1;
+  text_a.request.layout = TokenLayout({{TokenKind::Text, 70}});
+  for (std::int32_t i = 0; i < 70; ++i) text_a.request.token_keys.push_back(77 + i);
+  text_a.request.max_new_tokens = 5;
+  PrefixRequest text_b = text_a;
+  text_b.request.id = 2;
+  text_b.arrives = 4;
+  const std::vector<PrefixRequest> requests{text_a,
+                                            text_b,
+                                            video_question(10, 0, 0, 7),
+                                            video_question(11, 5, 1, 11),
+                                            video_question(12, 5, 2, 3),
+                                            video_question(13, 8, 0, 7)};
+  const PrefixRun off = run_prefix(prefix_config(GetParam(), false), requests);
+  const PrefixRun on = run_prefix(prefix_config(GetParam(), true), requests);
+  EXPECT_EQ(on.first_start.at(1), 0);
+  EXPECT_EQ(on.first_start.at(2), 64);  // 4 full blocks; the last row is always computed
+  EXPECT_EQ(on.first_start.at(10), 0);
+  for (const RequestId id : {11, 12, 13}) EXPECT_EQ(on.first_start.at(id), 96) << id;  // text and video
+  for (const auto& [id, start] : off.first_start) EXPECT_EQ(start, 0);
+  EXPECT_EQ(on.stats.prefix_hits, 4);
+  EXPECT_EQ(on.stats.cached_prompt_tokens, 64 + 3 * 96);
+  EXPECT_EQ(on.stats.prefill_tokens, off.stats.prefill_tokens - on.stats.cached_prompt_tokens);
+  // Shared per video hit: 2 layers x (2 text blocks + FP16 window 0 + 3 quantized windows).
+  EXPECT_EQ(on.stats.shared_blocks, 2 * 4 + 3 * 2 * 6);
+  EXPECT_GT(on.stats.published_blocks, 0);
+  const test::Diff decode = test::compare(on.outputs, off.outputs);
+  EXPECT_EQ(decode.out, 0.0);
+  EXPECT_EQ(decode.lse, 0.0);
+  // The suffix's rows attend through the shared blocks: what float64
+  // attention over the cache's bytes gives, one FP16 rounding apart.
+  EXPECT_LE(on.prefill_vs_dense.out, 1e-3);
+  EXPECT_LE(on.prefill_vs_dense.lse, 1e-4);
+  std::printf("prefill rows: %lld with prefix caching, %lld without; %lld blocks shared\n",
+              static_cast<long long>(on.stats.prefill_tokens), static_cast<long long>(off.stats.prefill_tokens),
+              static_cast<long long>(on.stats.shared_blocks));
+}
+
+// A question whose plan wants a window lower than the cache holds it takes
+// the cached precision (share_higher) and decodes as a run without prefix
+// caching given that plan; one that wants it higher recomputes from there.
+TEST_P(PrefixCacheLoop, HigherPrecisionWindowsAreSharedAsStored) {
+  PrefixRequest lower = video_question(21, 4, 1, 9);
+  lower.request.plan->set(0, 3, Precision::INT2);  // cached INT4
+  PrefixRequest higher = video_question(22, 4, 2, 9);
+  higher.request.plan->set(1, 2, Precision::INT4);  // cached INT2
+  std::vector<PrefixRequest> requests{video_question(20, 0, 0, 7), lower, higher};
+  const PrefixRun on = run_prefix(prefix_config(GetParam(), true), requests);
+  EXPECT_EQ(on.first_start.at(21), 96);
+  EXPECT_EQ(on.plans.at(21).at(0, 3), Precision::INT4);
+  EXPECT_EQ(on.first_start.at(22), 64);
+  EXPECT_EQ(on.plans.at(22), *higher.request.plan);
+  for (PrefixRequest& r : requests) r.request.plan = on.plans.at(r.request.id);
+  const PrefixRun off = run_prefix(prefix_config(GetParam(), false), requests);
+  const test::Diff decode = test::compare(on.outputs, off.outputs);
+  EXPECT_EQ(decode.out, 0.0);
+  EXPECT_EQ(decode.lse, 0.0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Packing, PrefixCacheLoop, ::testing::Bool(),
+                         [](const auto& info) { return info.param ? "WindowsFirst" : "PromptOrder"; });
 
 // Arrays of the wrong shape, overlapping outputs and a bad layer are named
 // and leave the scheduler as it was.

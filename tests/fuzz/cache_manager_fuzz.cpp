@@ -7,7 +7,10 @@
 // a small range so that they collide: add_sequence, append_tokens (by id and
 // by handle, per-layer and compact slots; several tokens a sequence),
 // truncate, fork, free_sequence, swap_out, swap_in, demote,
-// decode_metadata, prefill_mapping and the inspection calls.
+// decode_metadata, prefill_mapping and the inspection calls; with prefix
+// caching on (sometimes), add_sequence with content keys drawn from a few
+// prompts (a hit stores only the rows after the cached prefix),
+// publish_prefix and evict_prefix_cache.
 //
 // Checked after every call: check_invariants(); the call returned or threw a
 // typed error (errors.h), and a throwing or const call left describe_state()
@@ -35,6 +38,7 @@ constexpr SequenceId kMaxId = 8;  // ids in [-1, 8]: repeats, unknown and negati
 struct Live {
   std::vector<Tag> tokens;  // per position
   SequenceHandle handle;
+  std::vector<TokenKey> keys;  // content keys of its first prompt rows
 };
 
 CacheConfig decode_config(FuzzedDataProvider& in) {
@@ -55,6 +59,8 @@ CacheConfig decode_config(FuzzedDataProvider& in) {
       default: c.swap_blocks[in.ConsumeIntegralInRange<std::size_t>(0, 2)] = in.ConsumeIntegral<std::int64_t>(); break;
     }
   }
+  c.prefix_cache.enabled = in.ConsumeBool();
+  c.prefix_cache.share_higher = in.ConsumeBool();
   return c;
 }
 
@@ -69,7 +75,7 @@ class Harness {
     for (int call = 0; call < kMaxCalls && in_.remaining_bytes() > 0; ++call) {
       const std::string before = cache_.describe_state();
       bool unchanged = false;  // the state must equal `before` afterwards
-      switch (in_.ConsumeIntegralInRange<int>(0, 13)) {
+      switch (in_.ConsumeIntegralInRange<int>(0, 14)) {
         case 0:
         case 1: unchanged = !add(); break;
         case 2: unchanged = !append(/*by_handle=*/false); break;
@@ -89,6 +95,7 @@ class Harness {
           break;
         case 11: unchanged = !append_rows(); break;
         case 12: unchanged = !truncate(); break;
+        case 13: unchanged = !prefix(); break;
         default:
           inspect();
           unchanged = true;
@@ -154,6 +161,9 @@ class Harness {
     const SequenceId id = any_id();
     const TokenLayout layout = random_layout();
     const PrecisionPlan plan = random_plan(layout);
+    if (cache_.config().prefix_cache.enabled && layout.num_tokens() > 0 && in_.ConsumeBool()) {
+      return add_with_keys(id, layout, plan);
+    }
     std::optional<bool> predicted;  // can_allocate(demand) for a well-formed request
     attempt("demand", [&] { predicted = cache_.can_allocate(cache_.demand(layout, plan)); });
     const Outcome outcome = attempt("add_sequence", [&] { cache_.add_sequence(id, layout, plan); });
@@ -173,12 +183,61 @@ class Harness {
     return true;
   }
 
-  void write_prefill(const std::vector<Tag>& tokens, std::int32_t layer, const StoreMapping& m) {
-    for (std::size_t row = 0; row < m.fp16_slots.size(); ++row) {
-      if (m.fp16_slots[row] >= 0) shadow_.fp16_slot(m.fp16_slots[row]) = layer_tag(tokens[row], layer);
+  // A prompt the prefix cache may serve in part: the match predicts the
+  // call, the rows it serves already read as this prompt's (verified after
+  // the call), the others are stored, each into a block nobody else holds.
+  bool add_with_keys(SequenceId id, const TokenLayout& layout, const PrecisionPlan& plan) {
+    const std::vector<TokenKey> keys = prompt_keys(in_, layout, bs_);
+    std::optional<bool> predicted;
+    PrefixMatch probe;
+    attempt("match_prefix", [&] {
+      probe = cache_.match_prefix(layout, plan, keys);
+      predicted = cache_.can_allocate(probe.demand, probe);
+    });
+    PrefixMatch got;
+    const Outcome outcome = attempt("add_sequence(keys)", [&] { got = cache_.add_sequence(id, layout, plan, keys); });
+    if (predicted && !live_.contains(id) && *predicted != (outcome == Outcome::Ok)) {
+      finding("can_allocate(match.demand, match) and add_sequence(keys) disagree");
+    }
+    if (outcome != Outcome::Ok) return false;
+    if (got.rows != probe.rows || got.plan != cache_.plan(id))
+      finding("add_sequence(keys) did not do what match_prefix said");
+    Live& seq = live_[id];
+    seq.tokens = prompt_tags(layout, keys, [&] { return fresh_tag(); });
+    seq.keys = keys;
+    seq.handle = cache_.handle(id);
+    for (std::int32_t layer = 0; layer < layers_; ++layer) {
+      const StoreMapping m = cache_.prefill_mapping(id, layer);
+      write_prefill(seq.tokens, layer, m, got.rows);
+    }
+    return true;
+  }
+
+  bool prefix() {
+    if (in_.ConsumeIntegralInRange<int>(0, 3) == 0) {
+      attempt("evict_prefix_cache", [&] { (void)cache_.evict_prefix_cache(); });
+      return true;
+    }
+    const SequenceId id = some_id();
+    std::vector<TokenKey> keys;
+    if (live_.contains(id)) keys = live_.at(id).keys;
+    keys.resize(std::min(keys.size(), in_.ConsumeIntegralInRange<std::size_t>(0, keys.size() + 2)));
+    if (in_.ConsumeIntegralInRange<int>(0, 15) == 0) keys.resize(keys.size() + 1000);  // longer than any prompt
+    return attempt("publish_prefix", [&] { (void)cache_.publish_prefix(id, keys); }) == Outcome::Ok;
+  }
+
+  // Rows from `from` on; each into a block only this sequence holds.
+  void write_prefill(const std::vector<Tag>& tokens, std::int32_t layer, const StoreMapping& m, std::int32_t from = 0) {
+    for (std::size_t row = static_cast<std::size_t>(from); row < m.fp16_slots.size(); ++row) {
+      if (m.fp16_slots[row] < 0) continue;
+      if (cache_.ref_count(Precision::FP16, m.fp16_slots[row] / bs_) != 1)
+        finding("a prefill row lands in a shared block");
+      shadow_.fp16_slot(m.fp16_slots[row]) = layer_tag(tokens[row], layer);
     }
     for (const Precision p : {Precision::INT4, Precision::INT2}) {
       for (const WindowSlot& w : p == Precision::INT4 ? m.int4_windows : m.int2_windows) {
+        if (w.first_row < from) continue;
+        if (cache_.ref_count(p, w.block_id) != 1) finding("a prefill window lands in a shared block");
         shadow_.quantized(p, w.block_id) = window_tag(layer_tag(tokens[static_cast<std::size_t>(w.first_row)], layer));
       }
     }
@@ -326,7 +385,7 @@ class Harness {
     const SequenceId parent = some_id();
     const SequenceId child = any_id();
     if (attempt("fork", [&] { cache_.fork(parent, child); }) != Outcome::Ok) return false;
-    live_[child] = Live{live_.at(parent).tokens, cache_.handle(child)};
+    live_[child] = Live{live_.at(parent).tokens, cache_.handle(child), live_.at(parent).keys};
     return true;
   }
 
@@ -553,6 +612,7 @@ class Harness {
       }
     }
     live_.clear();
+    (void)cache_.evict_prefix_cache();  // what only the prefix index holds
     check_all(cache_.describe_state(), false);
     std::int32_t slabs = cache_.free_slabs();
     for (const Precision p : kAllPrecisions) {

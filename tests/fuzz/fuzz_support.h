@@ -132,6 +132,34 @@ inline Tag mix(Tag x) {
 inline Tag layer_tag(Tag token, std::int32_t layer) { return mix(token ^ (Tag{0x9E37} * (layer + 1))); }
 inline Tag window_tag(Tag first_token_in_layer) { return mix(first_token_in_layer ^ 0xC0DEULL); }
 
+// Prefix caching: content keys from one of a few prompts, sometimes cut
+// short, and the tags they give: a keyed row's tag is a function of the rows
+// up to it (prompts with a common prefix have the same tags there), a row
+// past the keys gets fresh().
+inline std::vector<TokenKey> prompt_keys(FuzzedDataProvider& in, const TokenLayout& layout, std::int32_t bs) {
+  std::vector<TokenKey> keys;
+  const TokenKey prompt = in.ConsumeIntegralInRange<TokenKey>(1, 3);
+  const auto n = std::min<std::int64_t>(layout.num_tokens(), in.ConsumeIntegralInRange<std::int64_t>(0, 4 * bs));
+  for (std::int64_t i = 0; i < n; ++i) keys.push_back(prompt * 1000 + static_cast<TokenKey>(i));
+  return keys;
+}
+template <class Fresh>
+std::vector<Tag> prompt_tags(const TokenLayout& layout, const std::vector<TokenKey>& keys, Fresh&& fresh) {
+  std::vector<Tag> tags;
+  Tag h = 0;
+  for (const Segment& seg : layout.segments()) {
+    for (std::int32_t i = 0; i < seg.length; ++i) {
+      if (tags.size() >= keys.size()) {
+        tags.push_back(fresh());
+        continue;
+      }
+      h = mix(h ^ mix(keys[tags.size()] * 2 + (seg.kind == TokenKind::Visual ? 1 : 0)));
+      tags.push_back(h);
+    }
+  }
+  return tags;
+}
+
 // What the KV memory holds, one tag per FP16 token slot and per quantized
 // block, for the device pools and the host swap pool. Writes follow what the
 // manager hands out (mappings, slots, copy lists, demote ops), the way a

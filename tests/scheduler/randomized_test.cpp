@@ -6,8 +6,11 @@
 // invariants hold and every pool conserves its blocks; at the end every request has finished or been rejected with a
 // reason, exactly once, and every pool is whole again. Swapped blocks come back bit-identical (EngineSim checks).
 // Both prefill modes: under Exact, chunked prompts are stored FP16 and demoted to their plans after the last chunk.
+// With prefix caching, prompts are drawn from a few system texts, videos and plans with their content keys, so that
+// admissions share cached blocks, which eviction reclaims under the same pressure.
 #include <gtest/gtest.h>
 
+#include <array>
 #include <chrono>
 #include <cstdio>
 #include <map>
@@ -29,22 +32,28 @@ struct Workload {
   SchedulingPolicy policy = SchedulingPolicy::FCFS;
   bool per_layer_slots = true;  // false: the engine has only the compact slots
   PrefillMode prefill = PrefillMode::Compact;
+  bool prefix_caching = false;
 };
 
-CacheConfig small_cache() {
+CacheConfig small_cache(bool prefix_caching) {
   CacheConfig c;
   c.shape = CacheShape{2, 1, 16, 16};  // FP16 block 1 KiB, INT4 384 B, INT2 256 B
   c.slab_bytes = 4096;                 // 4 FP16, 10 INT4 or 16 INT2 blocks a slab
   c.arena_bytes = 4096 * 28;
   c.swap_blocks = {16, 12, 12};  // small: some swaps fall back to recompute
   c.fp16_windows_first = true;
+  c.prefix_cache.enabled = prefix_caching;
   return c;
 }
 
 class Simulation {
  public:
   explicit Simulation(const Workload& w)
-      : w_(w), rng_(w.seed), engine_(small_cache(), config(w)), cache_(engine_.cache()), sched_(engine_.scheduler()) {}
+      : w_(w),
+        rng_(w.seed),
+        engine_(small_cache(w.prefix_caching), config(w)),
+        cache_(engine_.cache()),
+        sched_(engine_.scheduler()) {}
 
   static SchedulerConfig config(const Workload& w) {
     SchedulerConfig c;
@@ -62,7 +71,42 @@ class Simulation {
     return c;
   }
 
+  // A prompt of a system text, a video and a question, each one of a few,
+  // with the keys that name them and a plan that depends on the video.
+  Request make_shared_request(RequestId id) {
+    const std::int32_t bs = cache_.config().shape.block_size;
+    const int system = pick(0, 2), video = pick(0, 3), question = pick(0, 5);
+    const std::int32_t text = std::array{16, 32, 20}[static_cast<std::size_t>(system)];
+    const std::int32_t visual = std::array{0, 48, 64, 101}[static_cast<std::size_t>(video)];
+    const std::int32_t asked = 1 + question * 3;
+    Request r;
+    r.id = id;
+    std::vector<Segment> segments{{TokenKind::Text, text}};
+    if (visual > 0) segments.push_back({TokenKind::Visual, visual});
+    segments.push_back({TokenKind::Text, asked});
+    r.layout = TokenLayout(segments);
+    for (std::int32_t i = 0; i < text; ++i) r.token_keys.push_back(1000 * (system + 1) + i);
+    for (std::int32_t i = 0; i < visual; ++i) r.token_keys.push_back(100000 * (video + 1) + i);
+    for (std::int32_t i = 0; i < asked; ++i) r.token_keys.push_back(10000000 + 1000 * question + i);
+    if (pick(0, 9) == 0) r.token_keys.clear();  // a request that takes no part
+    const int family = pick(0, 1);
+    PrecisionPlan plan(2, r.layout.num_windows(bs));
+    for (std::int32_t win = 0; win < plan.num_windows(); ++win) {
+      plan.set_score(win, static_cast<float>((video * 7 + win * 3) % 10) / 10.0f);
+      for (std::int32_t layer = 0; layer < 2; ++layer) {
+        const int p = (video + win * (layer + 1) + family) % 4;
+        plan.set(layer, win, win == 0 || p == 0 ? Precision::FP16 : (p < 3 ? Precision::INT4 : Precision::INT2));
+      }
+    }
+    r.plan = std::move(plan);
+    r.max_new_tokens = pick(0, 4) == 0 ? pick(40, 120) : pick(1, 30);
+    r.priority = pick(0, 3);
+    r.arrival_time = static_cast<double>(id);
+    return r;
+  }
+
   Request make_request(RequestId id) {
+    if (w_.prefix_caching && pick(0, 9) < 8) return make_shared_request(id);
     const std::int32_t bs = cache_.config().shape.block_size;
     std::vector<Segment> segments;
     if (pick(0, 3) > 0) segments.push_back({TokenKind::Text, pick(1, 20)});
@@ -99,7 +143,9 @@ class Simulation {
       // Arrivals: about 0.6 a step, a little more than the cache serves.
       for (int k = pick(0, 2); k > 0 && next < w_.requests; --k) {
         if (pick(0, 9) < 6) {
-          sched_.add_request(make_request(next));
+          const Request r = make_request(next);
+          starts_[next] = r.layout.window_starts(cache_.config().shape.block_size);
+          sched_.add_request(r);
           if (pick(0, 99) < 3) to_fork_[next] = pick(1, 3);
           live_.insert(next++);
         }
@@ -107,6 +153,8 @@ class Simulation {
       // The engine ends some requests early (EOS) and users cancel some, in whatever state.
       if (!live_.empty() && pick(0, 99) < 8) {
         // A random state first, so that rare states (swapped) get their share.
+        // (A request whose first chunk started after a cached prefix counts
+        // when it leaves before its prompt is done.)
         const auto wanted = static_cast<RequestState>(pick(0, 3));
         RequestId id = -1;
         for (const RequestId candidate : live_) {
@@ -118,6 +166,7 @@ class Simulation {
         if (id >= 0) {
           const RequestState state = sched_.status(id).state;
           ++cancelled_in_[static_cast<int>(state)];
+          if (state == RequestState::Prefilling) first_hit_preempted_ += hit_prefilling_.erase(id);
           const bool cancel = pick(0, 1) == 0;
           ASSERT_TRUE(cancel ? sched_.cancel(id) : sched_.finish(id));
           ASSERT_FALSE(sched_.cancel(id)) << "cancel must be idempotent";
@@ -157,6 +206,22 @@ class Simulation {
                 static_cast<long long>(st.forks), static_cast<long long>(slot_refusals_),
                 static_cast<long long>(forked_preempted_));
 
+    if (w_.prefix_caching) {
+      const PrefixCacheStats pc = cache_.prefix_stats();
+      std::printf(
+          "prefix caching: %lld hits took %lld prompt rows from the cache (%lld computed), sharing %lld "
+          "blocks; %lld published, %lld FP16 / %lld INT4 / %lld INT2 evicted\n",
+          static_cast<long long>(st.prefix_hits), static_cast<long long>(st.cached_prompt_tokens),
+          static_cast<long long>(st.prefill_tokens), static_cast<long long>(st.shared_blocks),
+          static_cast<long long>(st.published_blocks), static_cast<long long>(pc.evicted[0]),
+          static_cast<long long>(pc.evicted[1]), static_cast<long long>(pc.evicted[2]));
+      EXPECT_GT(st.prefix_hits, 0);
+      EXPECT_GT(pc.evicted[0] + pc.evicted[1] + pc.evicted[2], 0);
+      EXPECT_GT(first_hit_preempted_, 0) << "no request preempted or cancelled while prefilling after a hit";
+      // What is left is the index's alone.
+      EXPECT_EQ(pc.cached, pc.evictable);
+      engine_.cache().evict_prefix_cache();
+    }
     // Every request and child left exactly once, rejected ones with a reason.
     EXPECT_EQ(reported_.size(), static_cast<std::size_t>(w_.requests + st.forks));
     for (RequestId id = 0; id < w_.requests + st.forks; ++id) EXPECT_EQ(reported_.count(id), 1u) << "request " << id;
@@ -256,7 +321,20 @@ class Simulation {
       EXPECT_NE(r.reason.find("can never run"), std::string::npos) << r.reason;
       live_.erase(r.id);
     }
-    // Chunks never end inside a visual window.
+    // Chunks never start or end inside a visual window (a prefix from the
+    // cache ends on a window boundary).
+    for (const PrefillChunk& c : out.prefills) {
+      for (const std::int32_t start : starts_.at(c.id < w_.requests ? c.id : 0)) {
+        if (c.id >= w_.requests) break;  // a fork child is never prefilled from its own layout
+        EXPECT_FALSE(c.start > start && c.start < start + 16) << "request " << c.id << " starts at " << c.start;
+      }
+      if (sched_.contains(c.id) && sched_.status(c.id).cached_tokens > 0 &&
+          c.start == sched_.status(c.id).cached_tokens) {
+        hit_prefilling_.insert(c.id);
+      }
+    }
+    for (const RequestId id : out.preempted) first_hit_preempted_ += hit_prefilling_.erase(id);
+    for (const RequestId id : out.swapped_out) first_hit_preempted_ += hit_prefilling_.erase(id);
     for (const PrefillChunk& c : out.prefills) {
       if (c.last) continue;
       for (const WindowSlot& w : c.mappings[0].int4_windows) EXPECT_LE(w.first_row + 16, c.end - c.start);
@@ -309,6 +387,7 @@ class Simulation {
       const BlockCounts held = cache_.blocks_held(id);
       for (int p = 0; p < kNumPrecisions; ++p) host[p] += held[p];
     }
+    const BlockCounts cached_only = cache_.prefix_stats().evictable;
     for (const Precision p : kAllPrecisions) {
       // Block ids stay below the arena's slabs times the pool's blocks a slab.
       holders_.resize(static_cast<std::size_t>(cache_.total_slabs()) * cache_.pool_stats(p).blocks_per_slab);
@@ -321,9 +400,12 @@ class Simulation {
           }
         }
       }
-      device[pool_index(p)] = static_cast<std::int64_t>(touched_.size());
+      // The prefix index holds one more reference on a block it caches,
+      // and alone the blocks no request holds.
+      device[pool_index(p)] = static_cast<std::int64_t>(touched_.size()) + cached_only[pool_index(p)];
       for (const std::int32_t b : touched_) {
-        ASSERT_EQ(cache_.ref_count(p, b), holders_[static_cast<std::size_t>(b)]) << to_string(p) << " block " << b;
+        const std::int32_t extra = cache_.ref_count(p, b) - holders_[static_cast<std::size_t>(b)];
+        ASSERT_TRUE(extra == 0 || (w_.prefix_caching && extra == 1)) << to_string(p) << " block " << b;
         holders_[static_cast<std::size_t>(b)] = 0;
       }
     }
@@ -354,6 +436,9 @@ class Simulation {
   std::set<RequestId> exact_before_;  // plan pending (exact prefill) before the step
   std::int64_t exact_recomputed_ = 0;
   std::int64_t exact_swapped_ = 0;
+  std::map<RequestId, std::vector<std::int32_t>> starts_;  // window starts of each request's layout
+  std::set<RequestId> hit_prefilling_;                     // first chunk after a cached prefix, prompt not done yet
+  std::int64_t first_hit_preempted_ = 0;
 };
 
 TEST(SchedulerRandomized, TenThousandRequestsUnderPressure) {
@@ -372,6 +457,21 @@ TEST(SchedulerRandomized, PriorityPolicyUnderPressure) {
 // swaps and recomputes.
 TEST(SchedulerRandomized, ExactPrefillUnderPressure) {
   Simulation sim(Workload{3, 4000, SchedulingPolicy::FCFS, /*per_layer_slots=*/true, PrefillMode::Exact});
+  sim.run();
+}
+
+// Prefix caching: repeated system texts, videos and plans share cached
+// blocks at admission, published blocks outlive their requests and are
+// evicted under the same pressure (before any demotion or preemption),
+// cancels and preemptions catch requests admitted with a hit, forks share
+// cached prefixes.
+TEST(SchedulerRandomized, PrefixCachingUnderPressure) {
+  Simulation sim(Workload{5, 4000, SchedulingPolicy::FCFS, /*per_layer_slots=*/true, PrefillMode::Compact, true});
+  sim.run();
+}
+
+TEST(SchedulerRandomized, PrefixCachingWithExactPrefill) {
+  Simulation sim(Workload{6, 2000, SchedulingPolicy::Priority, /*per_layer_slots=*/false, PrefillMode::Exact, true});
   sim.run();
 }
 

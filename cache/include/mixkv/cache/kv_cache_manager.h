@@ -23,6 +23,18 @@ namespace detail {
 struct ManagerTestAccess;
 }  // namespace detail
 
+// Prefix caching (docs/architecture.md, "Prefix index"): full prompt
+// blocks outlive their sequence in an index keyed by their content, and a
+// later prompt with the same prefix shares them instead of recomputing.
+struct PrefixCacheConfig {
+  bool enabled = false;
+  // A window the cache holds at a higher precision than a plan wants is
+  // shared at the cached precision (more bytes, better accuracy); false:
+  // the match ends there and the window is recomputed. A lower cached
+  // precision is never shared.
+  bool share_higher = true;
+};
+
 struct CacheConfig {
   CacheShape shape;
   std::size_t arena_bytes = 0;        // total KV memory, all pools together
@@ -38,6 +50,41 @@ struct CacheConfig {
   // the same results; with true every FP16 window can be demoted (demote()),
   // with false only the windows whose tokens happen to fill one block.
   bool fp16_windows_first = false;
+  PrefixCacheConfig prefix_cache{};
+};
+
+// What identifies one prompt token's content for prefix caching: the token
+// id of a text token, a 64-bit hash of a visual token's embedding (the
+// engine's). Two prompts share a block only where these and the layout
+// agree on every row up to the block's end.
+using TokenKey = std::uint64_t;
+
+// A prompt held against the prefix index (match_prefix, add_sequence).
+struct PrefixMatch {
+  // Prompt rows [0, rows) are held by cached blocks: a window boundary
+  // where, in every layer, no block holds rows on both sides; below the
+  // prompt's length (its last row is always computed: it samples the first
+  // token).
+  std::int32_t rows = 0;
+  // The plan the sequence is stored at: the given one, except windows below
+  // `rows` shared at a higher precision (PrefixCacheConfig::share_higher).
+  PrecisionPlan plan;
+  BlockCounts shared{};  // cached blocks it shares, per pool
+  BlockCounts demand{};  // blocks to allocate besides them (demand(layout, plan) - shared)
+  // Of `shared`, blocks only the index holds now: they count as free until
+  // shared (can_allocate(blocks, match) takes them out). The manager's ids.
+  BlockCounts revived{};
+  std::array<std::vector<std::int32_t>, kNumPrecisions> revived_ids;
+};
+
+struct PrefixCacheStats {
+  BlockCounts cached{};        // blocks the index holds
+  BlockCounts evictable{};     // of them, held by no sequence (they count as free)
+  std::int64_t published = 0;  // blocks indexed (publish_prefix), in total
+  std::int64_t hits = 0;       // add_sequence calls that shared a block
+  std::int64_t hit_rows = 0;   // prompt rows those calls found cached
+  BlockCounts shared{};        // blocks they shared, per pool
+  BlockCounts evicted{};       // blocks evicted (freed or left to their holders)
 };
 
 struct PoolStats {
@@ -129,13 +176,50 @@ class KVCacheManager {
   // Blocks a prompt needs per pool, over all layers.
   BlockCounts demand(const TokenLayout& layout, const PrecisionPlan& plan) const;
   // Whether `blocks` more blocks per pool could be allocated now, counting
-  // free slabs and empty slabs other pools could give back.
+  // free slabs and empty slabs other pools could give back, and the blocks
+  // (and slabs) that evicting the prefix index's unheld blocks would free:
+  // every allocating call evicts them, least recently released first,
+  // before it reports OutOfMemory.
   bool can_allocate(const BlockCounts& blocks) const;
+  // The same after `match`'s shared blocks are taken (those only the index
+  // holds stop counting as free): whether add_sequence with the match's
+  // arguments and `blocks` = match.demand (plus any reserve) succeeds. The
+  // match must be this manager's, made since its last change.
+  bool can_allocate(const BlockCounts& blocks, const PrefixMatch& match) const;
 
   // Registers a sequence and allocates the blocks of its whole prompt under
   // `plan` (plan.num_layers() == num_layers, plan.num_windows() ==
   // layout.num_windows(block_size)). OutOfMemory leaves nothing allocated.
   void add_sequence(SequenceId id, const TokenLayout& layout, const PrecisionPlan& plan);
+
+  // --- Prefix caching (CacheConfig::prefix_cache) ---
+  // The longest prefix of the prompt the index can serve: keys[r] is row
+  // r's content key (keys.size() <= layout.num_tokens(); rows past the keys
+  // never match). A block is shared only where it holds exactly the rows the
+  // prompt has there, with the same keys, layout and precision in its layer,
+  // verified key by key (a hash collision never shares); the first
+  // difference in any layer ends the match. rows 0 (shared nothing) when
+  // prefix caching is off or keys is empty. Errors as add_sequence's, and
+  // InvalidArgument naming keys.
+  PrefixMatch match_prefix(const TokenLayout& layout, const PrecisionPlan& plan, std::span<const TokenKey> keys) const;
+  // add_sequence sharing the blocks of match_prefix(layout, plan, keys)
+  // (returned; the sequence is stored at its plan, and rows [0, rows) are
+  // not to be stored again: prefill starts at `rows`). OutOfMemory when
+  // match.demand cannot be had; all or nothing.
+  PrefixMatch add_sequence(SequenceId id, const TokenLayout& layout, const PrecisionPlan& plan,
+                           std::span<const TokenKey> keys);
+  // Indexes the full blocks of `id` that hold only prompt rows [0,
+  // keys.size()), which the caller has stored (computed) and whose content
+  // keys are `keys`: from now on they outlive the sequence and later
+  // prompts share them. A block whose content is cached already (another
+  // sequence's) or whose hash is taken is not indexed, and ends its layer's
+  // chain. Returns the blocks newly indexed (0 with prefix caching off).
+  // UnknownId naming id; InvalidArgument for a swapped-out id or naming keys
+  // (longer than the prompt). Indexed blocks are never written again.
+  std::int64_t publish_prefix(SequenceId id, std::span<const TokenKey> keys);
+  // Evicts every indexed block no sequence holds; returns how many.
+  std::int64_t evict_prefix_cache();
+  PrefixCacheStats prefix_stats() const;
   bool contains(SequenceId id) const;
   std::vector<SequenceId> sequence_ids() const;  // ascending
   std::int32_t num_tokens(SequenceId id) const;  // prompt + appended
@@ -206,6 +290,8 @@ class KVCacheManager {
   // why_not_demotable). IndexOutOfRange names "layer" or "window".
   std::int32_t window_block(SequenceId id, std::int32_t layer, std::int32_t window) const;
   std::int32_t fp16_tail_fill(SequenceId id, std::int32_t layer) const;
+  // Holders of a block: the page tables that hold it, plus one while the
+  // prefix index holds it.
   std::int32_t ref_count(Precision p, std::int32_t block_id) const;
 
   DecodeMetadata decode_metadata(std::span<const SequenceId> ids) const;
@@ -242,8 +328,9 @@ class KVCacheManager {
 
   // --- Demotion (memory pressure) ---
   // Whether (id, layer, window) could move one precision down now, ignoring
-  // memory: window >= 1, not INT2 yet, its block held by this sequence only,
-  // and for an FP16 window its tokens filling exactly one FP16 block
+  // memory: window >= 1, not INT2 yet, its block held by this sequence only
+  // (and perhaps the prefix index, which keeps the original), and for an
+  // FP16 window its tokens filling exactly one FP16 block
   // (always so with fp16_windows_first). Returns the reason when not.
   std::optional<std::string> why_not_demotable(SequenceId id, std::int32_t layer, std::int32_t window,
                                                Precision target) const;
@@ -258,7 +345,7 @@ class KVCacheManager {
   // Throws InvariantViolation describing the first broken invariant.
   void check_invariants() const;
   // Canonical text of all bookkeeping (slabs, free lists in order, ref
-  // counts, page tables): equal texts mean equal states.
+  // counts, page tables, the prefix index): equal texts mean equal states.
   std::string describe_state() const;
 
  private:

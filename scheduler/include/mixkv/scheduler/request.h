@@ -2,6 +2,7 @@
 #include <cstdint>
 #include <optional>
 #include <string_view>
+#include <vector>
 
 #include "mixkv/cache/kv_cache_manager.h"
 #include "mixkv/core/precision_plan.h"
@@ -28,6 +29,11 @@ struct Request {
   // planned.
   std::optional<PrecisionPlan> plan;
   std::optional<EmbeddingsView> embeddings;
+  // Prefix caching (CacheConfig::prefix_cache): each prompt row's content
+  // key (TokenKey: the token id of a text token, the engine's 64-bit hash
+  // of a visual token's embedding), layout.num_tokens() of them; empty: the
+  // request neither shares nor publishes cached blocks.
+  std::vector<TokenKey> token_keys;
   std::int32_t max_new_tokens = 1;  // >= 1; the first comes out of the prefill
   std::int32_t priority = 0;        // larger is more urgent (SchedulingPolicy::Priority)
   double arrival_time = 0.0;        // engine clock; earlier is served first

@@ -29,6 +29,9 @@ struct RequestStatus {
   // PrefillMode::Exact: the prompt is held FP16 and its plan not applied
   // yet (from admission until the plan's demotions are all made).
   bool plan_pending = false;
+  // Prompt rows its last admission took from the prefix cache instead of
+  // computing them (its first chunk started there).
+  std::int32_t cached_tokens = 0;
 };
 
 struct SchedulerStats {
@@ -54,6 +57,14 @@ struct SchedulerStats {
   std::int64_t prefill_tokens = 0;
   std::int64_t draft_tokens = 0;     // draft rows scheduled (speculative decoding)
   std::int64_t accepted_tokens = 0;  // of them, accepted (accept())
+  // Prefix caching (CacheConfig::prefix_cache): admissions that shared
+  // cached blocks, the prompt rows they took from the cache (not counted in
+  // prefill_tokens), the blocks they shared, and the blocks the requests'
+  // computed prompts gave the index.
+  std::int64_t prefix_hits = 0;
+  std::int64_t cached_prompt_tokens = 0;
+  std::int64_t shared_blocks = 0;
+  std::int64_t published_blocks = 0;
 };
 
 // The continuous-batching scheduler, driven one step at a time by a
@@ -69,6 +80,16 @@ struct SchedulerStats {
 // prompt prefilled in chunks under PrefillMode::Exact, demoted to the plan
 // the step after its last chunk); the whole prompt is allocated at
 // admission, prefill chunks only split the compute.
+//
+// With prefix caching (CacheConfig::prefix_cache) a request with
+// token_keys is admitted by its demand after the blocks it shares with the
+// cache (KVCacheManager::match_prefix; cached blocks no one holds count as
+// free), its first chunk starts at the first row not cached
+// (PrefillChunk::start, status().cached_tokens), and the rows each step
+// computes are published to the cache at the next step (the engine has
+// stored them by then), so they outlive the request. A prompt held FP16
+// under PrefillMode::Exact shares nothing and publishes once its plan is
+// applied. docs/scheduler.md, "Prefix caching".
 //
 // The scheduler drives `cache` (which must outlive it and start empty):
 // while the scheduler lives, nothing else may add, free, append, swap or
@@ -116,7 +137,7 @@ class Scheduler {
   // prompt) is stored all FP16. InvalidArgument (naming request.<field>)
   // for a malformed one: an id that is live, an empty layout, both plan and
   // embeddings, a plan of the wrong shape, embeddings without a planner,
-  // max_new_tokens < 1. Embeddings are planned through the plan
+  // max_new_tokens < 1, token_keys neither empty nor one per prompt row. Embeddings are planned through the plan
   // source, whose errors pass through unchanged (nothing is queued); a
   // source that returns other than one plan of the layout's shape is an
   // InvalidArgument naming "the planner". A request that can never fit the

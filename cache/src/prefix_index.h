@@ -1,0 +1,131 @@
+#pragma once
+// The prefix index of KVCacheManager (private header: cache/src only, and
+// the tests' corruption hook). Per layer a tree of full prompt blocks in the
+// order they complete along the prompt; a node names the rows since its
+// parent's end with their content keys and roles, so the path from the root
+// fixes every row up to the node's end, and with it what its block holds.
+#include <array>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include <boost/intrusive/list.hpp>
+#include <boost/unordered/unordered_flat_map.hpp>
+
+#include "mixkv/cache/block_pool.h"
+#include "mixkv/cache/kv_cache_manager.h"
+
+namespace mixkv::detail {
+
+// A row's role in its layer: bit 0 its kind (visual), bits 1-2 its window's
+// precision class (0 outside a full window, 1 + pool_index inside one).
+// Two rows with equal keys and roles are stored alike.
+using RowRole = std::uint8_t;
+inline RowRole row_role(TokenKind kind, int window_class) {
+  return static_cast<RowRole>((kind == TokenKind::Visual ? 1 : 0) | (window_class << 1));
+}
+inline int window_class(RowRole role) { return role >> 1; }
+
+struct PrefixNode {
+  using Hook = boost::intrusive::list_member_hook<boost::intrusive::link_mode<boost::intrusive::safe_link>>;
+
+  PrefixNode* parent = nullptr;  // null for a layer's root
+  std::vector<PrefixNode*> children;
+  std::uint64_t hash = 0;  // of (parent's hash, precision, keys, roles); a root's: its layer's seed
+  std::int32_t layer = 0;
+  Precision precision = Precision::FP16;
+  std::int32_t block = -1;  // -1 for a root
+  std::int32_t begin = 0;   // rows [begin, end): since the parent's end, up to this block's last row
+  std::int32_t end = 0;
+  std::vector<TokenKey> keys;  // [end - begin]
+  std::vector<RowRole> roles;  // [end - begin]
+  Hook hook;                   // on the LRU list iff no sequence holds the block
+};
+
+// Owns the nodes, holds one reference on each node's block and keeps the
+// blocks no sequence holds on an LRU list (evicted from the front), counted
+// per pool. Nothing but make() and reserve() allocates, so the manager's
+// commit phases may retain, release and evict.
+class PrefixIndex {
+ public:
+  PrefixIndex(std::int32_t num_layers, std::array<BlockPool*, kNumPrecisions> pools);
+  ~PrefixIndex();
+  PrefixIndex(const PrefixIndex&) = delete;
+  PrefixIndex& operator=(const PrefixIndex&) = delete;
+
+  static std::uint64_t content_hash(std::uint64_t parent, Precision p, std::span<const TokenKey> keys,
+                                    std::span<const RowRole> roles);
+
+  const PrefixNode& root(std::int32_t layer) const { return roots_[static_cast<std::size_t>(layer)]; }
+  PrefixNode& root(std::int32_t layer) { return roots_[static_cast<std::size_t>(layer)]; }
+  // The child of `parent` with exactly this content (verified), or null.
+  const PrefixNode* find(const PrefixNode& parent, Precision p, std::span<const TokenKey> keys,
+                         std::span<const RowRole> roles) const;
+  // Whether a node with this hash exists (another content's, when find() says none).
+  bool hash_taken(std::uint64_t hash) const { return by_hash_.contains(hash); }
+  const PrefixNode* node_of(Precision p, std::int32_t block) const;
+  std::size_t size() const { return by_block_.size(); }
+
+  // Inserting is split like the manager's calls: make() builds a node that
+  // belongs to nothing yet (may throw std::bad_alloc), reserve() makes room
+  // for `count` more, and link() takes it in, retaining its block, without
+  // allocating. `parent` is a linked node or a node made for the same call.
+  std::unique_ptr<PrefixNode> make(PrefixNode& parent, Precision p, std::int32_t block, std::int32_t begin,
+                                   std::span<const TokenKey> keys, std::span<const RowRole> roles) const;
+  void reserve(std::size_t count);
+  void link(std::unique_ptr<PrefixNode> node);
+
+  // After a sequence retained or released an indexed block: whether it is
+  // held by the index alone decides its place on the LRU list.
+  void holders_changed(Precision p, std::int32_t block);
+
+  BlockCounts evictable() const { return evictable_; }
+  std::int64_t evictable_total() const { return evictable_[0] + evictable_[1] + evictable_[2]; }
+  // Each block on the LRU list, front first.
+  template <class F>
+  void for_each_evictable(F&& f) const {
+    for (const PrefixNode& node : lru_) f(node.precision, node.block);
+  }
+  BlockCounts cached() const;
+  BlockCounts evicted() const { return evicted_; }
+
+  // Evicts the least recently released node and its subtree (unreachable
+  // without it): blocks no sequence holds are freed, the others left to
+  // their holders. Allocates nothing. False when nothing is evictable.
+  bool evict_one();
+
+  // InvariantViolation for the first broken rule of the index itself (tree,
+  // hashes, maps, LRU list, counts); the manager checks the ref counts.
+  void check() const;
+  void describe(std::string& out) const;
+  // Each indexed (pool, block) once, for the manager's ref-count check.
+  template <class F>
+  void for_each_block(F&& f) const {
+    for (const auto& [key, node] : by_block_) f(node->precision, node->block);
+  }
+
+ private:
+  friend struct ManagerTestAccess;
+  using Lru = boost::intrusive::list<PrefixNode,
+                                     boost::intrusive::member_hook<PrefixNode, PrefixNode::Hook, &PrefixNode::hook>>;
+  static std::int64_t block_key(Precision p, std::int32_t block) {
+    return (std::int64_t{pool_index(p)} << 32) | static_cast<std::uint32_t>(block);
+  }
+  BlockPool& pool(Precision p) const { return *pools_[static_cast<std::size_t>(pool_index(p))]; }
+  void set_evictable(PrefixNode& node, bool evictable);
+  // Unlinks `node` (no children left) from every structure and drops the
+  // index's reference on its block.
+  void remove_leaf(PrefixNode& node);
+
+  std::array<BlockPool*, kNumPrecisions> pools_;
+  std::vector<PrefixNode> roots_;  // [layer]
+  boost::unordered_flat_map<std::uint64_t, PrefixNode*> by_hash_;
+  boost::unordered_flat_map<std::int64_t, std::unique_ptr<PrefixNode>> by_block_;
+  Lru lru_;  // front: released longest ago
+  BlockCounts evictable_{};
+  BlockCounts evicted_{};
+};
+
+}  // namespace mixkv::detail
