@@ -199,10 +199,13 @@ void bind_kv_cache_manager(py::module_& m) {
       .def("pool_stats", &KVCacheManager::pool_stats, py::arg("precision"))
       .def("demand", &KVCacheManager::demand, py::arg("layout"), py::arg("plan"),
            "Blocks the prompt needs per pool over all layers: [FP16, INT4, INT2].")
-      .def("can_allocate", &KVCacheManager::can_allocate, py::arg("blocks"),
+      .def("can_allocate", py::overload_cast<const BlockCounts&>(&KVCacheManager::can_allocate, py::const_),
+           py::arg("blocks"),
            "Whether [FP16, INT4, INT2] more blocks could be allocated now, counting free slabs and empty slabs "
            "other pools could give back.")
-      .def("add_sequence", &KVCacheManager::add_sequence, py::arg("id"), py::arg("layout"), py::arg("plan"),
+      .def("add_sequence",
+           py::overload_cast<SequenceId, const TokenLayout&, const PrecisionPlan&>(&KVCacheManager::add_sequence),
+           py::arg("id"), py::arg("layout"), py::arg("plan"),
            "Registers a sequence and allocates its whole prompt under `plan`. MemoryError leaves nothing "
            "allocated; an id already present raises ValueError.")
       .def("contains", &KVCacheManager::contains, py::arg("id"))
