@@ -222,6 +222,8 @@ void Scheduler::Impl::release(Entry& e) {
   unplan(e);
   drop_slot(e);
   if (e.next_drafts >= 0) --overrides;
+  reporting[e.id] =
+      RequestStatus{RequestState::Finished, e.prompt.num_tokens(), e.computed, e.generated, -1, e.preemptions, 0};
   if (e.hook.is_linked()) {
     Queue& q = e.state == RequestState::Waiting ? waiting : (e.state == RequestState::Swapped ? swapped : running);
     q.erase(q.iterator_to(e));
@@ -559,6 +561,7 @@ StepOutput Scheduler::step() {
   out.rejected = std::move(s.rejected_reports);
   s.finished_reports.clear();
   s.rejected_reports.clear();
+  s.reporting.clear();
   return out;
 }
 
@@ -581,6 +584,9 @@ bool Scheduler::cancel(RequestId id) { return impl_->end_by_caller(id, FinishRea
 bool Scheduler::contains(RequestId id) const { return impl_->entries.contains(id); }
 
 RequestStatus Scheduler::status(RequestId id) const {
+  if (!impl_->entries.contains(id)) {
+    if (const auto it = impl_->reporting.find(id); it != impl_->reporting.end()) return it->second;
+  }
   const Entry& e = impl_->live(id, "id");
   RequestStatus st{e.state, e.prompt.num_tokens(), e.computed, e.generated, e.slot, e.preemptions, e.drafts};
   st.plan_pending = e.exact;

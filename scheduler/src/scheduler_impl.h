@@ -14,6 +14,7 @@
 #include <vector>
 
 #include <boost/intrusive/set.hpp>
+#include <boost/unordered/unordered_flat_map.hpp>
 #include <boost/unordered/unordered_flat_set.hpp>
 #include <boost/unordered_map.hpp>
 
@@ -162,6 +163,9 @@ struct Scheduler::Impl {
   std::vector<Entry*> done;              // reached max_new_tokens last step
   std::vector<FinishedRequest> finished_reports;
   std::vector<RejectedRequest> rejected_reports;
+  // The last status of each request whose report is still pending (state
+  // Finished), so that status() answers until step() reports it.
+  boost::unordered_flat_map<RequestId, RequestStatus> reporting;
   std::vector<RequestId> last_decodes;
   std::vector<RequestId> forked;       // children since the last step, for tables_changed
   std::vector<RequestId> speculating;  // decoded with drafts in the last step

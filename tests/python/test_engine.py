@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 from mixkv import Precision, RequestState, Segment, TokenKind, TokenLayout
 
-LAYERS, KV_HEADS, Q_HEADS, HEAD_DIM, BLOCK = 2, 2, 4, 32, 16
+LAYERS, KV_HEADS, Q_HEADS, HEAD_DIM, BLOCK = 2, 2, 4, 64, 16
 VOCAB, HIDDEN, EOS = 16, 48, 0
 SHAPE = mixkv.CacheShape(LAYERS, KV_HEADS, HEAD_DIM, BLOCK)
-SLAB = 16 << 10  # 4 FP16 blocks
+SLAB = 32 << 10  # 4 FP16 blocks
 
 
 def seeded(*key):
@@ -41,7 +41,9 @@ READOUT = [
 def sample(key, position, outs):
     """The next token from one row's attention outputs of every layer (float16 [Q_HEADS, HEAD_DIM])."""
     logits = sum(o.astype(np.float32).reshape(-1) @ w for o, w in zip(outs, READOUT))
-    return int(np.argmax(logits + 4.0 * seeded("noise", key, position).standard_normal(VOCAB)))
+    logits = logits + 4.0 * seeded("noise", key, position).standard_normal(VOCAB)
+    logits[EOS] -= 4.0  # EOS rarer than other tokens: requests live long enough to fork and to fill the cache
+    return int(np.argmax(logits))
 
 
 def dense_attention(q, ks, vs):
@@ -90,21 +92,23 @@ PLANNER = mixkv.PlannerConfig([0.9] * LAYERS, window_size=BLOCK)
 def run(
     backend="cpu", arena_slabs=64, preemption=mixkv.PreemptionMode.Swap, workload=None, to_device=None, from_device=None
 ):
-    """The serving loop. Returns (tokens by request, requests whose windows left FP16, step reports)."""
+    """The serving loop. Returns (tokens by request, requests whose windows
+    left FP16, step reports, the engine, each child's parent's generated count
+    at its fork)."""
     workload = workload or Workload()
     to_device = to_device or (lambda a: a)
     from_device = from_device or (lambda a: a)
     config = mixkv.CacheConfig(SHAPE, arena_slabs * SLAB, SLAB, swap_blocks=[256, 256, 256], fp16_windows_first=True)
     engine = mixkv.Engine(
         config,
-        mixkv.SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=96, preemption=preemption),
+        mixkv.SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=96, preemption=preemption),
         num_q_heads=Q_HEADS,
         backend=backend,
         planner=PLANNER,
     )
     tokens, root, quantized, reports = {}, {}, set(), []
     requests = sorted(workload.requests, key=lambda r: r["arrival"])
-    forked = set()
+    fork_at = {}  # child -> tokens the parent had generated when it was forked
     step_no = 0
     while requests or engine.has_unfinished():
         while requests and requests[0]["arrival"] <= step_no:
@@ -174,35 +178,46 @@ def run(
                 if any(plan.window_counts(layer)[0] != plan.num_windows for layer in range(LAYERS)):
                     quantized.add(i)
         # The engine's decisions: EOS, forks, a cancel.
-        for i in step.decodes:
+        for i in list(step.decodes) + [p.request_id for p in step.prefills if p.last]:
             if tokens[i][-1] == EOS and i in engine:
                 engine.finish(i)
         for parent, child in workload.forks.items():
-            if (
-                parent in engine
-                and parent not in forked
-                and engine.status(parent).state == RequestState.Running
-                and engine.status(parent).generated >= 2
-                and tokens[parent][-1] != EOS
-            ):
+            if parent not in engine or child in fork_at:
+                continue
+            status = engine.status(parent)  # state Finished once it ended, until the next step reports it
+            new = next(r["new"] for r in workload.requests if r["id"] == parent)
+            if status.state == RequestState.Running and 2 <= status.generated < new and tokens[parent][-1] != EOS:
                 try:
                     engine.fork(parent, child)
                 except mixkv.OutOfMemory as e:  # every page-table slot taken: try again at the next step
                     assert "max_num_seqs" in str(e) and child not in engine
                     continue
-                forked.add(parent)
+                fork_at[child] = status.generated
                 root[child] = root[parent]
                 tokens[child] = list(tokens[parent])
                 if parent in quantized:
                     quantized.add(child)
         for i, n in workload.cancel_after.items():
-            if i in engine and engine.status(i).generated >= n:
+            if i in engine and engine.status(i).state != RequestState.Finished and engine.status(i).generated >= n:
                 assert engine.cancel(i)
         assert step_no < 2000
     engine.check_invariants()
     for p in mixkv.Precision:
         assert engine.cache.pool_stats(p).used_blocks == 0
-    return tokens, quantized, reports, engine
+    return tokens, quantized, reports, engine, fork_at
+
+
+def fp16_matches(a, b, workload):
+    """Requests whose windows stayed FP16 in both runs (and, for a fork, that
+    were forked at the same point) with their generated tokens in each run.
+    text-5 is cancelled after a number of tokens, either way."""
+    ga, gb = generated(a[0], workload), generated(b[0], workload)
+    same = [
+        i
+        for i in ga
+        if i in gb and i not in a[1] and i not in b[1] and i != "text-5" and a[4].get(i, -1) == b[4].get(i, -1)
+    ]
+    return {i: (ga[i], gb[i]) for i in same}
 
 
 def report_sets(reports):
@@ -230,7 +245,7 @@ def tight():
 
 
 def test_engine_loop_reports_every_request(roomy):
-    tokens, _, reports, engine = roomy
+    tokens, _, reports, engine, fork_at = roomy
     w = Workload()
     finished, rejected = report_sets(reports)
     assert set(rejected) == {"huge"} and rejected["huge"].reason
@@ -248,8 +263,9 @@ def test_engine_loop_reports_every_request(roomy):
             assert f.generated == r["new"] and EOS not in got[r["id"]][:-1]
         else:
             assert f.reason == mixkv.FinishReason.Stopped and got[r["id"]][-1] == EOS
+    assert fork_at == {child: 2 for child in w.forks.values()}
     for parent, child in w.forks.items():  # children share the parent's first tokens, then diverge
-        assert got[child][:2] == got[parent][:2]
+        assert got[child][:2] == got[parent][:2] and got[child] != got[parent]
     stats = engine.stats()
     assert stats.rejected == 1 and stats.cancelled == 1
     # Every id can be used again once its request has been reported.
@@ -258,31 +274,28 @@ def test_engine_loop_reports_every_request(roomy):
 
 
 def test_tight_cache_swaps_demotes_and_keeps_fp16_tokens(roomy, tight):
-    tokens, quantized, reports, engine = tight
+    tokens, quantized, reports, engine, fork_at = tight
     stats = engine.stats()
     assert stats.preempted_swap > 0
     assert stats.demotions > 0
     assert any(s.swapped_out for s in reports) and any(s.swapped_in for s in reports)
     w = Workload()
-    roomy_tokens, roomy_quantized = roomy[0], roomy[1]
-    fp16 = [i for i in tokens if i not in quantized and i not in roomy_quantized]
-    assert {"text-0", "text-1", "text-1/b", "text-4/b", 1234} <= set(fp16)
-    g, rg = generated(tokens, w), generated(roomy_tokens, w)
-    for i in fp16:
-        if i != "text-5":  # cancelled after a number of tokens, either way
-            assert g[i] == rg[i], i
-    assert len(g["text-5"]) >= 3
+    same = fp16_matches(tight, roomy, w)
+    assert {"text-0", "text-1", "text-1/b", "text-4/b", 1234} <= set(same)
+    for i, (g, rg) in same.items():
+        assert g == rg, i
+    assert len(generated(tokens, w)["text-5"]) >= 3
 
 
 def test_recompute_preemption_keeps_fp16_tokens(roomy):
-    tokens, quantized, reports, engine = run(arena_slabs=12, preemption=mixkv.PreemptionMode.Recompute)
+    recompute = run(arena_slabs=12, preemption=mixkv.PreemptionMode.Recompute)
+    reports, engine = recompute[2], recompute[3]
     assert engine.stats().preempted_recompute > 0
     assert any(s.preempted for s in reports)
-    w = Workload()
-    g, rg = generated(tokens, w), generated(roomy[0], w)
-    for i in tokens:
-        if i not in quantized and i not in roomy[1] and i != "text-5":
-            assert g[i] == rg[i], i
+    same = fp16_matches(recompute, roomy, Workload())
+    assert {"text-0", "text-1", 1234} <= set(same)
+    for i, (g, rg) in same.items():
+        assert g == rg, i
 
 
 def small_engine(num_q_heads=Q_HEADS, **kw):
@@ -468,38 +481,36 @@ def cuda_unavailable():
     return None
 
 
-def test_cuda_backend_chooses_the_cpu_backend_tokens(roomy):
+def test_cuda_backend_chooses_the_cpu_backend_tokens(roomy, tight):
     why = cuda_unavailable()
     if why:
         pytest.skip(why)
     import torch
 
-    tokens, quantized, reports, engine = run(
-        backend="cuda",
-        arena_slabs=256,
-        to_device=lambda a: torch.from_numpy(np.ascontiguousarray(a)).cuda(),
-        from_device=lambda t: t.cpu().numpy(),
-    )
-    assert engine.backend == "cuda"
+    def on_cuda(arena_slabs):
+        return run(
+            backend="cuda",
+            arena_slabs=arena_slabs,
+            to_device=lambda a: torch.from_numpy(np.ascontiguousarray(a)).cuda(),
+            from_device=lambda t: t.cpu().numpy(),
+        )
+
     w = Workload()
-    g, cg = generated(tokens, w), generated(roomy[0], w)
-    fp16 = [i for i in tokens if i not in quantized and i not in roomy[1]]
-    assert {"text-0", "text-1/b", 1234} <= set(fp16)
-    for i in fp16:
-        if i != "text-5":
-            assert g[i] == cg[i], i
+    cuda_roomy = on_cuda(256)
+    assert cuda_roomy[3].backend == "cuda"
+    assert cuda_roomy[4] == roomy[4]  # the same schedule, so the same fork points
+    same = fp16_matches(cuda_roomy, roomy, w)
+    assert {"text-0", "text-1/b", 1234} <= set(same)
+    for i, (g, cg) in same.items():
+        assert g == cg, i
     # The tight cache on the GPU: swaps and demotions, invariants after every step (inside run).
-    tokens, quantized, _, engine = run(
-        backend="cuda",
-        arena_slabs=12,
-        to_device=lambda a: torch.from_numpy(np.ascontiguousarray(a)).cuda(),
-        from_device=lambda t: t.cpu().numpy(),
-    )
-    assert engine.stats().preempted_swap > 0 and engine.stats().demotions > 0
-    g = generated(tokens, w)
-    for i in tokens:
-        if i not in quantized and i not in roomy[1] and i != "text-5":
-            assert g[i] == cg[i], i
+    cuda_tight = on_cuda(12)
+    stats = cuda_tight[3].stats()
+    assert stats.preempted_swap > 0 and stats.demotions > 0
+    same = fp16_matches(cuda_tight, tight, w)
+    assert {"text-0", "text-1", 1234} <= set(same)
+    for i, (g, cg) in same.items():
+        assert g == cg, i
 
 
 def test_cuda_attend_allocates_torch_on_the_device():

@@ -155,9 +155,17 @@ TEST(Scheduler, CancelFreesEverythingInEveryState) {
     EXPECT_FALSE(sched.cancel(target == RequestState::Swapped ? 2 : 1));
     EXPECT_FALSE(sched.finish(target == RequestState::Swapped ? 2 : 1));
     EXPECT_EQ(sched.describe_state(), before);
+    // Until the next step reports it, status() gives its last counts as Finished.
+    const RequestId ended = target == RequestState::Swapped ? 2 : 1;
+    EXPECT_FALSE(sched.contains(ended));
+    const RequestStatus last = sched.status(ended);
+    EXPECT_EQ(last.state, RequestState::Finished);
+    EXPECT_EQ(last.slot, -1);
     const StepOutput out = sched.step();
     ASSERT_EQ(out.finished.size(), 1u);
     EXPECT_EQ(out.finished[0].reason, FinishReason::Cancelled);
+    EXPECT_EQ(last.generated, out.finished[0].generated);
+    expect_error<UnknownId>([&] { (void)sched.status(ended); }, "not a live request");
     sched.cancel(1);
     EXPECT_EQ(cache.free_swap_slots(), cache.config().swap_blocks);
     for (const Precision p : kAllPrecisions) EXPECT_EQ(cache.pool_stats(p).used_blocks, 0) << to_string(p);

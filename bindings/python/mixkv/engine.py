@@ -328,7 +328,9 @@ class Engine:
         return not isinstance(request_id, bool) and isinstance(request_id, (str, int)) and request_id in self._ids
 
     def status(self, request_id: RequestKey):
-        """A live request's progress (mixkv.RequestStatus)."""
+        """A live request's progress (mixkv.RequestStatus); state Finished for
+        one ended (finish, cancel, its last token) whose report comes with the
+        next step."""
         return self._core.status(self._internal("Engine.status", "request_id", request_id))
 
     def stats(self):

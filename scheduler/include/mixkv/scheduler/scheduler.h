@@ -202,8 +202,11 @@ class Scheduler {
   // cache, and naming num_accepted outside 0 .. drafts.
   void accept(RequestId id, std::int32_t num_accepted);
 
-  bool contains(RequestId id) const;         // live: not yet reported as finished or rejected
-  RequestStatus status(RequestId id) const;  // UnknownId unless contains(id)
+  bool contains(RequestId id) const;  // live: added, and not finished, cancelled or rejected yet
+  // A live request's progress; for one that ended since the last step (its
+  // report comes in the next StepOutput) its last counts with state
+  // Finished; UnknownId otherwise.
+  RequestStatus status(RequestId id) const;
   SchedulerStats stats() const;
   bool has_unfinished() const;  // live requests or reports pending
 
