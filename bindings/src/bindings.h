@@ -17,6 +17,7 @@ py::handle init_only_metaclass();
 inline py::metaclass init_only() { return py::metaclass(init_only_metaclass()); }
 
 void bind_errors(py::module_& m);
+void bind_prefix_cache(py::module_& m);
 void bind_cache_shape(py::module_& m);
 void bind_token_layout(py::module_& m);
 void bind_precision_plan(py::module_& m);

@@ -72,11 +72,12 @@ void bind_cache_shape(py::module_& m) {
   py::class_<CacheConfig>(m, "CacheConfig", init_only(),
                           "A cache: its shape, the bytes of its one arena, the slab size.")
       .def(py::init([](const CacheShape& shape, std::size_t arena_bytes, std::size_t slab_bytes,
-                       const BlockCounts& swap_blocks, bool fp16_windows_first) {
-             return CacheConfig{shape, arena_bytes, slab_bytes, swap_blocks, fp16_windows_first};
+                       const BlockCounts& swap_blocks, bool fp16_windows_first, const PrefixCacheConfig& prefix_cache) {
+             return CacheConfig{shape, arena_bytes, slab_bytes, swap_blocks, fp16_windows_first, prefix_cache};
            }),
            py::arg("shape"), py::arg("arena_bytes"), py::arg("slab_bytes") = CacheConfig{}.slab_bytes,
-           py::arg("swap_blocks") = BlockCounts{}, py::arg("fp16_windows_first") = false)
+           py::arg("swap_blocks") = BlockCounts{}, py::arg("fp16_windows_first") = false,
+           py::arg("prefix_cache") = PrefixCacheConfig{})
       .def_readwrite("shape", &CacheConfig::shape)
       .def_readwrite("arena_bytes", &CacheConfig::arena_bytes, "Total KV memory, all pools together.")
       .def_readwrite("slab_bytes", &CacheConfig::slab_bytes, "Unit in which memory moves between pools.")
@@ -84,11 +85,13 @@ void bind_cache_shape(py::module_& m) {
                      "Host swap slots per pool [FP16, INT4, INT2]; all 0: no swapping.")
       .def_readwrite("fp16_windows_first", &CacheConfig::fp16_windows_first,
                      "Pack each FP16 visual window in a block of its own, first, so that every one can be demoted.")
+      .def_readwrite("prefix_cache", &CacheConfig::prefix_cache, "mixkv.PrefixCacheConfig (off by default).")
       .def("__repr__", [](const CacheConfig& c) {
         return "CacheConfig(shape=" + std::string(py::repr(py::cast(c.shape))) +
                ", arena_bytes=" + std::to_string(c.arena_bytes) + ", slab_bytes=" + std::to_string(c.slab_bytes) +
                ", swap_blocks=" + std::string(py::repr(py::cast(c.swap_blocks))) +
-               ", fp16_windows_first=" + (c.fp16_windows_first ? "True" : "False") + ")";
+               ", fp16_windows_first=" + (c.fp16_windows_first ? "True" : "False") +
+               ", prefix_cache=" + std::string(py::repr(py::cast(c.prefix_cache))) + ")";
       });
 
   py::class_<BlockFormat>(m, "BlockFormat", init_only(), "Byte layout of one block of a precision (block_format.h).")

@@ -185,8 +185,10 @@ PYBIND11_MODULE(_engine, m) {
       .def(
           "add_request",
           [](PyEngine& self, RequestId id, const TokenLayout& layout, std::optional<PrecisionPlan> plan,
-             py::object embeddings, std::int32_t max_new_tokens, std::int32_t priority, double arrival_time) {
+             py::object embeddings, std::int32_t max_new_tokens, std::int32_t priority, double arrival_time,
+             std::vector<TokenKey> token_keys) {
             Request r;
+            r.token_keys = std::move(token_keys);
             r.id = id;
             r.layout = layout;
             r.plan = std::move(plan);
@@ -214,7 +216,7 @@ PYBIND11_MODULE(_engine, m) {
           },
           py::arg("id"), py::arg("layout"), py::kw_only(), py::arg("plan") = py::none(),
           py::arg("embeddings") = py::none(), py::arg("max_new_tokens") = 1, py::arg("priority") = 0,
-          py::arg("arrival_time") = 0.0)
+          py::arg("arrival_time") = 0.0, py::arg("token_keys") = std::vector<TokenKey>{})
       .def(
           "fork",
           [](PyEngine& self, RequestId parent, RequestId child, std::int32_t max_new_tokens) {

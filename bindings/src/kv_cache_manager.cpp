@@ -197,6 +197,9 @@ void bind_kv_cache_manager(py::module_& m) {
       .def_property_readonly("free_slabs", &KVCacheManager::free_slabs)
       .def("format", &KVCacheManager::format, py::arg("precision"))
       .def("pool_stats", &KVCacheManager::pool_stats, py::arg("precision"))
+      .def("prefix_stats", &KVCacheManager::prefix_stats, "The prefix index's blocks and counters.")
+      .def("evict_prefix_cache", &KVCacheManager::evict_prefix_cache,
+           "Drops every cached block no sequence holds; returns the blocks evicted.")
       .def("demand", &KVCacheManager::demand, py::arg("layout"), py::arg("plan"),
            "Blocks the prompt needs per pool over all layers: [FP16, INT4, INT2].")
       .def("can_allocate", py::overload_cast<const BlockCounts&>(&KVCacheManager::can_allocate, py::const_),

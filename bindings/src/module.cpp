@@ -35,6 +35,7 @@ PYBIND11_MODULE(_core, m) {
   using namespace mixkv::python;
   m.doc() = "mixkv: a paged KV cache with per-block precision (FP16/INT4/INT2 pools) implementing WindowQuant.";
   bind_errors(m);
+  bind_prefix_cache(m);
   bind_cache_shape(m);
   bind_token_layout(m);
   bind_precision_plan(m);

@@ -134,8 +134,10 @@ void bind_scheduler(py::module_& m) {
                         "A generation request: its prompt layout and exactly one of a plan or the prompt's "
                         "embeddings (a NumPy array [num_tokens, hidden], for the scheduler's planner).")
       .def(py::init([](RequestId id, const TokenLayout& layout, std::optional<PrecisionPlan> plan,
-                       py::object embeddings, std::int32_t max_new_tokens, std::int32_t priority, double arrival_time) {
+                       py::object embeddings, std::int32_t max_new_tokens, std::int32_t priority, double arrival_time,
+                       std::vector<TokenKey> token_keys) {
              PyRequest r;
+             r.request.token_keys = std::move(token_keys);
              r.request.id = id;
              r.request.layout = layout;
              r.request.plan = std::move(plan);
@@ -147,7 +149,7 @@ void bind_scheduler(py::module_& m) {
            }),
            py::arg("id"), py::arg("layout"), py::kw_only(), py::arg("plan") = py::none(),
            py::arg("embeddings") = py::none(), py::arg("max_new_tokens") = 1, py::arg("priority") = 0,
-           py::arg("arrival_time") = 0.0)
+           py::arg("arrival_time") = 0.0, py::arg("token_keys") = std::vector<TokenKey>{})
       .def_property(
           "id", [](const PyRequest& r) { return r.request.id; }, [](PyRequest& r, RequestId v) { r.request.id = v; })
       .def_property(
@@ -165,7 +167,12 @@ void bind_scheduler(py::module_& m) {
           [](PyRequest& r, std::int32_t v) { r.request.priority = v; })
       .def_property(
           "arrival_time", [](const PyRequest& r) { return r.request.arrival_time; },
-          [](PyRequest& r, double v) { r.request.arrival_time = v; });
+          [](PyRequest& r, double v) { r.request.arrival_time = v; })
+      .def_property(
+          "token_keys", [](const PyRequest& r) { return r.request.token_keys; },
+          [](PyRequest& r, std::vector<TokenKey> v) { r.request.token_keys = std::move(v); },
+          "Prefix caching: each prompt row's content key (a text token's id, the engine's 64-bit hash of a "
+          "visual token's embedding); empty: the request neither shares nor publishes cached blocks.");
 
   py::class_<PrefillChunk>(m, "PrefillChunk", init_only(),
                            "Prompt rows [start, end) of a request computed in this step.")
@@ -228,7 +235,9 @@ void bind_scheduler(py::module_& m) {
       .def_readonly("preemptions", &RequestStatus::preemptions)
       .def_readonly("plan_pending", &RequestStatus::plan_pending,
                     "exact prefill: the plan's demotions are not all made yet")
-      .def_readonly("drafts", &RequestStatus::drafts, "draft tokens of the last step awaiting accept()");
+      .def_readonly("drafts", &RequestStatus::drafts, "draft tokens of the last step awaiting accept()")
+      .def_readonly("cached_tokens", &RequestStatus::cached_tokens,
+                    "prompt rows its last admission took from the prefix cache (its first chunk starts there)");
   py::class_<SchedulerStats>(m, "SchedulerStats", init_only(), "Queue sizes and counters since the scheduler was made.")
       .def_readonly("steps", &SchedulerStats::steps)
       .def_readonly("waiting", &SchedulerStats::waiting)
@@ -248,7 +257,13 @@ void bind_scheduler(py::module_& m) {
       .def_readonly("decode_tokens", &SchedulerStats::decode_tokens)
       .def_readonly("prefill_tokens", &SchedulerStats::prefill_tokens)
       .def_readonly("draft_tokens", &SchedulerStats::draft_tokens, "draft rows scheduled (speculative decoding)")
-      .def_readonly("accepted_tokens", &SchedulerStats::accepted_tokens, "of them, accepted (accept())");
+      .def_readonly("accepted_tokens", &SchedulerStats::accepted_tokens, "of them, accepted (accept())")
+      .def_readonly("prefix_hits", &SchedulerStats::prefix_hits, "admissions that shared cached blocks")
+      .def_readonly("cached_prompt_tokens", &SchedulerStats::cached_prompt_tokens,
+                    "prompt rows taken from the prefix cache (not in prefill_tokens)")
+      .def_readonly("shared_blocks", &SchedulerStats::shared_blocks, "cached blocks those admissions shared")
+      .def_readonly("published_blocks", &SchedulerStats::published_blocks,
+                    "blocks the requests' computed prompts gave the prefix index");
 
   py::class_<Scheduler>(m, "Scheduler", init_only(),
                         "The continuous-batching scheduler over `cache` (which must start empty; while the scheduler "

@@ -44,6 +44,8 @@ from ._core import (
     PreemptionMode,
     PrefillChunk,
     PrefillMode,
+    PrefixCacheConfig,
+    PrefixCacheStats,
     RejectedRequest,
     Request,
     RequestState,

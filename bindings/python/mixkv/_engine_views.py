@@ -147,6 +147,10 @@ class CacheView:
         """The BlockFormat of a pool."""
         return self._manager.format(precision)
 
+    def prefix_stats(self):
+        """The prefix index's blocks and counters (mixkv.PrefixCacheStats)."""
+        return self._manager.prefix_stats()
+
     def pool_stats(self, precision):
         """Blocks and slabs of a pool now (PoolStats)."""
         return self._manager.pool_stats(precision)

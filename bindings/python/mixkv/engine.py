@@ -60,6 +60,38 @@ def _check_int(fn: str, arg: str, value: Any, minimum: Optional[int] = None) -> 
     return value
 
 
+def _token_keys(fn: str, keys: Any, num_tokens: int) -> list:
+    """The prompt's token keys as a list of ints in [0, 2^64), one per row,
+    or [] for None."""
+    if keys is None:
+        return []
+    import numpy as np
+
+    if isinstance(keys, (str, bytes)) or not hasattr(keys, "__len__"):
+        raise InvalidArgument(
+            f"{fn}: token_keys: expected a sequence of ints or an integer array, got {type(keys).__name__}"
+        )
+    if isinstance(keys, np.ndarray):
+        if keys.ndim != 1 or keys.dtype.kind not in "iu":
+            raise InvalidArgument(
+                f"{fn}: token_keys: expected a 1-D integer array, got {keys.dtype} of shape {tuple(keys.shape)}"
+            )
+        if keys.dtype.kind == "i" and keys.size and int(keys.min()) < 0:
+            raise InvalidArgument(f"{fn}: token_keys: expected keys >= 0, got {int(keys.min())}")
+        values = keys.astype(np.uint64).tolist()
+    else:
+        values = list(keys)
+        for i, k in enumerate(values):
+            if isinstance(k, bool) or not isinstance(k, (int, np.integer)):
+                raise InvalidArgument(f"{fn}: token_keys[{i}]: expected an int, got {type(k).__name__}")
+            if not 0 <= int(k) < 1 << 64:
+                raise InvalidArgument(f"{fn}: token_keys[{i}] = {int(k)}: expected 0 <= key < 2^64")
+        values = [int(k) for k in values]
+    if len(values) != num_tokens:
+        raise InvalidArgument(f"{fn}: token_keys: expected one key per prompt row ({num_tokens}), got {len(values)}")
+    return values
+
+
 class _caller_ids:
     """Prefixes the message of a C++ error with the call as the caller made
     it: the scheduler's messages speak of the engine's internal int ids."""
@@ -217,6 +249,7 @@ class Engine:
         max_new_tokens: int,
         priority: int = 0,
         arrival_time: Optional[float] = None,
+        token_keys: Any = None,
     ) -> None:
         """Queues a request. ``layout_or_num_tokens``: the prompt's TokenLayout
         (text and visual segments), or an int: a text-only prompt of that many
@@ -224,8 +257,13 @@ class Engine:
         says; with ``embeddings`` ([num_tokens, hidden] float32/float16/
         bfloat16, any array on the host) the planner plans them; with neither
         the prompt is stored FP16. ``arrival_time`` (None: time.monotonic())
-        orders admission. A request that can never fit is reported in the
-        next step's ``rejected``."""
+        orders admission. ``token_keys`` (prefix caching, CacheConfig.
+        prefix_cache): one non-negative 64-bit key per prompt row, a text
+        token's id or the engine's hash of a visual token's embedding (an int
+        sequence or integer array); a prompt whose leading blocks match cached
+        ones shares them and its first prefill chunk starts after them
+        (``status(request_id).cached_tokens``). A request that can never fit
+        is reported in the next step's ``rejected``."""
         fn = "Engine.add_request"
         internal = self._new_id(fn, "request_id", request_id)
         if isinstance(layout_or_num_tokens, TokenLayout):
@@ -242,6 +280,7 @@ class Engine:
             raise InvalidArgument(f"{fn}: plan: expected a mixkv.PrecisionPlan or None, got {type(plan).__name__}")
         _check_int(fn, "max_new_tokens", max_new_tokens, 1)
         _check_int(fn, "priority", priority)
+        keys = _token_keys(fn, token_keys, layout.num_tokens)
         if arrival_time is None:
             arrival_time = time.monotonic()
         elif isinstance(arrival_time, bool) or not isinstance(arrival_time, (int, float)):
@@ -255,6 +294,7 @@ class Engine:
                 max_new_tokens=max_new_tokens,
                 priority=priority,
                 arrival_time=float(arrival_time),
+                token_keys=keys,
             )
         self._bind(request_id, internal)
 
