@@ -11,6 +11,7 @@
 #include "mixkv/cache/kv_cache_manager.h"
 #include "mixkv/core/block_format.h"
 #include "mixkv/core/cache_shape.h"
+#include "mixkv/core/dtype.h"
 #include "mixkv/core/errors.h"
 #include "mixkv/core/precision.h"
 
@@ -35,9 +36,34 @@ auto param_offset(std::size_t (BlockFormat::*offset)(int) const, const char* fn,
   };
 }
 
+// A cache's dtype as Python gives it: a mixkv.DType, a name ("bfloat16"),
+// or anything whose str() is one (torch.bfloat16, numpy.dtype("float16")).
+DType dtype_argument(py::handle obj) {
+  if (!py::isinstance<py::str>(obj)) {
+    try {
+      return obj.cast<DType>();
+    } catch (const py::cast_error&) {
+    }
+  }
+  if (py::hasattr(obj, "name") && !py::isinstance<py::str>(obj) && py::hasattr(obj, "itemsize")) {
+    return parse_dtype(std::string(py::str(obj.attr("name"))), "shape.dtype");  // a NumPy dtype
+  }
+  return parse_dtype(std::string(py::str(obj)), "shape.dtype");
+}
+
 }  // namespace
 
 void bind_cache_shape(py::module_& m) {
+  py::native_enum<DType>(m, "DType", "enum.IntEnum",
+                         "Element type of arrays; a cache's 16-bit type (CacheShape.dtype) is F16 or BF16.")
+      .value("F16", DType::F16, "IEEE binary16 (numpy.float16, torch.float16)")
+      .value("BF16", DType::BF16, "bfloat16 (torch.bfloat16): the top half of a float32")
+      .value("F32", DType::F32, "float32")
+      .value("I32", DType::I32, "int32")
+      .finalize();
+  m.def(
+      "dtype_name", [](DType t) { return to_string(t); }, py::arg("dtype"),
+      "'float16', 'bfloat16', 'float32' or 'int32': the name NumPy and torch give the type.");
   py::native_enum<Precision>(m, "Precision", "enum.IntEnum",
                              "Storage precision of a block; the value is the pool index (FP16 0, INT4 1, INT2 2).")
       .value("FP16", Precision::FP16, "IEEE half, 16 bits")
@@ -49,25 +75,29 @@ void bind_cache_shape(py::module_& m) {
 
   py::class_<CacheShape>(m, "CacheShape", init_only(),
                          "Geometry every pool of a cache shares. block_size is also the WindowQuant window.")
-      .def(py::init(
-               [](std::int32_t num_layers, std::int32_t num_kv_heads, std::int32_t head_dim, std::int32_t block_size) {
-                 return CacheShape{num_layers, num_kv_heads, head_dim, block_size};
-               }),
-           py::arg("num_layers"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("block_size") = 32)
+      .def(py::init([](std::int32_t num_layers, std::int32_t num_kv_heads, std::int32_t head_dim,
+                       std::int32_t block_size, py::handle dtype) {
+             return CacheShape{num_layers, num_kv_heads, head_dim, block_size, dtype_argument(dtype)};
+           }),
+           py::arg("num_layers"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("block_size") = 32,
+           py::arg("dtype") = DType::F16,
+           "dtype: the cache's 16-bit type, DType.F16 or DType.BF16 (or a name: 'bfloat16', torch.bfloat16); "
+           "K, V, queries and outputs are of it.")
       .def_readwrite("num_layers", &CacheShape::num_layers)
       .def_readwrite("num_kv_heads", &CacheShape::num_kv_heads)
       .def_readwrite("head_dim", &CacheShape::head_dim)
       .def_readwrite("block_size", &CacheShape::block_size)
+      .def_property(
+          "dtype", [](const CacheShape& s) { return s.dtype; },
+          [](CacheShape& s, py::handle dtype) { s.dtype = dtype_argument(dtype); },
+          "The cache's 16-bit type (DType.F16 or DType.BF16): of the FP16 pool's values, the INT4/INT2 pools' "
+          "(scale, min), and K, V, q and out.")
       .def(
           "validate", [](const CacheShape& s) { validate(s); },
           "Raises ValueError naming the field unless num_layers >= 1, num_kv_heads >= 1, head_dim a multiple of 16 "
-          "in [16, 512] and block_size a multiple of 16 in [16, 256].")
+          "in [16, 512], block_size a multiple of 16 in [16, 256] and dtype F16 or BF16.")
       .def(py::self == py::self)
-      .def("__repr__", [](const CacheShape& s) {
-        return "CacheShape(num_layers=" + std::to_string(s.num_layers) +
-               ", num_kv_heads=" + std::to_string(s.num_kv_heads) + ", head_dim=" + std::to_string(s.head_dim) +
-               ", block_size=" + std::to_string(s.block_size) + ")";
-      });
+      .def("__repr__", [](const CacheShape& s) { return to_string(s); });
 
   py::class_<CacheConfig>(m, "CacheConfig", init_only(),
                           "A cache: its shape, the bytes of its one arena, the slab size.")
@@ -95,14 +125,17 @@ void bind_cache_shape(py::module_& m) {
       });
 
   py::class_<BlockFormat>(m, "BlockFormat", init_only(), "Byte layout of one block of a precision (block_format.h).")
-      .def(py::init([](Precision precision, std::int32_t num_kv_heads, std::int32_t head_dim, std::int32_t block_size) {
-             return BlockFormat{precision, num_kv_heads, head_dim, block_size};
+      .def(py::init([](Precision precision, std::int32_t num_kv_heads, std::int32_t head_dim, std::int32_t block_size,
+                       py::handle dtype) {
+             return BlockFormat{precision, num_kv_heads, head_dim, block_size, dtype_argument(dtype)};
            }),
-           py::arg("precision"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("block_size"))
+           py::arg("precision"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("block_size"),
+           py::arg("dtype") = DType::F16)
       .def_readonly("precision", &BlockFormat::precision)
       .def_readonly("num_kv_heads", &BlockFormat::num_kv_heads)
       .def_readonly("head_dim", &BlockFormat::head_dim)
       .def_readonly("block_size", &BlockFormat::block_size)
+      .def_readonly("dtype", &BlockFormat::dtype, "The cache's 16-bit type of the FP16 values and (scale, min).")
       .def_property_readonly("bits", &BlockFormat::bits)
       .def_property_readonly("k_channel_bytes", &BlockFormat::k_channel_bytes)
       .def_property_readonly("v_token_bytes", &BlockFormat::v_token_bytes)

@@ -1,5 +1,7 @@
 // mixkv.ops on the CPU backend: a mixkv.KVCache and NumPy arrays. K/V and
-// queries are float16 (mixkv::Half bit for bit), outputs float32. Every
+// queries are of the cache's 16-bit type: NumPy float16 (mixkv::Half bit
+// for bit) for an FP16 cache, a bfloat16 CPU array through DLPack
+// (torch.bfloat16; NumPy has no bfloat16) for a BF16 one; outputs float32. Every
 // array is checked (dtype, shape, C-contiguity, writability) before the C++
 // call, which then checks the values (slots, NaN) itself. Long calls release
 // the GIL, after copying every mapping, page table and copy list they read
@@ -18,6 +20,7 @@
 #include <pybind11/stl.h>
 
 #include "bindings.h"
+#include "dlpack.h"
 #include "host_arrays.h"
 #include "host_kv_cache.h"
 #include "mixkv/core/cache_shape.h"
@@ -34,14 +37,57 @@ namespace {
 
 using std::string;
 
+// K, V or q of the cache's 16-bit type, checked as input_array checks its
+// arrays; the object that keeps the values alive stays with it.
+struct Input16 {
+  py::array array;         // F16: the NumPy array
+  BorrowedArray borrowed;  // BF16: the borrowed DLPack tensor
+  Span16 values;
+  std::vector<std::int64_t> shape;
+
+  std::int64_t dim(int i) const { return shape[static_cast<std::size_t>(i)]; }
+};
+
+Input16 input16(DType dtype, py::handle obj, const char* fn, const char* arg, std::initializer_list<Dim> dims) {
+  const string where = string(fn) + ": " + arg;
+  Input16 in;
+  if (dtype == DType::F16) {
+    const auto a = input_array<Half>(obj, where, dims);
+    in.array = a.array;
+    in.values = a.values;
+    in.shape.assign(a.array.shape(), a.array.shape() + a.array.ndim());
+    return in;
+  }
+  if (py::isinstance<py::array>(obj)) {
+    throw InvalidArgument(where + ": expected a bfloat16 array on cpu (the cache's dtype; NumPy has no bfloat16: " +
+                          "torch.bfloat16 tensors cross through DLPack), got a NumPy " +
+                          string(py::str(py::reinterpret_borrow<py::array>(obj).dtype())) + " array");
+  }
+  in.borrowed = borrow_array(obj, fn, arg, ArrayExpect{{dtype}, DeviceKind::CPU, 0, false, 0});
+  const TensorView& v = in.borrowed.view();
+  in.shape.assign(v.shape.begin(), v.shape.begin() + v.ndim);
+  bool match = in.shape.size() == dims.size();
+  std::size_t i = 0;
+  for (const Dim& d : dims) {
+    match = match && (d.size == kAny || d.size == in.shape[i]);
+    ++i;
+  }
+  if (!match) {
+    throw InvalidArgument(where + ": expected shape " + dims_text({dims.begin(), dims.size()}) + ", got " +
+                          shape_text(std::span<const std::int64_t>(in.shape)));
+  }
+  in.values = Span16(static_cast<const std::byte*>(v.data), static_cast<std::size_t>(v.numel()), v.dtype);
+  return in;
+}
+
 void store_prefill(const HostKVCache& cache, py::handle k, py::handle v, const StoreMapping& mapping_object) {
   const StoreMapping mapping = mapping_object;  // the snapshot the call validates and uses
   const CacheShape& s = cache.config().shape;
   const auto rows = static_cast<std::int64_t>(mapping.fp16_slots.size());
-  const auto kk = input_array<Half>(k, "store_prefill: k",
-                                    {{rows, "rows"}, {s.num_kv_heads, "num_kv_heads"}, {s.head_dim, "head_dim"}});
-  const auto vv = input_array<Half>(v, "store_prefill: v",
-                                    {{rows, "rows"}, {s.num_kv_heads, "num_kv_heads"}, {s.head_dim, "head_dim"}});
+  const Input16 kk = input16(s.dtype, k, "store_prefill", "k",
+                             {{rows, "rows"}, {s.num_kv_heads, "num_kv_heads"}, {s.head_dim, "head_dim"}});
+  const Input16 vv = input16(s.dtype, v, "store_prefill", "v",
+                             {{rows, "rows"}, {s.num_kv_heads, "num_kv_heads"}, {s.head_dim, "head_dim"}});
   const PoolViews pools = cache.pools();
   py::gil_scoped_release release;
   cpu::store_prefill(kk.values, vv.values, mapping, pools);
@@ -51,10 +97,10 @@ void append(const HostKVCache& cache, py::handle k, py::handle v, py::handle slo
   const CacheShape& s = cache.config().shape;
   const std::vector<std::int32_t> fp16_slots = index_vector(slots, "append: slots");
   const auto batch = static_cast<std::int64_t>(fp16_slots.size());
-  const auto kk =
-      input_array<Half>(k, "append: k", {{batch, "batch"}, {s.num_kv_heads, "num_kv_heads"}, {s.head_dim, "head_dim"}});
-  const auto vv =
-      input_array<Half>(v, "append: v", {{batch, "batch"}, {s.num_kv_heads, "num_kv_heads"}, {s.head_dim, "head_dim"}});
+  const Input16 kk = input16(s.dtype, k, "append", "k",
+                             {{batch, "batch"}, {s.num_kv_heads, "num_kv_heads"}, {s.head_dim, "head_dim"}});
+  const Input16 vv = input16(s.dtype, v, "append", "v",
+                             {{batch, "batch"}, {s.num_kv_heads, "num_kv_heads"}, {s.head_dim, "head_dim"}});
   const PoolView pool = cache.pools()[pool_index(Precision::FP16)];
   py::gil_scoped_release release;
   cpu::append(kk.values, vv.values, fp16_slots, pool);
@@ -88,9 +134,9 @@ py::tuple decode_layer(const HostKVCache& cache, const std::array<PagedPoolTable
     throw InvalidArgument("paged_decode_attention: tables[FP16].indptr is empty: expected batch + 1 entries");
   }
   const auto batch = static_cast<std::int64_t>(tables[0].indptr.size()) - 1;
-  const auto qq = input_array<Half>(q, "paged_decode_attention: q",
-                                    {{batch, "batch"}, {kAny, "num_q_heads"}, {s.head_dim, "head_dim"}});
-  const py::ssize_t q_heads = qq.dim(1);
+  const Input16 qq = input16(s.dtype, q, "paged_decode_attention", "q",
+                             {{batch, "batch"}, {kAny, "num_q_heads"}, {s.head_dim, "head_dim"}});
+  const auto q_heads = static_cast<py::ssize_t>(qq.dim(1));
   if (out.is_none()) out = new_float_array({batch, q_heads, s.head_dim});
   if (lse.is_none()) lse = new_float_array({batch, q_heads});
   const auto o = output_array<float>(out, "paged_decode_attention: out",
@@ -170,7 +216,7 @@ py::tuple merge_states(py::array out_a, py::array lse_a, py::array out_b, py::ar
 }
 
 py::tuple read_head(const BlockFormat& format, py::handle head_region) {
-  validate(CacheShape{1, format.num_kv_heads, format.head_dim, format.block_size});
+  validate(CacheShape{1, format.num_kv_heads, format.head_dim, format.block_size, format.dtype});
   const auto bytes = static_cast<std::int64_t>(format.head_bytes());
   const auto region = input_array<std::uint8_t>(head_region, "read_head: head_region", {{bytes, "head_bytes"}});
   py::array_t<float> k({format.block_size, format.head_dim});
@@ -183,11 +229,13 @@ py::tuple read_head(const BlockFormat& format, py::handle head_region) {
 
 void bind_cpu_ops(py::module_& ops) {
   ops.def("store_prefill", &store_prefill, py::arg("cache"), py::arg("k"), py::arg("v"), py::arg("mapping"),
-          "Stores one layer's prefill K/V, float16 [rows, num_kv_heads, head_dim] each, where `mapping` "
+          "Stores one layer's prefill K/V, [rows, num_kv_heads, head_dim] each of the cache's dtype (NumPy "
+          "float16, or torch.bfloat16 for a BF16 cache), where `mapping` "
           "(KVCacheManager.prefill_mapping, several appended for a batch) says: FP16 rows to their slots, "
           "INT4/INT2 windows quantized into their blocks.");
   ops.def("append", &append, py::arg("cache"), py::arg("k"), py::arg("v"), py::arg("slots"),
-          "Writes one decode token per sequence, float16 [batch, num_kv_heads, head_dim], into the FP16 slots of "
+          "Writes one decode token per sequence, [batch, num_kv_heads, head_dim] of the cache's dtype, into the FP16 "
+          "slots of "
           "one layer (AppendResult.slots[layer]); a slot of -1 pads the batch (that row is not written).");
   ops.def("copy_blocks", &copy_blocks, py::arg("cache"), py::arg("copies"), py::arg("precision") = Precision::FP16,
           "Copies whole blocks inside one pool (AppendResult.copies, before the step's tokens are written).");
@@ -205,7 +253,8 @@ void bind_cpu_ops(py::module_& ops) {
           py::arg("q"), py::kw_only(), py::arg("sm_scale") = py::none(), py::arg("out") = py::none(),
           py::arg("lse") = py::none(),
           "Decode attention of one layer over the three pools of every sequence of `metadata`, with GQA. q is "
-          "float16 [batch, num_q_heads, head_dim]; returns (out float32 [batch, num_q_heads, head_dim], lse float32 "
+          "[batch, num_q_heads, head_dim] of the cache's dtype; returns (out float32 [batch, num_q_heads, head_dim], "
+          "lse float32 "
           "[batch, num_q_heads]), natural-log LSE, -inf for a sequence without tokens. sm_scale defaults to "
           "1/sqrt(head_dim). Accumulates in float64 on the dequantized K/V: the reference the CUDA kernel is held "
           "to.");

@@ -46,8 +46,24 @@ const gpu::DevicePageTables* tables_of(const gpu::DecodePlan& plan) {
   return it == plan_tables().end() ? nullptr : it->second;
 }
 
+namespace {
+
+// mixkv.cuda's ops take float16 arrays and the kernels interpret FP16 caches
+// only (kernels/src/dtype_guard.h): a BF16 cache is refused before its arena
+// is allocated.
+const CacheConfig& fp16_config(const CacheConfig& config) {
+  if (config.shape.dtype != DType::F16) {
+    throw InvalidArgument("DeviceKVCache: config.shape.dtype = " + to_string(config.shape.dtype) +
+                          ": expected float16 (the CUDA kernels of this build take FP16 caches; a BF16 cache is a "
+                          "mixkv.KVCache on the CPU)");
+  }
+  return config;
+}
+
+}  // namespace
+
 DeviceKVCache::DeviceKVCache(CacheConfig config)
-    : KVCacheManager(config), device_(current_device()), arena_(config.arena_bytes) {
+    : KVCacheManager(fp16_config(config)), device_(current_device()), arena_(config.arena_bytes) {
   if (swap_bytes() > 0) swap_.emplace(swap_layout());
 }
 

@@ -65,10 +65,11 @@ using AttentionOp = void (Engine::*)(std::int32_t, const TensorView&, const Tens
 void run_attention(PyEngine& self, const char* fn, AttentionOp op, std::int32_t layer, py::handle q, py::handle k,
                    py::handle v, py::handle out, py::handle lse, std::intptr_t stream) {
   const EngineConfig& c = self.engine->config();
-  const BorrowedArray qb = borrow_array(q, fn, "q", expect(c, DType::F16, false, stream));
-  const BorrowedArray kb = borrow_array(k, fn, "k", expect(c, DType::F16, false, stream));
-  const BorrowedArray vb = borrow_array(v, fn, "v", expect(c, DType::F16, false, stream));
-  const BorrowedArray ob = borrow_array(out, fn, "out", expect(c, DType::F16, true, stream));
+  const DType t = c.cache.shape.dtype;  // q, k, v and out are in the cache's 16-bit type
+  const BorrowedArray qb = borrow_array(q, fn, "q", expect(c, t, false, stream));
+  const BorrowedArray kb = borrow_array(k, fn, "k", expect(c, t, false, stream));
+  const BorrowedArray vb = borrow_array(v, fn, "v", expect(c, t, false, stream));
+  const BorrowedArray ob = borrow_array(out, fn, "out", expect(c, t, true, stream));
   BorrowedArray lb;
   if (!lse.is_none()) lb = borrow_array(lse, fn, "lse", expect(c, DType::F32, true, stream));
   const TensorView qv = qb.view();
@@ -286,8 +287,9 @@ PYBIND11_MODULE(_engine, m) {
           "store",
           [](PyEngine& self, std::int32_t layer, py::handle k, py::handle v, std::intptr_t stream) {
             const EngineConfig& c = self.engine->config();
-            const BorrowedArray kb = borrow_array(k, "Engine.store", "k", expect(c, DType::F16, false, stream));
-            const BorrowedArray vb = borrow_array(v, "Engine.store", "v", expect(c, DType::F16, false, stream));
+            const DType t = c.cache.shape.dtype;
+            const BorrowedArray kb = borrow_array(k, "Engine.store", "k", expect(c, t, false, stream));
+            const BorrowedArray vb = borrow_array(v, "Engine.store", "v", expect(c, t, false, stream));
             const TensorView kv = kb.view();
             const TensorView vv = vb.view();
             py::gil_scoped_release release;

@@ -21,15 +21,6 @@ bool is_numpy_bool(py::handle obj) {
 
 }  // namespace
 
-std::string shape_text(std::span<const py::ssize_t> shape) {
-  std::string s = "(";
-  for (std::size_t i = 0; i < shape.size(); ++i) {
-    if (i > 0) s += ", ";
-    s += std::to_string(shape[i]);
-  }
-  return s + (shape.size() == 1 ? ",)" : ")");
-}
-
 std::string dims_text(std::span<const Dim> dims) {
   std::string s = "(";
   for (std::size_t i = 0; i < dims.size(); ++i) {

@@ -8,6 +8,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <vector>
 
 #include <pybind11/numpy.h>
@@ -46,7 +47,9 @@ struct ElementName<std::uint8_t> {
   static constexpr const char* value = "uint8";
 };
 
-// "(3, 28, 128)" for messages.
+// "(3, 28, 128)" for messages (the function of dlpack.h: py::ssize_t is
+// std::int64_t; defined in dlpack.cpp).
+static_assert(std::is_same_v<py::ssize_t, std::int64_t>);
 std::string shape_text(std::span<const py::ssize_t> shape);
 // "(batch, num_q_heads, head_dim=128)".
 std::string dims_text(std::span<const Dim> dims);

@@ -110,8 +110,8 @@ const CacheConfig& checked(const CacheConfig& c) {
 
 KVCacheManager::Impl::Impl(const CacheConfig& c) : config(checked(c)), arena(c.arena_bytes, c.slab_bytes) {
   for (const Precision p : kAllPrecisions) {
-    pools[at(p)] = std::make_unique<BlockPool>(
-        BlockFormat{p, c.shape.num_kv_heads, c.shape.head_dim, c.shape.block_size}, c.slab_bytes, arena.total_slabs());
+    const BlockFormat format{p, c.shape.num_kv_heads, c.shape.head_dim, c.shape.block_size, c.shape.dtype};
+    pools[at(p)] = std::make_unique<BlockPool>(format, c.slab_bytes, arena.total_slabs());
     const auto slots = static_cast<std::int32_t>(c.swap_blocks[at(p)]);
     SwapPool& sp = swap[at(p)];
     sp.used.assign(static_cast<std::size_t>(slots), 0);

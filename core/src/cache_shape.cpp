@@ -27,6 +27,15 @@ void validate(const CacheShape& shape) {
   }
   require_multiple_of_16("head_dim", shape.head_dim, 16, 512);
   require_multiple_of_16("block_size", shape.block_size, 16, 256);
+  if (!is_cache_dtype(shape.dtype)) {
+    throw InvalidArgument("shape.dtype = " + to_string(shape.dtype) + ", expected float16 or bfloat16");
+  }
+}
+
+std::string to_string(const CacheShape& s) {
+  return "CacheShape(num_layers=" + std::to_string(s.num_layers) + ", num_kv_heads=" + std::to_string(s.num_kv_heads) +
+         ", head_dim=" + std::to_string(s.head_dim) + ", block_size=" + std::to_string(s.block_size) +
+         (s.dtype == DType::F16 ? std::string() : ", dtype=" + to_string(s.dtype)) + ")";
 }
 
 }  // namespace mixkv

@@ -6,16 +6,6 @@
 
 namespace mixkv {
 
-std::string to_string(DType t) {
-  switch (t) {
-    case DType::F16: return "float16";
-    case DType::BF16: return "bfloat16";
-    case DType::F32: return "float32";
-    case DType::I32: return "int32";
-  }
-  return "dtype(" + std::to_string(static_cast<int>(t)) + ")";
-}
-
 namespace {
 
 std::string device_name(DeviceKind kind, std::int32_t id) {

@@ -99,12 +99,13 @@ void decode_attention(const DecodeAttentionArgs& args) {
     invalid(kFn, ": sm_scale = ", args.sm_scale, ": expected a finite value > 0 (usually 1/sqrt(head_dim))");
   }
   const std::size_t q_heads = static_cast<std::size_t>(args.num_q_heads);
+  detail::check_dtype(kFn, "q", args.q.dtype(), shape.dtype, "pools[FP16].format.dtype");
   check_size("q", args.q.size(), batch * q_heads * dim, "batch * num_q_heads * head_dim");
   check_size("out", args.out.size(), batch * q_heads * dim, "batch * num_q_heads * head_dim");
   check_size("lse", args.lse.size(), batch * q_heads, "batch * num_q_heads");
   check_disjoint("out", std::as_bytes(args.out), "lse", std::as_bytes(args.lse));
-  check_disjoint("out", std::as_bytes(args.out), "q", std::as_bytes(args.q));
-  check_disjoint("lse", std::as_bytes(args.lse), "q", std::as_bytes(args.q));
+  check_disjoint("out", std::as_bytes(args.out), "q", args.q.as_bytes());
+  check_disjoint("lse", std::as_bytes(args.lse), "q", args.q.as_bytes());
   detail::check_finite(kFn, "q", args.q);
 
   detail::decode_compute(args);

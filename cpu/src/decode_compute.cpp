@@ -36,10 +36,11 @@ struct QuantFormat {
 struct Job {
   int dim = 0, block = 0, group = 0, q_heads = 0;
   float sm_scale = 0.0f;
-  int score_stride = 0;    // floats per head: scores, weights
-  int score_stride_q = 0;  // floats per head: K partial sums in code order
-  int acc_stride = 0;      // floats per head: value accumulator
-  const Half* q = nullptr;
+  int score_stride = 0;          // floats per head: scores, weights
+  int score_stride_q = 0;        // floats per head: K partial sums in code order
+  int acc_stride = 0;            // floats per head: value accumulator
+  const std::byte* q = nullptr;  // [batch][q_heads][dim] values of `dtype`
+  DType dtype = DType::F16;      // the cache's 16-bit type: q, FP16 rows, (scale, min)
   const std::array<PagedPoolTable, kNumPrecisions>* tables = nullptr;
   PoolViews pools{};
   QuantFormat quant[kNumPrecisions];
@@ -92,6 +93,7 @@ struct Scratch {
   using ns::load;           \
   using ns::store;          \
   using ns::load_halves;    \
+  using ns::load16;         \
   using ns::add;            \
   using ns::sub;            \
   using ns::mul;            \
@@ -225,6 +227,7 @@ void decode_compute(const DecodeAttentionArgs& args) {
   job.score_stride = round_up(job.block, 8);
   job.acc_stride = round_up(job.dim, 32);
   job.q = args.q.data();
+  job.dtype = shape.dtype;
   job.tables = args.tables;
   job.pools = args.pools;
   job.score_stride_q = 8;

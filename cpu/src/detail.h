@@ -20,6 +20,7 @@
 #include "mixkv/core/half.h"
 #include "mixkv/core/pool_view.h"
 #include "mixkv/core/precision.h"
+#include "mixkv/core/span16.h"
 #include "mixkv/cpu/store.h"
 
 namespace mixkv::cpu::detail {
@@ -100,17 +101,25 @@ void check_slot(std::string_view function, std::int64_t slot, const PoolView& po
   check_index(function, slot, limit, std::string(pool_name) + ".num_blocks * block_size", padding, name...);
 }
 
-inline bool is_finite(Half h) { return (h.bits & 0x7c00u) != 0x7c00u; }
-
 // Throws InvalidArgument naming `name` at the first NaN or infinity;
 // `values` starts at element `first` of the argument.
-inline void check_finite(std::string_view function, std::string_view name, std::span<const Half> values,
-                         std::size_t first = 0) {
+inline void check_finite(std::string_view function, std::string_view name, Span16 values, std::size_t first = 0) {
   for (std::size_t i = 0; i < values.size(); ++i) {
-    if (!is_finite(values[i])) {
-      invalid(function, ": ", name, "[", first + i, "] is NaN or inf (bits 0x", Hex{values[i].bits},
-              "): expected finite values");
+    const std::uint16_t bits = values.bits(i);
+    if (!float16_is_finite(values.dtype(), bits)) {
+      invalid(function, ": ", name, "[", first + i, "] is NaN or inf (bits 0x", Hex{bits}, "): expected finite values");
     }
+  }
+}
+
+// K, V and q are in the cache's type: another type is refused, never
+// reinterpreted (the bits of one mean nothing as the other) nor converted
+// behind the caller's back.
+inline void check_dtype(std::string_view function, std::string_view name, DType got, DType cache,
+                        std::string_view cache_name) {
+  if (got != cache) {
+    invalid(function, ": ", name, ": dtype ", to_string(got), ": expected ", to_string(cache), " (", cache_name,
+            ", the cache's dtype)");
   }
 }
 
@@ -126,6 +135,8 @@ inline void check_format(std::string_view function, std::string_view name, const
   if (f.block_size < 16 || f.block_size > 256 || f.block_size % 16 != 0) {
     invalid(function, ": ", name, ".block_size = ", f.block_size, ": expected a multiple of 16 in [16, 256]");
   }
+  if (!is_cache_dtype(f.dtype))
+    invalid(function, ": ", name, ".dtype = ", to_string(f.dtype), ": expected float16 or bfloat16");
 }
 
 inline void check_pool(std::string_view function, std::string_view name, const PoolView& pool, Precision expected) {
@@ -149,7 +160,7 @@ inline void check_pool(std::string_view function, std::string_view name, const P
 inline std::string pool_name(Precision p) { return "pools[" + std::string(to_string(p)) + "]"; }
 
 // Each pools[i] must hold kAllPrecisions[i] and share the FP16 pool's
-// geometry (num_kv_heads, head_dim, block_size).
+// geometry (num_kv_heads, head_dim, block_size) and dtype.
 inline void check_pools(std::string_view function, const PoolViews& pools) {
   for (Precision p : kAllPrecisions) check_pool(function, pool_name(p), pools[pool_index(p)], p);
   const BlockFormat& ref = pools[0].format;
@@ -168,26 +179,32 @@ inline void check_pools(std::string_view function, const PoolViews& pools) {
       invalid(function, ": ", name, "block_size = ", f.block_size, ": expected ", ref.block_size,
               " (pools[FP16].format.block_size)");
     }
+    if (f.dtype != ref.dtype) {
+      invalid(function, ": ", name, "dtype = ", to_string(f.dtype), ": expected ", to_string(ref.dtype),
+              " (pools[FP16].format.dtype)");
+    }
   }
 }
 
 // Byte offset of FP16 token `token`'s K (or V) row inside a head region:
-// FP16 heads are K[token][channel] then V[token][channel] (block_format.h).
+// FP16 heads are K[token][channel] then V[token][channel] (block_format.h),
+// 2 bytes a value in either 16-bit type.
 inline std::size_t fp16_k_row(const BlockFormat& f, std::int32_t token) {
-  return f.k_offset() + static_cast<std::size_t>(token) * f.head_dim * sizeof(Half);
+  return f.k_offset() + static_cast<std::size_t>(token) * f.head_dim * 2;
 }
 inline std::size_t fp16_v_row(const BlockFormat& f, std::int32_t token) {
-  return f.v_offset() + static_cast<std::size_t>(token) * f.head_dim * sizeof(Half);
+  return f.v_offset() + static_cast<std::size_t>(token) * f.head_dim * 2;
 }
 
-// Unchecked kernels behind write_head / read_head (quantize.cpp).
-void write_head_unchecked(const BlockFormat& format, const Half* k, const Half* v, std::size_t row_stride,
+// Unchecked kernels behind write_head / read_head (quantize.cpp). k and v
+// are rows of head_dim values of format.dtype, row_stride values apart.
+void write_head_unchecked(const BlockFormat& format, const std::byte* k, const std::byte* v, std::size_t row_stride,
                           std::byte* head_region);
 void read_head_unchecked(const BlockFormat& format, const std::byte* head_region, float* k_out, float* v_out);
 // Quantizes [block_size][head_dim] float K/V into a quantized head (demote).
 void quantize_head_floats(const BlockFormat& format, const float* k, const float* v, std::byte* head_region);
 // Empty when quantize_head_floats can store K/V in `format` (every value
-// finite, every group's FP16 min and step finite), else what is wrong
+// finite, every group's min and step finite in format.dtype), else what is wrong
 // ("K channel 3 ...") for a message.
 std::string unquantizable_floats(const BlockFormat& format, const float* k, const float* v);
 

@@ -118,6 +118,9 @@ void validate(const ExtendAttentionArgs& args) {
   if (!std::isfinite(args.sm_scale) || !(args.sm_scale > 0.0f)) {
     invalid(kFn, ": sm_scale = ", args.sm_scale, ": expected a finite value > 0 (usually 1/sqrt(head_dim))");
   }
+  for (const auto& [name, values] : {std::pair{"q", args.q}, std::pair{"k", args.k}, std::pair{"v", args.v}}) {
+    detail::check_dtype(kFn, name, values.dtype(), shape.dtype, "pools[FP16].format.dtype");
+  }
   const std::size_t q_row = static_cast<std::size_t>(args.num_q_heads) * dim;
   const std::size_t kv_row = static_cast<std::size_t>(kv_heads) * dim;
   if (args.q.size() % q_row != 0) {
@@ -134,9 +137,9 @@ void validate(const ExtendAttentionArgs& args) {
   check_size("lse", args.lse.size(), rows * static_cast<std::size_t>(args.num_q_heads), "rows * num_q_heads");
 
   const std::pair<std::string_view, std::span<const std::byte>> inputs[] = {
-      {"q", std::as_bytes(args.q)},
-      {"k", std::as_bytes(args.k)},
-      {"v", std::as_bytes(args.v)},
+      {"q", args.q.as_bytes()},
+      {"k", args.k.as_bytes()},
+      {"v", args.v.as_bytes()},
       {"qo_indptr", std::as_bytes(args.qo_indptr)}};
   check_disjoint("out", std::as_bytes(args.out), "lse", std::as_bytes(args.lse));
   for (const auto& [name, bytes] : inputs) {
@@ -174,7 +177,8 @@ constexpr std::size_t kMaxStateBytes = std::size_t{256} << 20;
 struct Job {
   int dim = 0, block = 0, group = 0, q_heads = 0, kv_heads = 0;
   float sm_scale = 0.0f;
-  int score_stride = 0;  // floats per query of a tile's scores
+  DType dtype = DType::F16;  // the cache's 16-bit type: q, k, v and FP16 rows
+  int score_stride = 0;      // floats per query of a tile's scores
   const ExtendAttentionArgs* args = nullptr;
 };
 
@@ -220,6 +224,7 @@ struct Scratch {
   using ns::load;           \
   using ns::store;          \
   using ns::load_halves;    \
+  using ns::load16;         \
   using ns::add;            \
   using ns::sub;            \
   using ns::mul;            \
@@ -333,6 +338,7 @@ void extend_compute(const ExtendAttentionArgs& args) {
   job.dim = shape.head_dim;
   job.block = shape.block_size;
   job.kv_heads = shape.num_kv_heads;
+  job.dtype = shape.dtype;
   job.group = args.num_q_heads / shape.num_kv_heads;
   job.q_heads = args.num_q_heads;
   job.sm_scale = args.sm_scale;

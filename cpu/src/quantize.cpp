@@ -13,29 +13,30 @@ namespace {
 
 using detail::invalid;
 
+// A group's stored (scale, min): bits of the cache's 16-bit type.
 struct GroupParams {
-  Half scale;
-  Half min;
+  std::uint16_t scale;
+  std::uint16_t min;
 };
 
-// Stored (scale, min) of a group spanning [lo, hi] (quant_math.h): codes are
-// then computed against these FP16-rounded values, exactly as the CUDA
-// store kernel does.
-GroupParams group_params(float lo, float hi, int max_code) {
-  return {float_to_half(quant_step(lo, hi, max_code)), float_to_half(lo)};
+// Stored (scale, min) of a group spanning [lo, hi] (quant_math.h), rounded
+// to `dtype`: codes are then computed against these rounded values, exactly
+// as the CUDA store kernel does.
+GroupParams group_params(DType dtype, float lo, float hi, int max_code) {
+  return {float16_bits(dtype, quant_step(lo, hi, max_code)), float16_bits(dtype, lo)};
 }
 
-// The (scale, min) halves at the given offsets of a head region
+// The (scale, min) at the given offsets of a head region
 // (BlockFormat::k_scale_offset and friends).
 void store_params(std::byte* region, std::size_t scale_at, std::size_t min_at, GroupParams params) {
-  std::memcpy(region + scale_at, &params.scale, sizeof(Half));
-  std::memcpy(region + min_at, &params.min, sizeof(Half));
+  std::memcpy(region + scale_at, &params.scale, 2);
+  std::memcpy(region + min_at, &params.min, 2);
 }
 
 GroupParams load_params(const std::byte* region, std::size_t scale_at, std::size_t min_at) {
   GroupParams params;
-  std::memcpy(&params.scale, region + scale_at, sizeof(Half));
-  std::memcpy(&params.min, region + min_at, sizeof(Half));
+  std::memcpy(&params.scale, region + scale_at, 2);
+  std::memcpy(&params.min, region + min_at, 2);
   return params;
 }
 
@@ -65,27 +66,35 @@ void check_codes(std::string_view function, std::string_view name, const std::ui
   }
 }
 
-float widen(Half h) { return half_to_float(h); }
-float widen(float f) { return f; }
+// K/V rows as quantize_head reads them: 16-bit values of the cache's type
+// (store) or floats (demotion of dequantized INT4 values). A 16-bit value
+// widens exactly, so both give the codes of the same float values.
+struct Rows16 {
+  const std::byte* base;
+  DType dtype;
+  float operator[](std::size_t i) const {
+    std::uint16_t bits;
+    std::memcpy(&bits, base + 2 * i, 2);
+    return float16_value(dtype, bits);
+  }
+};
 
-// Quantizes one head from K/V rows of halves (store) or floats (demotion of
-// dequantized INT4 values); a half widens exactly, so both give the codes of
-// the same float values.
-template <typename T>
-void quantize_head(const BlockFormat& format, const T* k, const T* v, std::size_t row_stride, std::byte* head_region) {
+template <typename Rows>
+void quantize_head(const BlockFormat& format, Rows k, Rows v, std::size_t row_stride, std::byte* head_region) {
   const int tokens = format.block_size;
   const int dim = format.head_dim;
   const int bits = format.bits();
   const int max_code = mixkv::max_code(format.precision);
+  const DType dtype = format.dtype;
   std::vector<float> group(static_cast<std::size_t>(std::max(tokens, dim)));
 
   // K: one group per channel, over the block's tokens.
   for (int c = 0; c < dim; ++c) {
-    for (int t = 0; t < tokens; ++t) group[t] = widen(k[t * row_stride + c]);
+    for (int t = 0; t < tokens; ++t) group[t] = k[t * row_stride + c];
     const auto [lo, hi] = std::minmax_element(group.begin(), group.begin() + tokens);
-    const GroupParams params = group_params(*lo, *hi, max_code);
-    const float inverse_step = quant_inverse_step(half_to_float(params.scale));
-    const float bias = quant_bias(half_to_float(params.min), inverse_step);
+    const GroupParams params = group_params(dtype, *lo, *hi, max_code);
+    const float inverse_step = quant_inverse_step(float16_value(dtype, params.scale));
+    const float bias = quant_bias(float16_value(dtype, params.min), inverse_step);
     for (int t = 0; t < tokens; ++t) {
       put_code(head_region, format.k_code_location(t, c), quant_code(group[t], inverse_step, bias, max_code), bits);
     }
@@ -93,11 +102,11 @@ void quantize_head(const BlockFormat& format, const T* k, const T* v, std::size_
   }
   // V: one group per token, over the channels.
   for (int t = 0; t < tokens; ++t) {
-    for (int c = 0; c < dim; ++c) group[c] = widen(v[t * row_stride + c]);
+    for (int c = 0; c < dim; ++c) group[c] = v[t * row_stride + c];
     const auto [lo, hi] = std::minmax_element(group.begin(), group.begin() + dim);
-    const GroupParams params = group_params(*lo, *hi, max_code);
-    const float inverse_step = quant_inverse_step(half_to_float(params.scale));
-    const float bias = quant_bias(half_to_float(params.min), inverse_step);
+    const GroupParams params = group_params(dtype, *lo, *hi, max_code);
+    const float inverse_step = quant_inverse_step(float16_value(dtype, params.scale));
+    const float bias = quant_bias(float16_value(dtype, params.min), inverse_step);
     for (int c = 0; c < dim; ++c) {
       put_code(head_region, format.v_code_location(t, c), quant_code(group[c], inverse_step, bias, max_code), bits);
     }
@@ -120,8 +129,8 @@ void read_quantized_head(const BlockFormat& format, const std::byte* head_region
   float table[kCodes];
   auto fill_table = [&](std::size_t scale_at, std::size_t min_at) {
     const GroupParams params = load_params(head_region, scale_at, min_at);
-    const float scale = half_to_float(params.scale);
-    const float min = half_to_float(params.min);
+    const float scale = float16_value(format.dtype, params.scale);
+    const float min = float16_value(format.dtype, params.min);
     for (int code = 0; code < kCodes; ++code) table[code] = dequant(code, scale, min);
   };
   const std::size_t k_bytes = format.k_channel_bytes();
@@ -150,16 +159,17 @@ void read_quantized_head(const BlockFormat& format, const std::byte* head_region
 
 namespace detail {
 
-void write_head_unchecked(const BlockFormat& format, const Half* k, const Half* v, std::size_t row_stride,
+void write_head_unchecked(const BlockFormat& format, const std::byte* k, const std::byte* v, std::size_t row_stride,
                           std::byte* head_region) {
   if (format.precision == Precision::FP16) {
+    const std::size_t row_bytes = static_cast<std::size_t>(format.head_dim) * 2;
     for (int t = 0; t < format.block_size; ++t) {
-      std::memcpy(head_region + fp16_k_row(format, t), k + t * row_stride, format.head_dim * sizeof(Half));
-      std::memcpy(head_region + fp16_v_row(format, t), v + t * row_stride, format.head_dim * sizeof(Half));
+      std::memcpy(head_region + fp16_k_row(format, t), k + t * row_stride * 2, row_bytes);
+      std::memcpy(head_region + fp16_v_row(format, t), v + t * row_stride * 2, row_bytes);
     }
     return;
   }
-  quantize_head(format, k, v, row_stride, head_region);
+  quantize_head(format, Rows16{k, format.dtype}, Rows16{v, format.dtype}, row_stride, head_region);
 }
 
 void quantize_head_floats(const BlockFormat& format, const float* k, const float* v, std::byte* head_region) {
@@ -170,12 +180,13 @@ std::string unquantizable_floats(const BlockFormat& format, const float* k, cons
   const int tokens = format.block_size;
   const int dim = format.head_dim;
   const int max_code = mixkv::max_code(format.precision);
-  // The group's stored min and step must be finite halves, so that every
-  // code is computed from finite numbers and dequantizes to a finite value.
+  // The group's stored min and step must be finite in the cache's type, so
+  // that every code is computed from finite numbers and dequantizes to a
+  // finite value.
   auto bad_group = [&](float lo, float hi) {
     if (!std::isfinite(lo) || !std::isfinite(hi)) return true;
-    const GroupParams params = group_params(lo, hi, max_code);
-    return !std::isfinite(half_to_float(params.min)) || !std::isfinite(half_to_float(params.scale));
+    const GroupParams params = group_params(format.dtype, lo, hi, max_code);
+    return !float16_is_finite(format.dtype, params.min) || !float16_is_finite(format.dtype, params.scale);
   };
   auto text = [](const auto&... parts) {
     std::string s;
@@ -212,8 +223,10 @@ void read_head_unchecked(const BlockFormat& format, const std::byte* head_region
   const int dim = format.head_dim;
   if (format.precision == Precision::FP16) {
     for (int t = 0; t < tokens; ++t) {
-      halves_to_floats(head_region + fp16_k_row(format, t), k_out + static_cast<std::size_t>(t) * dim, dim);
-      halves_to_floats(head_region + fp16_v_row(format, t), v_out + static_cast<std::size_t>(t) * dim, dim);
+      float16s_to_floats(format.dtype, head_region + fp16_k_row(format, t), k_out + static_cast<std::size_t>(t) * dim,
+                         dim);
+      float16s_to_floats(format.dtype, head_region + fp16_v_row(format, t), v_out + static_cast<std::size_t>(t) * dim,
+                         dim);
     }
     return;
   }
@@ -226,12 +239,15 @@ void read_head_unchecked(const BlockFormat& format, const std::byte* head_region
 
 }  // namespace detail
 
-void write_head(const BlockFormat& format, const Half* k, const Half* v, std::size_t row_stride,
-                std::byte* head_region) {
+namespace {
+
+void write_head_checked(const BlockFormat& format, DType dtype, const std::byte* k, const std::byte* v,
+                        std::size_t row_stride, std::byte* head_region) {
   constexpr std::string_view fn = "write_head";
   detail::check_format(fn, "format", format);
-  if (k == nullptr) invalid(fn, ": k is null: expected block_size rows of head_dim halves");
-  if (v == nullptr) invalid(fn, ": v is null: expected block_size rows of head_dim halves");
+  detail::check_dtype(fn, "k", dtype, format.dtype, "format.dtype");
+  if (k == nullptr) invalid(fn, ": k is null: expected block_size rows of head_dim values");
+  if (v == nullptr) invalid(fn, ": v is null: expected block_size rows of head_dim values");
   if (head_region == nullptr) invalid(fn, ": head_region is null: expected head_bytes() writable bytes");
   if (row_stride < static_cast<std::size_t>(format.head_dim)) {
     invalid(fn, ": row_stride = ", row_stride, ": expected >= head_dim = ", format.head_dim);
@@ -241,7 +257,9 @@ void write_head(const BlockFormat& format, const Half* k, const Half* v, std::si
   for (const auto& [name, rows] : {std::pair{"k", k}, std::pair{"v", v}}) {
     for (int t = 0; t < format.block_size; ++t) {
       for (int c = 0; c < format.head_dim; ++c) {
-        if (!detail::is_finite(rows[t * row_stride + c])) {
+        std::uint16_t bits;
+        std::memcpy(&bits, rows + (t * row_stride + c) * 2, 2);
+        if (!float16_is_finite(dtype, bits)) {
           invalid(fn, ": ", name, "[", t, " * row_stride + ", c, "] (token ", t, ", channel ", c,
                   ") is NaN or inf: expected finite values");
         }
@@ -249,6 +267,20 @@ void write_head(const BlockFormat& format, const Half* k, const Half* v, std::si
     }
   }
   detail::write_head_unchecked(format, k, v, row_stride, head_region);
+}
+
+}  // namespace
+
+void write_head(const BlockFormat& format, const Half* k, const Half* v, std::size_t row_stride,
+                std::byte* head_region) {
+  write_head_checked(format, DType::F16, reinterpret_cast<const std::byte*>(k), reinterpret_cast<const std::byte*>(v),
+                     row_stride, head_region);
+}
+
+void write_head(const BlockFormat& format, const BFloat16* k, const BFloat16* v, std::size_t row_stride,
+                std::byte* head_region) {
+  write_head_checked(format, DType::BF16, reinterpret_cast<const std::byte*>(k), reinterpret_cast<const std::byte*>(v),
+                     row_stride, head_region);
 }
 
 void read_head(const BlockFormat& format, const std::byte* head_region, float* k_out, float* v_out) {

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "mixkv/core/dtype.h"
 #include "mixkv/core/half.h"
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -64,6 +65,18 @@ inline F8 load_halves(const std::byte* p) {
   }
   return r;
 }
+inline F8 load_bfloats(const std::byte* p) {  // exact: a bfloat16 is a float's top half
+  F8 r;
+  for (int i = 0; i < 8; ++i) {
+    std::uint16_t b;
+    std::memcpy(&b, p + 2 * i, sizeof b);
+    const std::uint32_t bits = static_cast<std::uint32_t>(b) << 16;
+    std::memcpy(&r.v[i], &bits, sizeof bits);
+  }
+  return r;
+}
+// Eight values of a cache's 16-bit type (F16 or BF16), widened exactly.
+inline F8 load16(DType t, const std::byte* p) { return t == DType::BF16 ? load_bfloats(p) : load_halves(p); }
 #define MIXKV_LANEWISE(name, expr) \
   inline F8 name(F8 a, F8 b) {     \
     F8 r;                          \
@@ -154,6 +167,11 @@ MIXKV_AVX2_INLINE void store(float* p, F8 a) { _mm256_storeu_ps(p, a.v); }
 MIXKV_AVX2_INLINE F8 load_halves(const std::byte* p) {
   return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))};
 }
+MIXKV_AVX2_INLINE F8 load_bfloats(const std::byte* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return {_mm256_castsi256_ps(_mm256_slli_epi32(wide, 16))};
+}
+MIXKV_AVX2_INLINE F8 load16(DType t, const std::byte* p) { return t == DType::BF16 ? load_bfloats(p) : load_halves(p); }
 MIXKV_AVX2_INLINE F8 add(F8 a, F8 b) { return {_mm256_add_ps(a.v, b.v)}; }
 MIXKV_AVX2_INLINE F8 sub(F8 a, F8 b) { return {_mm256_sub_ps(a.v, b.v)}; }
 MIXKV_AVX2_INLINE F8 mul(F8 a, F8 b) { return {_mm256_mul_ps(a.v, b.v)}; }

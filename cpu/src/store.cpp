@@ -12,14 +12,16 @@ namespace {
 
 using detail::invalid;
 
-// Rows of [rows][num_kv_heads][head_dim] halves.
-std::size_t row_halves(const BlockFormat& f) { return static_cast<std::size_t>(f.num_kv_heads) * f.head_dim; }
+// Values in a row of [rows][num_kv_heads][head_dim].
+std::size_t row_values(const BlockFormat& f) { return static_cast<std::size_t>(f.num_kv_heads) * f.head_dim; }
 
-void check_rows(std::string_view function, std::string_view name, std::span<const Half> values, std::size_t rows,
-                std::string_view rows_name, const BlockFormat& f) {
-  const std::size_t expected = rows * row_halves(f);
+// The element type (the cache's, `pool_name`.format.dtype), then the size.
+void check_rows(std::string_view function, std::string_view name, Span16 values, std::size_t rows,
+                std::string_view rows_name, const BlockFormat& f, std::string_view pool_name) {
+  detail::check_dtype(function, name, values.dtype(), f.dtype, std::string(pool_name) + ".format.dtype");
+  const std::size_t expected = rows * row_values(f);
   if (values.size() != expected) {
-    invalid(function, ": ", name, " has ", values.size(), " halves: expected ", rows_name, " (", rows,
+    invalid(function, ": ", name, " has ", values.size(), " values: expected ", rows_name, " (", rows,
             ") * num_kv_heads (", f.num_kv_heads, ") * head_dim (", f.head_dim, ") = ", expected);
   }
 }
@@ -33,29 +35,27 @@ void check_unique(std::string_view function, std::string_view name, std::vector<
 }
 
 // Writes one row's K and V (every head) into an FP16 slot.
-void write_fp16_row(const PoolView& pool, std::int32_t slot, const Half* k_row, const Half* v_row) {
+void write_fp16_row(const PoolView& pool, std::int32_t slot, const std::byte* k_row, const std::byte* v_row) {
   const BlockFormat& f = pool.format;
   std::byte* block = pool.block(slot / f.block_size);
   const std::int32_t token = slot % f.block_size;
+  const std::size_t head_row = static_cast<std::size_t>(f.head_dim) * 2;
   for (std::int32_t h = 0; h < f.num_kv_heads; ++h) {
     std::byte* head = block + f.head_offset(h);
-    std::memcpy(head + detail::fp16_k_row(f, token), k_row + static_cast<std::size_t>(h) * f.head_dim,
-                f.head_dim * sizeof(Half));
-    std::memcpy(head + detail::fp16_v_row(f, token), v_row + static_cast<std::size_t>(h) * f.head_dim,
-                f.head_dim * sizeof(Half));
+    std::memcpy(head + detail::fp16_k_row(f, token), k_row + h * head_row, head_row);
+    std::memcpy(head + detail::fp16_v_row(f, token), v_row + h * head_row, head_row);
   }
 }
 
 }  // namespace
 
-void store_prefill(std::span<const Half> k, std::span<const Half> v, const StoreMapping& mapping,
-                   const PoolViews& pools) {
+void store_prefill(Span16 k, Span16 v, const StoreMapping& mapping, const PoolViews& pools) {
   constexpr std::string_view fn = "store_prefill";
   detail::check_pools(fn, pools);
   const BlockFormat& fp16 = pools[pool_index(Precision::FP16)].format;
   const std::size_t rows = mapping.fp16_slots.size();
-  check_rows(fn, "k", k, rows, "mapping.fp16_slots.size()", fp16);
-  check_rows(fn, "v", v, rows, "mapping.fp16_slots.size()", fp16);
+  check_rows(fn, "k", k, rows, "mapping.fp16_slots.size()", fp16, "pools[FP16]");
+  check_rows(fn, "v", v, rows, "mapping.fp16_slots.size()", fp16, "pools[FP16]");
 
   // Every row goes to exactly one place: its FP16 slot, or (slot -1) the
   // one quantized window that covers it.
@@ -101,9 +101,13 @@ void store_prefill(std::span<const Half> k, std::span<const Half> v, const Store
   detail::check_finite(fn, "k", k);
   detail::check_finite(fn, "v", v);
 
-  const std::size_t stride = row_halves(fp16);
+  const std::size_t stride = row_values(fp16);
+  const std::byte* k_bytes = k.data();
+  const std::byte* v_bytes = v.data();
   for (std::size_t r = 0; r < rows; ++r) {
-    if (mapping.fp16_slots[r] >= 0) write_fp16_row(fp16_pool, mapping.fp16_slots[r], &k[r * stride], &v[r * stride]);
+    if (mapping.fp16_slots[r] >= 0) {
+      write_fp16_row(fp16_pool, mapping.fp16_slots[r], k_bytes + r * stride * 2, v_bytes + r * stride * 2);
+    }
   }
   for (Precision p : {Precision::INT4, Precision::INT2}) {
     const PoolView& pool = pools[pool_index(p)];
@@ -112,20 +116,20 @@ void store_prefill(std::span<const Half> k, std::span<const Half> v, const Store
       const std::size_t first = static_cast<std::size_t>(window.first_row) * stride;
       for (std::int32_t h = 0; h < pool.format.num_kv_heads; ++h) {
         const std::size_t at = first + static_cast<std::size_t>(h) * pool.format.head_dim;
-        detail::write_head_unchecked(pool.format, &k[at], &v[at], stride, block + pool.format.head_offset(h));
+        detail::write_head_unchecked(pool.format, k_bytes + at * 2, v_bytes + at * 2, stride,
+                                     block + pool.format.head_offset(h));
       }
     }
   }
 }
 
-void append(std::span<const Half> k, std::span<const Half> v, std::span<const std::int32_t> fp16_slots,
-            const PoolView& fp16_pool) {
+void append(Span16 k, Span16 v, std::span<const std::int32_t> fp16_slots, const PoolView& fp16_pool) {
   constexpr std::string_view fn = "append";
   detail::check_pool(fn, "fp16_pool", fp16_pool, Precision::FP16);
   const BlockFormat& f = fp16_pool.format;
-  check_rows(fn, "k", k, fp16_slots.size(), "fp16_slots.size()", f);
-  check_rows(fn, "v", v, fp16_slots.size(), "fp16_slots.size()", f);
-  const std::size_t stride = row_halves(f);
+  check_rows(fn, "k", k, fp16_slots.size(), "fp16_slots.size()", f, "fp16_pool");
+  check_rows(fn, "v", v, fp16_slots.size(), "fp16_slots.size()", f, "fp16_pool");
+  const std::size_t stride = row_values(f);
   std::vector<std::int32_t> written;
   for (std::size_t i = 0; i < fp16_slots.size(); ++i) {
     detail::check_slot(fn, fp16_slots[i], fp16_pool, "fp16_pool", "a padding row", "fp16_slots[", i, "]");
@@ -137,7 +141,9 @@ void append(std::span<const Half> k, std::span<const Half> v, std::span<const st
   check_unique(fn, "fp16_slots", std::move(written));
 
   for (std::size_t i = 0; i < fp16_slots.size(); ++i) {
-    if (fp16_slots[i] >= 0) write_fp16_row(fp16_pool, fp16_slots[i], &k[i * stride], &v[i * stride]);
+    if (fp16_slots[i] >= 0) {
+      write_fp16_row(fp16_pool, fp16_slots[i], k.data() + i * stride * 2, v.data() + i * stride * 2);
+    }
   }
 }
 

@@ -7,7 +7,7 @@
 
 #include "mixkv/cache/prefix_tables.h"
 #include "mixkv/core/errors.h"
-#include "mixkv/core/half.h"
+#include "mixkv/core/span16.h"
 #include "mixkv/cpu/decode_attention.h"
 #include "mixkv/cpu/demote.h"
 #include "mixkv/cpu/extend_attention.h"
@@ -54,9 +54,9 @@ class CpuBackendImpl final : public CpuBackend {
   const KVCacheManager& manager() const override { return manager_; }
 
   void store(std::int32_t layer, const TensorView& k, const TensorView& v) override {
-    engine_detail::check_store("CpuBackend::store", inputs_, config_, layer, k, v, DeviceKind::CPU, 0, alignof(Half));
+    engine_detail::check_store("CpuBackend::store", inputs_, config_, layer, k, v, DeviceKind::CPU, 0, 2);
     if (inputs_.rows == 0) return;
-    cpu::store_prefill(halves(k), halves(v), inputs_.mappings[static_cast<std::size_t>(layer)], pools_);
+    cpu::store_prefill(values16(k), values16(v), inputs_.mappings[static_cast<std::size_t>(layer)], pools_);
   }
 
   void prefill(std::int32_t layer, const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
@@ -74,9 +74,9 @@ class CpuBackendImpl final : public CpuBackend {
     lse_f32_.resize(rows);
     cpu::ExtendAttentionArgs args;
     args.qo_indptr = inputs_.qo_indptr;
-    args.q = halves(q);
-    args.k = halves(k);
-    args.v = halves(v);
+    args.q = values16(q);
+    args.k = values16(k);
+    args.v = values16(v);
     args.num_q_heads = config_.num_q_heads;
     args.sm_scale = engine_detail::sm_scale(config_);
     args.tables = &prefix_.layers[static_cast<std::size_t>(layer)];
@@ -84,9 +84,8 @@ class CpuBackendImpl final : public CpuBackend {
     args.out = out_f32_;
     args.lse = lse != nullptr ? std::span<float>(static_cast<float*>(lse->data), rows) : std::span<float>(lse_f32_);
     cpu::extend_attention(args);
-    cpu::store_prefill(halves(k), halves(v), inputs_.mappings[static_cast<std::size_t>(layer)], pools_);
-    Half* o = static_cast<Half*>(out.data);
-    for (std::size_t i = 0; i < out_f32_.size(); ++i) o[i] = float_to_half(out_f32_[i]);
+    cpu::store_prefill(values16(k), values16(v), inputs_.mappings[static_cast<std::size_t>(layer)], pools_);
+    write_out(out);
   }
 
   void attend(std::int32_t layer, const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
@@ -96,7 +95,7 @@ class CpuBackendImpl final : public CpuBackend {
     const auto n = static_cast<std::size_t>(inputs_.decode_rows);
     if (n == 0) return;
     const std::span<const std::int32_t> slots(inputs_.slots.data() + static_cast<std::size_t>(layer) * n, n);
-    cpu::append(halves(k), halves(v), slots, pools_[pool_index(Precision::FP16)]);
+    cpu::append(values16(k), values16(v), slots, pools_[pool_index(Precision::FP16)]);
     const auto rows = n * static_cast<std::size_t>(config_.num_q_heads);
     out_f32_.resize(rows * static_cast<std::size_t>(config_.cache.shape.head_dim));
     lse_f32_.resize(rows);
@@ -104,7 +103,7 @@ class CpuBackendImpl final : public CpuBackend {
         lse != nullptr ? std::span<float>(static_cast<float*>(lse->data), rows) : std::span<float>(lse_f32_);
     if (inputs_.decode_indptr.empty()) {
       cpu::DecodeAttentionArgs args;
-      args.q = halves(q);
+      args.q = values16(q);
       args.num_q_heads = config_.num_q_heads;
       args.sm_scale = engine_detail::sm_scale(config_);
       args.tables = &metadata_.layers[static_cast<std::size_t>(layer)];
@@ -117,9 +116,9 @@ class CpuBackendImpl final : public CpuBackend {
       // pages without them (verify_tables_).
       cpu::ExtendAttentionArgs args;
       args.qo_indptr = inputs_.decode_indptr;
-      args.q = halves(q);
-      args.k = halves(k);
-      args.v = halves(v);
+      args.q = values16(q);
+      args.k = values16(k);
+      args.v = values16(v);
       args.num_q_heads = config_.num_q_heads;
       args.sm_scale = engine_detail::sm_scale(config_);
       args.tables = &verify_tables_.layers[static_cast<std::size_t>(layer)];
@@ -128,8 +127,7 @@ class CpuBackendImpl final : public CpuBackend {
       args.lse = lse_out;
       cpu::extend_attention(args);
     }
-    Half* o = static_cast<Half*>(out.data);
-    for (std::size_t i = 0; i < out_f32_.size(); ++i) o[i] = float_to_half(out_f32_[i]);
+    write_out(out);
   }
 
   void set_stream(void*) override {}
@@ -164,8 +162,15 @@ class CpuBackendImpl final : public CpuBackend {
   }
 
  private:
-  static std::span<const Half> halves(const TensorView& t) {
-    return {static_cast<const Half*>(t.data), static_cast<std::size_t>(t.numel())};
+  // q, k, v in the cache's 16-bit type (the checks before each op made sure).
+  static Span16 values16(const TensorView& t) {
+    return {static_cast<const std::byte*>(t.data), static_cast<std::size_t>(t.numel()), t.dtype};
+  }
+
+  // The float result into out, rounded to out's (the cache's) 16-bit type.
+  void write_out(const TensorView& out) const {
+    auto* o = static_cast<std::uint16_t*>(out.data);
+    for (std::size_t i = 0; i < out_f32_.size(); ++i) o[i] = float16_bits(out.dtype, out_f32_[i]);
   }
 
   BackendConfig config_;

@@ -60,6 +60,12 @@ int current_device() {
 // Checks the config and selects its device before any CUDA member is built.
 const BackendConfig& select_device(const BackendConfig& config) {
   engine_detail::check_config("make_cuda_backend", config);
+  // The CUDA kernels of this build interpret FP16 caches only (kernels/src/dtype_guard.h).
+  if (config.cache.shape.dtype != DType::F16) {
+    throw InvalidArgument("make_cuda_backend: cache.shape.dtype = " + to_string(config.cache.shape.dtype) +
+                          ": expected float16 (the CUDA kernels of this build take FP16 caches; a BF16 cache runs on "
+                          "BackendKind::CPU)");
+  }
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
     cudaGetLastError();

@@ -54,10 +54,10 @@ struct Engine::Impl {
                     const TensorView& out, const TensorView* lse) const {
     const CacheShape& shape = config.cache.shape;
     const std::int32_t dev = config.cuda_device;
-    require_tensor(fn, "q", q, DType::F16, device(), dev, {n, config.num_q_heads, shape.head_dim});
-    require_tensor(fn, "k", k, DType::F16, device(), dev, {n, shape.num_kv_heads, shape.head_dim});
-    require_tensor(fn, "v", v, DType::F16, device(), dev, {n, shape.num_kv_heads, shape.head_dim});
-    require_tensor(fn, "out", out, DType::F16, device(), dev, {n, config.num_q_heads, shape.head_dim});
+    require_tensor(fn, "q", q, shape.dtype, device(), dev, {n, config.num_q_heads, shape.head_dim});
+    require_tensor(fn, "k", k, shape.dtype, device(), dev, {n, shape.num_kv_heads, shape.head_dim});
+    require_tensor(fn, "v", v, shape.dtype, device(), dev, {n, shape.num_kv_heads, shape.head_dim});
+    require_tensor(fn, "out", out, shape.dtype, device(), dev, {n, config.num_q_heads, shape.head_dim});
     if (lse != nullptr) require_tensor(fn, "lse", *lse, DType::F32, device(), dev, {n, config.num_q_heads});
   }
 };
@@ -117,8 +117,8 @@ void Engine::store(std::int32_t layer, const TensorView& k, const TensorView& v)
   for (const PrefillChunk& c : s.last.prefills) rows += c.end - c.start;
   const CacheShape& shape = s.config.cache.shape;
   const std::int32_t dev = s.config.cuda_device;
-  require_tensor("Engine::store", "k", k, DType::F16, s.device(), dev, {rows, shape.num_kv_heads, shape.head_dim});
-  require_tensor("Engine::store", "v", v, DType::F16, s.device(), dev, {rows, shape.num_kv_heads, shape.head_dim});
+  require_tensor("Engine::store", "k", k, shape.dtype, s.device(), dev, {rows, shape.num_kv_heads, shape.head_dim});
+  require_tensor("Engine::store", "v", v, shape.dtype, s.device(), dev, {rows, shape.num_kv_heads, shape.head_dim});
   s.backend->store(layer, k, v);
 }
 

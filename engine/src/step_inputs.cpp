@@ -264,8 +264,8 @@ void check_store(const char* fn, const StepInputs& inputs, const BackendConfig& 
   require_applied(fn, inputs);
   require_layer(fn, config, layer);
   const CacheShape& s = config.cache.shape;
-  require_tensor(fn, "k", k, DType::F16, device, device_id, {inputs.rows, s.num_kv_heads, s.head_dim});
-  require_tensor(fn, "v", v, DType::F16, device, device_id, {inputs.rows, s.num_kv_heads, s.head_dim});
+  require_tensor(fn, "k", k, s.dtype, device, device_id, {inputs.rows, s.num_kv_heads, s.head_dim});
+  require_tensor(fn, "v", v, s.dtype, device, device_id, {inputs.rows, s.num_kv_heads, s.head_dim});
   require_aligned(fn, "k", k, align);
   require_aligned(fn, "v", v, align);
 }
@@ -278,10 +278,10 @@ void check_qkv_out(const char* fn, const BackendConfig& config, std::int64_t n, 
                    const TensorView& k, const TensorView& v, const TensorView& out, const TensorView* lse,
                    DeviceKind device, std::int32_t device_id, std::size_t align) {
   const CacheShape& s = config.cache.shape;
-  require_tensor(fn, "q", q, DType::F16, device, device_id, {n, config.num_q_heads, s.head_dim});
-  require_tensor(fn, "k", k, DType::F16, device, device_id, {n, s.num_kv_heads, s.head_dim});
-  require_tensor(fn, "v", v, DType::F16, device, device_id, {n, s.num_kv_heads, s.head_dim});
-  require_tensor(fn, "out", out, DType::F16, device, device_id, {n, config.num_q_heads, s.head_dim});
+  require_tensor(fn, "q", q, s.dtype, device, device_id, {n, config.num_q_heads, s.head_dim});
+  require_tensor(fn, "k", k, s.dtype, device, device_id, {n, s.num_kv_heads, s.head_dim});
+  require_tensor(fn, "v", v, s.dtype, device, device_id, {n, s.num_kv_heads, s.head_dim});
+  require_tensor(fn, "out", out, s.dtype, device, device_id, {n, config.num_q_heads, s.head_dim});
   if (lse != nullptr) require_tensor(fn, "lse", *lse, DType::F32, device, device_id, {n, config.num_q_heads});
   require_aligned(fn, "q", q, align);
   require_aligned(fn, "k", k, align);

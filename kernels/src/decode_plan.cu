@@ -14,6 +14,7 @@
 #include "decode_dispatch.h"
 #include "decode_heuristics.h"
 #include "decode_params.cuh"
+#include "dtype_guard.h"
 #include "mixkv/core/block_format.h"
 #include "mixkv/kernels/detail/cuda_check.h"
 #include "mixkv/kernels/detail/device_buffer.h"
@@ -403,6 +404,7 @@ void DecodePlan::run(const DecodeRunArgs& args) const {
   const Impl& s = *impl_;
   const DecodePlanConfig& c = s.config;
   require(!s.slots.empty(), "DecodePlan::run: no plan: call plan() first");
+  detail::require_fp16_pools("DecodePlan::run", args.pools);
   require(args.layer >= 0 && args.layer < c.num_layers, [&] {
     return "DecodePlan::run: layer = " + std::to_string(args.layer) + ": expected [0, " + std::to_string(c.num_layers) +
            ")";

@@ -3,6 +3,7 @@
 #include <cstdint>
 #include <string>
 
+#include "dtype_guard.h"
 #include "mixkv/kernels/detail/cuda_check.h"
 #include "quantize.cuh"
 
@@ -85,6 +86,8 @@ __global__ void __launch_bounds__(kThreads)
 
 void demote(const DemoteArgs& a) {
   constexpr const char* fn = "demote";
+  detail::require_fp16_pool(fn, "src_pool", a.src_pool);
+  detail::require_fp16_pool(fn, "dst_pool", a.dst_pool);
   const Precision sp = a.src_pool.format.precision;
   const Precision dp = a.dst_pool.format.precision;
   require((sp == Precision::FP16 && is_quantized(dp)) || (sp == Precision::INT4 && dp == Precision::INT2), [&] {

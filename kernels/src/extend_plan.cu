@@ -9,6 +9,7 @@
 #include <utility>
 #include <vector>
 
+#include "dtype_guard.h"
 #include "extend_dispatch.cuh"
 #include "extend_params.cuh"
 #include "mixkv/core/block_format.h"
@@ -326,6 +327,7 @@ void ExtendPlan::run(const ExtendRunArgs& args) const {
   const Impl& s = *impl_;
   const ExtendPlanConfig& c = s.config;
   require(!s.slots.empty(), "ExtendPlan::run: no plan: call plan() first");
+  detail::require_fp16_pools("ExtendPlan::run", args.pools);
   require(args.layer >= 0 && args.layer < c.num_layers, [&] {
     return "ExtendPlan::run: layer = " + std::to_string(args.layer) + ": expected [0, " + std::to_string(c.num_layers) +
            ")";

@@ -8,6 +8,7 @@
 
 #include "device_math.cuh"
 #include "device_pool.cuh"
+#include "dtype_guard.h"
 #include "mixkv/kernels/detail/cuda_check.h"
 #include "mixkv/kernels/detail/device_buffer.h"
 #include "quantize.cuh"
@@ -464,6 +465,7 @@ void store_prefill(const StorePrefillArgs& a) {
   check_pool(fn, "pools[FP16]", a.pools[0], Precision::FP16);
   check_pool(fn, "pools[INT4]", a.pools[1], Precision::INT4);
   check_pool(fn, "pools[INT2]", a.pools[2], Precision::INT2);
+  detail::require_fp16_pools(fn, a.pools);
   const BlockFormat& f = a.pools[0].format;
   for (int i = 1; i < kNumPrecisions; ++i) {
     const BlockFormat& g = a.pools[i].format;

@@ -14,15 +14,18 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "mixkv/cache/kv_cache_manager.h"
+#include "mixkv/core/bfloat16.h"
 #include "mixkv/core/block_format.h"
 #include "mixkv/core/errors.h"
 #include "mixkv/core/half.h"
 #include "mixkv/core/pool_view.h"
 #include "mixkv/core/precision.h"
 #include "mixkv/core/quant_math.h"
+#include "mixkv/core/span16.h"
 #include "mixkv/cpu/decode_attention.h"
 #include "mixkv/cpu/quantize.h"
 #include "mixkv/cpu/store.h"
@@ -41,11 +44,34 @@ inline std::vector<Half> random_halves(Rng& rng, std::size_t n, double sd = 1.0)
   return values;
 }
 
-inline std::vector<float> widen(const std::vector<Half>& values) {
+inline std::vector<BFloat16> random_bfloats(Rng& rng, std::size_t n, double sd = 1.0) {
+  std::vector<BFloat16> values(n);
+  for (BFloat16& b : values) b = float_to_bfloat16(static_cast<float>(normal(rng, 0.0, sd)));
+  return values;
+}
+
+// Random values of a cache's 16-bit type T (Half or BFloat16).
+template <Float16Element T>
+std::vector<T> random_values(Rng& rng, std::size_t n, double sd = 1.0) {
+  if constexpr (std::is_same_v<T, Half>) {
+    return random_halves(rng, n, sd);
+  } else {
+    return random_bfloats(rng, n, sd);
+  }
+}
+
+inline float to_float(Half h) { return half_to_float(h); }
+inline float to_float(BFloat16 b) { return bfloat16_to_float(b); }
+
+template <Float16Element T>
+std::vector<float> widen(const std::vector<T>& values) {
   std::vector<float> out(values.size());
-  for (std::size_t i = 0; i < values.size(); ++i) out[i] = half_to_float(values[i]);
+  for (std::size_t i = 0; i < values.size(); ++i) out[i] = to_float(values[i]);
   return out;
 }
+
+// x rounded to a cache's 16-bit type, as a stored scale or minimum is.
+inline float round_to(DType dtype, float x) { return float16_value(dtype, float16_bits(dtype, x)); }
 
 // The byte an arena is filled with before a test: 0x7e7e is an FP16 NaN, so
 // a kernel that reads a token nobody wrote produces NaN and fails loudly.
@@ -57,11 +83,12 @@ inline constexpr std::byte kPoison{0x7e};
 class TestArena {
  public:
   // blocks[p]: how many blocks pool p must be able to hand out.
+  // dtype: the cache's 16-bit type.
   TestArena(std::int32_t num_kv_heads, std::int32_t head_dim, std::int32_t block_size,
-            std::array<std::int32_t, kNumPrecisions> blocks, std::uint64_t seed = 1)
+            std::array<std::int32_t, kNumPrecisions> blocks, std::uint64_t seed = 1, DType dtype = DType::F16)
       : rng_(seed) {
     std::array<BlockFormat, kNumPrecisions> formats;
-    for (Precision p : kAllPrecisions) formats[pool_index(p)] = {p, num_kv_heads, head_dim, block_size};
+    for (Precision p : kAllPrecisions) formats[pool_index(p)] = {p, num_kv_heads, head_dim, block_size, dtype};
     // Four FP16 blocks a slab, plus an odd tail so no slab is a multiple of a block.
     slab_bytes_ = formats[0].block_bytes() * 4 + 48;
     std::array<std::int32_t, kNumPrecisions> slabs_needed{};
@@ -118,8 +145,10 @@ class TestArena {
 
 // Independent reference of the quantization rule (quant_math.h applied
 // group by group, written without BlockFormat): the dequantized values of
-// one head of one window, x [block_size][head_dim] at `stride` floats a row.
-inline std::vector<float> reference_dequant_k(const float* x, std::size_t stride, int tokens, int dim, Precision p) {
+// one head of one window, x [block_size][head_dim] at `stride` floats a row,
+// (scale, min) rounded to the cache's type `dtype`.
+inline std::vector<float> reference_dequant_k(const float* x, std::size_t stride, int tokens, int dim, Precision p,
+                                              DType dtype = DType::F16) {
   std::vector<float> out(static_cast<std::size_t>(tokens) * dim);
   const int qmax = max_code(p);
   for (int c = 0; c < dim; ++c) {
@@ -129,8 +158,8 @@ inline std::vector<float> reference_dequant_k(const float* x, std::size_t stride
       lo = std::min(lo, x[t * stride + c]);
       hi = std::max(hi, x[t * stride + c]);
     }
-    const float scale = half_to_float(float_to_half(quant_step(lo, hi, qmax)));
-    const float min = half_to_float(float_to_half(lo));
+    const float scale = round_to(dtype, quant_step(lo, hi, qmax));
+    const float min = round_to(dtype, lo);
     const float inverse = quant_inverse_step(scale);
     const float bias = quant_bias(min, inverse);
     for (int t = 0; t < tokens; ++t)
@@ -139,15 +168,16 @@ inline std::vector<float> reference_dequant_k(const float* x, std::size_t stride
   return out;
 }
 
-inline std::vector<float> reference_dequant_v(const float* x, std::size_t stride, int tokens, int dim, Precision p) {
+inline std::vector<float> reference_dequant_v(const float* x, std::size_t stride, int tokens, int dim, Precision p,
+                                              DType dtype = DType::F16) {
   std::vector<float> out(static_cast<std::size_t>(tokens) * dim);
   const int qmax = max_code(p);
   for (int t = 0; t < tokens; ++t) {
     const float* row = x + t * stride;
     const float lo = *std::min_element(row, row + dim);
     const float hi = *std::max_element(row, row + dim);
-    const float scale = half_to_float(float_to_half(quant_step(lo, hi, qmax)));
-    const float min = half_to_float(float_to_half(lo));
+    const float scale = round_to(dtype, quant_step(lo, hi, qmax));
+    const float min = round_to(dtype, lo);
     const float inverse = quant_inverse_step(scale);
     const float bias = quant_bias(min, inverse);
     for (int c = 0; c < dim; ++c) out[t * dim + c] = dequant(quant_code(row[c], inverse, bias, qmax), scale, min);
@@ -155,14 +185,38 @@ inline std::vector<float> reference_dequant_v(const float* x, std::size_t stride
   return out;
 }
 
-// A sequence's prompt K/V, [tokens][num_kv_heads][head_dim] halves, and
-// where each full window goes (the trailing partial window stays FP16).
-struct SequenceData {
+// A sequence's prompt K/V, [tokens][num_kv_heads][head_dim] values of the
+// cache's 16-bit type T, and where each full window goes (the trailing
+// partial window stays FP16).
+template <Float16Element T>
+struct BasicSequenceData {
   std::int32_t tokens = 0;
-  std::vector<Half> k;
-  std::vector<Half> v;
+  std::vector<T> k;
+  std::vector<T> v;
   std::vector<Precision> windows;  // size tokens / block_size
 };
+using SequenceData = BasicSequenceData<Half>;
+using SequenceDataBF16 = BasicSequenceData<BFloat16>;
+
+// Blocks each pool must hand out to place `seqs` (a full window of a
+// quantized precision takes one block of its pool, every other token an
+// FP16 row), plus `spare_fp16` FP16 blocks.
+template <Float16Element T>
+std::array<std::int32_t, kNumPrecisions> blocks_needed(const std::vector<BasicSequenceData<T>>& seqs,
+                                                       std::int32_t block, std::int32_t spare_fp16 = 0) {
+  std::array<std::int32_t, kNumPrecisions> needed{spare_fp16, 0, 0};
+  for (const BasicSequenceData<T>& seq : seqs) {
+    std::int32_t fp16_tokens = seq.tokens;
+    for (Precision p : seq.windows) {
+      if (p != Precision::FP16) {
+        ++needed[pool_index(p)];
+        fp16_tokens -= block;
+      }
+    }
+    needed[0] += (fp16_tokens + block - 1) / block;
+  }
+  return needed;
+}
 
 // The values a decode kernel must see for one sequence: per KV head,
 // [tokens][head_dim] floats (quantized windows replaced by their
@@ -180,7 +234,8 @@ struct PlacedBatch {
 // Stores every sequence through one store_prefill call (rows concatenated,
 // FP16 rows in shuffled slots, block ids and page-list orders shuffled) and
 // builds the layer's page tables.
-inline PlacedBatch place_batch(TestArena& arena, const std::vector<SequenceData>& seqs) {
+template <Float16Element T>
+PlacedBatch place_batch(TestArena& arena, const std::vector<BasicSequenceData<T>>& seqs) {
   const BlockFormat f = arena.format(Precision::FP16);
   const std::int32_t S = f.block_size;
   const std::int32_t H = f.num_kv_heads;
@@ -189,9 +244,9 @@ inline PlacedBatch place_batch(TestArena& arena, const std::vector<SequenceData>
   PlacedBatch placed;
   for (auto& table : placed.tables) table.indptr.push_back(0);
   StoreMapping mapping;
-  std::vector<Half> k_rows;
-  std::vector<Half> v_rows;
-  for (const SequenceData& seq : seqs) {
+  std::vector<T> k_rows;
+  std::vector<T> v_rows;
+  for (const BasicSequenceData<T>& seq : seqs) {
     const auto first_row = static_cast<std::int32_t>(mapping.fp16_slots.size());
     k_rows.insert(k_rows.end(), seq.k.begin(), seq.k.end());
     v_rows.insert(v_rows.end(), seq.v.begin(), seq.v.end());
@@ -238,8 +293,8 @@ inline PlacedBatch place_batch(TestArena& arena, const std::vector<SequenceData>
       for (std::size_t w = 0; w < seq.windows.size(); ++w) {
         if (seq.windows[w] == Precision::FP16) continue;
         const std::size_t at = w * S * row + h * D;
-        const auto kq = reference_dequant_k(&k[at], row, S, D, seq.windows[w]);
-        const auto vq = reference_dequant_v(&v[at], row, S, D, seq.windows[w]);
+        const auto kq = reference_dequant_k(&k[at], row, S, D, seq.windows[w], f.dtype);
+        const auto vq = reference_dequant_v(&v[at], row, S, D, seq.windows[w], f.dtype);
         std::copy(kq.begin(), kq.end(), kh.begin() + w * S * D);
         std::copy(vq.begin(), vq.end(), vh.begin() + w * S * D);
       }
@@ -353,8 +408,9 @@ struct DecodeResult {
 
 // The CPU reference over one placed batch; outputs start as NaN so an
 // element the reference failed to write cannot pass.
-inline DecodeResult cpu_decode(const TestArena& arena, const PlacedBatch& placed, const std::vector<Half>& q,
-                               std::int32_t num_q_heads, float sm_scale) {
+template <Float16Element T>
+DecodeResult cpu_decode(const TestArena& arena, const PlacedBatch& placed, const std::vector<T>& q,
+                        std::int32_t num_q_heads, float sm_scale) {
   const std::size_t batch = placed.tables[0].indptr.size() - 1;
   const std::int32_t dim = arena.format(Precision::FP16).head_dim;
   constexpr float nan = std::numeric_limits<float>::quiet_NaN();

@@ -72,21 +72,6 @@ std::vector<SequenceData> random_sequences(Rng& rng, const std::vector<std::int3
   return seqs;
 }
 
-std::array<std::int32_t, kNumPrecisions> blocks_needed(const std::vector<SequenceData>& seqs, std::int32_t block) {
-  std::array<std::int32_t, kNumPrecisions> needed{};
-  for (const SequenceData& seq : seqs) {
-    std::int32_t fp16_tokens = seq.tokens;
-    for (Precision p : seq.windows) {
-      if (p != Precision::FP16) {
-        ++needed[pool_index(p)];
-        fp16_tokens -= block;
-      }
-    }
-    needed[0] += (fp16_tokens + block - 1) / block;
-  }
-  return needed;
-}
-
 // One attention problem: sequences placed through store_prefill, random
 // queries, the kernel's result and the dense reference on the same values.
 struct Problem {

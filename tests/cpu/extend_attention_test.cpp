@@ -28,24 +28,6 @@ std::vector<SequenceData> cached_sequences(Rng& rng, const std::vector<std::int3
   return seqs;
 }
 
-// Blocks each pool must hand out, plus `spare_fp16` FP16 blocks.
-std::array<std::int32_t, kNumPrecisions> blocks_needed(const std::vector<SequenceData>& seqs, std::int32_t block,
-                                                       std::int32_t spare_fp16 = 0) {
-  std::array<std::int32_t, kNumPrecisions> needed{0, 0, 0};
-  needed[0] = spare_fp16;
-  for (const SequenceData& seq : seqs) {
-    std::int32_t fp16_tokens = seq.tokens;
-    for (Precision p : seq.windows) {
-      if (p != Precision::FP16) {
-        ++needed[pool_index(p)];
-        fp16_tokens -= block;
-      }
-    }
-    needed[0] += (fp16_tokens + block - 1) / block;
-  }
-  return needed;
-}
-
 // The new rows of a batch: qo_indptr, q [rows][q_heads][dim], k and v
 // [rows][kv_heads][dim].
 struct NewRows {

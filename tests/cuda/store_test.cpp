@@ -10,6 +10,7 @@
 
 #include "cuda_test_util.h"
 #include "mixkv/cpu/store.h"
+#include "mixkv/kernels/demote.h"
 #include "mixkv/kernels/device_status.h"
 #include "mixkv/kernels/store.h"
 
@@ -370,6 +371,26 @@ TEST(StoreCudaBadInput, NamesTheArgument) {
   bad.fp16_slots = {0, -2};
   gpu::DeviceStoreMapping dmap;
   MIXKV_EXPECT_INVALID(dmap.upload(bad, 32, nullptr), "fp16_slots[1]");
+}
+
+// The quantizing kernels interpret FP16 caches only: BF16 pools are refused
+// on the host before any CUDA call; byte copies (append) take them.
+TEST(StoreCudaBadInput, RefusesBf16Pools) {
+  std::byte arena[16];
+  alignas(16) const Half values[8] = {};
+  gpu::StorePrefillArgs args;
+  for (Precision p : kAllPrecisions) {
+    args.pools[pool_index(p)] = {arena, sizeof(arena), 1, {p, 1, 64, 16, DType::BF16}};
+  }
+  args.k = args.v = values;
+  args.rows = 1;
+  MIXKV_EXPECT_INVALID(gpu::store_prefill(args), "pools[FP16].format.dtype = bfloat16: expected float16");
+  args.pools[0].format.dtype = DType::F16;
+  MIXKV_EXPECT_INVALID(gpu::store_prefill(args), "pools[INT4].format.dtype = bfloat16");
+  gpu::DemoteArgs demote;
+  demote.src_pool = args.pools[0];
+  demote.dst_pool = args.pools[1];
+  MIXKV_EXPECT_INVALID(gpu::demote(demote), "demote: dst_pool.format.dtype = bfloat16");
 }
 
 // Shapes and inputs the store kernels cannot index, fit or read, rejected on the host

@@ -216,5 +216,19 @@ TEST(EngineCuda, BadDeviceIsNamed) {
   }
 }
 
+// The CUDA kernels of this build interpret FP16 caches only: a BF16 cache is
+// refused when the backend is made, naming the field.
+TEST(EngineCuda, Bf16CacheIsRefused) {
+  MIXKV_REQUIRE_CUDA();
+  EngineConfig c = config(BackendKind::CUDA, true);
+  c.cache.shape.dtype = DType::BF16;
+  try {
+    Engine e(c);
+    ADD_FAILURE() << "expected InvalidArgument";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("cache.shape.dtype = bfloat16"), std::string::npos) << e.what();
+  }
+}
+
 }  // namespace
 }  // namespace mixkv

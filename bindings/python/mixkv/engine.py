@@ -30,6 +30,7 @@ from ._core import (
     TokenKind,
     TokenLayout,
     UnknownId,
+    dtype_name,
 )
 from ._engine_views import CacheView, EngineStep, Finished, Prefill, Rejected, RequestKey
 
@@ -207,6 +208,7 @@ class Engine:
         shape = cache_config.shape
         self._num_q_heads = num_q_heads
         self._head_dim = shape.head_dim
+        self._dtype = dtype_name(shape.dtype)  # "float16" or "bfloat16": q, k, v and out
         self._ids: dict[RequestKey, int] = {}  # live caller id -> internal id
         self._keys: dict[int, RequestKey] = {}  # internal id -> caller id
         self._retired: set[RequestKey] = set()  # caller ids that have left
@@ -418,8 +420,9 @@ class Engine:
 
     def store(self, layer: int, k: Any, v: Any, *, stream: Any = None) -> None:
         """One layer's K and V of the step's prefill rows, the chunks'
-        rows concatenated in ``step.prefills`` order: float16
-        [prefill_rows, num_kv_heads, head_dim] arrays on the engine's device.
+        rows concatenated in ``step.prefills`` order: [prefill_rows,
+        num_kv_heads, head_dim] arrays of the cache's dtype (float16, or
+        bfloat16 for ``CacheShape(dtype=DType.BF16)``) on the engine's device.
         For an engine that ran its own prefill attention; ``prefill`` does
         both. Per layer, call ``prefill`` or ``store``, not both."""
         self._core.store(layer, k, v, self._stream("Engine.store", stream))
@@ -427,14 +430,15 @@ class Engine:
     def attend(
         self, layer: int, q: Any, k: Any, v: Any, out: Any = None, lse: Any = None, *, stream: Any = None
     ) -> Any:
-        """One layer of the decode batch: appends k, v (float16 [rows,
-        num_kv_heads, head_dim]) as the batch's newest tokens, then attends q
-        (float16 [rows, num_q_heads, head_dim]) over each request's tokens in
+        """One layer of the decode batch: appends k, v ([rows, num_kv_heads,
+        head_dim] of the cache's dtype, float16 or bfloat16, as every array
+        here but lse) as the batch's newest tokens, then attends q
+        ([rows, num_q_heads, head_dim]) over each request's tokens in
         every pool. ``rows`` is ``step.num_decode_rows``: one row a request
         of ``step.decodes``, or, when the step has draft tokens, the rows of
         ``step.decode_rows`` (each request's last sampled token, then its
         drafts, attending causally to each other). Writes and returns
-        ``out`` (float16 [rows, num_q_heads, head_dim]; allocated like q,
+        ``out`` ([rows, num_q_heads, head_dim]; allocated like q,
         with q's library and device, when not given) and, when given,
         ``lse`` (float32 [rows, num_q_heads], the natural-log sum of
         exponentials of the scaled scores)."""
@@ -448,13 +452,14 @@ class Engine:
         self, layer: int, q: Any, k: Any, v: Any, out: Any = None, lse: Any = None, *, stream: Any = None
     ) -> Any:
         """One layer of the step's prefill chunks, attention through the
-        cache: each chunk's rows (q float16 [rows, num_q_heads, head_dim], k
+        cache: each chunk's rows (q [rows, num_q_heads, head_dim] of the
+        cache's dtype, k
         and v [rows, num_kv_heads, head_dim], the chunks' rows concatenated
         in ``step.prefills`` order) attend to every prompt row stored before
         the chunk, at the precision it was stored in, and causally to each
         other; then k and v are stored as ``store`` stores them. The engine
-        keeps no copy of the prompt. Writes and returns ``out`` (float16
-        [rows, num_q_heads, head_dim], allocated like q when not given) and,
+        keeps no copy of the prompt. Writes and returns ``out`` (the cache's
+        dtype, [rows, num_q_heads, head_dim], allocated like q when not given) and,
         when given, ``lse`` (float32 [rows, num_q_heads]). Per layer, call
         ``prefill`` or ``store``, not both."""
         s = self._stream("Engine.prefill", stream)
@@ -469,19 +474,20 @@ class Engine:
         if library == "torch":
             import torch
 
-            return torch.empty(shape, dtype=torch.float16, device=q.device)
-        if library == "cupy":
+            return torch.empty(shape, dtype=getattr(torch, self._dtype), device=q.device)
+        if library == "cupy" and self._dtype == "float16":
             import cupy
 
             with cupy.cuda.Device(q.device.id):
                 return cupy.empty(shape, dtype=cupy.float16)
-        if library == "numpy" or self._kind == BackendKind.CPU:
+        if (library == "numpy" or self._kind == BackendKind.CPU) and self._dtype == "float16":
             import numpy
 
             return numpy.empty(shape, dtype=numpy.float16)
         raise InvalidArgument(
-            f"{fn}: out: cannot allocate an output like q ({type(q).__name__}): pass "
-            "out= (float16 [rows, num_q_heads, head_dim] on the engine's device)"
+            f"{fn}: out: cannot allocate an output like q ({type(q).__name__}) in the cache's dtype "
+            f"{self._dtype}: pass out= ({self._dtype} [rows, num_q_heads, head_dim] on the engine's device"
+            + ("; NumPy and CuPy have no bfloat16: torch.bfloat16 tensors do)" if self._dtype == "bfloat16" else ")")
         )
 
     def synchronize(self) -> None:

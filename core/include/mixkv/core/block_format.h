@@ -2,6 +2,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "mixkv/core/dtype.h"
 #include "mixkv/core/host_device.h"
 #include "mixkv/core/precision.h"
 
@@ -41,11 +42,17 @@ namespace mixkv {
 //               channels.
 //   Dequantized value = min + scale * code (eqs. 14-16 with the zero point
 //   folded into the stored minimum).
+//
+// Every 16-bit value above ("half": the FP16 elements and the (scale, min)
+// parameters) is of the cache's type `dtype`, IEEE binary16 (F16) or
+// bfloat16 (BF16); no size or offset depends on it. The pool named FP16
+// holds the cache's unquantized rows in that type.
 struct BlockFormat {
   Precision precision = Precision::FP16;
   std::int32_t num_kv_heads = 0;
   std::int32_t head_dim = 0;
   std::int32_t block_size = 0;
+  DType dtype = DType::F16;
 
   MIXKV_HOST_DEVICE constexpr int bits() const { return bits_of(precision); }
   MIXKV_HOST_DEVICE constexpr int codes_per_byte() const { return 8 / bits(); }

@@ -2,9 +2,10 @@
 // The rounding rules of asymmetric min-max quantization (windowquant.md,
 // eqs. 14-16), shared by the host reference and the CUDA kernels so that both
 // produce the same codes bit for bit. All arithmetic is IEEE float; the
-// stored scale and minimum are FP16, and codes are computed against the
-// FP16-rounded values actually stored, so dequantization error stays within
-// half a step of the stored scale (plus the slack bounded at quant_code).
+// stored scale and minimum are of the cache's 16-bit type (FP16 below, or
+// BF16), and codes are computed against the rounded values actually stored,
+// so dequantization error stays within half a step of the stored scale
+// (plus the slack bounded at quant_code).
 #include <cmath>
 
 #include "mixkv/core/host_device.h"
@@ -50,6 +51,12 @@ MIXKV_HOST_DEVICE inline float quant_bias(float min, float inverse_step) { retur
 // fraction bits and the slack is < 2^-9 of a step; for ordinary groups
 // (|min| a few times the range) it is ~2^-20, as with the three separately
 // rounded operations (x - min) * inverse_step + 0.5 used before.
+// In a BF16 cache (BlockFormat::dtype) min and scale are stored as
+// bfloat16 instead: two distinct bfloat16 values differ by at least 2^-8
+// of the larger, so |min| / scale < 2^12 (INT4; 2^10 at INT2, the
+// subnormal scales included), the bias keeps >= 11 fraction bits and the
+// slack stays < 2^-11 of a step; no group overflows (bfloat16 has float's
+// range).
 // A constant group (inverse_step 0): fma(x, 0, 0.5) = 0.5, code 0. The low
 // clamp: for FP16 input min is the group's lowest value exactly, so y >= 0.5
 // and the result >= 0.5 - 2^-9: it never fires; for float input (demotion)

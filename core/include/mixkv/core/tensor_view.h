@@ -5,16 +5,12 @@
 #include <initializer_list>
 #include <string>
 
-namespace mixkv {
+#include "mixkv/core/dtype.h"
 
-// Element types of the arrays the ops and the engine take.
-enum class DType : std::uint8_t { F16 = 0, BF16 = 1, F32 = 2, I32 = 3 };
+namespace mixkv {
 
 // Where an array's bytes live.
 enum class DeviceKind : std::uint8_t { CPU = 0, CUDA = 1 };
-
-constexpr std::size_t dtype_bytes(DType t) { return t == DType::F16 || t == DType::BF16 ? 2 : 4; }
-std::string to_string(DType t);
 
 // A C-contiguous array owned by the caller, as the engine's entry points take
 // it (the Python bindings fill it from DLPack or the array interfaces without

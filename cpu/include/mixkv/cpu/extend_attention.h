@@ -3,9 +3,9 @@
 #include <cstdint>
 #include <span>
 
-#include "mixkv/core/half.h"
 #include "mixkv/core/op_types.h"
 #include "mixkv/core/pool_view.h"
+#include "mixkv/core/span16.h"
 
 namespace mixkv::cpu {
 
@@ -23,8 +23,9 @@ namespace mixkv::cpu {
 // GQA: query head h reads KV head h / (num_q_heads / num_kv_heads).
 //   qo_indptr: [batch + 1], qo_indptr[0] = 0, strictly increasing (n_i >= 1),
 //              qo_indptr[batch] = rows
-//   q:   [rows][num_q_heads][head_dim] FP16
-//   k,v: [rows][num_kv_heads][head_dim] FP16, the new rows' keys and values
+//   q:   [rows][num_q_heads][head_dim] of the cache's 16-bit type (the
+//        pools' format.dtype, FP16 or BF16), as k and v
+//   k,v: [rows][num_kv_heads][head_dim], the new rows' keys and values
 //   out: [rows][num_q_heads][head_dim] float
 //   lse: [rows][num_q_heads] float, natural log (never -inf: a row always
 //        sees itself)
@@ -36,20 +37,21 @@ namespace mixkv::cpu {
 // list and the new rows are cut into chunks of ~256 tokens, fixed by the
 // shape, whose states merge in double in a fixed order: the result is the
 // same for any thread count. Within 1e-5 of a float64 attention over the
-// dequantized K/V (read_head) and the FP16 new rows. This is the reference
+// dequantized K/V (read_head) and the new rows. This is the reference
 // the CUDA extend kernel is held to.
 // Throws InvalidArgument naming the argument for a qo_indptr that is not
 // strictly increasing from 0 to rows (rows = q.size() / (num_q_heads *
 // head_dim)), a table whose batch differs from qo_indptr's or that is
-// malformed as for decode_attention, sizes that do not match, num_q_heads
+// malformed as for decode_attention, q, k or v of another dtype than the
+// cache's, sizes that do not match, num_q_heads
 // not a positive multiple of num_kv_heads, NaN/inf in q, k or v, and out or
 // lse overlapping each other or the inputs; IndexOutOfRange for a block id
 // outside [0, num_blocks) of its pool; nothing is written then.
 struct ExtendAttentionArgs {
   std::span<const std::int32_t> qo_indptr;
-  std::span<const Half> q;
-  std::span<const Half> k;
-  std::span<const Half> v;
+  Span16 q;
+  Span16 k;
+  Span16 v;
   std::int32_t num_q_heads = 0;
   float sm_scale = 0.0f;                                               // usually 1/sqrt(head_dim)
   const std::array<PagedPoolTable, kNumPrecisions>* tables = nullptr;  // one layer, batch entries

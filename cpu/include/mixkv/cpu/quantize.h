@@ -2,16 +2,21 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "mixkv/core/bfloat16.h"
 #include "mixkv/core/block_format.h"
 #include "mixkv/core/half.h"
 
 namespace mixkv::cpu {
 
 // Write one KV head of one block in `format` (any precision):
-// k, v: [block_size tokens] rows of head_dim halves, consecutive rows
-// row_stride halves apart. FP16 copies; INT4/INT2 quantize K per channel
-// over the tokens and V per token over the channels, then pack.
+// k, v: [block_size tokens] rows of head_dim values, consecutive rows
+// row_stride values apart, of format.dtype (the Half overload for F16, the
+// BFloat16 one for BF16; the other is an InvalidArgument). FP16 copies;
+// INT4/INT2 quantize K per channel over the tokens and V per token over the
+// channels, then pack, with (scale, min) rounded to format.dtype.
 void write_head(const BlockFormat& format, const Half* k, const Half* v, std::size_t row_stride,
+                std::byte* head_region);
+void write_head(const BlockFormat& format, const BFloat16* k, const BFloat16* v, std::size_t row_stride,
                 std::byte* head_region);
 
 // Dequantize (or widen) one head of a block: k_out, v_out are
