@@ -276,6 +276,16 @@ std::optional<std::string> KVCacheManager::Impl::shortfall(const BlockCounts& ne
   if (short_pool < 0) return std::nullopt;
   const std::int64_t cached = index ? index->evictable_total() : 0;
   if (cached > 0) {
+    // First without the walk below, which is linear in the cached blocks:
+    // evicted blocks as free blocks of their pools, no slab going empty.
+    // More free blocks or empty slabs never make `need` lack more, so when
+    // this lower bound fits, the exact view fits too.
+    Supplies lower = plain;
+    for (const Precision p : kAllPrecisions) {
+      lower[at(p)].free += index->evictable()[at(p)] - (match ? match->revived[at(p)] : 0);
+    }
+    std::int64_t unused = 0;
+    if (lacking(lower, arena.free_slabs(), need, unused) < 0) return std::nullopt;
     Supplies view = plain;
     boost::unordered_flat_map<std::int64_t, std::int32_t> in_slab;  // (pool << 32 | slab) -> evictable blocks
     auto slab_key = [&](Precision p, std::int32_t block) {

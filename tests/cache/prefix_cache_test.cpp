@@ -245,6 +245,42 @@ TEST(PrefixCache, EvictionFreesSlabsForOtherPools) {
   cache.check_invariants();
 }
 
+// can_allocate answers from the cached blocks' per-pool counts when those
+// suffice as free blocks of their own pools (no walk over the cached
+// blocks, whose number grows with the cache), and still walks them when
+// only the slabs they would empty suffice; a match's revived blocks count
+// in neither.
+TEST(PrefixCache, CachedBlocksCountWithoutAWalkWhenTheirPoolsSuffice) {
+  KVCacheManager cache(cached_config(1, 4));  // a slab: 4 FP16 blocks, 10 INT4, 16 INT2
+  const TokenLayout video({{TokenKind::Visual, 5 * kTinyBlock}, {TokenKind::Text, 1}});
+  PrecisionPlan plan(1, 5, Precision::INT4);
+  plan.set(0, 0, Precision::FP16);
+  const auto keys = keys_from(1, 81);
+  cache.add_sequence(1, video, plan, keys);
+  cache.publish_prefix(1, keys);
+  cache.free_sequence(1);
+  cache.add_sequence(2, text(7 * kTinyBlock), PrecisionPlan(1, 0));
+  // FP16: no free block, 1 cached; INT4: 6 free, 4 cached (their slab
+  // empties when they go); 1 free slab.
+  ASSERT_EQ(cache.free_slabs(), 1);
+  ASSERT_EQ(cache.pool_stats(Precision::FP16).free_blocks, 0);
+  ASSERT_EQ(cache.prefix_stats().evictable, (BlockCounts{1, 4, 0}));
+  EXPECT_TRUE(cache.can_allocate({0, 10, 0}));  // the INT4 pool's own blocks
+  EXPECT_TRUE(cache.can_allocate({1 + 4, 0, 0}));  // the cached FP16 block and the free slab
+  EXPECT_TRUE(cache.can_allocate({1 + 8, 0, 0}));  // and the INT4 slab eviction empties
+  EXPECT_FALSE(cache.can_allocate({1 + 9, 0, 0}));
+  // A hit on the cached video takes its blocks: they stop counting as free.
+  const PrefixMatch m = cache.match_prefix(video, plan, keys);
+  ASSERT_EQ(m.revived, (BlockCounts{1, 4, 0}));
+  EXPECT_TRUE(cache.can_allocate({4, 0, 0}, m));
+  EXPECT_FALSE(cache.can_allocate({5, 0, 0}, m));
+  EXPECT_TRUE(cache.can_allocate({0, 6 + 10, 0}, m));
+  EXPECT_FALSE(cache.can_allocate({0, 6 + 11, 0}, m));
+  cache.add_sequence(3, text(9 * kTinyBlock), PrecisionPlan(1, 0));
+  EXPECT_EQ(cache.prefix_stats().evicted, (BlockCounts{1, 4, 0}));
+  cache.check_invariants();
+}
+
 TEST(PrefixCache, ADemotedWindowLeavesTheOriginalCached) {
   KVCacheManager cache(cached_config(1, 8));
   PrecisionPlan plan(1, 4);
