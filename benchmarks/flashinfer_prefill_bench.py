@@ -41,6 +41,12 @@ import time
 
 os.environ.setdefault("FLASHINFER_WORKSPACE_BASE", "/tmp/fi-ws")
 
+# FlashInfer's JIT compiles against the DLPack header apache-tvm-ffi ships; an
+# include path inherited from the caller (CPATH naming an older dlpack.h, as a
+# mixkv build may use) would shadow it and every module would fail to compile.
+for _var in ("CPATH", "CPLUS_INCLUDE_PATH", "C_INCLUDE_PATH"):
+    os.environ.pop(_var, None)
+
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
