@@ -6,6 +6,7 @@ precision-aware runs against rho, the score correlation between questions.
 
     python3 benchmarks/plot_prefix_sim.py [in.json] [out.png]
 """
+
 import json
 import sys
 from pathlib import Path
@@ -41,8 +42,9 @@ def main() -> None:
 
     ax = axes[1]
     ax.barh([i - 0.2 for i in y], [r["ttft_steps_p50"] for _, r in runs], height=0.4, color=colors, label="p50")
-    ax.barh([i + 0.2 for i in y], [r["ttft_steps_p99"] for _, r in runs], height=0.4, color=colors, alpha=0.45,
-            label="p99")
+    ax.barh(
+        [i + 0.2 for i in y], [r["ttft_steps_p99"] for _, r in runs], height=0.4, color=colors, alpha=0.45, label="p99"
+    )
     ax.set_xscale("log")
     ax.set_yticks(y, [""] * len(y))
     ax.invert_yaxis()
@@ -75,10 +77,20 @@ def main() -> None:
         for higher, style in ((True, "o-"), (False, "s--")):
             pts = sorted((p["rho"], p) for p in sweep if p["share_higher"] == higher)
             name = "share_higher" if higher else "exact only"
-            ax.plot([r for r, _ in pts], [100 * p["served_from_cache"] for _, p in pts], style, color="tab:blue",
-                    label=f"% from cache, {name}")
-            ax2.plot([r for r, _ in pts], [p["videos_per_gib_end"] for _, p in pts], style, color="tab:green",
-                     label=f"videos/GiB, {name}")
+            ax.plot(
+                [r for r, _ in pts],
+                [100 * p["served_from_cache"] for _, p in pts],
+                style,
+                color="tab:blue",
+                label=f"% from cache, {name}",
+            )
+            ax2.plot(
+                [r for r, _ in pts],
+                [p["videos_per_gib_end"] for _, p in pts],
+                style,
+                color="tab:green",
+                label=f"videos/GiB, {name}",
+            )
         ax.set_xlabel("rho: score correlation between two questions about one video")
         ax.set_ylabel("% prefill from cache", color="tab:blue")
         ax2.set_ylabel("videos held / GiB", color="tab:green")
@@ -86,8 +98,11 @@ def main() -> None:
         ax2.legend(fontsize=7, loc="center left")
         ax.set_title("WindowQuant plans vs question agreement")
 
-    fig.suptitle("Prefix caching in the serving simulation (Qwen2-7B shapes, 126 GB arena; blue: video QA, "
-                 "orange: shared system prompt)", fontsize=10)
+    fig.suptitle(
+        "Prefix caching in the serving simulation (Qwen2-7B shapes, 126 GB arena; blue: video QA, "
+        "orange: shared system prompt)",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(dst, dpi=110)
     print(f"wrote {dst}")
