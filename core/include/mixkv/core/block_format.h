@@ -39,7 +39,9 @@ namespace mixkv {
 //               quantized per channel over the block's tokens (keys have
 //               outlier channels).
 //     V params  per token (scale, min) as two halves: V is per token over the
-//               channels.
+//               whole head (finer channel groups bought less accuracy than
+//               the same bytes spent on precision:
+//               benchmarks/results/v_grouping.md).
 //   Dequantized value = min + scale * code (eqs. 14-16 with the zero point
 //   folded into the stored minimum).
 //
