@@ -69,6 +69,22 @@ def dequantized_tokens(cache, metadata, layer, batch_index, head):
     return np.concatenate(ks).astype(np.float64), np.concatenate(vs).astype(np.float64)
 
 
+def read_back_windows(cache, seq_id, layer, k, v):
+    """k, v (float64 [rows, num_kv_heads, head_dim] of a sequence's prompt)
+    with the rows of its INT4/INT2 windows in `layer` replaced by what the
+    cache holds (ops.read_head); FP16 rows stay as given."""
+    mapping = cache.prefill_mapping(seq_id, layer)
+    for precision, windows in ((P.INT4, mapping.int4_windows), (P.INT2, mapping.int2_windows)):
+        fmt = cache.format(precision)
+        for w in windows:
+            block = cache.block(precision, w.block_id)
+            for h in range(fmt.num_kv_heads):
+                wk, wv = mixkv.ops.read_head(fmt, block[h * fmt.head_bytes : (h + 1) * fmt.head_bytes])
+                k[w.first_row : w.first_row + fmt.block_size, h] = wk
+                v[w.first_row : w.first_row + fmt.block_size, h] = wv
+    return k, v
+
+
 def attention(q, k, v, sm_scale):
     """One query head over [tokens, dim] K/V in float64: (out, lse)."""
     if len(k) == 0:

@@ -13,7 +13,7 @@ import zlib
 import mixkv
 import numpy as np
 import pytest
-from helpers import P, plan_of
+from helpers import P, plan_of, read_back_windows
 from mixkv import DType, Segment, TokenKind, TokenLayout
 
 torch = pytest.importorskip("torch")
@@ -169,7 +169,7 @@ def test_ops_decode_matches_float64_on_the_cached_values():
         q = rows("q", 0, [n], layer)
         out, lse = mixkv.ops.paged_decode_attention(cache, md, layer, q)
         assert out.dtype == np.float32 and out.shape == (1, Q_HEADS, HEAD_DIM)
-        k, v = read_back(cache, layer, *(as_float64(a) for a in kv[layer]))
+        k, v = read_back_windows(cache, 0, layer, *(as_float64(a) for a in kv[layer]))
         want = causal_attention(as_float64(q), k, v, [n - 1])
         np.testing.assert_allclose(out, want, rtol=0, atol=1e-5)
     with pytest.raises(mixkv.InvalidArgument, match="paged_decode_attention: q"):
@@ -241,22 +241,7 @@ def cached(layout, plan_rows, k, v, layer):
         mixkv.ops.store_prefill(
             cache, k if lay == layer else z, v if lay == layer else z, cache.prefill_mapping(0, lay)
         )
-    return read_back(cache, layer, as_float64(k), as_float64(v))
-
-
-def read_back(cache, layer, k, v):
-    """k, v (float64 [rows, KV_HEADS, HEAD_DIM] of sequence 0) with the rows
-    of its quantized windows replaced by what the cache holds."""
-    mapping = cache.prefill_mapping(0, layer)
-    for precision, windows in ((P.INT4, mapping.int4_windows), (P.INT2, mapping.int2_windows)):
-        fmt = cache.format(precision)
-        for w in windows:
-            block = cache.block(precision, w.block_id)
-            for h in range(KV_HEADS):
-                wk, wv = mixkv.ops.read_head(fmt, block[h * fmt.head_bytes : (h + 1) * fmt.head_bytes])
-                k[w.first_row : w.first_row + BLOCK, h] = wk
-                v[w.first_row : w.first_row + BLOCK, h] = wv
-    return k, v
+    return read_back_windows(cache, 0, layer, as_float64(k), as_float64(v))
 
 
 @pytest.mark.parametrize("request_id", ["chat", "video"])

@@ -335,10 +335,22 @@ def test_scheduler_driven_engine_matches_the_cpu_backend(fp16_only, workload, pr
             )
         )
     host, device = runs
-    moves = {"demotions": host["demotions"] + host["plan_demotions"], "swaps": host["preempted_swap"], "recomputes": host["preempted_recompute"]}
+    moves = {
+        "demotions": host["demotions"] + host["plan_demotions"],
+        "swaps": host["preempted_swap"],
+        "recomputes": host["preempted_recompute"],
+    }
     expected = "demotions" if not fp16_only else ("swaps" if preemption == mixkv.PreemptionMode.Swap else "recomputes")
     assert moves[expected] > 0, f"the arena forced no {expected}: {moves}"
-    for key in ("demotions", "plan_demotions", "preempted_swap", "preempted_recompute", "peak", "decode_tokens", "prefill_tokens"):
+    for key in (
+        "demotions",
+        "plan_demotions",
+        "preempted_swap",
+        "preempted_recompute",
+        "peak",
+        "decode_tokens",
+        "prefill_tokens",
+    ):
         assert device[key] == host[key], key
     worst = 0.0
     for rid, logits in host["logits"].items():

@@ -17,7 +17,7 @@ import zlib
 import mixkv
 import numpy as np
 import pytest
-from helpers import P, plan_of
+from helpers import P, plan_of, read_back_windows
 from mixkv import Segment, TokenKind, TokenLayout
 
 LAYERS, KV_HEADS, Q_HEADS, HEAD_DIM, BLOCK = 2, 2, 4, 64, 16  # a built CUDA instance
@@ -73,17 +73,7 @@ def dequantized(layout, plan_rows, k, v, layer):
         cache_k = k if lay == layer else np.zeros_like(k)
         cache_v = v if lay == layer else np.zeros_like(v)
         mixkv.ops.store_prefill(cache, cache_k, cache_v, cache.prefill_mapping(0, lay))
-    k, v = k.astype(np.float64), v.astype(np.float64)
-    mapping = cache.prefill_mapping(0, layer)
-    for precision, windows in ((P.INT4, mapping.int4_windows), (P.INT2, mapping.int2_windows)):
-        fmt = cache.format(precision)
-        for w in windows:
-            block = cache.block(precision, w.block_id)
-            for h in range(KV_HEADS):
-                wk, wv = mixkv.ops.read_head(fmt, block[h * fmt.head_bytes : (h + 1) * fmt.head_bytes])
-                k[w.first_row : w.first_row + BLOCK, h] = wk
-                v[w.first_row : w.first_row + BLOCK, h] = wv
-    return k, v
+    return read_back_windows(cache, 0, layer, k.astype(np.float64), v.astype(np.float64))
 
 
 def make_engine(backend="cpu", budget=BUDGET, mode=mixkv.PrefillMode.Compact):
