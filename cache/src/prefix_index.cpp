@@ -6,22 +6,14 @@
 #include <string>
 
 #include "mixkv/core/errors.h"
+#include "mixkv/core/hash.h"
 
 namespace mixkv::detail {
 namespace {
 
-std::uint64_t mix(std::uint64_t x) {
-  x ^= x >> 33;
-  x *= 0xff51afd7ed558ccdULL;
-  x ^= x >> 33;
-  x *= 0xc4ceb9fe1a85ec53ULL;
-  x ^= x >> 33;
-  return x;
-}
+std::uint64_t step(std::uint64_t h, std::uint64_t x) { return mix64(h ^ (x + 0x9E3779B97F4A7C15ULL + (h << 6))); }
 
-std::uint64_t step(std::uint64_t h, std::uint64_t x) { return mix(h ^ (x + 0x9E3779B97F4A7C15ULL + (h << 6))); }
-
-std::uint64_t root_hash(std::int32_t layer) { return mix(0x70726566697821ULL + static_cast<std::uint64_t>(layer)); }
+std::uint64_t root_hash(std::int32_t layer) { return mix64(0x70726566697821ULL + static_cast<std::uint64_t>(layer)); }
 
 std::string where(const PrefixNode& n) {
   return "prefix index: layer " + std::to_string(n.layer) + " " + std::string(to_string(n.precision)) + " block " +

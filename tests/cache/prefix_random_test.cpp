@@ -18,17 +18,10 @@
 #include <vector>
 
 #include "cache_test_util.h"
+#include "mixkv/core/hash.h"
 
 namespace mixkv::test {
 namespace {
-
-std::uint64_t mix(std::uint64_t x) {
-  x ^= x >> 33;
-  x *= 0xff51afd7ed558ccdULL;
-  x ^= x >> 33;
-  x *= 0xc4ceb9fe1a85ec53ULL;
-  return x ^ (x >> 33);
-}
 
 struct Seq {
   TokenLayout layout;
@@ -78,13 +71,13 @@ class Harness {
   int pick(int n) { return static_cast<int>(rng_() % static_cast<unsigned>(n)); }
 
   std::uint64_t slot_tag(const Seq& s, std::int32_t row, std::int32_t layer) const {
-    return mix(s.prefix[static_cast<std::size_t>(row)] ^ (std::uint64_t(layer) << 56));
+    return mix64(s.prefix[static_cast<std::size_t>(row)] ^ (std::uint64_t(layer) << 56));
   }
   std::uint64_t window_tag(const Seq& s, std::int32_t first_row, std::int32_t layer, Precision p) const {
-    return mix(slot_tag(s, first_row + bs_ - 1, layer) + static_cast<std::uint64_t>(pool_index(p)) + 1);
+    return mix64(slot_tag(s, first_row + bs_ - 1, layer) + static_cast<std::uint64_t>(pool_index(p)) + 1);
   }
   std::uint64_t decode_tag(const Seq& s, std::size_t k, std::int32_t layer) const {
-    return mix(s.decode[k] ^ (std::uint64_t(layer) << 56) ^ 0x77);
+    return mix64(s.decode[k] ^ (std::uint64_t(layer) << 56) ^ 0x77);
   }
 
   // Writes `tag` at a slot or block the sequence alone holds.
@@ -111,14 +104,14 @@ class Harness {
     for (std::int32_t i = 0; i < windows * bs_ + tail; ++i) s.keys.push_back(200000 + 1000 * video + i);
     for (std::int32_t i = 0; i < q; ++i) s.keys.push_back(300000 + 1000 * question + i);
     if (pick(6) == 0) s.keys.resize(static_cast<std::size_t>(pick(s.layout.num_tokens() + 1)));
-    s.salt = mix(static_cast<std::uint64_t>(id) * 7919 + ++created_);
+    s.salt = mix64(static_cast<std::uint64_t>(id) * 7919 + ++created_);
     std::uint64_t h = 0;
     std::int32_t row = 0;
     for (const Segment& seg : s.layout.segments()) {
       for (std::int32_t i = 0; i < seg.length; ++i, ++row) {
         const auto r = static_cast<std::size_t>(row);
-        const std::uint64_t key = r < s.keys.size() ? s.keys[r] : mix(s.salt + r);
-        h = mix(h ^ mix(key + (seg.kind == TokenKind::Visual ? 0x5555 : 0)));
+        const std::uint64_t key = r < s.keys.size() ? s.keys[r] : mix64(s.salt + r);
+        h = mix64(h ^ mix64(key + (seg.kind == TokenKind::Visual ? 0x5555 : 0)));
         s.prefix.push_back(h);
       }
     }
@@ -130,7 +123,7 @@ class Harness {
     PrecisionPlan plan(layers_, layout.num_windows(bs_));
     for (std::int32_t l = 0; l < layers_; ++l) {
       for (std::int32_t w = 0; w < plan.num_windows(); ++w) {
-        const auto code = mix(static_cast<std::uint64_t>(family * 131 + l * 17 + w)) % 3;
+        const auto code = mix64(static_cast<std::uint64_t>(family * 131 + l * 17 + w)) % 3;
         plan.set(l, w, static_cast<Precision>(code));
       }
     }
@@ -206,7 +199,7 @@ class Harness {
     }
     for (std::size_t i = 0; i < ids.size(); ++i) {
       Seq& s = seqs_.at(ids[i]);
-      s.decode.push_back(mix(s.salt + 1000003 * s.decode.size()));
+      s.decode.push_back(mix64(s.salt + 1000003 * s.decode.size()));
       for (std::int32_t l = 0; l < layers_; ++l) {
         write_slot(r.slots[static_cast<std::size_t>(l)][i], decode_tag(s, s.decode.size() - 1, l));
       }
@@ -220,7 +213,7 @@ class Harness {
     const SequenceId child = next_id_++;
     cache_.fork(parent, child);
     Seq s = seqs_.at(parent);
-    s.salt = mix(s.salt + 0x1234567 + static_cast<std::uint64_t>(child));
+    s.salt = mix64(s.salt + 0x1234567 + static_cast<std::uint64_t>(child));
     seqs_[child] = std::move(s);
   }
 

@@ -19,6 +19,7 @@
 
 #include "mixkv/cache/prefix_tables.h"
 #include "mixkv/core/half.h"
+#include "mixkv/core/hash.h"
 #include "mixkv/cpu/decode_attention.h"
 #include "mixkv/cpu/demote.h"
 #include "mixkv/cpu/quantize.h"
@@ -27,15 +28,6 @@
 #include "mixkv/engine/engine.h"
 
 namespace mixkv::test {
-
-inline std::uint64_t mix64(std::uint64_t x) {
-  x ^= x >> 33;
-  x *= 0xff51afd7ed558ccdULL;
-  x ^= x >> 33;
-  x *= 0xc4ceb9fe1a85ec53ULL;
-  x ^= x >> 33;
-  return x;
-}
 
 // A half in [-1, 1) from (request, position, layer, head, channel, what).
 inline Half model_value(RequestId id, std::int64_t pos, std::int32_t layer, std::int32_t head, std::int32_t channel,

@@ -283,7 +283,7 @@ std::vector<std::uint64_t> content_ids(const Request& r) {
   std::size_t row = 0;
   for (const Segment& seg : r.layout.segments()) {
     for (std::int32_t i = 0; i < seg.length; ++i, ++row) {
-      h = test::mix64(h ^ test::mix64(r.token_keys.at(row) + (seg.kind == TokenKind::Visual ? 1 : 0)));
+      h = mix64(h ^ mix64(r.token_keys.at(row) + (seg.kind == TokenKind::Visual ? 1 : 0)));
       ids.push_back(h);
     }
   }

@@ -18,6 +18,7 @@
 
 #include "mixkv/cache/kv_cache_manager.h"
 #include "mixkv/core/errors.h"
+#include "mixkv/core/hash.h"
 
 namespace mixkv::fuzz {
 
@@ -118,14 +119,7 @@ Outcome attempt(const char* what, F&& call) {
 
 using Tag = std::uint64_t;  // 0: never written, or released
 
-inline Tag mix(Tag x) {
-  x ^= x >> 33;
-  x *= 0xff51afd7ed558ccdULL;
-  x ^= x >> 33;
-  x *= 0xc4ceb9fe1a85ec53ULL;
-  x ^= x >> 33;
-  return x | 1;  // never 0
-}
+inline Tag mix(Tag x) { return mix64(x) | 1; }  // never 0
 // The tag a token's K/V row has in `layer`, and the tag of a quantized
 // window whose first token is `first` (one tag per block: a window is
 // stored whole).

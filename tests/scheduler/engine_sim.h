@@ -29,30 +29,22 @@
 #include <vector>
 
 #include "mixkv/core/half.h"
+#include "mixkv/core/hash.h"
 #include "mixkv/engine/cpu_backend.h"
 #include "mixkv/scheduler/scheduler.h"
 
 namespace mixkv::test {
 
-inline std::uint64_t mix(std::uint64_t x) {
-  x ^= x >> 33;
-  x *= 0xff51afd7ed558ccdULL;
-  x ^= x >> 33;
-  x *= 0xc4ceb9fe1a85ec53ULL;
-  x ^= x >> 33;
-  return x;
-}
-
 // A value in [-1, 1) from a key: the same key always gives the same half.
 inline Half value_of(std::uint64_t key) {
-  const double u = static_cast<double>(mix(key) >> 11) / 9007199254740992.0;
+  const double u = static_cast<double>(mix64(key) >> 11) / 9007199254740992.0;
   return float_to_half(static_cast<float>(2.0 * u - 1.0));
 }
 
 inline std::uint64_t key_of(RequestId id, std::int64_t position, std::int32_t layer, std::int32_t head,
                             std::int32_t channel, std::int32_t what) {
-  std::uint64_t k = mix(static_cast<std::uint64_t>(id) * 0x9E3779B97F4A7C15ULL + 17);
-  k = mix(k ^ static_cast<std::uint64_t>(position) * 0xBF58476D1CE4E5B9ULL);
+  std::uint64_t k = mix64(static_cast<std::uint64_t>(id) * 0x9E3779B97F4A7C15ULL + 17);
+  k = mix64(k ^ static_cast<std::uint64_t>(position) * 0xBF58476D1CE4E5B9ULL);
   return k ^ (static_cast<std::uint64_t>(layer) << 40) ^ (static_cast<std::uint64_t>(head) << 32) ^
          (static_cast<std::uint64_t>(channel) << 8) ^ static_cast<std::uint64_t>(what);
 }
