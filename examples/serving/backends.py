@@ -159,23 +159,12 @@ def make_backend(
     if key in FLASHINFER_PLANS:
         kv_dtype = torch.float8_e4m3fn if key == "flashinfer-fp8" else torch.float16
         if attention == "torch":
-            from paged import PagedKVBackend
-
-            return PagedKVBackend(
-                config,
-                budget_bytes,
-                device,
-                kv_dtype,
-                page_size,
-                max_num_seqs,
-                max_num_batched_tokens,
-                max_tokens_per_request,
-            )
-        if attention != "flashinfer":
+            from paged import PagedKVBackend as Paged
+        elif attention == "flashinfer":
+            from flashinfer_backend import FlashInferBackend as Paged
+        else:
             raise ValueError(f"attention = {attention!r}: expected 'flashinfer' or 'torch'")
-        from flashinfer_backend import FlashInferBackend
-
-        return FlashInferBackend(
+        return Paged(
             config,
             budget_bytes,
             device,

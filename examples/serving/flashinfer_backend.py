@@ -84,31 +84,13 @@ def unbuilt_modules(kv_names) -> list:
 class FlashInferBackend(PagedKVBackend):
     name = "flashinfer"
 
-    def __init__(
-        self,
-        config,
-        budget_bytes: int,
-        device,
-        kv_dtype=torch.float16,
-        page_size: int = 16,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 8192,
-        max_tokens_per_request: int = 8192,
-    ):
+    def __init__(self, config, budget_bytes: int, device, *args, **kwargs):
+        """PagedKVBackend's arguments; the device must be a CUDA one."""
         import flashinfer
 
         if torch.device(device).type != "cuda":
             raise ValueError(f"device {device}: FlashInfer needs a CUDA device")
-        super().__init__(
-            config,
-            budget_bytes,
-            device,
-            kv_dtype,
-            page_size,
-            max_num_seqs,
-            max_num_batched_tokens,
-            max_tokens_per_request,
-        )
+        super().__init__(config, budget_bytes, device, *args, **kwargs)
         # A float workspace each (128 MiB, FlashInfer's recommendation): a wrapper's split-KV partials live there.
         self.workspaces = [torch.zeros(128 << 20, dtype=torch.uint8, device=self.device) for _ in range(2)]
         self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspaces[0], "NHD", backend="fa2")
