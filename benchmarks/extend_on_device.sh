@@ -50,10 +50,6 @@ export PATH=/usr/local/cuda/bin:$PATH
 [ -d /usr/local/cuda ] && export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-/tmp/fi-ws}
 export PYTHONUNBUFFERED=1
-# FlashInfer's JIT compiles against the DLPack header apache-tvm-ffi ships;
-# an include path inherited from the caller (CPATH pointing at an older
-# dlpack.h for mixkv's bindings) would shadow it.
-FI_ENV="env -u CPATH -u CPLUS_INCLUDE_PATH -u C_INCLUDE_PATH"
 T0=$(date +%s)
 elapsed() { echo $(($(date +%s) - T0)); }
 stage() { echo "== [$(elapsed) s] $*"; }
@@ -79,7 +75,7 @@ fi
 if [ "$FI" = 1 ]; then
   stage "FlashInfer JIT build in the background (log: flashinfer_jit.log)"
   # --compile-only makes itself a process-group leader, so that a deadline ends ninja and nvcc with it.
-  $FI_ENV python3 benchmarks/flashinfer_prefill_bench.py --compile-only --variants "$FI_VARIANTS" \
+  python3 benchmarks/flashinfer_prefill_bench.py --compile-only --variants "$FI_VARIANTS" \
     >"$OUT/flashinfer_jit.log" 2>&1 &
   FI_PID=$!
 fi
@@ -131,7 +127,7 @@ if [ "$MIXKV" = 1 ]; then
 fi
 if [ "$FI" = 1 ]; then
   stage "flashinfer_prefill_bench.py"
-  timeout "$FI_TIMEOUT" $FI_ENV python3 benchmarks/flashinfer_prefill_bench.py --out "$OUT/flashinfer_prefill_bench.json" \
+  timeout "$FI_TIMEOUT" python3 benchmarks/flashinfer_prefill_bench.py --out "$OUT/flashinfer_prefill_bench.json" \
     --reps "$REPS" --flush "$FLUSH" --variants "$FI_VARIANTS" --page-sizes "$PAGES" --layouts "$LAYOUTS" \
     --require-built $QUICK 2>&1 | grep -v "^\s*warnings.warn\|UserWarning" | tee "$OUT/flashinfer.log"
   echo "flashinfer_prefill_bench: rc=${PIPESTATUS[0]} at $(elapsed) s"
