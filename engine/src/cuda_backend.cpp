@@ -5,8 +5,11 @@
 // two steps back).
 #include <cuda_runtime_api.h>
 
+#include <boost/unordered/unordered_flat_set.hpp>
+
 #include <algorithm>
 #include <array>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <string>
@@ -195,7 +198,7 @@ class CudaBackend final : public Backend {
   }
 
  protected:
-  void apply_step(const StepOutput& step, const Scheduler*) override {
+  void apply_step(const StepOutput& step, const Scheduler* scheduler) override {
     constexpr const char* fn = "CudaBackend::apply";
     const DeviceGuard guard(device_);
     status_.raise_if_set(stream_);
@@ -267,7 +270,7 @@ class CudaBackend final : public Backend {
     }
     // Page tables of the batch (only entries that changed are uploaded),
     // the decode plan, and every layer's prefill mapping.
-    for (std::size_t i = 0; i < batch; ++i) tables_.sync(step.decode_slots[i], manager_.page_table(step.decodes[i]));
+    sync_tables(step, scheduler != nullptr);
     tables_.upload(stream_);
     if (batch > 0 && inputs_.decode_indptr.empty()) plan_.plan(step.decode_slots, stream_);
     if (batch > 0 && !inputs_.decode_indptr.empty()) {
@@ -317,6 +320,40 @@ class CudaBackend final : public Backend {
                                   ": expected <= max_blocks_per_sequence = " + std::to_string(bound));
           }
         }
+      }
+    }
+  }
+
+  // The device page tables of the decode batch. A scheduler's step lists
+  // every table that changed other than at its FP16 end (tables_changed),
+  // so a decode still synced from its slot's last refresh only has its
+  // FP16 tails compared (DevicePageTables::sync_tail): the host cost of a
+  // step then grows with the batch, not with the tokens it holds. Without a
+  // scheduler a harness may have edited any list, so every table is
+  // compared whole.
+  void sync_tables(const StepOutput& step, bool from_scheduler) {
+    if (synced_.size() != static_cast<std::size_t>(config_.max_num_seqs)) {
+      synced_.assign(static_cast<std::size_t>(config_.max_num_seqs), kNoRequest);
+    }
+    if (from_scheduler) {
+      for (const RequestId id : step.tables_changed) stale_.insert(id);
+      for (const FinishedRequest& f : step.finished) stale_.erase(f.id);
+    }
+    const bool drafts = !step.decode_rows.empty();
+    for (std::size_t i = 0; i < step.decodes.size(); ++i) {
+      const RequestId id = step.decodes[i];
+      const std::int32_t slot = step.decode_slots[i];
+      RequestId& owner = synced_[static_cast<std::size_t>(slot)];
+      const PageTable& table = manager_.page_table(id);
+      const bool current = from_scheduler && owner == id && !stale_.contains(id);
+      if (!current || !tables_.sync_tail(slot, table)) tables_.sync(slot, table);
+      owner = from_scheduler ? id : kNoRequest;
+      // accept() truncates a verified sequence's drafts and the next step
+      // may append other blocks in their place: its next sync is whole.
+      if (drafts) {
+        stale_.insert(id);
+      } else {
+        stale_.erase(id);
       }
     }
   }
@@ -416,6 +453,12 @@ class CudaBackend final : public Backend {
   std::optional<gpu::PinnedSwapBuffer> swap_;
   gpu::DevicePools host_pools_{};
   gpu::DevicePageTables tables_;
+  // [slot]: the request tables_ last synced that slot from (kNoRequest when
+  // unknown), and requests whose tables changed since then other than at
+  // their FP16 end (sync_tables).
+  static constexpr RequestId kNoRequest = std::numeric_limits<RequestId>::min();
+  std::vector<RequestId> synced_;
+  boost::unordered_flat_set<RequestId> stale_;
   gpu::DecodePlan plan_;
   // Extend attention, made on first use: prefill() through the cache
   // (prefix_tables_ hold the page lists before each chunk) and decodes

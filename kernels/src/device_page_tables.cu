@@ -64,10 +64,12 @@ struct DevicePageTables::Impl {
 
   // blocks[j] of a (layer, pool) list against the pool's bound; `what()`
   // names the list, built only on failure (this runs on every sync).
+  // Entries before `first` are not read (they are known to be valid).
   template <typename Name>
-  void check_ids(std::string_view fn, Name&& what, int pool, std::span<const std::int32_t> blocks) const {
+  void check_ids(std::string_view fn, Name&& what, int pool, std::span<const std::int32_t> blocks,
+                 std::size_t first = 0) const {
     const std::int32_t bound = config.pool_blocks[pool];
-    for (std::size_t j = 0; j < blocks.size(); ++j) {
+    for (std::size_t j = first; j < blocks.size(); ++j) {
       if (blocks[j] < 0 || blocks[j] >= bound) {
         throw IndexOutOfRange(std::string(fn) + ": " + what() + "[" + std::to_string(j) +
                               "] = " + std::to_string(blocks[j]) + ": expected a block id in [0, " +
@@ -75,6 +77,28 @@ struct DevicePageTables::Impl {
                               ") of the " + std::string(to_string(kAllPrecisions[pool])) + " pool (pool_blocks)");
       }
     }
+  }
+
+  // A sequence's page table for `slot`: its layer count, and the length
+  // and ids (from entry `first` on) of its (layer, p) list.
+  void check_table(std::string_view fn, int slot, const PageTable& table) const {
+    check_slot_layer(fn, slot, 0);
+    detail::require(table.num_layers() == config.num_layers, [&] {
+      return std::string(fn) + ": table.num_layers() = " + std::to_string(table.num_layers()) +
+             ": expected num_layers = " + std::to_string(config.num_layers);
+    });
+  }
+  void check_table_list(std::string_view fn, const PageTable& table, int layer, Precision p,
+                        std::size_t first = 0) const {
+    const auto list = table.blocks(layer, p);
+    detail::require(list.size() <= static_cast<std::size_t>(config.max_blocks_per_sequence), [&] {
+      return std::string(fn) + ": table layer " + std::to_string(layer) + " holds " + std::to_string(list.size()) +
+             " " + std::string(to_string(p)) +
+             " blocks: expected <= max_blocks_per_sequence = " + std::to_string(config.max_blocks_per_sequence);
+    });
+    check_ids(
+        fn, [&] { return "table.blocks(" + std::to_string(layer) + ", " + std::string(to_string(p)) + ")"; },
+        pool_index(p), list, first);
   }
 
   void check_slot_layer(std::string_view fn, int slot, int layer) const {
@@ -98,6 +122,13 @@ void check_pool_blocks(std::string_view fn, const std::array<std::int32_t, kNumP
              "] = " + std::to_string(pool_blocks[p]) + ": expected > 0 (the pool's blocks in the arena)";
     });
   }
+}
+
+// First FP16 entry sync_tail compares: the last block both lists hold may
+// have been copied on write; entries before it are unchanged by appends.
+std::size_t tail_start(std::int32_t mirrored, std::size_t now) {
+  const std::size_t common = std::min(static_cast<std::size_t>(mirrored), now);
+  return common == 0 ? 0 : common - 1;
 }
 
 PageTableConfig bound_by(PageTableConfig config, const PoolLayout& arena) {
@@ -196,24 +227,10 @@ void DevicePageTables::set_blocks(std::int32_t slot, std::int32_t layer, Precisi
 void DevicePageTables::sync(std::int32_t slot, const PageTable& table) {
   constexpr std::string_view fn = "DevicePageTables::sync";
   Impl& s = *impl_;
-  s.check_slot_layer(fn, slot, 0);
-  detail::require(table.num_layers() == s.config.num_layers, [&] {
-    return std::string(fn) + ": table.num_layers() = " + std::to_string(table.num_layers()) +
-           ": expected num_layers = " + std::to_string(s.config.num_layers);
-  });
+  s.check_table(fn, slot, table);
   // Validate every list first so that a throw changes nothing.
   for (std::int32_t layer = 0; layer < s.config.num_layers; ++layer) {
-    for (Precision p : kAllPrecisions) {
-      const auto list = table.blocks(layer, p);
-      detail::require(list.size() <= static_cast<std::size_t>(s.config.max_blocks_per_sequence), [&] {
-        return std::string(fn) + ": table layer " + std::to_string(layer) + " holds " + std::to_string(list.size()) +
-               " " + std::string(to_string(p)) +
-               " blocks: expected <= max_blocks_per_sequence = " + std::to_string(s.config.max_blocks_per_sequence);
-      });
-      s.check_ids(
-          fn, [&] { return "table.blocks(" + std::to_string(layer) + ", " + std::string(to_string(p)) + ")"; },
-          pool_index(p), list);
-    }
+    for (Precision p : kAllPrecisions) s.check_table_list(fn, table, layer, p);
   }
   for (std::int32_t layer = 0; layer < s.config.num_layers; ++layer) {
     for (Precision p : kAllPrecisions) {
@@ -222,6 +239,33 @@ void DevicePageTables::sync(std::int32_t slot, const PageTable& table) {
       set_blocks(slot, layer, p, list, fill);
     }
   }
+}
+
+bool DevicePageTables::sync_tail(std::int32_t slot, const PageTable& table) {
+  constexpr std::string_view fn = "DevicePageTables::sync_tail";
+  Impl& s = *impl_;
+  s.check_table(fn, slot, table);
+  const int fp16 = pool_index(Precision::FP16);
+  // Validate every layer first so that a throw or a refusal changes nothing.
+  for (std::int32_t layer = 0; layer < s.config.num_layers; ++layer) {
+    for (const Precision p : {Precision::INT4, Precision::INT2}) {
+      if (table.blocks(layer, p).size() != static_cast<std::size_t>(s.mirror[s.count_at(slot, layer, pool_index(p))])) {
+        return false;
+      }
+    }
+    const std::size_t start =
+        tail_start(s.mirror[s.count_at(slot, layer, fp16)], table.blocks(layer, Precision::FP16).size());
+    s.check_table_list(fn, table, layer, Precision::FP16, start);
+  }
+  for (std::int32_t layer = 0; layer < s.config.num_layers; ++layer) {
+    const auto list = table.blocks(layer, Precision::FP16);
+    const std::size_t start = tail_start(s.mirror[s.count_at(slot, layer, fp16)], list.size());
+    const std::size_t row = s.table_at(slot, layer, fp16);
+    for (std::size_t j = start; j < list.size(); ++j) s.write(row + j, list[j]);
+    s.write(s.count_at(slot, layer, fp16), static_cast<std::int32_t>(list.size()));
+    s.write(s.fill_at(slot, layer), list.empty() ? 0 : table.fp16_tail_fill(layer));
+  }
+  return true;
 }
 
 void DevicePageTables::clear(std::int32_t slot) {

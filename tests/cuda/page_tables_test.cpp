@@ -136,5 +136,97 @@ TEST(DevicePageTablesCuda, BlockIdsOutsideTheArenaAreRejected) {
   expect_context_usable("rejected page-table edits");
 }
 
+// Every list, count and fill of `slot` in two mirrors.
+void expect_same_slot(const gpu::DevicePageTables& a, const gpu::DevicePageTables& b, std::int32_t slot,
+                      std::int32_t layers) {
+  for (std::int32_t l = 0; l < layers; ++l) {
+    for (const Precision p : kAllPrecisions) {
+      const auto x = a.blocks(slot, l, p);
+      const auto y = b.blocks(slot, l, p);
+      EXPECT_EQ(std::vector<std::int32_t>(x.begin(), x.end()), std::vector<std::int32_t>(y.begin(), y.end()))
+          << "slot " << slot << " layer " << l << " " << to_string(p);
+    }
+    EXPECT_EQ(a.fp16_fill(slot, l), b.fp16_fill(slot, l)) << "slot " << slot << " layer " << l;
+  }
+}
+
+// sync_tail after appends (one or several tokens, across block boundaries),
+// copy-on-write of forked tails and truncation of what was appended since
+// the last sync gives the mirror sync() gives; after a demotion it refuses
+// and changes nothing. Both mirrors are uploaded and the device copies
+// compared too.
+TEST(DevicePageTablesCuda, TailSyncEqualsAWholeSyncUnderAppends) {
+  MIXKV_REQUIRE_CUDA();
+  CacheConfig c;
+  constexpr std::int32_t kLayers = 3;
+  constexpr std::int32_t kBlock = 16;
+  c.shape = CacheShape{kLayers, 1, 64, kBlock};
+  c.slab_bytes = std::size_t{1} << 16;
+  c.arena_bytes = c.slab_bytes * 64;
+  KVCacheManager manager(c);
+  gpu::DevicePageTables tail({kLayers, 4, 64}, manager.arena_layout());
+  gpu::DevicePageTables whole({kLayers, 4, 64}, manager.arena_layout());
+  // Sequence 0: two visual windows and text, window 1 INT4 in layer 1;
+  // sequence 1: text only.
+  PrecisionPlan plan(kLayers, 2);
+  plan.set(1, 1, Precision::INT4);
+  manager.add_sequence(0, TokenLayout({{TokenKind::Visual, 2 * kBlock}, {TokenKind::Text, 5}}), plan);
+  manager.add_sequence(1, TokenLayout({{TokenKind::Text, 40}}), PrecisionPlan(kLayers, 0));
+  std::vector<SequenceId> live = {0, 1};
+  auto sync_both = [&](std::size_t slot, SequenceId id, bool expect_tail) {
+    const PageTable& t = manager.page_table(id);
+    const auto s = static_cast<std::int32_t>(slot);
+    EXPECT_EQ(tail.sync_tail(s, t), expect_tail) << "slot " << slot;
+    if (!expect_tail) tail.sync(s, t);
+    whole.sync(s, t);
+    expect_same_slot(tail, whole, s, kLayers);
+  };
+  for (std::size_t i = 0; i < live.size(); ++i) sync_both(i, live[i], live[i] == 1);  // 0 holds INT4 blocks
+
+  std::uint64_t state = 7;
+  auto next = [&](std::uint64_t n) {
+    state = state * 6364136223846793005ULL + 1442695040888963407ULL;
+    return (state >> 33) % n;
+  };
+  for (int round = 0; round < 100; ++round) {
+    SCOPED_TRACE("round " + std::to_string(round));
+    if (round == 40) {
+      // A fork shares the tail; the parent's next append copies it.
+      manager.fork(1, 2);
+      live.push_back(2);
+      sync_both(2, 2, true);
+    }
+    std::vector<std::int32_t> counts(live.size());
+    for (auto& n : counts) n = 1 + static_cast<std::int32_t>(next(3) == 0 ? next(20) : 0);
+    manager.append_tokens(std::span<const SequenceId>(live), std::span<const std::int32_t>(counts));
+    if (next(4) == 0) {
+      // Drafts rejected: back to a shorter length within what was appended.
+      const std::size_t k = next(live.size());
+      manager.truncate(live[k], manager.num_tokens(live[k]) - 1 - static_cast<std::int32_t>(next(counts[k])));
+    }
+    for (std::size_t i = 0; i < live.size(); ++i) sync_both(i, live[i], true);
+  }
+  // A demotion moves a window out of the FP16 list: sync_tail refuses.
+  const std::size_t before = tail.pending_updates();
+  manager.demote(std::vector<Demotion>{{0, 0, 1, Precision::INT2}});
+  EXPECT_FALSE(tail.sync_tail(0, manager.page_table(0)));
+  EXPECT_EQ(tail.pending_updates(), before);
+  tail.sync(0, manager.page_table(0));
+  whole.sync(0, manager.page_table(0));
+  expect_same_slot(tail, whole, 0, kLayers);
+
+  tail.upload(nullptr);
+  whole.upload(nullptr);
+  const gpu::DeviceTablesView a = tail.device_view();
+  const gpu::DeviceTablesView b = whole.device_view();
+  const std::size_t entries = static_cast<std::size_t>(kLayers) * kNumPrecisions * 4 * 64 +
+                              static_cast<std::size_t>(kLayers) * kNumPrecisions * 4 + kLayers * 4;
+  std::vector<std::int32_t> x(entries), y(entries);
+  cuda_ok(cudaDeviceSynchronize(), "sync");
+  cuda_ok(cudaMemcpy(x.data(), a.blocks, entries * sizeof(std::int32_t), cudaMemcpyDeviceToHost), "D2H");
+  cuda_ok(cudaMemcpy(y.data(), b.blocks, entries * sizeof(std::int32_t), cudaMemcpyDeviceToHost), "D2H");
+  EXPECT_EQ(x, y);
+}
+
 }  // namespace
 }  // namespace mixkv::test

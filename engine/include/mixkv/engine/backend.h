@@ -62,7 +62,11 @@ class Backend {
   // (SchedulerConfig's build_metadata, build_mappings, per_layer_slots) and
   // from the manager's page tables otherwise, which is why the scheduler
   // itself is not read: the overload without one serves harnesses that
-  // drive the manager and assemble steps themselves.
+  // drive the manager and assemble steps themselves. With the scheduler, a
+  // decode's device page table is read whole only when it is new to its
+  // slot, listed in step.tables_changed or verified drafts last step, and
+  // at its FP16 end otherwise (O(layers) a sequence); without one, every
+  // decode's table is read whole.
   void apply(const StepOutput& step, const Scheduler& scheduler) { apply_step(step, &scheduler); }
   void apply(const StepOutput& step) { apply_step(step, nullptr); }
 

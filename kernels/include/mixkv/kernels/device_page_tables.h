@@ -87,6 +87,14 @@ class DevicePageTables {
   // IndexOutOfRange for a block id outside the pool's bound; every list is
   // checked first, so nothing changes then.
   void sync(std::int32_t slot, const PageTable& table);
+  // The same for a table that changed only at the end of its FP16 lists
+  // since `slot` was last synced from it (tokens appended, the tail block
+  // copied on write, blocks appended since truncated): each layer's FP16
+  // list is compared from its last mirrored block on, so a decode step
+  // costs O(num_layers) a sequence, not O(blocks). Returns false, changing
+  // nothing, when a quantized list's length differs from the mirror (the
+  // table changed otherwise: call sync()); throws as sync() does.
+  bool sync_tail(std::int32_t slot, const PageTable& table);
   // Empties every list of `slot` (a finished sequence).
   void clear(std::int32_t slot);
 
