@@ -202,6 +202,10 @@ class Engine:
         )
         if planner is not None:
             config.scheduler.planner = planner
+        # No step of this class hands out decode metadata: the CUDA backend reads its device page tables and
+        # the CPU backend builds the batch's own, so the scheduler's CSR copy of every held block would cost
+        # O(blocks) a step for nothing.
+        config.scheduler.build_metadata = False
         self._core = _engine.Engine(config)
         self._kind = kind
         self._device = device
