@@ -25,19 +25,20 @@ def _fmt(x, spec):
 
 def table(result) -> list[str]:
     lines = [
-        "| budget | plan | requests | output tok/s | decode tok/s | decode step p50 / p99 (ms) | decode batch max "
-        "(mean) | KV peak (GiB) | preemptions |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| budget | plan | requests | output tok/s | decode tok/s | decode step p50 / p99 (ms) | of it step() p50 "
+        "(ms) | decode batch max (mean) | KV peak (GiB) | preemptions |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in result["runs"]:
         if "error" in r:
-            lines.append(f"| {r['budget_gib']:g} GiB | {r['name']} | {r['error']} ||||||")
+            lines.append(f"| {r['budget_gib']:g} GiB | {r['name']} | {r['error']} |||||||")
             continue
         cut = "" if r["complete"] else " (cut short)"
         lines.append(
             f"| {r['budget_gib']:g} GiB | {r['name']} | {r['requests']}{cut} | {_fmt(r['output_tok_s'], ',.0f')} | "
             f"{_fmt(r['decode_tok_s'], ',.0f')} | {_fmt(r['decode_step_ms_p50'], '.2f')} / "
-            f"{_fmt(r['decode_step_ms_p99'], '.2f')} | {r['decode_batch_max']} ({r['decode_batch_mean']:.0f}) | "
+            f"{_fmt(r['decode_step_ms_p99'], '.2f')} | {_fmt(r.get('decode_schedule_ms_p50'), '.2f')} | "
+            f"{r['decode_batch_max']} ({r['decode_batch_mean']:.0f}) | "
             f"{r['kv_bytes_peak'] / 2**30:.2f} | {r.get('preemptions', 0)} |"
         )
     return lines

@@ -396,7 +396,8 @@ class Bench:
                     self.log(
                         f"{budget:g} GiB {ALL_PLANS[key]:24s} {e['requests']:5d} req  out {e['output_tok_s']:9.0f} "
                         f"tok/s  decode {e['decode_tok_s'] or 0:9.0f} tok/s  step p50 {e['decode_step_ms_p50'] or 0:6.2f} "
-                        f"p99 {e['decode_step_ms_p99'] or 0:6.2f} ms  batch {e['decode_batch_max']:5d}  KV peak "
+                        f"p99 {e['decode_step_ms_p99'] or 0:6.2f} ms  step() p50 {e.get('decode_schedule_ms_p50') or 0:5.2f} "
+                        f"ms  batch {e['decode_batch_max']:5d}  KV peak "
                         f"{e['kv_bytes_peak'] / 2**30:5.2f} GiB  preempt {e.get('preemptions', 0)}"
                         + ("" if e["complete"] else "  (cut short)")
                     )

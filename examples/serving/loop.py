@@ -14,7 +14,9 @@ its next token, as in mixkv.Engine.
 
 What is recorded: every step's kind (decode-only or with prompt rows),
 rows, decode batch and wall time (from step() to the sampled tokens on the
-host), the KV bytes in use, and per request its tokens and log-probs.
+host), the KV bytes in use, the host time of backend.step() alone (the
+scheduler and the enqueueing of its memory moves), and per request its
+tokens and log-probs.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ def _sync(device):
 
 
 class ServeResult(dict):
-    """tokens, logprobs (by request id), steps ([kind, rows, batch, seconds, used_bytes]), wall seconds..."""
+    """tokens, logprobs (by request id), steps ([kind, rows, batch, seconds, used_bytes, step_seconds]), wall
+    seconds..."""
 
 
 def serve(
@@ -96,6 +99,7 @@ def serve(
             break
         t0 = time.perf_counter()
         step = backend.step()
+        t_scheduled = time.perf_counter()
         for f in step.finished:
             finished[f.request_id] = len(tokens[f.request_id])
         for r in step.rejected:
@@ -150,7 +154,7 @@ def serve(
         for i, rid in enumerate(samplers):
             take(rid, best[i], None if lps is None else lps[i])
         seconds = time.perf_counter() - t0
-        steps.append((kind, num_prefill, len(decodes), seconds, backend.used_bytes()))
+        steps.append((kind, num_prefill, len(decodes), seconds, backend.used_bytes(), t_scheduled - t0))
         if check:
             backend.check()
         if progress is not None:
@@ -174,6 +178,7 @@ def summarize(result: ServeResult, requests) -> dict:
     dec = [s for s in steps if s[0] == "decode"]
     dec_times = np.asarray([s[3] for s in dec]) if dec else np.zeros(0)
     dec_batches = np.asarray([s[2] for s in dec]) if dec else np.zeros(0)
+    dec_sched = np.asarray([s[5] for s in dec]) if dec else np.zeros(0)
     out_tokens = sum(len(t) for t in result["tokens"].values())
     prompt_tokens = sum(r.prompt.num_tokens for r in requests)
     all_batches = [s[2] for s in steps]
@@ -198,6 +203,9 @@ def summarize(result: ServeResult, requests) -> dict:
         "decode_tok_s": float(dec_batches.sum() / dec_times.sum()) if len(dec) and dec_times.sum() > 0 else None,
         "decode_step_ms_p50": pct(dec_times, 50),
         "decode_step_ms_p99": pct(dec_times, 99),
+        # Of a decode step, the host time of backend.step() (scheduling, page tables, plan).
+        "decode_schedule_ms_p50": pct(dec_sched, 50),
+        "decode_schedule_ms_p99": pct(dec_sched, 99),
         "decode_batch_max": int(dec_batches.max()) if len(dec) else 0,
         "decode_batch_mean": float(dec_batches.mean()) if len(dec) else 0.0,
         "batch_max": int(max(all_batches)) if all_batches else 0,
