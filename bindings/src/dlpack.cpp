@@ -216,9 +216,52 @@ void BorrowedArray::release() noexcept {
   owner_ = py::object();
 }
 
+// Takes the DLManagedTensor of an unused "dltensor" capsule into `out`
+// (renaming the capsule, so that from here on out's destructor runs the
+// deleter) and checks it against `expect`.
+void take_capsule(py::handle capsule, std::string_view fn, std::string_view arg, const ArrayExpect& expect,
+                  BorrowedArray& out) {
+  auto* managed = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(capsule.ptr(), "dltensor"));
+  if (managed == nullptr) throw py::error_already_set();
+  if (PyCapsule_SetName(capsule.ptr(), "used_dltensor") != 0) throw py::error_already_set();
+  out.managed_ = managed;
+  out.protocol_ = "dlpack";
+  const DLTensor& t = managed->dl_tensor;
+  TensorView& v = out.view_;
+  string type_name;
+  if (!dl_dtype(t.dtype, v.dtype, type_name)) fail(fn, arg, expected_text(expect) + ", got " + type_name);
+  if (t.device.device_type == kDLCPU || t.device.device_type == kDLCUDAHost) {
+    v.device = DeviceKind::CPU;
+    v.device_id = 0;
+  } else if (t.device.device_type == kDLCUDA) {
+    v.device = DeviceKind::CUDA;
+    v.device_id = t.device.device_id;
+  } else {
+    fail(fn, arg,
+         expected_text(expect) + ", got an array on DLPack device type " +
+             std::to_string(static_cast<int>(t.device.device_type)));
+  }
+  if (t.ndim < 0) fail(fn, arg, "got a DLPack tensor of " + std::to_string(t.ndim) + " dimensions");
+  const std::span<const std::int64_t> shape(t.shape, static_cast<std::size_t>(t.ndim));
+  set_shape(fn, arg, expect, v, shape);
+  v.data = static_cast<char*>(t.data) + t.byte_offset;
+  check_view(fn, arg, expect, v, shape, t.strides);
+}
+
 BorrowedArray borrow_array(py::handle obj, std::string_view fn, std::string_view arg, const ArrayExpect& expect) {
   BorrowedArray out;
   string refused;  // why a protocol the object offers refused to export it
+
+  // 0. A DLPack capsule itself (torch.utils.dlpack.to_dlpack's): its
+  // producer has ordered its writes for the consumer's stream already.
+  if (PyCapsule_CheckExact(obj.ptr())) {
+    if (!PyCapsule_IsValid(obj.ptr(), "dltensor")) {
+      fail(fn, arg,
+           expected_text(expect) + ", got a used or foreign capsule (a \"dltensor\" DLPack capsule is taken once)");
+    }
+    take_capsule(obj, fn, arg, expect, out);
+    return out;
+  }
 
   // 1. DLPack.
   if (py::hasattr(obj, "__dlpack__")) {
@@ -247,31 +290,7 @@ BorrowedArray borrow_array(py::handle obj, std::string_view fn, std::string_view
       if (!PyCapsule_IsValid(capsule.ptr(), "dltensor")) {
         fail(fn, arg, "__dlpack__() of " + object_type_name(obj) + " returned no unused \"dltensor\" capsule");
       }
-      auto* managed = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(capsule.ptr(), "dltensor"));
-      if (managed == nullptr) throw py::error_already_set();
-      if (PyCapsule_SetName(capsule.ptr(), "used_dltensor") != 0) throw py::error_already_set();
-      out.managed_ = managed;  // from here on out's destructor runs the deleter
-      out.protocol_ = "dlpack";
-      const DLTensor& t = managed->dl_tensor;
-      TensorView& v = out.view_;
-      string type_name;
-      if (!dl_dtype(t.dtype, v.dtype, type_name)) fail(fn, arg, expected_text(expect) + ", got " + type_name);
-      if (t.device.device_type == kDLCPU || t.device.device_type == kDLCUDAHost) {
-        v.device = DeviceKind::CPU;
-        v.device_id = 0;
-      } else if (t.device.device_type == kDLCUDA) {
-        v.device = DeviceKind::CUDA;
-        v.device_id = t.device.device_id;
-      } else {
-        fail(fn, arg,
-             expected_text(expect) + ", got an array on DLPack device type " +
-                 std::to_string(static_cast<int>(t.device.device_type)));
-      }
-      if (t.ndim < 0) fail(fn, arg, "got a DLPack tensor of " + std::to_string(t.ndim) + " dimensions");
-      const std::span<const std::int64_t> shape(t.shape, static_cast<std::size_t>(t.ndim));
-      set_shape(fn, arg, expect, v, shape);
-      v.data = static_cast<char*>(t.data) + t.byte_offset;
-      check_view(fn, arg, expect, v, shape, t.strides);
+      take_capsule(capsule, fn, arg, expect, out);
       return out;
     }
   }

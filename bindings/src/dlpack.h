@@ -1,7 +1,9 @@
 #pragma once
 // Arrays of any Python array library as TensorViews, without copies. In
-// order of preference: DLPack (__dlpack__: NumPy >= 1.22, torch on CPU and
-// CUDA, CuPy, JAX), __cuda_array_interface__ (Numba and older CuPy), the
+// order of preference: a DLPack capsule itself ("dltensor", as
+// torch.utils.dlpack.to_dlpack makes it, its producer's writes already
+// ordered for the call's stream), DLPack (__dlpack__: NumPy >= 1.22, torch
+// on CPU and CUDA, CuPy, JAX), __cuda_array_interface__ (Numba and older CuPy), the
 // buffer protocol (NumPy arrays DLPack refuses, such as read-only ones,
 // memoryview, array.array). Every check names the function and the argument
 // and throws InvalidArgument (Python ValueError):
@@ -53,6 +55,7 @@ class BorrowedArray {
 
  private:
   friend BorrowedArray borrow_array(py::handle, std::string_view, std::string_view, const ArrayExpect&);
+  friend void take_capsule(py::handle, std::string_view, std::string_view, const ArrayExpect&, BorrowedArray&);
   void release() noexcept;
 
   TensorView view_;

@@ -138,6 +138,67 @@ def test_torch_cpu_tensors():
         info(torch.zeros(3, requires_grad=True))
 
 
+def test_dlpack_capsules_are_taken_once():
+    """A "dltensor" capsule itself (torch.utils.dlpack.to_dlpack's) crosses as the array; a capsule
+    already taken, or of another name, is refused naming the argument, and nothing is kept."""
+    torch = torch_or_skip()
+    from torch.utils.dlpack import to_dlpack
+
+    t = torch.arange(24, dtype=torch.float16).reshape(2, 3, 4)
+    capsule = to_dlpack(t)
+    got = info(capsule)
+    assert got == {"protocol": "dlpack", "dtype": "float16", "device": "cpu", "shape": (2, 3, 4), "data": t.data_ptr()}
+    with pytest.raises(mixkv.InvalidArgument, match=r"tensor_info: array: .*used or foreign capsule"):
+        info(capsule)
+    with pytest.raises(mixkv.InvalidArgument, match=r"tensor_info: array: .*got float64"):
+        info(to_dlpack(torch.zeros(3, dtype=torch.float64)))
+    with pytest.raises(mixkv.InvalidArgument, match=r"non-contiguous"):
+        info(to_dlpack(t[:, :, ::2]))
+
+
+def test_engine_takes_torch_tensors_as_capsules_with_the_same_result():
+    """Engine calls on torch's current stream hand plain tensors over as capsules: the outputs equal
+    those of NumPy arrays, a tensor that needs a gradient still goes through the protocol (and is
+    refused there), and the tensors stay alive and unchanged in reference count."""
+    import sys
+
+    torch = torch_or_skip()
+    shape = mixkv.CacheShape(2, 2, 64, 16)
+
+    def run(as_torch):
+        engine = mixkv.Engine(mixkv.CacheConfig(shape, arena_bytes=8 << 20), num_q_heads=4, backend="cpu")
+        engine.add_request("r", 20, max_new_tokens=3)
+        rng = np.random.default_rng(1)
+        outs = []
+        while engine.has_unfinished():
+            step = engine.step()
+            for layer in range(2):
+                if step.prefill_rows:
+                    n = step.prefill_rows
+                    q, k, v = (rng.standard_normal((n, h, 64)).astype(np.float16) for h in (4, 2, 2))
+                    args = [torch.from_numpy(a) for a in (q, k, v)] if as_torch else [q, k, v]
+                    outs.append(np.asarray(engine.prefill(layer, *args)))
+                if step.decodes:
+                    q, k, v = (rng.standard_normal((1, h, 64)).astype(np.float16) for h in (4, 2, 2))
+                    args = [torch.from_numpy(a) for a in (q, k, v)] if as_torch else [q, k, v]
+                    before = [sys.getrefcount(a) for a in args]
+                    outs.append(np.asarray(engine.attend(layer, *args)))
+                    assert [sys.getrefcount(a) for a in args] == before
+        return outs, engine
+
+    with_torch, engine = run(True)
+    with_numpy, _ = run(False)
+    assert len(with_torch) == len(with_numpy) > 0
+    for a, b in zip(with_torch, with_numpy):
+        np.testing.assert_array_equal(a, b)
+    engine.add_request("g", 4, max_new_tokens=1)
+    step = engine.step()
+    assert step.prefill_rows == 4
+    k = torch.zeros(4, 2, 64, dtype=torch.float16, requires_grad=True)
+    with pytest.raises(mixkv.InvalidArgument, match=r"Engine.store: k: .*(grad|gradient)"):
+        engine.store(0, k, k.detach())
+
+
 def test_torch_cuda_tensors():
     torch = torch_or_skip(cuda=True)
     t = torch.zeros(4, 8, dtype=torch.float16, device="cuda")
