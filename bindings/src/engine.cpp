@@ -15,6 +15,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <span>
 #include <string>
 #include <utility>
 
@@ -23,6 +24,7 @@
 
 #include "dlpack.h"
 #include "mixkv/core/errors.h"
+#include "mixkv/core/hash.h"
 #include "mixkv/engine/engine.h"
 
 namespace mixkv::python {
@@ -32,6 +34,9 @@ struct PyEngine {
   explicit PyEngine(EngineConfig config) : engine(std::make_unique<Engine>(std::move(config))) {}
   std::unique_ptr<Engine> engine;
   std::mutex mutex;
+  // The step step() returned last (Engine::step's reference, valid until
+  // the next step()); null before the first. step_digest() reads it.
+  const StepOutput* last_step = nullptr;
 };
 
 // Takes the engine's mutex; while another thread holds it (in store or
@@ -109,6 +114,145 @@ py::dict step_dict(const StepOutput& s) {
   d["num_swap_in"] = s.swap_in.size();
   d["num_copies"] = s.append.copies.size();
   return d;
+}
+
+// A 64-bit digest of everything a step decided and of the pools' block
+// counts after it, for ranks that run identical schedulers to compare
+// (mixkv.tp): chained through mix64, every vector preceded by its length so
+// that no two different steps feed the same word sequence.
+class StepDigest {
+ public:
+  void add(std::uint64_t v) { h_ = mix64(h_ ^ (v + 0x9e3779b97f4a7c15ULL)); }
+  void add_signed(std::int64_t v) { add(static_cast<std::uint64_t>(v)); }
+  template <typename T>
+  void add_ints(const std::vector<T>& xs) {
+    add(xs.size());
+    for (const T x : xs) add_signed(static_cast<std::int64_t>(x));
+  }
+  void add_text(const std::string& text) {
+    add(text.size());
+    for (const char c : text) add(static_cast<unsigned char>(c));
+  }
+  void add_windows(const std::vector<WindowSlot>& ws) {
+    add(ws.size());
+    for (const WindowSlot& w : ws) {
+      add_signed(w.block_id);
+      add_signed(w.first_row);
+    }
+  }
+  void add_swaps(const std::vector<SwapCopy>& cs) {
+    add(cs.size());
+    for (const SwapCopy& c : cs) {
+      add(static_cast<std::uint64_t>(c.pool));
+      add_signed(c.device_block);
+      add_signed(c.host_slot);
+    }
+  }
+  std::uint64_t value() const { return h_; }
+
+ private:
+  std::uint64_t h_ = 0;
+};
+
+std::uint64_t step_digest(const StepOutput& s, const KVCacheManager& cache) {
+  StepDigest d;
+  d.add_signed(s.step);
+  d.add(s.prefills.size());
+  for (const PrefillChunk& c : s.prefills) {
+    d.add_signed(c.id);
+    d.add_signed(c.slot);
+    d.add_signed(c.start);
+    d.add_signed(c.end);
+    d.add(c.last ? 1 : 0);
+    d.add(c.mappings.size());
+    for (const StoreMapping& m : c.mappings) {
+      d.add_ints(m.fp16_slots);
+      d.add_windows(m.int4_windows);
+      d.add_windows(m.int2_windows);
+    }
+  }
+  d.add_ints(s.decodes);
+  d.add_ints(s.decode_slots);
+  d.add(s.append.slots.size());
+  for (const std::vector<std::int32_t>& layer : s.append.slots) d.add_ints(layer);
+  d.add(s.append.copies.size());
+  for (const BlockCopy& c : s.append.copies) {
+    d.add_signed(c.src);
+    d.add_signed(c.dst);
+  }
+  d.add_ints(s.append.offsets);
+  d.add_ints(s.append.tails_changed);
+  d.add_ints(s.append.tail_blocks);
+  d.add_ints(s.decode_rows);
+  d.add(s.demotions.size());
+  for (const DemoteOp& op : s.demotions) {
+    d.add_signed(op.id);
+    d.add_signed(op.layer);
+    d.add_signed(op.window);
+    d.add(static_cast<std::uint64_t>(op.src_precision));
+    d.add_signed(op.src_block);
+    d.add(static_cast<std::uint64_t>(op.dst_precision));
+    d.add_signed(op.dst_block);
+  }
+  d.add_signed(s.plan_demotions);
+  d.add_swaps(s.swap_out);
+  d.add_swaps(s.swap_in);
+  d.add_ints(s.swapped_out);
+  d.add_ints(s.swapped_in);
+  d.add_ints(s.preempted);
+  d.add_ints(s.tables_changed);
+  // The page lists of the requests whose lists changed other than by an
+  // append (admitted, swapped in, demoted, forked): appends are in the
+  // slots above, so every page list enters a digest whenever it changes,
+  // at the cost of the blocks the step itself touched.
+  const std::int32_t num_layers = cache.config().shape.num_layers;
+  for (const RequestId id : s.tables_changed) {
+    const bool resident = cache.contains(id) && !cache.is_swapped(id);
+    d.add(resident ? 1 : 0);
+    if (!resident) continue;
+    for (std::int32_t layer = 0; layer < num_layers; ++layer) {
+      for (const Precision p : {Precision::FP16, Precision::INT4, Precision::INT2}) {
+        const std::span<const std::int32_t> ids = cache.blocks(id, layer, p);
+        d.add(ids.size());
+        for (const std::int32_t b : ids) d.add_signed(b);
+      }
+      d.add_signed(cache.fp16_tail_fill(id, layer));
+    }
+  }
+  d.add(s.finished.size());
+  for (const FinishedRequest& f : s.finished) {
+    d.add_signed(f.id);
+    d.add(static_cast<std::uint64_t>(f.reason));
+    d.add_signed(f.generated);
+    d.add_text(f.note);
+  }
+  d.add(s.rejected.size());
+  for (const RejectedRequest& r : s.rejected) {
+    d.add_signed(r.id);
+    d.add_text(r.reason);
+  }
+  d.add_signed(s.num_batched_tokens);
+  d.add_signed(s.metadata.batch_size);
+  d.add(s.metadata.layers.size());
+  for (const auto& layer : s.metadata.layers) {
+    for (const PagedPoolTable& t : layer) {
+      d.add_ints(t.indptr);
+      d.add_ints(t.indices);
+      d.add_ints(t.last_block_len);
+    }
+  }
+  // The pools after the step: a block taken or freed outside the step's
+  // lists (a fork, a finish) shows here.
+  for (const Precision p : {Precision::FP16, Precision::INT4, Precision::INT2}) {
+    const PoolStats st = cache.pool_stats(p);
+    d.add_signed(st.slabs);
+    d.add_signed(st.used_blocks);
+    d.add_signed(st.free_blocks);
+    d.add_signed(st.empty_slabs);
+  }
+  d.add_signed(cache.free_slabs());
+  for (const std::int64_t slots : cache.free_swap_slots()) d.add_signed(slots);
+  return d.value();
 }
 
 py::dict tensor_info(py::handle obj, const std::string& device, std::int32_t device_id, bool writable,
@@ -280,7 +424,9 @@ PYBIND11_MODULE(_engine, m) {
           [](PyEngine& self, std::intptr_t stream) {
             auto lock = acquire(self.mutex);
             use_stream(self, stream);
-            return step_dict(self.engine->step());
+            const StepOutput& s = self.engine->step();
+            self.last_step = &s;
+            return step_dict(s);
           },
           py::arg("stream") = 0, "Schedules the next step and applies its memory moves; a dict of what to run.")
       .def(
@@ -330,10 +476,20 @@ PYBIND11_MODULE(_engine, m) {
              auto lock = acquire(self.mutex);
              self.engine->scheduler().check_invariants();
            })
-      .def("describe_state", [](PyEngine& self) {
-        auto lock = acquire(self.mutex);
-        return self.engine->scheduler().describe_state();
-      });
+      .def("describe_state",
+           [](PyEngine& self) {
+             auto lock = acquire(self.mutex);
+             return self.engine->scheduler().describe_state();
+           })
+      .def(
+          "step_digest",
+          [](PyEngine& self) -> std::uint64_t {
+            auto lock = acquire(self.mutex);
+            return self.last_step == nullptr ? 0 : step_digest(*self.last_step, self.engine->cache());
+          },
+          "A 64-bit digest of the last step() (every id, slot, block id, demotion, swap and copy, the decode "
+          "metadata, the page lists of the requests in tables_changed) and of the pools' block counts now; 0 "
+          "before the first step. Equal on ranks whose schedulers took the same decisions (mixkv.tp).");
 
   m.def(
       "tensor_info",

@@ -564,6 +564,15 @@ class Engine:
         """Canonical text of the scheduler's queues and the cache's books (internal ids)."""
         return self._core.describe_state()
 
+    def step_digest(self) -> int:
+        """A 64-bit digest of the last step() (every id, slot, block id,
+        demotion, swap and copy, the decode metadata, the page lists of the
+        requests whose lists changed other than by an append) and of the
+        pools' block counts now, so call it right after step(); 0 before
+        the first. Engines that took the same decisions over caches of the same
+        geometry give the same digest (mixkv.tp compares the ranks')."""
+        return self._core.step_digest()
+
     def __repr__(self) -> str:
         return (
             f"mixkv.Engine(backend={self.backend!r}, device={self._device}, live requests={len(self._ids)}, "
