@@ -1,5 +1,5 @@
 """Tensor-parallel decoding through mixkv: a Llama-shaped model with random
-weights (model.py) split over tp ranks, every rank's KV heads in its own
+weights (tp_model.py) split over tp ranks, every rank's KV heads in its own
 mixkv cache, one scheduler's decisions on every rank (mixkv.tp.TPEngine).
 
     python examples/tp/run.py --tp 2                               # CPU, gloo, FP16 plan, compared with tp = 1
@@ -35,7 +35,7 @@ if HERE not in sys.path:
 
 import mixkv  # noqa: E402
 from launch import launch  # noqa: E402
-from model import LLAMA8B_SHAPE, SMALL, ModelConfig, TPLlama  # noqa: E402
+from tp_model import LLAMA8B_SHAPE, SMALL, ModelConfig, TPLlama  # noqa: E402
 
 PLANS = ("fp16", "int4", "int2", "mixed")
 TOKENS_PER_FRAME = 64
