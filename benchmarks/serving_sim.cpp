@@ -1,15 +1,22 @@
 // Serving simulation at a fixed memory budget: 141 GB of H200 memory minus
 // 15 GB of Qwen2-7B weights = 126 GB of KV arena (bookkeeping only: no
 // bytes are touched), Qwen2-7B shapes (28 layers, 4 KV heads, head_dim 128,
-// window 32), 100-frame video-QA requests (14 system tokens, 100 x 196
-// visual tokens, a 10-40 token question, 32-512 new tokens) arriving as a
-// Poisson process, one engine step per time unit. The same arrivals run
-// under three plans: all FP16, a WindowQuant plan (window 0 FP16, then per
-// layer ~10% FP16 / 30% INT4 / 60% INT2 by similarity score) and uniform
-// INT4 (window 0 FP16). Reports concurrent requests, preemptions and decode
-// tokens per step, as JSON:
+// window 32), requests arriving as a Poisson process, one engine step per
+// time unit. Two traces:
+//  - video QA: 100-frame requests (14 system tokens, 100 x 196 visual
+//    tokens, a 10-40 token question, 32-512 new tokens), the same arrivals
+//    under three plans: all FP16, a WindowQuant plan (window 0 FP16, then
+//    per layer ~10% FP16 / 30% INT4 / 60% INT2 by similarity score) and
+//    uniform INT4 (window 0 FP16);
+//  - text only: 1-8k-token prompts and 128-1,024 new tokens, the same
+//    arrivals all FP16 and under age tiers (SchedulerConfig::age_tiers: the
+//    first and the 4 most recent windows FP16, older ones INT4, or INT4 in
+//    17 layers and INT2 in 11).
+// Reports concurrent requests, KV bytes per running request, preemptions
+// and decode tokens per step, as JSON:
 //
-//   serving_sim [out.json]      (docs/serving-sim.json; docs/serving-sim.md)
+//   serving_sim [out.json] [text]   (benchmarks/results/serving-sim.json; docs/serving-sim.md;
+//                                    "text": the text-only trace alone)
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -28,6 +35,8 @@ constexpr std::int32_t kFrames = 100;
 constexpr std::int32_t kTokensPerFrame = 196;
 constexpr std::int32_t kRequests = 1500;
 constexpr double kArrivalsPerStep = 2.0;
+constexpr std::int32_t kTextRequests = 3000;
+constexpr double kTextArrivalsPerStep = 4.0;
 
 enum class PlanKind { FP16, WindowQuant, INT4 };
 
@@ -54,6 +63,37 @@ std::vector<Arrival> arrivals() {
     out.push_back({static_cast<std::int64_t>(t), question(rng), max_new(rng), static_cast<std::uint32_t>(rng())});
   }
   return out;
+}
+
+// Text-only arrivals: Arrival::question holds the prompt length.
+std::vector<Arrival> text_arrivals() {
+  std::mt19937 rng(2025);
+  std::exponential_distribution<double> gap(kTextArrivalsPerStep);
+  std::uniform_int_distribution<int> prompt(1024, 8192);
+  std::uniform_int_distribution<int> max_new(128, 1024);
+  std::vector<Arrival> out;
+  double t = 0.0;
+  for (int i = 0; i < kTextRequests; ++i) {
+    t += gap(rng);
+    out.push_back({static_cast<std::int64_t>(t), prompt(rng), max_new(rng), static_cast<std::uint32_t>(rng())});
+  }
+  return out;
+}
+
+enum class TierKind { Off, Int4, Int4Int2 };
+
+const char* name(TierKind k) {
+  return k == TierKind::Off ? "text, all FP16"
+                            : (k == TierKind::Int4 ? "text, age tiers INT4" : "text, age tiers INT4/INT2");
+}
+
+Request make_text(RequestId id, const Arrival& a) {
+  Request r;
+  r.id = id;
+  r.layout = TokenLayout({{TokenKind::Text, a.question}});
+  r.max_new_tokens = a.max_new;
+  r.arrival_time = static_cast<double>(a.step);
+  return r;
 }
 
 Request make(RequestId id, const Arrival& a, PlanKind kind) {
@@ -95,21 +135,29 @@ struct Series {
   std::vector<double> used_gb;
 };
 
-std::string run(PlanKind kind, const std::vector<Arrival>& work) {
-  CacheConfig cc;
-  cc.shape = CacheShape{kLayers, 4, 128, 32};
-  cc.arena_bytes = std::size_t{126} * 1000 * 1000 * 1000;
-  cc.fp16_windows_first = true;
-  KVCacheManager cache(cc);
+SchedulerConfig base_config() {
   SchedulerConfig sc;
   sc.max_num_seqs = 1024;
   sc.max_num_batched_tokens = 32768;
   sc.watermark = 0.0;  // admission fills memory to the top: growth must preempt (or demote)
   sc.build_metadata = false;
   sc.build_mappings = false;
-  sc.demote_under_pressure = kind == PlanKind::WindowQuant;  // mixkv's own; FP16 and INT4 stay as planned
+  return sc;
+}
+
+// Runs `work` to the end, request i made by make_request(i).
+template <typename Make>
+std::string simulate(const char* label, const SchedulerConfig& sc, const std::vector<Arrival>& work,
+                     Make&& make_request) {
+  CacheConfig cc;
+  cc.shape = CacheShape{kLayers, 4, 128, 32};
+  cc.arena_bytes = std::size_t{126} * 1000 * 1000 * 1000;
+  cc.fp16_windows_first = true;
+  KVCacheManager cache(cc);
   Scheduler sched(cache, sc);
   Series s;
+  double bytes_per_request = 0.0;  // KV bytes per running request, summed over steps with any
+  std::int64_t loaded_steps = 0;
   std::size_t next = 0;
   std::int64_t step = 0;
   std::int64_t decoded = 0;
@@ -118,7 +166,7 @@ std::string run(PlanKind kind, const std::vector<Arrival>& work) {
   const auto t0 = std::chrono::steady_clock::now();
   while (next < work.size() || sched.has_unfinished()) {
     while (next < work.size() && work[next].step <= step) {
-      sched.add_request(make(static_cast<RequestId>(next), work[next], kind));
+      sched.add_request(make_request(next));
       ++next;
     }
     const StepOutput out = sched.step();
@@ -133,6 +181,10 @@ std::string run(PlanKind kind, const std::vector<Arrival>& work) {
       used += static_cast<double>(ps.used_blocks) * static_cast<double>(ps.block_bytes);
     }
     s.used_gb.push_back(used / 1e9);
+    if (st.running + st.prefilling > 0) {
+      bytes_per_request += used / (st.running + st.prefilling);
+      ++loaded_steps;
+    }
     decoded += static_cast<std::int64_t>(out.decodes.size());
     peak = std::max(peak, st.running + st.prefilling);
     running_sum += st.running + st.prefilling;
@@ -140,12 +192,15 @@ std::string run(PlanKind kind, const std::vector<Arrival>& work) {
   }
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   const SchedulerStats st = sched.stats();
+  const double mb_per_request = bytes_per_request / std::max<std::int64_t>(loaded_steps, 1) / 1e6;
   std::fprintf(stderr,
-               "%-13s steps %lld, mean concurrent %.1f, peak %d, preemptions %lld (recompute), demotions %lld, "
-               "decode tokens/step %.1f, rejected %lld, %.1f s host\n",
-               name(kind), static_cast<long long>(step), running_sum / step, peak,
+               "%-26s steps %lld, mean concurrent %.1f, peak %d, KV MB per running request %.1f, preemptions %lld "
+               "(recompute), demotions %lld, age demotions %lld, decode tokens/step %.1f, rejected %lld, %.1f s "
+               "host\n",
+               label, static_cast<long long>(step), running_sum / step, peak, mb_per_request,
                static_cast<long long>(st.preempted_recompute), static_cast<long long>(st.demotions),
-               static_cast<double>(decoded) / step, static_cast<long long>(st.rejected), secs);
+               static_cast<long long>(st.age_demotions), static_cast<double>(decoded) / step,
+               static_cast<long long>(st.rejected), secs);
   auto list = [](const auto& v) {
     std::string o = "[";
     for (std::size_t i = 0; i < v.size(); ++i) o += (i ? "," : "") + std::to_string(v[i]);
@@ -154,13 +209,15 @@ std::string run(PlanKind kind, const std::vector<Arrival>& work) {
   char summary[512];
   std::snprintf(summary, sizeof summary,
                 "\"steps\": %lld, \"mean_concurrent\": %.2f, \"peak_concurrent\": %d, \"preemptions\": %lld, "
-                "\"demotions\": %lld, \"decode_tokens_per_step\": %.2f, \"finished\": %lld, \"rejected\": %lld",
+                "\"demotions\": %lld, \"age_demotions\": %lld, \"kv_mb_per_running_request\": %.1f, "
+                "\"decode_tokens_per_step\": %.2f, \"finished\": %lld, \"rejected\": %lld",
                 static_cast<long long>(step), running_sum / step, peak, static_cast<long long>(st.preempted_recompute),
-                static_cast<long long>(st.demotions), static_cast<double>(decoded) / step,
-                static_cast<long long>(st.finished), static_cast<long long>(st.rejected));
+                static_cast<long long>(st.demotions), static_cast<long long>(st.age_demotions), mb_per_request,
+                static_cast<double>(decoded) / step, static_cast<long long>(st.finished),
+                static_cast<long long>(st.rejected));
   std::vector<double> gb;
   for (double g : s.used_gb) gb.push_back(static_cast<double>(static_cast<long long>(g * 10)) / 10);
-  return std::string("{\"plan\": \"") + name(kind) + "\", " + summary + ", \"running\": " + list(s.running) +
+  return std::string("{\"plan\": \"") + label + "\", " + summary + ", \"running\": " + list(s.running) +
          ", \"waiting\": " + list(s.waiting) + ", \"preemptions_cumulative\": " + list(s.preemptions) +
          ", \"decode_tokens\": " + list(s.decode_tokens) + ", \"used_gb_x10\": " +
          [&] {
@@ -171,17 +228,49 @@ std::string run(PlanKind kind, const std::vector<Arrival>& work) {
          "}";
 }
 
+std::string run(PlanKind kind, const std::vector<Arrival>& work) {
+  SchedulerConfig sc = base_config();
+  sc.demote_under_pressure = kind == PlanKind::WindowQuant;  // mixkv's own; FP16 and INT4 stay as planned
+  return simulate(name(kind), sc, work, [&](std::size_t i) { return make(static_cast<RequestId>(i), work[i], kind); });
+}
+
+// Text-only requests: nothing to plan; the tiers demote their old windows.
+std::string run_text(TierKind kind, const std::vector<Arrival>& work) {
+  SchedulerConfig sc = base_config();
+  sc.max_num_seqs = 4096;  // memory, not the slot count, bounds the batch
+  if (kind != TierKind::Off) {
+    sc.age_tiers.enabled = true;
+    sc.age_tiers.sink_windows = 1;
+    sc.age_tiers.recent_windows = 4;
+    sc.age_tiers.layer_floor.assign(kLayers, Precision::INT4);
+    // The real-model split of docs/real-model.md's plans: 17 INT4 layers, 11 INT2.
+    if (kind == TierKind::Int4Int2) {
+      for (std::int32_t l = 17; l < kLayers; ++l)
+        sc.age_tiers.layer_floor[static_cast<std::size_t>(l)] = Precision::INT2;
+    }
+  }
+  return simulate(name(kind), sc, work, [&](std::size_t i) { return make_text(static_cast<RequestId>(i), work[i]); });
+}
+
 }  // namespace
 }  // namespace mixkv
 
 int main(int argc, char** argv) {
   using namespace mixkv;
-  const std::vector<Arrival> work = arrivals();
+  const bool text_only = argc > 2 && std::string(argv[2]) == "text";
   std::string json = "{\"arena_gb\": 126, \"requests\": " + std::to_string(kRequests) +
                      ", \"arrivals_per_step\": " + std::to_string(kArrivalsPerStep) + ", \"runs\": [";
   bool first = true;
   for (const PlanKind k : {PlanKind::FP16, PlanKind::WindowQuant, PlanKind::INT4}) {
-    json += (first ? "" : ", ") + run(k, work);
+    if (text_only) break;
+    json += (first ? "" : ", ") + run(k, arrivals());
+    first = false;
+  }
+  json += "], \"text_requests\": " + std::to_string(kTextRequests) +
+          ", \"text_arrivals_per_step\": " + std::to_string(kTextArrivalsPerStep) + ", \"text_runs\": [";
+  first = true;
+  for (const TierKind k : {TierKind::Off, TierKind::Int4, TierKind::Int4Int2}) {
+    json += (first ? "" : ", ") + run_text(k, text_arrivals());
     first = false;
   }
   json += "]}\n";

@@ -110,6 +110,7 @@ py::dict step_dict(const StepOutput& s) {
   d["preempted"] = py::cast(s.preempted);
   d["num_batched_tokens"] = s.num_batched_tokens;
   d["num_demotions"] = s.demotions.size();
+  d["num_age_demotions"] = s.age_demotions;
   d["num_swap_out"] = s.swap_out.size();
   d["num_swap_in"] = s.swap_in.size();
   d["num_copies"] = s.append.copies.size();
@@ -195,6 +196,7 @@ std::uint64_t step_digest(const StepOutput& s, const KVCacheManager& cache) {
     d.add_signed(op.dst_block);
   }
   d.add_signed(s.plan_demotions);
+  d.add_signed(s.age_demotions);
   d.add_swaps(s.swap_out);
   d.add_swaps(s.swap_in);
   d.add_ints(s.swapped_out);

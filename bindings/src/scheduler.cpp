@@ -69,6 +69,29 @@ void bind_scheduler(py::module_& m) {
       .value("Cancelled", FinishReason::Cancelled, "cancel()")
       .finalize();
 
+  const AgeTierPolicy tier_defaults;
+  py::class_<AgeTierPolicy>(m, "AgeTierPolicy", init_only(),
+                            "Age tiers (KIVI-style): keep the sink and the most recent windows FP16, demote older "
+                            "ones between steps to a precision per layer (scheduler_config.h).")
+      .def(py::init([](bool enabled, std::int32_t sink_windows, std::int32_t recent_windows,
+                       std::vector<Precision> layer_floor) {
+             AgeTierPolicy a;
+             a.enabled = enabled;
+             a.sink_windows = sink_windows;
+             a.recent_windows = recent_windows;
+             a.layer_floor = std::move(layer_floor);
+             return a;
+           }),
+           py::kw_only(), py::arg("enabled") = true, py::arg("sink_windows") = tier_defaults.sink_windows,
+           py::arg("recent_windows") = tier_defaults.recent_windows, py::arg("layer_floor") = tier_defaults.layer_floor)
+      .def_readwrite("enabled", &AgeTierPolicy::enabled)
+      .def_readwrite("sink_windows", &AgeTierPolicy::sink_windows,
+                     "windows holding any of the first sink_windows * block_size positions stay FP16")
+      .def_readwrite("recent_windows", &AgeTierPolicy::recent_windows,
+                     "a window is old once recent_windows * block_size tokens follow it (>= 1)")
+      .def_readwrite("layer_floor", &AgeTierPolicy::layer_floor,
+                     "precision of old windows per layer (FP16 keeps a layer); empty: INT4 everywhere");
+
   const SchedulerConfig defaults;
   py::class_<SchedulerConfig>(m, "SchedulerConfig", init_only(), "Configuration of a Scheduler (scheduler_config.h).")
       .def(py::init([](std::int32_t max_num_seqs, std::int32_t max_num_batched_tokens, bool chunked_prefill,
@@ -76,7 +99,7 @@ void bind_scheduler(py::module_& m) {
                        std::int32_t max_demotions_per_step, PreemptionMode preemption, std::int32_t lookahead,
                        std::int32_t max_head_bypass, bool build_metadata, bool per_layer_slots, bool build_mappings,
                        std::int32_t num_speculative_tokens, PrefillMode prefill_mode,
-                       std::optional<PlannerConfig> planner) {
+                       std::optional<PlannerConfig> planner, AgeTierPolicy age_tiers) {
              // Field by field: the struct may grow (the defaults stay the C++ ones).
              SchedulerConfig c;
              c.max_num_seqs = max_num_seqs;
@@ -95,6 +118,7 @@ void bind_scheduler(py::module_& m) {
              c.num_speculative_tokens = num_speculative_tokens;
              c.prefill_mode = prefill_mode;
              c.planner = std::move(planner);
+             c.age_tiers = std::move(age_tiers);
              return c;
            }),
            py::kw_only(), py::arg("max_num_seqs") = defaults.max_num_seqs,
@@ -106,7 +130,8 @@ void bind_scheduler(py::module_& m) {
            py::arg("max_head_bypass") = defaults.max_head_bypass, py::arg("build_metadata") = defaults.build_metadata,
            py::arg("per_layer_slots") = defaults.per_layer_slots, py::arg("build_mappings") = defaults.build_mappings,
            py::arg("num_speculative_tokens") = defaults.num_speculative_tokens,
-           py::arg("prefill_mode") = defaults.prefill_mode, py::arg("planner") = py::none())
+           py::arg("prefill_mode") = defaults.prefill_mode, py::arg("planner") = py::none(),
+           py::arg("age_tiers") = defaults.age_tiers)
       .def_readwrite("max_num_seqs", &SchedulerConfig::max_num_seqs)
       .def_readwrite("max_num_batched_tokens", &SchedulerConfig::max_num_batched_tokens)
       .def_readwrite("chunked_prefill", &SchedulerConfig::chunked_prefill)
@@ -128,7 +153,10 @@ void bind_scheduler(py::module_& m) {
       .def_readwrite("prefill_mode", &SchedulerConfig::prefill_mode,
                      "Compact: windows stored at their plan as chunks complete; Exact: FP16 while the prompt is "
                      "prefilled (chunks read FP16 keys), then demoted to the plan")
-      .def_readwrite("planner", &SchedulerConfig::planner);
+      .def_readwrite("planner", &SchedulerConfig::planner)
+      .def_readwrite("age_tiers", &SchedulerConfig::age_tiers,
+                     "demote windows older than the recent ones between steps (off by default; needs the cache's "
+                     "fp16_windows_first)");
 
   py::class_<PyRequest>(m, "Request", init_only(),
                         "A generation request: its prompt layout and exactly one of a plan or the prompt's "
@@ -215,6 +243,9 @@ void bind_scheduler(py::module_& m) {
       .def_readonly("demotions", &StepOutput::demotions)
       .def_readonly("plan_demotions", &StepOutput::plan_demotions,
                     "demotions[0:plan_demotions] apply the plans of prompts prefilled FP16 (PrefillMode.Exact)")
+      .def_readonly("age_demotions", &StepOutput::age_demotions,
+                    "demotions[plan_demotions:plan_demotions + age_demotions] demote windows that aged "
+                    "(SchedulerConfig.age_tiers); stream block k appears as window plan.num_windows + k")
       .def_readonly("swap_out", &StepOutput::swap_out)
       .def_readonly("swap_in", &StepOutput::swap_in)
       .def_readonly("swapped_out", &StepOutput::swapped_out)
@@ -254,6 +285,8 @@ void bind_scheduler(py::module_& m) {
       .def_readonly("demotions", &SchedulerStats::demotions, "pressure demotions")
       .def_readonly("plan_demotions", &SchedulerStats::plan_demotions, "demotions applying exact-mode plans")
       .def_readonly("plan_waits", &SchedulerStats::plan_waits, "steps a request's plan demotions waited for blocks")
+      .def_readonly("age_demotions", &SchedulerStats::age_demotions, "(window, layer) demotions made by age tiers")
+      .def_readonly("age_waits", &SchedulerStats::age_waits, "steps a request's age demotions waited for blocks")
       .def_readonly("decode_tokens", &SchedulerStats::decode_tokens)
       .def_readonly("prefill_tokens", &SchedulerStats::prefill_tokens)
       .def_readonly("draft_tokens", &SchedulerStats::draft_tokens, "draft rows scheduled (speculative decoding)")

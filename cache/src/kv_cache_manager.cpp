@@ -542,6 +542,11 @@ StoreMapping KVCacheManager::prefill_mapping(SequenceId id, std::int32_t layer) 
   const Impl& m = *impl_;
   const Sequence& seq = m.resident(id, "id");
   m.require_layer(layer);
+  if (Impl::has_aged(seq)) {
+    throw InvalidArgument("id = " + std::to_string(id) +
+                          " has demoted stream blocks (age tiers), expected a sequence whose prompt is still being "
+                          "stored");
+  }
   const TokenLayout& layout = seq.prompt->layout;
   const PrecisionPlan& plan = seq.prompt->plan;
   const std::int32_t bs = m.block_size();

@@ -105,8 +105,19 @@ std::vector<DemoteOp> KVCacheManager::demote(std::span<const Demotion> demotions
                             " is swapped out, expected a sequence in device memory");
     }
     require_index(name + ".layer", d.layer, m.num_layers());
-    require_index(name + ".window", d.window, seq.prompt->plan.num_windows());
     require_precision(d.target, name + ".target");
+    if (d.stream) {
+      require_index(name + ".window", d.window, m.stream_blocks(seq));
+      if (auto reason = m.why_not_stream(seq, d.layer, d.window, d.target)) {
+        throw InvalidArgument(name + " (id " + std::to_string(d.id) + ", layer " + std::to_string(d.layer) +
+                              ", stream block " + std::to_string(d.window) + ") cannot be demoted: " + *reason);
+      }
+      keys.emplace_back(d.id, d.layer, -1 - d.window, i);  // stream blocks apart from windows
+      ++need[at(d.target)];
+      seqs.push_back(&seq);
+      continue;
+    }
+    require_index(name + ".window", d.window, seq.prompt->plan.num_windows());
     if (d.window == 0) {
       throw InvalidArgument(name + ".window = 0: the first visual window always stays FP16, expected >= 1");
     }
@@ -141,8 +152,14 @@ std::vector<DemoteOp> KVCacheManager::demote(std::span<const Demotion> demotions
     const Demotion& d = demotions[i];
     Sequence& seq = *seqs[i];
     const auto size = seq.table.blocks(d.layer, d.target).size();
-    seq.table.reserve(d.layer, d.target,
-                      std::min(size + demotions.size(), static_cast<std::size_t>(seq.prompt->plan.num_windows())));
+    const auto most = static_cast<std::size_t>(seq.prompt->plan.num_windows() + m.stream_blocks(seq));
+    seq.table.reserve(d.layer, d.target, std::min(size + demotions.size(), most));
+    if (d.stream) {
+      // Room only (an empty list of layers reads as all FP16): the commit
+      // grows a list within it, allocating nothing.
+      if (seq.aged.empty()) seq.aged.resize(static_cast<std::size_t>(m.num_layers()));
+      reserve_geometric(seq.aged[static_cast<std::size_t>(d.layer)].blocks, static_cast<std::size_t>(d.window) + 1);
+    }
     if (seq.seen_epoch == batch) continue;
     seq.seen_epoch = batch;
     seq.seen_index = i;
@@ -162,6 +179,22 @@ std::vector<DemoteOp> KVCacheManager::demote(std::span<const Demotion> demotions
     Sequence& seq = *seqs[i];
     if (auto& copy = private_prompts[seq.seen_index]) seq.prompt = std::move(copy);  // moved-from: taken once
     Prompt& prompt = *seq.prompt;
+    if (d.stream) {
+      const Precision current = Impl::stream_precision(seq, d.layer, d.window);
+      const std::int32_t src =
+          seq.table.remove_block(d.layer, current, m.stream_index(seq, d.layer, d.window, current));
+      const std::int32_t dst = fresh[at(d.target)][next[at(d.target)]++];
+      seq.table.insert_block(d.layer, d.target, m.stream_index(seq, d.layer, d.window, d.target), dst);
+      detail::AgedStream& a = seq.aged[static_cast<std::size_t>(d.layer)];
+      if (a.blocks.size() <= static_cast<std::size_t>(d.window)) {
+        a.blocks.resize(static_cast<std::size_t>(d.window) + 1, Precision::FP16);  // within the reserved room
+      }
+      a.blocks[static_cast<std::size_t>(d.window)] = d.target;
+      --a.counts[at(current)];  // FP16's count is not kept
+      ++a.counts[at(d.target)];
+      ops.push_back({d.id, d.layer, prompt.plan.num_windows() + d.window, current, src, d.target, dst});
+      continue;
+    }
     const Precision current = prompt.plan.at(d.layer, d.window);
     std::int32_t src_index = 0;
     std::int32_t dst_index = 0;

@@ -45,11 +45,26 @@ struct Prompt {
   PrecisionPlan plan;
 };
 
+// The stream blocks of one layer that age tiers demoted: the precision of
+// blocks [0, blocks.size()) (later ones FP16) and how many are at each
+// precision below FP16 (counts[pool_index]), so that a block's list position
+// costs O(blocks after it), O(1) for the newest.
+struct AgedStream {
+  std::vector<Precision> blocks;
+  std::array<std::int32_t, kNumPrecisions> counts{};
+};
+
 struct Sequence {
   std::shared_ptr<Prompt> prompt;
   std::int32_t num_tokens = 0;
   PageTable table;  // device block ids, or host swap slots while swapped
   bool swapped = false;
+  // Age tiers: the precision of each full block of the FP16 stream (the
+  // tokens outside visual windows: text, visual tails, generated tokens, in
+  // order) that demote() moved, [layer][k]; a block past its layer's list,
+  // and every block of a sequence with an empty list, is FP16. Per sequence,
+  // not per prompt: forks copy it, and generated tokens are no prompt's.
+  std::vector<AgedStream> aged{};  // [layer]
   // Set on both sides of a fork: only such sequences can share blocks, so
   // the others append without looking at ref counts.
   bool forked = false;
@@ -177,6 +192,17 @@ struct KVCacheManager::Impl {
   std::int32_t block_index(const Prompt& prompt, std::int32_t layer, std::int32_t window, std::int64_t& rank) const;
   std::optional<std::string> why_not(const Sequence& seq, std::int32_t layer, std::int32_t window,
                                      Precision target) const;
+  // Age tiers (manager_stream.cpp): full blocks of the FP16 stream, one
+  // block's precision, why it cannot move to `target`, its position in pool
+  // p's list of `layer`, demoted blocks in pool p, and whether any stream
+  // block left FP16.
+  std::int32_t stream_blocks(const Sequence& seq) const;
+  static Precision stream_precision(const Sequence& seq, std::int32_t layer, std::int32_t block);
+  std::optional<std::string> why_not_stream(const Sequence& seq, std::int32_t layer, std::int32_t block,
+                                            Precision target) const;
+  std::int32_t stream_index(const Sequence& seq, std::int32_t layer, std::int32_t block, Precision p) const;
+  static std::int64_t aged_blocks(const Sequence& seq, std::int32_t layer, Precision p);
+  static bool has_aged(const Sequence& seq);
   void require_layer(std::int32_t layer) const { require_index("layer", layer, num_layers()); }
   void require_prompt(const TokenLayout& layout, const PrecisionPlan& plan) const;
   BlockCounts prompt_demand(const TokenLayout& layout, const PrecisionPlan& plan) const;

@@ -1,6 +1,7 @@
 // KVCacheManager: check_invariants and describe_state.
 #include "manager_impl.h"
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -104,9 +105,11 @@ void KVCacheManager::check_invariants() const {
           }
           ++holders[at(p)][block];
         }
-        if (is_quantized(p) && static_cast<std::int64_t>(table.blocks(layer, p).size()) != windows[at(p)]) {
+        const std::int64_t aged = Impl::aged_blocks(seq, layer, p);
+        if (is_quantized(p) && static_cast<std::int64_t>(table.blocks(layer, p).size()) != windows[at(p)] + aged) {
           fail(where + std::to_string(table.blocks(layer, p).size()) + " " + std::string(to_string(p)) +
-               " blocks, the plan has " + std::to_string(windows[at(p)]) + " windows");
+               " blocks, the plan has " + std::to_string(windows[at(p)]) + " windows and " + std::to_string(aged) +
+               " demoted stream blocks");
         }
       }
       const std::int32_t fill = table.fp16_tail_fill(layer);
@@ -115,7 +118,25 @@ void KVCacheManager::check_invariants() const {
         fail(where + "FP16 tail fill " + std::to_string(fill) + " with " +
              std::to_string(table.blocks(layer, Precision::FP16).size()) + " FP16 blocks of " + std::to_string(bs));
       }
-      const std::int64_t tokens = table.fp16_tokens(layer) + (std::int64_t{windows[1]} + windows[2]) * bs;
+      if (!seq.aged.empty()) {
+        const detail::AgedStream& a = seq.aged[static_cast<std::size_t>(layer)];
+        if (static_cast<std::int64_t>(a.blocks.size()) > m.stream_blocks(seq)) {
+          fail(where + std::to_string(a.blocks.size()) + " stream blocks recorded, the stream has " +
+               std::to_string(m.stream_blocks(seq)) + " full blocks");
+        }
+        for (const Precision q : {Precision::INT4, Precision::INT2}) {
+          if (std::count(a.blocks.begin(), a.blocks.end(), q) != a.counts[at(q)]) {
+            fail(where + "demoted stream blocks at " + std::string(to_string(q)) + " counted as " +
+                 std::to_string(a.counts[at(q)]) + ", the list holds another number");
+          }
+        }
+        if (!m.config.fp16_windows_first && windows[0] > 0 && a.counts[1] + a.counts[2] > 0) {
+          fail(where + "demoted stream blocks in prompt order beside FP16 windows");
+        }
+      }
+      const std::int64_t quantized = windows[1] + windows[2] + Impl::aged_blocks(seq, layer, Precision::INT4) +
+                                     Impl::aged_blocks(seq, layer, Precision::INT2);
+      const std::int64_t tokens = table.fp16_tokens(layer) + quantized * bs;
       if (tokens != seq.num_tokens) {
         fail(where + "blocks hold " + std::to_string(tokens) + " tokens, the sequence has " +
              std::to_string(seq.num_tokens));
@@ -228,6 +249,14 @@ std::string KVCacheManager::describe_state() const {
         out += to_string(p);
         out += ':';
         for (const std::int32_t b : seq.table.blocks(layer, p)) put(" ", b);
+      }
+      if (Impl::has_aged(seq)) {
+        // Trailing FP16 entries say nothing: demote() may grow a list first.
+        out += " stream ";
+        const auto& list = seq.aged[static_cast<std::size_t>(layer)].blocks;
+        std::size_t n = list.size();
+        while (n > 0 && list[n - 1] == Precision::FP16) --n;
+        for (std::size_t k = 0; k < n; ++k) out += "F42"[pool_index(list[k])];
       }
       put(" | fill ", seq.table.fp16_tail_fill(layer));
       out += "\n";

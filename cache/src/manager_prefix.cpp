@@ -304,6 +304,11 @@ std::int64_t KVCacheManager::publish_prefix(SequenceId id, std::span<const Token
   Impl& m = *impl_;
   const Sequence& seq = m.resident(id, "id");
   require_keys(keys, seq.prompt->layout.num_tokens(), "the prompt's rows stored so far");
+  if (Impl::has_aged(seq)) {
+    // Its stream blocks no longer sit where the prompt's layout puts them.
+    throw InvalidArgument("id = " + std::to_string(id) +
+                          " has demoted stream blocks (age tiers), expected a sequence published before they age");
+  }
   if (!m.index || keys.empty()) return 0;
   const TokenLayout& layout = seq.prompt->layout;
   const PrecisionPlan& plan = seq.prompt->plan;

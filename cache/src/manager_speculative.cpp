@@ -241,6 +241,22 @@ void require_target(const Sequence& seq, std::int32_t num_tokens, const std::str
                           " <= num_tokens <= " + std::to_string(seq.num_tokens) +
                           " (from the prompt's length to the tokens held: only appended tokens can be truncated)");
   }
+  // Demoted stream blocks (age tiers) hold no FP16 token to drop.
+  std::int32_t kept = 0;  // stream blocks up to the last demoted one of any layer
+  for (const detail::AgedStream& a : seq.aged) {
+    for (std::size_t k = a.blocks.size(); k-- > 0;) {
+      if (a.blocks[k] != Precision::FP16) {
+        kept = std::max(kept, static_cast<std::int32_t>(k) + 1);
+        break;
+      }
+    }
+  }
+  const std::int64_t bs = seq.table.block_size();
+  const std::int64_t lowest = std::int64_t{seq.prompt->plan.num_windows()} * bs + kept * bs;
+  if (num_tokens < lowest) {
+    throw InvalidArgument(name + " = " + std::to_string(num_tokens) + ", expected >= " + std::to_string(lowest) +
+                          ": the tokens below are in stream blocks demoted by age tiers");
+  }
 }
 
 }  // namespace

@@ -82,6 +82,7 @@ void Scheduler::check_invariants() const {
       } else {
         s.check_plan(e, who);  // prefill_modes.cpp
       }
+      s.check_ages(e, who);  // age_tiers.cpp
       overrides += e.next_drafts >= 0 ? 1 : 0;
       const bool listed = e.decode_index >= 0 && static_cast<std::size_t>(e.decode_index) < s.decoding.size() &&
                           s.decoding[static_cast<std::size_t>(e.decode_index)] == &e;

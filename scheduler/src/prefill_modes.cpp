@@ -138,13 +138,20 @@ void Scheduler::Impl::commit_demotions(const std::vector<Demotion>& demotions, c
     const std::vector<DemoteOp> ops = cache.demote(demotions);
     const auto forced = static_cast<std::int64_t>(plans.list.size());
     out.demotions.insert(out.demotions.end(), ops.begin(), ops.end());
-    out.plan_demotions = static_cast<std::int32_t>(forced);
-    stats.plan_demotions += forced;
+    out.plan_demotions = static_cast<std::int32_t>(forced - plans.aged);
+    out.age_demotions = static_cast<std::int32_t>(plans.aged);
+    stats.plan_demotions += forced - plans.aged;
+    stats.age_demotions += plans.aged;
     stats.demotions += static_cast<std::int64_t>(ops.size()) - forced;
     boost::unordered_flat_set<RequestId> changed;
     for (const Demotion& d : demotions) {
       if (changed.insert(d.id).second) out.tables_changed.push_back(d.id);
     }
+  }
+  for (const PlanDemotions::Advance& a : plans.advances) {
+    a.entry->aged_stream = a.stream;
+    a.entry->aged_window = a.window;
+    a.entry->next_age_at = a.next_at;
   }
   for (Entry* e : plans.complete) {
     unplan(*e);

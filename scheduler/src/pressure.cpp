@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <iterator>
 #include <queue>
+#include <set>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -78,6 +79,7 @@ void Scheduler::Impl::preempt(Entry& e, StepOutput& out) {
   e.computed = 0;
   e.cached = 0;
   e.num_tokens = 0;
+  reset_ages(e);  // its prompt is stored again, FP16 but for its plan
   set_state(e, RequestState::Waiting);
   out.preempted.push_back(e.id);
   ++stats.preempted_recompute;
@@ -142,6 +144,12 @@ void Scheduler::Impl::demote_for(std::int64_t need, std::int64_t target, const s
   const std::int64_t p2 = plans.taken[at(Precision::INT2)];
   const std::int64_t room_before = fp16_room(plans.taken, plans.freed);
   std::vector<Demotion> demotions = plans.list;
+  // Windows the step's age tiers demote already (the manager takes each
+  // window once a call).
+  std::set<std::tuple<RequestId, std::int32_t, std::int32_t>> aging;
+  for (std::size_t i = forced - static_cast<std::size_t>(plans.aged); i < forced; ++i) {
+    if (!plans.list[i].stream) aging.insert({plans.list[i].id, plans.list[i].layer, plans.list[i].window});
+  }
   // rooms[i]: FP16 room after the plan demotions and pressure demotions
   // [0, i] (-1: targets not had).
   std::vector<std::int64_t> rooms;
@@ -194,7 +202,10 @@ void Scheduler::Impl::demote_for(std::int64_t need, std::int64_t target, const s
       std::int32_t layer = 0;
       bool shared = false;
       for (; layer < num_layers && pressure() < limit; ++layer) {
-        if (plan.at(layer, window) != from || below_floor(layer, to) || plan_pending(*e, plan, layer, window)) continue;
+        if (plan.at(layer, window) != from || below_floor(layer, to) || plan_pending(*e, plan, layer, window) ||
+            aging.contains({e->id, layer, window})) {
+          continue;
+        }
         if (cache.why_not_demotable(e->id, layer, window, to)) {
           const std::int32_t block = cache.window_block(e->id, layer, window);
           shared = shared || (block >= 0 && cache.ref_count(from, block) > 1);

@@ -92,6 +92,7 @@ Scheduler::Impl::Impl(KVCacheManager& c, SchedulerConfig cfg, std::shared_ptr<Pl
     }
     floors = pc.min_precision;
   }
+  configure_ages();
   if (!cache.sequence_ids().empty()) {
     throw InvalidArgument("cache holds " + std::to_string(cache.sequence_ids().size()) +
                           " sequences, expected an empty cache for the scheduler to drive");
@@ -125,10 +126,12 @@ bool Scheduler::Impl::fits(const BlockCounts& blocks, bool with_reserve, const P
 }
 
 // The most `e` will ever hold under `plan`: its prompt plus max_new_tokens - 1
-// decode tokens (the last sampled token is never stored), all FP16.
+// decode tokens (the last sampled token is never stored), all FP16; with
+// age tiers, its old windows demoted (aged_footprint).
 BlockCounts Scheduler::Impl::footprint(const Entry& e, const PrecisionPlan& plan) const {
   BlockCounts most{};
   const std::int64_t more = e.max_new_tokens - 1 - (e.prompt.num_tokens() - e.original.num_tokens());
+  if (!tiers.empty()) return aged_footprint(e, plan, e.prompt.num_tokens() + std::max<std::int64_t>(more, 0));
   for (std::int32_t layer = 0; layer < num_layers; ++layer) {
     const auto windows = plan.window_counts(layer);
     const std::int64_t fp16 =
@@ -409,6 +412,7 @@ StepOutput Scheduler::step() {
   // with any pressure demotion in one manager call.
   Impl::PlanDemotions plans;
   if (!s.planning.empty()) s.collect_plans(plans);
+  if (!s.tiers.empty()) s.collect_ages(plans);  // after the plans': tiers never take their windows
 
   std::int32_t budget = s.config.max_num_batched_tokens;
 
@@ -442,7 +446,7 @@ StepOutput Scheduler::step() {
     need = list_batch();
     s.relieve(decodes, need, plans, out);
     need = list_batch();
-  } else if (!plans.list.empty() || !plans.complete.empty()) {
+  } else if (!plans.list.empty() || !plans.complete.empty() || !plans.advances.empty()) {
     s.commit_demotions(plans.list, plans, out);
   }
   // Draft rows (speculative decoding) only with memory to spare.

@@ -91,6 +91,13 @@ struct Entry {
   std::vector<std::int32_t> demote_order;
   std::size_t demote_cursor = 0;
   std::size_t int2_cursor = 0;
+
+  // Age tiers (age_tiers.cpp): stream blocks and visual windows (position
+  // order) looked at so far, each demoted or left (sink, plan, shared), and
+  // the token count at which the next one is old. Reset by a recompute.
+  std::int32_t aged_stream = 0;
+  std::int32_t aged_window = 0;
+  std::int32_t next_age_at = 0;
 };
 
 struct KeyLess {
@@ -120,6 +127,16 @@ struct PlanDemotions {
   std::vector<Entry*> complete;  // requests whose every pending demotion is in `list`
   BlockCounts taken{};           // target blocks of `list`
   std::int64_t freed = 0;        // FP16 blocks `list` releases
+  // Age tiers (Impl::collect_ages): the last `aged` of `list` are age
+  // demotions, and each request's cursors once they are made.
+  struct Advance {
+    Entry* entry;
+    std::int32_t stream;
+    std::int32_t window;
+    std::int32_t next_at;
+  };
+  std::int64_t aged = 0;
+  std::vector<Advance> advances;
 };
 
 inline std::string counts_text(const BlockCounts& c) {
@@ -247,6 +264,26 @@ struct Scheduler::Impl {
     return e.exact && pool_index(e.plan.at(layer, window)) > pool_index(held.at(layer, window));
   }
   void check_plan(const Entry& e, const std::string& who) const;
+
+  // Age tiers (age_tiers.cpp): the precision old windows get in each layer
+  // (empty: tiers off); the policy's checks; prompt position of stream token
+  // `i` of `e`; the step's age demotions, after the plans' in `plans`, for
+  // the Running requests with a window old enough and targets the pools can
+  // give; the request's blocks at `tokens` tokens with every old window
+  // demoted, and its largest footprint up to `end` tokens; the tiers'
+  // invariants for `e`.
+  std::vector<Precision> tiers;
+  void configure_ages();
+  std::int32_t stream_position(const Entry& e, std::int64_t i) const;
+  void collect_ages(PlanDemotions& plans);
+  BlockCounts aged_blocks(const Entry& e, const PrecisionPlan& plan, std::int64_t tokens) const;
+  BlockCounts aged_footprint(const Entry& e, const PrecisionPlan& plan, std::int64_t end) const;
+  void check_ages(const Entry& e, const std::string& who) const;
+  static void reset_ages(Entry& e) {
+    e.aged_stream = 0;
+    e.aged_window = 0;
+    e.next_age_at = 0;
+  }
 
   // Forks (fork.cpp): whether a partly filled FP16 tail of `e` (resident,
   // not vanished) is shared; the FP16 blocks the copy-on-write of shared

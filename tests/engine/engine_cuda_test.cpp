@@ -167,6 +167,44 @@ TEST_P(CudaLoop, PrefillAndDraftsMatchTheCpuBackend) {
   }
 }
 
+// Age tiers (text, prompt tails and generated tokens demoted as they age,
+// INT4 in layer 0 and INT2 in layer 1): the stream blocks' demotions, the
+// page tables they change and the decodes over them match the CPU backend.
+TEST_P(CudaLoop, AgeTiersMatchTheCpuBackend) {
+  MIXKV_REQUIRE_CUDA();
+  const bool mixed = GetParam();
+  test::WorkloadOptions o;
+  o.seed = 3;
+  o.requests = 18;
+  o.max_new_tokens = 40;
+  o.mixed_plans = mixed;
+  const test::Workload workload(CacheShape{2, 2, 64, 32}, o);
+  EngineConfig cc = config(BackendKind::CPU, mixed), gc = config(BackendKind::CUDA, mixed);
+  for (EngineConfig* c : {&cc, &gc}) {
+    c->scheduler.age_tiers.enabled = true;
+    c->scheduler.age_tiers.recent_windows = 1;
+    c->scheduler.age_tiers.layer_floor = {Precision::INT4, Precision::INT2};
+  }
+  Engine cpu(cc);
+  Engine gpu(gc);
+  test::HostMemory host;
+  DeviceMemory device;
+  test::Outputs want, got;
+  const test::RunStats sc = test::run_engine(cpu, workload, host, want);
+  const test::RunStats sg = test::run_engine(gpu, workload, device, got);
+  EXPECT_NO_THROW(gpu.backend().synchronize());
+  EXPECT_EQ(sg.steps, sc.steps);
+  EXPECT_EQ(sg.demotions, sc.demotions);
+  EXPECT_GT(gpu.scheduler().stats().age_demotions, 0);
+  EXPECT_EQ(gpu.scheduler().stats().age_demotions, cpu.scheduler().stats().age_demotions);
+  const test::Diff d = test::compare(got, want);
+  std::printf("age tiers %s: %lld age demotions, max |out| difference %.2e, max |lse| difference %.2e\n",
+              mixed ? "mixed" : "fp16", static_cast<long long>(gpu.scheduler().stats().age_demotions), d.out, d.lse);
+  EXPECT_LE(d.out, 5e-3);
+  EXPECT_LE(d.lse, 1e-3);
+  test::expect_empty(gpu.cache());
+}
+
 INSTANTIATE_TEST_SUITE_P(Plans, CudaLoop, ::testing::Values(false, true),
                          [](const auto& info) { return info.param ? std::string("Mixed") : std::string("Fp16"); });
 

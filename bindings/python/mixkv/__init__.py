@@ -14,6 +14,7 @@ message: InvalidArgument (ValueError), OutOfMemory (MemoryError), UnknownId
 
 from . import ops
 from ._core import (
+    AgeTierPolicy,
     AppendResult,
     AppendSlots,
     BatchPolicy,

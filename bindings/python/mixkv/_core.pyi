@@ -430,6 +430,20 @@ class FinishReason(enum.IntEnum):
     Stopped = 1
     Cancelled = 2
 
+class AgeTierPolicy:
+    enabled: bool
+    sink_windows: int
+    recent_windows: int
+    layer_floor: list[Precision]
+    def __init__(
+        self,
+        *,
+        enabled: bool = True,
+        sink_windows: int = 1,
+        recent_windows: int = 4,
+        layer_floor: Sequence[Precision] = (),
+    ) -> None: ...
+
 class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
@@ -447,6 +461,7 @@ class SchedulerConfig:
     num_speculative_tokens: int
     prefill_mode: PrefillMode
     planner: PlannerConfig | None
+    age_tiers: AgeTierPolicy
     def __init__(
         self,
         *,
@@ -466,6 +481,7 @@ class SchedulerConfig:
         num_speculative_tokens: int = 0,
         prefill_mode: PrefillMode = PrefillMode.Compact,
         planner: PlannerConfig | None = None,
+        age_tiers: AgeTierPolicy = ...,
     ) -> None: ...
 
 class Request:
@@ -535,6 +551,8 @@ class StepOutput:
     def decode_rows(self) -> _Int32Array: ...
     @property
     def plan_demotions(self) -> int: ...
+    @property
+    def age_demotions(self) -> int: ...
     @property
     def demotions(self) -> list[DemoteOp]: ...
     @property
@@ -613,6 +631,10 @@ class SchedulerStats:
     def plan_demotions(self) -> int: ...
     @property
     def plan_waits(self) -> int: ...
+    @property
+    def age_demotions(self) -> int: ...
+    @property
+    def age_waits(self) -> int: ...
     @property
     def draft_tokens(self) -> int: ...
     @property

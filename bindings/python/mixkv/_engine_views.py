@@ -82,6 +82,7 @@ class EngineStep:
         "preempted",
         "num_batched_tokens",
         "demotions",
+        "age_demotions",
         "swap_out_blocks",
         "swap_in_blocks",
         "copies",
@@ -103,6 +104,7 @@ class EngineStep:
         self.preempted: list[RequestKey] = [key_of(i) for i in raw["preempted"]]
         self.num_batched_tokens: int = raw["num_batched_tokens"]
         self.demotions: int = raw["num_demotions"]
+        self.age_demotions: int = raw["num_age_demotions"]  # of them, windows demoted by age (age tiers)
         self.swap_out_blocks: int = raw["num_swap_out"]
         self.swap_in_blocks: int = raw["num_swap_in"]
         self.copies: int = raw["num_copies"]

@@ -79,6 +79,7 @@ class EngineStep:
     preempted: list[RequestKey]
     num_batched_tokens: int
     demotions: int
+    age_demotions: int
     swap_out_blocks: int
     swap_in_blocks: int
     copies: int

@@ -102,6 +102,13 @@ struct Demotion {
   std::int32_t layer = 0;
   std::int32_t window = 0;  // 1 .. num_windows - 1 (window 0 always stays FP16)
   Precision target = Precision::INT4;
+  // Age tiers: `window` names the window-th full block of the sequence's
+  // FP16 stream instead of a visual window. The stream is every token
+  // outside visual windows (text, visual tails, generated tokens) in order,
+  // so its block k holds stream tokens [k * block_size, (k + 1) *
+  // block_size) in every layer; 0 .. stream_blocks(id) - 1. Its DemoteOp
+  // names it as window plan(id).num_windows() + k.
+  bool stream = false;
 };
 
 // Names a sequence without a look-up by id, for callers that append every
@@ -341,6 +348,27 @@ class KVCacheManager {
   // why_not_demotable() refuses or that is listed twice, OutOfMemory when
   // the target pools lack blocks. Returns one DemoteOp per demotion, in order.
   std::vector<DemoteOp> demote(std::span<const Demotion> demotions);
+
+  // --- Age tiers: full blocks of the FP16 stream (Demotion::stream) ---
+  // Full blocks of the stream: (num_tokens(id) - visual window tokens) /
+  // block_size. The stream is the layer's FP16 list after its FP16 windows
+  // with fp16_windows_first; in prompt order only in a layer without FP16
+  // windows (elsewhere the windows sit inside it, and why_not says so).
+  std::int32_t stream_blocks(SequenceId id) const;
+  // Precision of stream block `block` of `layer` (FP16 until demoted).
+  // IndexOutOfRange names "layer" or "block".
+  Precision stream_precision(SequenceId id, std::int32_t layer, std::int32_t block) const;
+  // Stream blocks of (id, layer) held in pool p below FP16 (0 for FP16).
+  std::int64_t aged_blocks(SequenceId id, std::int32_t layer, Precision p) const;
+  // Whether (id, layer, stream block) could move to `target` now, ignoring
+  // memory: target below its precision, the block held by this sequence
+  // only (and perhaps the prefix index, which keeps the original), and the
+  // layer's stream made of whole blocks (see stream_blocks). The reason
+  // when not. A sequence with a demoted stream block has stored its prompt:
+  // prefill_mapping and publish_prefix refuse it (InvalidArgument), and
+  // truncate never drops its tokens.
+  std::optional<std::string> why_not_stream_demotable(SequenceId id, std::int32_t layer, std::int32_t block,
+                                                      Precision target) const;
 
   // Throws InvariantViolation describing the first broken invariant.
   void check_invariants() const;

@@ -52,6 +52,10 @@ struct SchedulerStats {
   // target blocks the pools could not give.
   std::int64_t plan_demotions = 0;
   std::int64_t plan_waits = 0;
+  // Age tiers: (window or stream block, layer) demotions made, and the
+  // times (one per request and step) a request's waited for target blocks.
+  std::int64_t age_demotions = 0;
+  std::int64_t age_waits = 0;
   std::int64_t forks = 0;  // successful fork() calls
   std::int64_t decode_tokens = 0;
   std::int64_t prefill_tokens = 0;

@@ -1,6 +1,7 @@
 #pragma once
 #include <cstdint>
 #include <optional>
+#include <vector>
 
 #include "mixkv/planner/window_planner.h"
 
@@ -37,6 +38,30 @@ enum class PrefillMode : std::uint8_t {
   // Needs CacheConfig::fp16_windows_first (only a window alone in its FP16
   // block can be demoted).
   Exact = 1,
+};
+
+// Age tiers (KIVI-style; docs/scheduler.md, "Age tiers"): a sequence keeps
+// its first tokens (attention sinks) and its most recent tokens FP16 and
+// demotes every older window, between steps, to a precision per layer.
+// Windows are the plan's visual windows that it left FP16 and the full
+// blocks of the FP16 stream (text, visual tails, generated tokens: every
+// token outside visual windows, in order). A tier never raises a
+// precision: a window the plan set to INT4 or INT2 is left as it is.
+struct AgeTierPolicy {
+  bool enabled = false;
+  // A window holding any of the first sink_windows * block_size positions
+  // stays FP16 (attention sinks: the first tokens draw large attention).
+  std::int32_t sink_windows = 1;
+  // A window is old once at least recent_windows * block_size tokens follow
+  // it, so the recent_windows full windows before the partly filled last
+  // one stay FP16. At least 1: the last full block stays FP16, so draft
+  // tokens and the open tail are never demoted.
+  std::int32_t recent_windows = 4;
+  // The precision old windows get in each layer ([layer], e.g. from
+  // measured sensitivity: FP16 keeps a layer's windows, INT4, INT2); empty:
+  // INT4 in every layer. Raised to the planner's min_precision where that
+  // is higher: the user's floors bind every demotion.
+  std::vector<Precision> layer_floor;
 };
 
 struct SchedulerConfig {
@@ -98,6 +123,9 @@ struct SchedulerConfig {
   // GPU planner) is passed to the Scheduler's constructor instead; at most
   // one of the two.
   std::optional<PlannerConfig> planner;
+  // Demotes old windows between steps (off by default). Needs the cache's
+  // fp16_windows_first: a demoted window must fill exactly one FP16 block.
+  AgeTierPolicy age_tiers;
 };
 
 }  // namespace mixkv

@@ -83,6 +83,10 @@ struct StepOutput {
   // (PrefillMode::Exact), the rest relieve memory pressure; one manager
   // call made them all, so any order still holds.
   std::int32_t plan_demotions = 0;
+  // demotions[plan_demotions, plan_demotions + age_demotions) demote windows
+  // that aged past the recent ones (SchedulerConfig::age_tiers); a demoted
+  // stream block k of a request appears as window plan.num_windows() + k.
+  std::int32_t age_demotions = 0;
   std::vector<SwapCopy> swap_out;
   std::vector<SwapCopy> swap_in;
   std::vector<RequestId> swapped_out;  // requests whose blocks swap_out moves
