@@ -14,6 +14,7 @@
 #include "host_arrays.h"
 #include "mixkv/core/errors.h"
 #include "mixkv/planner/plan_budget.h"
+#include "mixkv/planner/score_budget.h"
 #include "mixkv/planner/window_planner.h"
 
 namespace mixkv::python {
@@ -214,6 +215,33 @@ void bind_window_planner(py::module_& m) {
       "that does not fit ends the walk. Raises ValueError naming the argument (a plan not matching layout and "
       "shape, budget_ratio not finite or <= 0, a layer out of range or listed twice); the input plan is not "
       "changed.");
+
+  py::class_<ScoreBudgetConfig>(m, "ScoreBudgetConfig", init_only(),
+                                "Error weights of plan_from_layer_scores_within_budget.")
+      .def(py::init([](double int4_error, double int2_error, bool first_window_fp16) {
+             return ScoreBudgetConfig{int4_error, int2_error, first_window_fp16};
+           }),
+           py::arg("int4_error") = 0.1, py::arg("int2_error") = 0.5, py::arg("first_window_fp16") = true)
+      .def_readwrite("int4_error", &ScoreBudgetConfig::int4_error, "relative error of a window stored INT4")
+      .def_readwrite("int2_error", &ScoreBudgetConfig::int2_error, "relative error of a window stored INT2")
+      .def_readwrite("first_window_fp16", &ScoreBudgetConfig::first_window_fp16,
+                     "window 0 FP16 in every layer (attention sinks)");
+  py::class_<ScoredBudgetPlan>(m, "ScoredBudgetPlan", init_only(),
+                               "A plan fitted to a KV byte budget from per-(layer, window) scores.")
+      .def_readonly("plan", &ScoredBudgetPlan::plan)
+      .def_readonly("stats", &ScoredBudgetPlan::stats, "plan_stats of plan");
+  m.def(
+      "plan_from_layer_scores_within_budget",
+      [](const TokenLayout& layout, const std::vector<std::vector<float>>& scores, const CacheShape& shape,
+         double budget_ratio, const ScoreBudgetConfig& config) {
+        return plan_from_layer_scores_within_budget(layout, scores, shape, budget_ratio, config);
+      },
+      py::arg("layout"), py::arg("scores"), py::arg("shape"), py::arg("budget_ratio"),
+      py::arg("config") = ScoreBudgetConfig{},
+      "A plan from a score per (layer, window) (scores[l][i], a list of lists or a 2-D array [num_layers, "
+      "num_windows], each >= 0, e.g. the attention mass the question pays window i at layer l): every window "
+      "starts INT2 (window 0 FP16), then the upgrade of largest score x error saved per byte is taken while "
+      "plan_stats' bytes stay within budget_ratio x the all-FP16 bytes. Raises ValueError naming the argument.");
 }
 
 }  // namespace mixkv::python

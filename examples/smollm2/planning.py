@@ -292,3 +292,81 @@ def variant_plans(model, prompt, embeddings, sens, alpha, score_norm, qa_scores,
         "INT2": uniform_plan(c.num_layers, prompt, Precision.INT2),
     }
     return plans, scores, planner, floored
+
+
+def observation_scores(prompt: Prompt, ks, queries, num_heads: int, obs: int):
+    """The question-aware window score (SnapKV's observation window): at each
+    layer, the softmax attention the prompt's last `obs` rows pay each
+    document window, summed over the window's keys, the rows and the query
+    heads. queries: [layers][rows >= obs, heads, d], the query vectors (after
+    RoPE) of the prompt's last rows, captured during the dense prefill
+    (model.prefill(query_rows=...)); the last `obs` of them are used. Each row
+    sees the keys up to itself (causal), as in the prefill. Returns
+    [layers, windows], each >= 0."""
+    n = len(prompt.ids)
+    if obs < 1 or obs > queries[0].shape[0]:
+        raise ValueError(f"obs = {obs}, expected 1 <= obs <= {queries[0].shape[0]} (the captured query rows)")
+    n0 = len(prompt.head)
+    windows = prompt.layout.num_windows(WINDOW)
+    group = num_heads // ks[0].shape[1]
+    d = ks[0].shape[2]
+    rows = np.arange(n - obs, n)
+    visible = np.arange(n)[None, :] <= rows[:, None]  # [obs, keys]
+    out = np.zeros((len(ks), windows))
+    for layer, (k, q) in enumerate(zip(ks, queries)):
+        for h in range(num_heads):
+            qh = q[-obs:, h, :].astype(np.float32)
+            s = (qh @ k[:n, h // group, :].astype(np.float32).T) / np.sqrt(d)
+            s = np.where(visible, s, -np.inf)
+            s -= s.max(axis=1, keepdims=True)
+            p = np.exp(s)
+            p /= p.sum(axis=1, keepdims=True)
+            out[layer] += p[:, n0 : n0 + windows * WINDOW].reshape(obs, windows, WINDOW).sum(axis=(0, 2))
+    return out
+
+
+def _score_budget_api():
+    """mixkv's plan_from_layer_scores_within_budget and ScoreBudgetConfig, from
+    the package or, where the package does not re-export them, its core."""
+    core = getattr(mixkv, "_core", mixkv)
+    fn = getattr(mixkv, "plan_from_layer_scores_within_budget", None) or core.plan_from_layer_scores_within_budget
+    config = getattr(mixkv, "ScoreBudgetConfig", None) or core.ScoreBudgetConfig
+    return fn, config
+
+
+def scores_within_budget(model: SmolLM2, prompt: Prompt, layer_scores, budget: float):
+    """The budget rule on per-(layer, window) scores (mixkv's
+    plan_from_layer_scores_within_budget, default error weights): window 0
+    FP16, the rest INT2, then the upgrades of largest score x error saved per
+    byte while the prompt's KV bytes stay within `budget` x all-FP16.
+    Returns the ScoredBudgetPlan."""
+    c = model.config
+    fn, config = _score_budget_api()
+    shape = mixkv.CacheShape(c.num_layers, c.num_kv_heads, c.head_dim, WINDOW)
+    rows = [[float(x) for x in row] for row in np.asarray(layer_scores)]
+    return fn(prompt.layout, rows, shape, budget, config())
+
+
+def eq8_layer_scores(model: SmolLM2, prompt: Prompt, embeddings):
+    """Eq. 8 (the input embeddings' window similarity) as a score for the same
+    budget rule: min-max rescaled to [0, 1] within the request (the rule
+    needs scores >= 0; cosines may be negative) and the same row for every
+    layer, as eq. 8 scores a window once for all layers. Returns [layers,
+    windows]."""
+    scores = minmax(mixkv.window_similarity(prompt.layout, embeddings, WINDOW))
+    return np.tile(scores, (model.config.num_layers, 1))
+
+
+def layer_weighted(layer_scores, layer_weights):
+    """Scores re-weighted per layer: each layer's row as shares of its total
+    (where in the document that layer's question looks), times the layer's
+    weight (how much storing the layer's document at INT2 moves the
+    question's attention output: question_attention_error). Expected error
+    of a (layer, window) is then the layer's measured error spread over its
+    windows by attention share, which raw attention mass cannot give: a
+    layer's mass on the document says nothing of how far its output moves
+    the residual stream. Returns [layers, windows]."""
+    s = np.asarray(layer_scores, dtype=np.float64)
+    totals = s.sum(axis=1, keepdims=True)
+    shares = np.divide(s, totals, out=np.full_like(s, 1.0 / s.shape[1]), where=totals > 0)
+    return shares * np.asarray(layer_weights, dtype=np.float64)[:, None]

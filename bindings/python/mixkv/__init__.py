@@ -56,6 +56,8 @@ from ._core import (
     SchedulerConfig,
     SchedulerStats,
     SchedulingPolicy,
+    ScoreBudgetConfig,
+    ScoredBudgetPlan,
     Segment,
     SensitivityReduction,
     StepOutput,
@@ -74,6 +76,7 @@ from ._core import (
     is_quantized,
     layer_sensitivity,
     majority_vote,
+    plan_from_layer_scores_within_budget,
     plan_stats,
     window_similarity,
 )

@@ -406,6 +406,26 @@ def floor_layers_within_budget(
     budget_ratio: float,
 ) -> BudgetedPlan: ...
 
+class ScoreBudgetConfig:
+    int4_error: float
+    int2_error: float
+    first_window_fp16: bool
+    def __init__(self, int4_error: float = 0.1, int2_error: float = 0.5, first_window_fp16: bool = True) -> None: ...
+
+class ScoredBudgetPlan:
+    @property
+    def plan(self) -> PrecisionPlan: ...
+    @property
+    def stats(self) -> PlanStats: ...
+
+def plan_from_layer_scores_within_budget(
+    layout: TokenLayout,
+    scores: Sequence[Sequence[float]],
+    shape: CacheShape,
+    budget_ratio: float,
+    config: ScoreBudgetConfig = ...,
+) -> ScoredBudgetPlan: ...
+
 class SchedulingPolicy(enum.IntEnum):
     FCFS = 0
     Priority = 1
