@@ -48,14 +48,16 @@ const gpu::DevicePageTables* tables_of(const gpu::DecodePlan& plan) {
 
 namespace {
 
-// mixkv.cuda's ops take float16 arrays and the kernels interpret FP16 caches
-// only (kernels/src/dtype_guard.h): a BF16 cache is refused before its arena
-// is allocated.
+// mixkv.cuda's ops take their arrays through __cuda_array_interface__,
+// which has no bfloat16 type: a BF16 cache is refused before its arena is
+// allocated. The kernels take BF16 caches; on the GPU they run through
+// mixkv.Engine(backend="cuda"), whose arrays come through DLPack.
 const CacheConfig& fp16_config(const CacheConfig& config) {
   if (config.shape.dtype != DType::F16) {
     throw InvalidArgument("DeviceKVCache: config.shape.dtype = " + to_string(config.shape.dtype) +
-                          ": expected float16 (the CUDA kernels of this build take FP16 caches; a BF16 cache is a "
-                          "mixkv.KVCache on the CPU)");
+                          ": expected float16 (mixkv.cuda's ops take float16 arrays through "
+                          "__cuda_array_interface__, which has no bfloat16; a BF16 cache runs on the GPU through "
+                          "mixkv.Engine(backend='cuda'), or as a mixkv.KVCache on the CPU)");
   }
   return config;
 }

@@ -63,12 +63,6 @@ int current_device() {
 // Checks the config and selects its device before any CUDA member is built.
 const BackendConfig& select_device(const BackendConfig& config) {
   engine_detail::check_config("make_cuda_backend", config);
-  // The CUDA kernels of this build interpret FP16 caches only (kernels/src/dtype_guard.h).
-  if (config.cache.shape.dtype != DType::F16) {
-    throw InvalidArgument("make_cuda_backend: cache.shape.dtype = " + to_string(config.cache.shape.dtype) +
-                          ": expected float16 (the CUDA kernels of this build take FP16 caches; a BF16 cache runs on "
-                          "BackendKind::CPU)");
-  }
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
     cudaGetLastError();
@@ -165,8 +159,9 @@ class CudaBackend final : public Backend {
     if (inputs_.batch == 0) return;
     const DeviceGuard guard(device_);
     gpu::AppendArgs append;
-    append.k = static_cast<const Half*>(k.data);
-    append.v = static_cast<const Half*>(v.data);
+    append.k = k.data;
+    append.v = v.data;
+    append.dtype = k.dtype;
     append.fp16_slots = device_ints_.get() + slots_offset_ + static_cast<std::size_t>(layer) * inputs_.decode_rows;
     append.batch = inputs_.decode_rows;
     append.fp16_pool = pools_[pool_index(Precision::FP16)];
@@ -181,8 +176,9 @@ class CudaBackend final : public Backend {
     }
     gpu::DecodeRunArgs run;
     run.layer = layer;
-    run.q = static_cast<const Half*>(q.data);
-    run.out = static_cast<Half*>(out.data);
+    run.q = q.data;
+    run.out = out.data;
+    run.dtype = q.dtype;
     run.lse = lse != nullptr ? static_cast<float*>(lse->data) : nullptr;
     run.sm_scale = engine_detail::sm_scale(config_);
     run.pools = pools_;
@@ -361,8 +357,9 @@ class CudaBackend final : public Backend {
   void launch_store(std::int32_t layer, const TensorView& k, const TensorView& v) {
     gpu::StorePrefillArgs args;
     mappings_[static_cast<std::size_t>(layer)].fill(args);
-    args.k = static_cast<const Half*>(k.data);
-    args.v = static_cast<const Half*>(v.data);
+    args.k = k.data;
+    args.v = v.data;
+    args.dtype = k.dtype;
     args.pools = pools_;
     args.stream = stream_;
     gpu::store_prefill(args);
@@ -420,10 +417,11 @@ class CudaBackend final : public Backend {
                   const TensorView& v, const TensorView& out, const TensorView* lse) const {
     gpu::ExtendRunArgs run;
     run.layer = layer;
-    run.q = static_cast<const Half*>(q.data);
-    run.k = static_cast<const Half*>(k.data);
-    run.v = static_cast<const Half*>(v.data);
-    run.out = static_cast<Half*>(out.data);
+    run.q = q.data;
+    run.k = k.data;
+    run.v = v.data;
+    run.out = out.data;
+    run.dtype = q.dtype;
     run.lse = lse != nullptr ? static_cast<float*>(lse->data) : nullptr;
     run.sm_scale = engine_detail::sm_scale(config_);
     run.pools = pools_;

@@ -19,6 +19,11 @@
 // (quant_block_scores / _accumulate, decode_quant.cuh). The online softmax
 // is decode_softmax.cuh.
 //
+// E, the cache's 16-bit type (elem16.cuh), is that of q, out, the FP16
+// pool's rows and the (scale, min) parameters, and the MMAs' inputs. A BF16
+// instance takes the codes as exact bfloat16 integers instead of
+// subnormals (CodeField, decode_quant.cuh); all else is FP16's.
+//
 // Memory: each warp streams its own blocks through a private cp.async ring
 // (16-byte copies, several blocks in flight; FP16 blocks go in 16-token
 // units), so no CTA barrier sits in the main loop.
@@ -33,6 +38,7 @@
 // In O^T, row rho of channel tile cm is channel (D/8)(rho % 8) + 2 cm +
 // rho / 8, so each thread owns D/8 consecutive channels: one run of every
 // token's packed V codes (and of every FP16 V row).
+#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include <cstdint>
@@ -42,6 +48,7 @@
 #include "decode_quant.cuh"
 #include "decode_softmax.cuh"
 #include "device_math.cuh"
+#include "elem16.cuh"
 #include "mixkv/core/block_format.h"
 
 namespace mixkv::gpu::detail {
@@ -142,7 +149,7 @@ __device__ __forceinline__ void load_quant_head(char* slot, const char* head, in
 // -------------------------------------------------------------- compute --
 
 // One FP16 unit of 16 tokens (natural token order).
-template <int D, int NT>
+template <typename E, int D, int NT>
 __device__ __forceinline__ void compute_fp16_unit(const char* slot, int valid_rows, const uint32_t (&qf)[NT][D / 16][2],
                                                   float scale_log2, WarpState<D, NT>& st, int lane) {
   const int g = lane >> 2;
@@ -158,7 +165,7 @@ __device__ __forceinline__ void compute_fp16_unit(const char* slot, int valid_ro
       uint32_t a[4];
       ldmatrix_x4(a, k_row + k_swizzle(2 * ks + (lane >> 4), row) * 16);
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt) mma_16816(s[nt][0], a, qf[nt][ks][0], qf[nt][ks][1]);
+      for (int nt = 0; nt < NT; ++nt) Elem16<E>::mma_16816(s[nt][0], a, qf[nt][ks][0], qf[nt][ks][1]);
     }
   }
   uint32_t b[NT][2];  // P^T as B fragments
@@ -172,8 +179,8 @@ __device__ __forceinline__ void compute_fp16_unit(const char* slot, int valid_ro
   online_softmax<NT, 1>(s, scale_log2, st);
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
-    b[nt][0] = movmatrix_trans(pack_half2(s[nt][0][0], s[nt][0][1]));
-    b[nt][1] = movmatrix_trans(pack_half2(s[nt][0][2], s[nt][0][3]));
+    b[nt][0] = movmatrix_trans(pack2<E>(s[nt][0][0], s[nt][0][1]));
+    b[nt][1] = movmatrix_trans(pack2<E>(s[nt][0][2], s[nt][0][3]));
   }
 
   const char* v_rows = slot + 16 * D * 2;
@@ -194,7 +201,7 @@ __device__ __forceinline__ void compute_fp16_unit(const char* slot, int valid_ro
       const uint32_t a[4] = {prmt(w0[j], w1[j], 0x5410), prmt(w0[j], w1[j], 0x7632), prmt(w2[j], w3[j], 0x5410),
                              prmt(w2[j], w3[j], 0x7632)};
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt) mma_16816(st.acc[nt][4 * h + j], a, b[nt][0], b[nt][1]);
+      for (int nt = 0; nt < NT; ++nt) Elem16<E>::mma_16816(st.acc[nt][4 * h + j], a, b[nt][0], b[nt][1]);
     }
   }
 }
@@ -205,7 +212,7 @@ __device__ __forceinline__ void compute_fp16_unit(const char* slot, int valid_ro
 // pool's list, streamed through the warp's ring. lead_id: the page id of
 // the warp's first unit's block when the plan carried it (the item's first
 // segment), else -1.
-template <int D, int S, int NT, Precision P, int kStages = DecodeTile<D, S, NT>::template stages<P>()>
+template <typename E, int D, int S, int NT, Precision P, int kStages = DecodeTile<D, S, NT>::template stages<P>()>
 __device__ __forceinline__ void run_segment(const DecodeParams& p, const std::int32_t* ids, int lo, int hi,
                                             int n_blocks, int fill, int kv_head, int lead_id, char* ring,
                                             const uint32_t (&qf)[NT][D / 16][2], WarpState<D, NT>& st, int warp,
@@ -258,7 +265,7 @@ __device__ __forceinline__ void run_segment(const DecodeParams& p, const std::in
              __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(lane_head), k & 31)));
   };
 
-  if constexpr (P != Precision::FP16) scale_acc_to_codes<bits_of(P)>(st, true);
+  if constexpr (P != Precision::FP16) scale_acc_to_codes<E, bits_of(P)>(st, true);
   // Unit 0's copy goes out before the window's page-table loads when the
   // plan gave its page id.
   const bool lead = lead_id >= 0 && count > 0;
@@ -281,7 +288,7 @@ __device__ __forceinline__ void run_segment(const DecodeParams& p, const std::in
       const int stage = k % kStages;
       int block, sub;
       const int rows = unit_rows(k, block, sub);
-      compute_fp16_unit<D, NT>(ring + stage * kUnitBytes, rows, qf, p.scale_log2, st, lane);
+      compute_fp16_unit<E, D, NT>(ring + stage * kUnitBytes, rows, qf, p.scale_log2, st, lane);
       __syncwarp();
       if (k + kStages < count) issue(k + kStages, stage);
       cp_async_commit();
@@ -309,7 +316,7 @@ __device__ __forceinline__ void run_segment(const DecodeParams& p, const std::in
     }
     cp_async_wait<kStages - 1>();
     __syncwarp();
-    quant_block_scores<D, S, kBits, NT>(p, ring, qf, st.m, e, lane);
+    quant_block_scores<E, D, S, kBits, NT>(p, ring, qf, st.m, e, lane);
     thread_max<NT, MT>(e, tm);
     // Ring stages of blocks k and k + 1 as counters (a modulo by the
     // stage count costs a multiply-high chain per block).
@@ -326,8 +333,8 @@ __device__ __forceinline__ void run_segment(const DecodeParams& p, const std::in
       // Block k + 1's exponents against the max after block k: its own
       // rescale, if any, shifts them.
       float next[NT][MT][4];
-      quant_block_scores<D, S, kBits, NT>(p, ring + next_stage * kUnitBytes, qf, st.m, next, lane);
-      quant_block_accumulate<D, S, kBits, NT>(ring + stage * kUnitBytes, e, st, lane);
+      quant_block_scores<E, D, S, kBits, NT>(p, ring + next_stage * kUnitBytes, qf, st.m, next, lane);
+      quant_block_accumulate<E, D, S, kBits, NT>(ring + stage * kUnitBytes, e, st, lane);
       thread_max<NT, MT>(next, tm);
       __syncwarp();
       if (k + kStages < count) issue(k + kStages, stage);
@@ -347,16 +354,16 @@ __device__ __forceinline__ void run_segment(const DecodeParams& p, const std::in
     }
     quant_rescale<NT, MT>(tm, lim, st, e);
     exponentiate<NT, MT>(e, st);
-    quant_block_accumulate<D, S, kBits, NT>(ring + stage * kUnitBytes, e, st, lane);
+    quant_block_accumulate<E, D, S, kBits, NT>(ring + stage * kUnitBytes, e, st, lane);
   }
   cp_async_wait<0>();
   __syncwarp();
-  if constexpr (P != Precision::FP16) scale_acc_to_codes<bits_of(P)>(st, false);
+  if constexpr (P != Precision::FP16) scale_acc_to_codes<E, bits_of(P)>(st, false);
 }
 
 // ---------------------------------------------------------------- kernel --
 
-template <int D, int S, int NT>
+template <typename E, int D, int S, int NT>
 __global__ void __launch_bounds__(kDecodeThreads, DecodeTile<D, S, NT>::kMinCtasPerSm)
     paged_decode_kernel(const __grid_constant__ DecodeParams p) {
   using Tile = DecodeTile<D, S, NT>;
@@ -378,7 +385,7 @@ __global__ void __launch_bounds__(kDecodeThreads, DecodeTile<D, S, NT>::kMinCtas
   // b0 = Q[h][16 ks + 2r ..], b1 = Q[h][16 ks + 2r + 8 ..]
   uint32_t qf[NT][D / 16][2];
   {
-    const __half* q = p.q + (static_cast<std::size_t>(item.seq) * p.num_q_heads + item.q_head) * D;
+    const E* q = values16<E>(p.q) + (static_cast<std::size_t>(item.seq) * p.num_q_heads + item.q_head) * D;
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
       const int h = kHeadsPerTile * nt + g;
@@ -410,8 +417,8 @@ __global__ void __launch_bounds__(kDecodeThreads, DecodeTile<D, S, NT>::kMinCtas
   {
     const int lo = max(item.begin - first, 0), hi = min(item.end - first, n[0]);
     if (lo < hi) {
-      run_segment<D, S, NT, Precision::FP16>(p, table, lo, hi, n[0], fill, item.kv_head, lead_id, ring, qf, st, warp,
-                                             lane);
+      run_segment<E, D, S, NT, Precision::FP16>(p, table, lo, hi, n[0], fill, item.kv_head, lead_id, ring, qf, st, warp,
+                                                lane);
       lead_id = -1;
     }
     first += n[0];
@@ -419,8 +426,8 @@ __global__ void __launch_bounds__(kDecodeThreads, DecodeTile<D, S, NT>::kMinCtas
   {
     const int lo = max(item.begin - first, 0), hi = min(item.end - first, n[1]);
     if (lo < hi) {
-      run_segment<D, S, NT, Precision::INT4>(p, table + pool_stride, lo, hi, n[1], S, item.kv_head, lead_id, ring, qf,
-                                             st, warp, lane);
+      run_segment<E, D, S, NT, Precision::INT4>(p, table + pool_stride, lo, hi, n[1], S, item.kv_head, lead_id, ring,
+                                                qf, st, warp, lane);
       lead_id = -1;
     }
     first += n[1];
@@ -430,11 +437,11 @@ __global__ void __launch_bounds__(kDecodeThreads, DecodeTile<D, S, NT>::kMinCtas
     if (lo < hi) {
       constexpr Precision P = Precision::INT2;
       if (range.y >= p.resident_ctas) {
-        run_segment<D, S, NT, P, Tile::template stages<P, true>()>(p, table + 2 * pool_stride, lo, hi, n[2], S,
-                                                                   item.kv_head, lead_id, ring, qf, st, warp, lane);
+        run_segment<E, D, S, NT, P, Tile::template stages<P, true>()>(p, table + 2 * pool_stride, lo, hi, n[2], S,
+                                                                      item.kv_head, lead_id, ring, qf, st, warp, lane);
       } else {
-        run_segment<D, S, NT, P>(p, table + 2 * pool_stride, lo, hi, n[2], S, item.kv_head, lead_id, ring, qf, st, warp,
-                                 lane);
+        run_segment<E, D, S, NT, P>(p, table + 2 * pool_stride, lo, hi, n[2], S, item.kv_head, lead_id, ring, qf, st,
+                                    warp, lane);
       }
     }
   }
@@ -517,14 +524,14 @@ __global__ void __launch_bounds__(kDecodeThreads, DecodeTile<D, S, NT>::kMinCtas
     if (split) {
       reinterpret_cast<float4*>(p.partial_out + row * D)[c4] = value;
     } else {
-      __half2* dst = reinterpret_cast<__half2*>(p.out + row * D + 4 * c4);
-      dst[0] = __floats2half2_rn(value.x, value.y);
-      dst[1] = __floats2half2_rn(value.z, value.w);
+      auto* dst = reinterpret_cast<typename Elem16<E>::T2*>(values16<E>(p.out) + row * D + 4 * c4);
+      dst[0] = Elem16<E>::round2(value.x, value.y);
+      dst[1] = Elem16<E>::round2(value.z, value.w);
     }
     float* lse = split ? p.partial_lse : p.lse;
     if (c4 == 0 && lse != nullptr) lse[row] = sum > 0.0f ? (mx + log2f(sum)) * kLn2 : -INFINITY;
   }
-  if (item.partial >= 0) merge_split_item<D, kDecodeThreads, kHeads>(p, item, reinterpret_cast<int*>(so));
+  if (item.partial >= 0) merge_split_item<E, D, kDecodeThreads, kHeads>(p, item, reinterpret_cast<int*>(so));
 }
 
 }  // namespace mixkv::gpu::detail

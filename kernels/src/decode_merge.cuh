@@ -8,11 +8,13 @@
 // pair would stream ~330 KB through one SM. Arrival counters sit in fixed
 // buffers and are reset by their last arrival, so a run needs no memset and
 // a captured graph can be replayed.
+#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include <cstdint>
 
 #include "decode_params.cuh"
+#include "elem16.cuh"
 
 namespace mixkv::gpu::detail {
 
@@ -44,7 +46,7 @@ __device__ __forceinline__ bool arrive_last(std::int32_t* counter, int expected,
 // head i / kVecsPerHead) and keeps its own running max and sum, so the lse
 // and row loads of a batch of rows go out together: a merge of up to kBatch
 // rows is one L2 round trip, with no shared memory and one barrier.
-template <int D, int Threads, int MaxGroup>
+template <typename E, int D, int Threads, int MaxGroup>
 __device__ __forceinline__ void merge_rows(const DecodeParams& p, const DecodeWorkItem& item, int first, int stride,
                                            int count, int dst_row) {
   constexpr int kVecsPerHead = D / 4;
@@ -129,9 +131,10 @@ __device__ __forceinline__ void merge_rows(const DecodeParams& p, const DecodeWo
       lse = p.partial_lse;
       lse_at = static_cast<std::size_t>(dst_row) * group + h;
     } else {
-      __half2* dst = reinterpret_cast<__half2*>(p.out + (out_row + h) * D + (i % kVecsPerHead) * 4);
-      dst[0] = __floats2half2_rn(value.x, value.y);
-      dst[1] = __floats2half2_rn(value.z, value.w);
+      auto* dst =
+          reinterpret_cast<typename Elem16<E>::T2*>(values16<E>(p.out) + (out_row + h) * D + (i % kVecsPerHead) * 4);
+      dst[0] = Elem16<E>::round2(value.x, value.y);
+      dst[1] = Elem16<E>::round2(value.z, value.w);
       lse = p.lse;
       lse_at = out_row + h;
     }
@@ -141,7 +144,7 @@ __device__ __forceinline__ void merge_rows(const DecodeParams& p, const DecodeWo
 
 // Called by every CTA of a split item after it wrote its partial row.
 // `flag`: one int of shared memory no thread still reads.
-template <int D, int Threads, int MaxGroup>
+template <typename E, int D, int Threads, int MaxGroup>
 __device__ __forceinline__ void merge_split_item(const DecodeParams& p, const DecodeWorkItem& item, int* flag) {
   const int piece = item.partial - item.first;
   const int group_first = item.first + piece / item.fan_in * item.fan_in;
@@ -151,7 +154,7 @@ __device__ __forceinline__ void merge_split_item(const DecodeParams& p, const De
   // One call site for both levels keeps a single inlined copy of the merge.
   int first = group_first, stride = 1, count = group_size, dst_row = groups == 1 ? -1 : group_first;
   for (;;) {
-    merge_rows<D, Threads, MaxGroup>(p, item, first, stride, count, dst_row);
+    merge_rows<E, D, Threads, MaxGroup>(p, item, first, stride, count, dst_row);
     if (dst_row < 0 || !arrive_last(p.pair_counters + item.first, groups, flag)) return;
     first = item.first;
     stride = item.fan_in;

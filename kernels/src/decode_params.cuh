@@ -43,6 +43,11 @@ struct DecodeWorkItem {
   std::int32_t fan_in = 0;
 };
 
+// q and out hold values of the cache's 16-bit type, the kernel instance's
+// E, which reads them through values16<E> (elem16.cuh). They are typed as
+// FP16 rather than void: with void pointers the stores through out lose
+// their type for alias analysis, and the FP16 instances compile to other
+// SASS.
 struct DecodeParams {
   const __half* q = nullptr;  // [batch][num_q_heads][head_dim]
   __half* out = nullptr;      // [batch][num_q_heads][head_dim]
@@ -78,7 +83,9 @@ struct DecodeParams {
   std::int32_t resident_ctas = 0;
   float scale_log2 = 0.0f;  // sm_scale * log2(e): scores are kept in base 2
   // scale_log2 * 2^(24 - k): the score factor of a quantized K code that
-  // the tensor cores took as the FP16 subnormal 2^(k-24) x (k <= 8).
+  // the tensor cores took as the FP16 subnormal 2^(k-24) x (k <= 8); in a
+  // BF16 instance scale_log2 * 2^-k, the code taken as the exact 2^k x
+  // (CodeField in decode_quant.cuh).
   float code_score_scale[9] = {};
 };
 

@@ -92,7 +92,7 @@ DecodePlan::DecodePlan(const DecodePlanConfig& config, const DevicePageTables& t
   require(config.num_kv_heads >= 1, [&] { return field("num_kv_heads", config.num_kv_heads, ">= 1"); });
   require(config.num_q_heads >= 1 && config.num_q_heads % config.num_kv_heads == 0,
           [&] { return field("num_q_heads", config.num_q_heads, "a positive multiple of num_kv_heads"); });
-  detail::check_decode_supported(config.head_dim, config.block_size);
+  detail::check_decode_supported(DType::F16, config.head_dim, config.block_size);
   require(config.max_batch >= 1, [&] { return field("max_batch", config.max_batch, ">= 1"); });
   require(config.max_batch <= tables.config().max_sequences,
           [&] { return field("max_batch", config.max_batch, "<= the page tables' max_sequences"); });
@@ -115,7 +115,7 @@ DecodePlan::DecodePlan(const DecodePlanConfig& config, const DevicePageTables& t
   require(config.max_heads_per_item == 0 || config.max_heads_per_item == detail::kHeadsPerTileHost ||
               config.max_heads_per_item == 2 * detail::kHeadsPerTileHost,
           [&] { return field("max_heads_per_item", config.max_heads_per_item, "0, 8 or 16"); });
-  const bool two_tiles_built = detail::decode_supports_two_tiles(config.head_dim, config.block_size);
+  const bool two_tiles_built = detail::decode_built(DType::F16, config.head_dim, config.block_size, 2);
   require(config.max_heads_per_item != 2 * detail::kHeadsPerTileHost || two_tiles_built, [&] {
     return field("max_heads_per_item", config.max_heads_per_item, "8: no two-tile instance is built for head_dim ") +
            std::to_string(config.head_dim) + ", block_size " + std::to_string(config.block_size);
@@ -150,10 +150,17 @@ DecodePlan::DecodePlan(const DecodePlanConfig& config, const DevicePageTables& t
   s.d_counters.allocate(2 * static_cast<std::size_t>(s.max_partials));
   MIXKV_CUDA_CHECK(
       cudaMemset(s.d_counters.get(), 0, 2 * static_cast<std::size_t>(s.max_partials) * sizeof(std::int32_t)));
-  // Set the kernel's shared-memory limit now (run() may be under graph
-  // capture) and learn how many of its CTAs share an SM.
-  s.ctas_per_sm = std::max(
-      1, detail::launch_decode(detail::DecodeParams{}, config.head_dim, config.block_size, s.n_tiles(), 0, nullptr));
+  // Set the kernels' shared-memory limit now (run() may be under graph
+  // capture), for the BF16 instance too where one is built (the plan does
+  // not know the cache's type before run()), and learn how many CTAs share
+  // an SM: the FP16 instance's count plans both (the same shared memory and
+  // __launch_bounds__).
+  s.ctas_per_sm = std::max(1, detail::launch_decode(detail::DecodeParams{}, DType::F16, config.head_dim,
+                                                    config.block_size, s.n_tiles(), 0, nullptr));
+  if (detail::decode_built(DType::BF16, config.head_dim, config.block_size, s.n_tiles())) {
+    detail::launch_decode(detail::DecodeParams{}, DType::BF16, config.head_dim, config.block_size, s.n_tiles(), 0,
+                          nullptr);
+  }
   s.layers.resize(config.num_layers);
   s.next_layers.resize(config.num_layers);
 }
@@ -404,13 +411,21 @@ void DecodePlan::run(const DecodeRunArgs& args) const {
   const Impl& s = *impl_;
   const DecodePlanConfig& c = s.config;
   require(!s.slots.empty(), "DecodePlan::run: no plan: call plan() first");
-  detail::require_fp16_pools("DecodePlan::run", args.pools);
+  const DType dtype = detail::require_pool_dtypes("DecodePlan::run", args.pools);
+  detail::require_input_dtype("DecodePlan::run", "dtype (of q, out)", args.dtype, dtype, "pools[FP16]");
+  require(detail::decode_built(dtype, c.head_dim, c.block_size, s.n_tiles()), [&] {
+    return "DecodePlan::run: pools[FP16].format.dtype = " + to_string(dtype) + ": no decode kernel of that type at " +
+           "head_dim " + std::to_string(c.head_dim) + ", block_size " + std::to_string(c.block_size) + " with " +
+           std::to_string(s.n_tiles()) + " head tiles (kernels/CMakeLists.txt lists the built instances)";
+  });
   require(args.layer >= 0 && args.layer < c.num_layers, [&] {
     return "DecodePlan::run: layer = " + std::to_string(args.layer) + ": expected [0, " + std::to_string(c.num_layers) +
            ")";
   });
-  require(args.q != nullptr, "DecodePlan::run: q is null: expected device [batch][num_q_heads][head_dim] halves");
-  require(args.out != nullptr, "DecodePlan::run: out is null: expected device [batch][num_q_heads][head_dim] halves");
+  require(args.q != nullptr,
+          "DecodePlan::run: q is null: expected device [batch][num_q_heads][head_dim] values of dtype");
+  require(args.out != nullptr,
+          "DecodePlan::run: out is null: expected device [batch][num_q_heads][head_dim] values of dtype");
   require(std::isfinite(args.sm_scale) && args.sm_scale > 0.0f, [&] {
     return "DecodePlan::run: sm_scale = " + std::to_string(args.sm_scale) + ": expected a finite value > 0";
   });
@@ -443,8 +458,8 @@ void DecodePlan::run(const DecodeRunArgs& args) const {
 
   const DeviceTablesView view = s.tables->device_view();
   detail::DecodeParams p;
-  p.q = reinterpret_cast<const __half*>(args.q);
-  p.out = reinterpret_cast<__half*>(args.out);
+  p.q = static_cast<const __half*>(args.q);  // the cache's type, read as it by the instance (DecodeParams)
+  p.out = static_cast<__half*>(args.out);
   p.lse = args.lse;
   const std::size_t layer_pools = static_cast<std::size_t>(args.layer) * kNumPrecisions;
   p.blocks = view.blocks + layer_pools * view.max_sequences * view.max_blocks;
@@ -466,12 +481,15 @@ void DecodePlan::run(const DecodeRunArgs& args) const {
   p.group = s.group;
   p.resident_ctas = s.ctas_per_sm * c.num_sms;
   p.scale_log2 = args.sm_scale * 1.4426950408889634f;
+  // The code of bit k is 2^(k-24) x as an FP16 subnormal, 2^k x as a
+  // bfloat16 integer (decode_quant.cuh, CodeField).
+  const int code_exponent = dtype == DType::BF16 ? 0 : -24;
   for (std::size_t k = 0; k < std::size(p.code_score_scale); ++k) {
-    p.code_score_scale[k] = std::ldexp(p.scale_log2, 24 - static_cast<int>(k));
+    p.code_score_scale[k] = std::ldexp(p.scale_log2, -code_exponent - static_cast<int>(k));
   }
 
   const int grid = args.fixed_grid ? s.max_items : static_cast<int>(s.layers[args.layer].items.size());
-  if (grid > 0) detail::launch_decode(p, c.head_dim, c.block_size, s.n_tiles(), grid, args.stream);
+  if (grid > 0) detail::launch_decode(p, dtype, c.head_dim, c.block_size, s.n_tiles(), grid, args.stream);
 }
 
 const DecodePlanConfig& DecodePlan::config() const { return impl_->config; }

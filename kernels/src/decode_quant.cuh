@@ -1,15 +1,19 @@
 #pragma once
 // The decode kernel's quantized blocks (decode_kernel.cuh): where a thread's
-// packed INT4/INT2 code fields sit, their extraction into FP16 subnormal
-// MMA operands, and the scores and accumulation of one quantized block with
-// the per-channel K and per-token V parameters folded into the MMAs.
+// packed INT4/INT2 code fields sit, their extraction into MMA operands
+// (FP16 subnormals, or exact bfloat16 integers in a BF16 instance), and the
+// scores and accumulation of one quantized block with the per-channel K and
+// per-token V parameters folded into the MMAs.
+#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "decode_params.cuh"
 #include "decode_softmax.cuh"
 #include "device_math.cuh"
+#include "elem16.cuh"
 #include "mixkv/core/block_format.h"
 
 namespace mixkv::gpu::detail {
@@ -114,6 +118,64 @@ __device__ __forceinline__ uint32_t k_codes_of(const uint32_t (&x)[2], int i) {
   return codes_at<Bits>(KRunPos<Bits>::shifted(i) ? h >> 8 : h, KRunPos<Bits>::k(i));
 }
 
+// A BF16 instance takes a code as the exact bfloat16 2^k x: bfloat16 has
+// no subnormal that the tensor cores and an FP32 accumulator would keep for
+// every product (2^-133 x q is below FP32's normal range), so one lop3 puts
+// the field under the exponent of 128 (0x4300 | field = 128 + 2^k x, exact
+// while k + Bits <= 7) and one bfloat16x2 subtraction takes the 128 away.
+// The field at bit `bit` of a 16-bit half is shifted down to k = bit % 4
+// first (k <= 3; bits the shift brings down from the upper half land above
+// the field and are masked off).
+struct Bf16CodePos {
+  static constexpr int shift(int bit) { return bit & ~3; }
+  static constexpr int k(int bit) { return bit & 3; }
+};
+
+template <int Bits>
+__device__ __forceinline__ uint32_t bf16_codes_at(uint32_t x, int bit) {
+  static_assert(Bf16CodePos::k(14) + Bits <= 7, "the field stays in bfloat16's mantissa under 128");
+  const uint32_t biased = codes_at<Bits>(x >> Bf16CodePos::shift(bit), Bf16CodePos::k(bit)) | 0x43004300u;
+  const __nv_bfloat162 v = __hsub2(Elem16<__nv_bfloat16>::pair(biased), Elem16<__nv_bfloat16>::pair(0x43004300u));
+  return Elem16<__nv_bfloat16>::bits(v);
+}
+
+// The code fields of a cache of type E: FP16 subnormals 2^(k-24) x or
+// BFloat16 integers 2^k x. kExp is the exponent offset (-24, 0), k_of(i)
+// the k of token i of a K run (k_codes) and v_k(bit) that of a V field at
+// bit `bit` of a half (v_codes).
+template <typename E, int Bits>
+struct CodeField {
+  static constexpr bool kFp16 = std::is_same_v<E, __half>;
+  static constexpr int kExp = kFp16 ? -24 : 0;
+  static constexpr int k_of(int i) { return kFp16 ? KRunPos<Bits>::k(i) : Bf16CodePos::k(KRunPos<Bits>::bit(i)); }
+  static constexpr int v_k(int bit) { return kFp16 ? VFieldPos<Bits>::k(bit) : Bf16CodePos::k(bit); }
+  __device__ static __forceinline__ uint32_t k_codes(const uint32_t (&x)[2], int i) {
+    if constexpr (kFp16) {
+      return k_codes_of<Bits>(x, i);
+    } else {
+      return bf16_codes_at<Bits>(x[KRunPos<Bits>::half(i)], KRunPos<Bits>::bit(i));
+    }
+  }
+  __device__ static __forceinline__ uint32_t v_codes(uint32_t x, int bit) {
+    if constexpr (kFp16) {
+      return v_codes_at<Bits>(x, bit);
+    } else {
+      return bf16_codes_at<Bits>(x, bit);
+    }
+  }
+};
+
+// a * b of two packed pairs of E.
+template <typename E>
+__device__ __forceinline__ uint32_t mul2(uint32_t a, uint32_t b) {
+  if constexpr (std::is_same_v<E, __half>) {
+    return hmul2_u32(a, b);
+  } else {
+    using Elem = Elem16<E>;
+    return Elem::bits(__hmul2(Elem::pair(a), Elem::pair(b)));
+  }
+}
+
 // The thread's K code runs of every k-step, paired as the MMA wants them:
 // x[ks][0] holds channels c0 = 16 ks + 2r and c0 + 1, x[ks][1] channels
 // c0 + 8 and c0 + 9; [..][h] has bits 16h..16h+15 of each run (low channel
@@ -171,7 +233,9 @@ __device__ __forceinline__ void load_k_pairs(const char* k_codes, uint32_t (&x)[
   }
 }
 
-// One quantized block of S tokens (permuted token order, see the top).
+// One quantized block of S tokens (permuted token order, see the top), of
+// a cache of type E (CodeField: what follows is FP16's; BF16 takes the
+// codes as exact integers, 2^k x, and the same folding with 2^-k).
 // The tensor cores get the codes as FP16 subnormals straight from one lop3
 // each (the MMA takes subnormal inputs exactly, and no product of two FP16
 // numbers is below 2^-48, a normal FP32 number):
@@ -188,13 +252,14 @@ __device__ __forceinline__ void load_k_pairs(const char* k_codes, uint32_t (&x)[
 // Out: the block's exponent arguments, scores times scale_log2 relative to
 // (base0, base1): one fma a score, 2^(24-k_t) scale_log2 from the
 // parameters' constant bank and the rank-1 term and the base in its addend.
-template <int D, int S, int Bits, int NT>
+template <typename E, int D, int S, int Bits, int NT>
 __device__ __forceinline__ void quant_block_scores(const DecodeParams& p, const char* slot,
                                                    const uint32_t (&qf)[NT][D / 16][2], const float (&base)[NT][2],
                                                    float (&s)[NT][S / 16][4], int lane) {
   constexpr Precision P = Bits == 4 ? Precision::INT4 : Precision::INT2;
   constexpr BlockFormat F{P, 1, D, S};
   constexpr int MT = S / 16;
+  using Field = CodeField<E, Bits>;
   const int r = lane & 3;
 
   // ---- S^T = K Q'^T, plus the rank-1 terms
@@ -229,21 +294,21 @@ __device__ __forceinline__ void quant_block_scores(const DecodeParams& p, const 
     uint32_t qb[NT][2];
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
-      qb[nt][0] = hmul2_u32(qf[nt][ks][0], params.y);
-      qb[nt][1] = hmul2_u32(qf[nt][ks][1], params.w);
+      qb[nt][0] = mul2<E>(qf[nt][ks][0], params.y);
+      qb[nt][1] = mul2<E>(qf[nt][ks][1], params.w);
     }
     const uint32_t am[4] = {params.x, params.y, params.z, params.w};
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) mma_16816(bias[nt], am, qf[nt][ks][0], qf[nt][ks][1]);
+    for (int nt = 0; nt < NT; ++nt) Elem16<E>::mma_16816(bias[nt], am, qf[nt][ks][0], qf[nt][ks][1]);
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
-      const uint32_t a[4] = {k_codes_of<Bits>(kx[ks][0], 2 * mt), k_codes_of<Bits>(kx[ks][0], 2 * mt + 1),
-                             k_codes_of<Bits>(kx[ks][1], 2 * mt), k_codes_of<Bits>(kx[ks][1], 2 * mt + 1)};
+      const uint32_t a[4] = {Field::k_codes(kx[ks][0], 2 * mt), Field::k_codes(kx[ks][0], 2 * mt + 1),
+                             Field::k_codes(kx[ks][1], 2 * mt), Field::k_codes(kx[ks][1], 2 * mt + 1)};
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt) mma_16816(s[nt][mt], a, qb[nt][0], qb[nt][1]);
+      for (int nt = 0; nt < NT; ++nt) Elem16<E>::mma_16816(s[nt][mt], a, qb[nt][0], qb[nt][1]);
     }
   }
-  static_assert(KRunPos<Bits>::k(S / 8 - 1) < 9 && KRunPos<Bits>::k(S / 8 - 2) < 9, "code_score_scale's range");
+  static_assert(Field::k_of(S / 8 - 1) < 9 && Field::k_of(S / 8 - 2) < 9, "code_score_scale's range");
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
     const float add0 = fmaf(bias[nt][0], p.scale_log2, -base[nt][0]);
@@ -251,8 +316,8 @@ __device__ __forceinline__ void quant_block_scores(const DecodeParams& p, const 
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
       // rows g: run token 2mt; rows g + 8: run token 2mt + 1
-      const float f0 = p.code_score_scale[KRunPos<Bits>::k(2 * mt)];
-      const float f1 = p.code_score_scale[KRunPos<Bits>::k(2 * mt + 1)];
+      const float f0 = p.code_score_scale[Field::k_of(2 * mt)];
+      const float f1 = p.code_score_scale[Field::k_of(2 * mt + 1)];
       s[nt][mt][0] = fmaf(s[nt][mt][0], f0, add0);
       s[nt][mt][1] = fmaf(s[nt][mt][1], f0, add1);
       s[nt][mt][2] = fmaf(s[nt][mt][2], f1, add0);
@@ -262,7 +327,7 @@ __device__ __forceinline__ void quant_block_scores(const DecodeParams& p, const 
 }
 
 // O^T += V^T P^T of one quantized block, P (s) its probabilities.
-template <int D, int S, int Bits, int NT>
+template <typename E, int D, int S, int Bits, int NT>
 __device__ __forceinline__ void quant_block_accumulate(const char* slot, float (&s)[NT][S / 16][4],
                                                        WarpState<D, NT>& st, int lane) {
   constexpr Precision P = Bits == 4 ? Precision::INT4 : Precision::INT2;
@@ -280,11 +345,22 @@ __device__ __forceinline__ void quant_block_accumulate(const char* slot, float (
                 "V params: one (scale, min) word per token");
   SmemRun<4 * kRunTokens> v_params;  // (scale, min) of each of the thread's tokens
   v_params.load(slot + F.v_scale_offset(kRunTokens * g));
-  auto vmin = [&](int i) { return __half2float(__ushort_as_half(static_cast<unsigned short>(v_params.w[i] >> 16))); };
+  auto vmin = [&](int i) {
+    if constexpr (std::is_same_v<E, __half>) {
+      return __half2float(__ushort_as_half(static_cast<unsigned short>(v_params.w[i] >> 16)));
+    } else {
+      return __bfloat162float(__ushort_as_bfloat16(static_cast<unsigned short>(v_params.w[i] >> 16)));
+    }
+  };
   auto times_vscale = [&](uint32_t p2, int i) {
-    const __half2 r =
-        __hmul2(*reinterpret_cast<const __half2*>(&p2), __low2half2(*reinterpret_cast<const __half2*>(&v_params.w[i])));
-    return *reinterpret_cast<const uint32_t*>(&r);
+    if constexpr (std::is_same_v<E, __half>) {
+      const __half2 r = __hmul2(*reinterpret_cast<const __half2*>(&p2),
+                                __low2half2(*reinterpret_cast<const __half2*>(&v_params.w[i])));
+      return *reinterpret_cast<const uint32_t*>(&r);
+    } else {
+      using Elem = Elem16<E>;
+      return Elem::bits(__hmul2(Elem::pair(p2), __low2bfloat162(Elem::pair(v_params.w[i]))));
+    }
   };
   uint32_t pb[NT][MT][2];  // P'^T as B fragments
 #pragma unroll
@@ -295,8 +371,8 @@ __device__ __forceinline__ void quant_block_accumulate(const char* slot, float (
     for (int nt = 0; nt < NT; ++nt) {
       st.vb[nt][0] = fmaf(s[nt][mt][2], vmin(i1), fmaf(s[nt][mt][0], vmin(i0), st.vb[nt][0]));
       st.vb[nt][1] = fmaf(s[nt][mt][3], vmin(i1), fmaf(s[nt][mt][1], vmin(i0), st.vb[nt][1]));
-      pb[nt][mt][0] = movmatrix_trans(times_vscale(pack_half2(s[nt][mt][0], s[nt][mt][1]), i0));
-      pb[nt][mt][1] = movmatrix_trans(times_vscale(pack_half2(s[nt][mt][2], s[nt][mt][3]), i1));
+      pb[nt][mt][0] = movmatrix_trans(times_vscale(pack2<E>(s[nt][mt][0], s[nt][mt][1]), i0));
+      pb[nt][mt][1] = movmatrix_trans(times_vscale(pack2<E>(s[nt][mt][2], s[nt][mt][3]), i1));
     }
   }
 
@@ -325,25 +401,28 @@ __device__ __forceinline__ void quant_block_accumulate(const char* slot, float (
     for (int mt = 0; mt < MT; ++mt) {
       const uint32_t xab = prmt(v[mt][0].w[word], v[mt][1].w[word], sel);
       const uint32_t xcd = prmt(v[mt][2].w[word], v[mt][3].w[word], sel);
-      const uint32_t a[4] = {v_codes_at<Bits>(xab, shift), v_codes_at<Bits>(xab, shift + Bits),
-                             v_codes_at<Bits>(xcd, shift), v_codes_at<Bits>(xcd, shift + Bits)};
+      using Field = CodeField<E, Bits>;
+      const uint32_t a[4] = {Field::v_codes(xab, shift), Field::v_codes(xab, shift + Bits), Field::v_codes(xcd, shift),
+                             Field::v_codes(xcd, shift + Bits)};
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt) mma_16816(st.acc[nt][cm], a, pb[nt][mt][0], pb[nt][mt][1]);
+      for (int nt = 0; nt < NT; ++nt) Elem16<E>::mma_16816(st.acc[nt][cm], a, pb[nt][mt][0], pb[nt][mt][1]);
     }
   }
 }
 
 // Entering (to_codes) or leaving a quantized segment of `Bits`: O^T rows
 // times 2^(k-24) or 2^(24-k), k the bit of their V codes (exact powers of
-// two: the accumulators are sums of p v, far from FP32's limits).
-template <int Bits, int D, int NT>
+// two: the accumulators are sums of p v, far from FP32's limits); in a
+// BF16 instance 2^k or 2^-k (CodeField::kExp).
+template <typename E, int Bits, int D, int NT>
 __device__ __forceinline__ void scale_acc_to_codes(WarpState<D, NT>& st, bool to_codes) {
+  using Field = CodeField<E, Bits>;
 #pragma unroll
   for (int cm = 0; cm < D / 16; ++cm) {
-    const int k0 = VTilePos<Bits>::k(cm, 0);
-    const int k1 = VTilePos<Bits>::k(cm, 1);
-    const float f0 = __int_as_float((127 + (to_codes ? k0 - 24 : 24 - k0)) << 23);
-    const float f1 = __int_as_float((127 + (to_codes ? k1 - 24 : 24 - k1)) << 23);
+    const int k0 = Field::v_k(VTilePos<Bits>::shift(cm)) + Field::kExp;
+    const int k1 = Field::v_k(VTilePos<Bits>::shift(cm) + Bits) + Field::kExp;
+    const float f0 = __int_as_float((127 + (to_codes ? k0 : -k0)) << 23);
+    const float f1 = __int_as_float((127 + (to_codes ? k1 : -k1)) << 23);
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
       st.acc[nt][cm][0] *= f0;

@@ -4,6 +4,7 @@
 #include <string>
 
 #include "dtype_guard.h"
+#include "elem16.cuh"
 #include "mixkv/kernels/detail/cuda_check.h"
 #include "quantize.cuh"
 
@@ -14,8 +15,10 @@ using detail::require;
 
 constexpr int kThreads = 128;
 
-// Reads one head of `src` as floats (FP16 widened, INT4 dequantized with
-// the reference's min + scale * code), then quantizes it into `dst`.
+// Reads one head of `src` as floats (FP16-pool values widened, INT4
+// dequantized with the reference's min + scale * code), then quantizes it
+// into `dst`. E: the cache's 16-bit type (both pools').
+template <typename E>
 __global__ void __launch_bounds__(kThreads)
     demote_kernel(const BlockCopy* moves, PoolView src, PoolView dst, DeviceStatusView status) {
   extern __shared__ __align__(16) float tile[];  // QuantTile<float>: K, V rows at pitch, then scratch
@@ -43,17 +46,18 @@ __global__ void __launch_bounds__(kThreads)
   const int P = detail::QuantTile<float>::pitch(D);
   float* k = tile;
   float* v = tile + S * P;
+  using Elem = detail::Elem16<E>;
   if (f.precision == Precision::FP16) {
-    const __half* kh = reinterpret_cast<const __half*>(in + f.k_offset());
-    const __half* vh = reinterpret_cast<const __half*>(in + f.v_offset());
+    const E* kh = reinterpret_cast<const E*>(in + f.k_offset());
+    const E* vh = reinterpret_cast<const E*>(in + f.v_offset());
     for (int i = threadIdx.x; i < S * D; i += blockDim.x) {
-      k[(i / D) * P + i % D] = __half2float(kh[i]);
-      v[(i / D) * P + i % D] = __half2float(vh[i]);
+      k[(i / D) * P + i % D] = Elem::widen(kh[i]);
+      v[(i / D) * P + i % D] = Elem::widen(vh[i]);
     }
   } else {
     const int bits = f.bits();
     const uint32_t mask = (1u << bits) - 1u;
-    auto half_at = [&](std::size_t offset) { return __half2float(*reinterpret_cast<const __half*>(in + offset)); };
+    auto half_at = [&](std::size_t offset) { return Elem::widen(*reinterpret_cast<const E*>(in + offset)); };
     const auto* bytes = reinterpret_cast<const unsigned char*>(in);
     for (int i = threadIdx.x; i < S * D; i += blockDim.x) {
       const int t = i / D;
@@ -79,15 +83,15 @@ __global__ void __launch_bounds__(kThreads)
     return;
   }
   char* out = reinterpret_cast<char*>(dst.block(move.dst)) + dst.format.head_offset(head);
-  detail::quantize_tile<float, kThreads>(dst.format, static_cast<const float*>(tile), tile + 2 * S * P, out);
+  detail::quantize_tile<float, kThreads, E>(dst.format, static_cast<const float*>(tile), tile + 2 * S * P, out);
 }
 
 }  // namespace
 
 void demote(const DemoteArgs& a) {
   constexpr const char* fn = "demote";
-  detail::require_fp16_pool(fn, "src_pool", a.src_pool);
-  detail::require_fp16_pool(fn, "dst_pool", a.dst_pool);
+  const DType dtype = detail::require_cache_dtype(fn, "src_pool", a.src_pool);
+  detail::require_pool_dtype(fn, "dst_pool", a.dst_pool, dtype, "src_pool");
   const Precision sp = a.src_pool.format.precision;
   const Precision dp = a.dst_pool.format.precision;
   require((sp == Precision::FP16 && is_quantized(dp)) || (sp == Precision::INT4 && dp == Precision::INT2), [&] {
@@ -119,17 +123,17 @@ void demote(const DemoteArgs& a) {
   const std::size_t smem = detail::QuantTile<float>::bytes(s.head_dim, s.block_size);
   require(smem <= 227 * 1024,
           [&] { return std::string(fn) + ": head_dim * block_size too large for one tile in shared memory"; });
+  const auto kernel = dtype == DType::BF16 ? demote_kernel<__nv_bfloat16> : demote_kernel<__half>;
   if (smem > 48 * 1024) {
-    MIXKV_CUDA_CHECK(
-        cudaFuncSetAttribute(demote_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+    MIXKV_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   }
   require(std::int64_t{a.count} * s.num_kv_heads < (std::int64_t{1} << 31), [&] {
     return std::string(fn) + ": count * num_kv_heads = " + std::to_string(std::int64_t{a.count} * s.num_kv_heads) +
            ": expected < 2^31 (one CTA per head of a move)";
   });
   const DeviceStatusView status = (a.status != nullptr ? *a.status : DeviceStatus::for_current_device()).view();
-  demote_kernel<<<static_cast<unsigned>(a.count) * s.num_kv_heads, kThreads, smem, a.stream>>>(a.moves, a.src_pool,
-                                                                                               a.dst_pool, status);
+  kernel<<<static_cast<unsigned>(a.count) * s.num_kv_heads, kThreads, smem, a.stream>>>(a.moves, a.src_pool, a.dst_pool,
+                                                                                        status);
   MIXKV_CUDA_CHECK_LAUNCH("demote_kernel");
 }
 

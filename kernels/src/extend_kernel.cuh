@@ -3,9 +3,13 @@
 // style: one CTA (4 warps) per work item, i.e. per tile of 64 rows of one
 // (sequence, KV head) over a range of its units (extend_params.cuh).
 //
+// E, the cache's 16-bit type (elem16.cuh), is that of q, k, v, out, the
+// FP16 pool's values and the quantized blocks' (scale, min), and the MMAs'
+// inputs: dequantized blocks and P are rounded to it.
+//
 // Orientation: the tile's rows (new row j, query head h of the group, row
 // m = j * group + h) are the MMAs' M dimension, 16 a warp; a unit's tokens
-// are N for S = Q K^T and K for O += P V, both m16n8k16 FP16 -> FP32:
+// are N for S = Q K^T and K for O += P V, both m16n8k16 E -> FP32:
 //   S[row][token] = Q[row][:] . K[token][:]       (k = channels)
 //   O[row][chan] += P[row][token] . V[token][chan] (k = tokens)
 // Q stays in registers as A fragments up to head_dim 128 (shared memory at
@@ -16,7 +20,7 @@
 // A unit is one cached block (FP16, INT4 or INT2) or block_size new rows.
 // FP16 blocks and new rows are copied with cp.async into token-major tiles.
 // A quantized block is copied as its raw head region, then dequantized by
-// the whole CTA into FP16 tiles (V token-major; K channel-major, the layout
+// the whole CTA into E tiles (V token-major; K channel-major, the layout
 // its codes come in, read by a transposing ldmatrix into the same
 // fragments): every offset comes from BlockFormat and every value from
 // dequant's rule, so the byte format has one definition.
@@ -32,6 +36,7 @@
 #include <cstdint>
 
 #include "device_math.cuh"
+#include "elem16.cuh"
 #include "extend_params.cuh"
 #include "mixkv/core/block_format.h"
 #include "quantize.cuh"
@@ -136,26 +141,27 @@ __device__ __forceinline__ float dequant_field(uint32_t code, float scale, float
   return __fadd_rn(min, __fmul_rn(scale, x));
 }
 
-// Eight dequantized values (code j at bits j * Bits of `codes`) as FP16,
-// one 16-byte store.
-template <int Bits>
+// Eight dequantized values (code j at bits j * Bits of `codes`) as E, one
+// 16-byte store.
+template <typename E, int Bits>
 __device__ __forceinline__ void store_eight(char* dst, uint32_t codes, float scale, float min) {
   constexpr uint32_t kMask = (1u << Bits) - 1u;
   uint32_t h[4];
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    h[i] = pack_half2(dequant_field((codes >> (2 * i * Bits)) & kMask, scale, min),
-                      dequant_field((codes >> ((2 * i + 1) * Bits)) & kMask, scale, min));
+    h[i] = pack2<E>(dequant_field((codes >> (2 * i * Bits)) & kMask, scale, min),
+                    dequant_field((codes >> ((2 * i + 1) * Bits)) & kMask, scale, min));
   }
   *reinterpret_cast<uint4*>(dst) = make_uint4(h[0], h[1], h[2], h[3]);
 }
 
 // The raw head region `raw` of a quantized block -> K channel-major
-// (k_tile[c][t], kColPitch a row) and V token-major (v_tile[t][c]), FP16.
+// (k_tile[c][t], kColPitch a row) and V token-major (v_tile[t][c]), E.
 // A K task is 8 tokens of one channel (K codes are packed along tokens), a
 // V task 8 channels of one token (V codes are packed along channels).
-template <int D, int S, Precision P>
+template <typename E, int D, int S, Precision P>
 __device__ __forceinline__ void dequantize_block(const char* raw, char* k_tile, char* v_tile, int tid) {
+  using Elem = Elem16<E>;
   using Tile = ExtendTile<D, S>;
   constexpr BlockFormat F{P, 1, D, S};
   constexpr int kBits = bits_of(P);
@@ -185,9 +191,9 @@ __device__ __forceinline__ void dequantize_block(const char* raw, char* k_tile, 
     } else {
       codes = eight_codes<kBits>(raw + F.k_code_byte(c, tc * kBits));
     }
-    const float scale = __half2float(*reinterpret_cast<const __half*>(raw + F.k_scale_offset(c)));
-    const float min = __half2float(*reinterpret_cast<const __half*>(raw + F.k_min_offset(c)));
-    store_eight<kBits>(k_tile + c * Tile::kColPitch + tc * 16, codes, scale, min);
+    const float scale = Elem::widen(*reinterpret_cast<const E*>(raw + F.k_scale_offset(c)));
+    const float min = Elem::widen(*reinterpret_cast<const E*>(raw + F.k_min_offset(c)));
+    store_eight<E, kBits>(k_tile + c * Tile::kColPitch + tc * 16, codes, scale, min);
   }
   static_assert(F.v_code_location(0, 8).byte == F.v_code_location(0, 0).byte + kBits &&
                     F.v_code_location(1, 0).byte == F.v_code_location(0, 0).byte + F.v_token_bytes() &&
@@ -200,9 +206,9 @@ __device__ __forceinline__ void dequantize_block(const char* raw, char* k_tile, 
     const int t = i / (D / 8);
     const int cc = i % (D / 8);
     const uint32_t codes = eight_codes<kBits>(raw + F.v_code_location(t, 8 * cc).byte);
-    const float scale = __half2float(*reinterpret_cast<const __half*>(raw + F.v_scale_offset(t)));
-    const float min = __half2float(*reinterpret_cast<const __half*>(raw + F.v_min_offset(t)));
-    store_eight<kBits>(v_tile + t * Tile::kRowPitch + cc * 16, codes, scale, min);
+    const float scale = Elem::widen(*reinterpret_cast<const E*>(raw + F.v_scale_offset(t)));
+    const float min = Elem::widen(*reinterpret_cast<const E*>(raw + F.v_min_offset(t)));
+    store_eight<E, kBits>(v_tile + t * Tile::kRowPitch + cc * 16, codes, scale, min);
   }
 }
 
@@ -211,7 +217,7 @@ __device__ __forceinline__ void dequantize_block(const char* raw, char* k_tile, 
 // One unit of S tokens for the warp's 16 rows. kKChannelMajor: K is
 // k_tile[channel][token] (a dequantized block) rather than [token][channel].
 // Scores of tokens t > limit[i] are masked for row g + 8 i.
-template <int D, int S, bool kKChannelMajor>
+template <typename E, int D, int S, bool kKChannelMajor>
 __device__ __forceinline__ void attend_unit(const char* k_tile, const char* v_tile, const char* q_rows,
                                             const uint32_t (&qf)[ExtendTile<D, S>::kQRegs][4], const int (&limit)[2],
                                             float scale_log2, ExtendRows<D>& st, int lane) {
@@ -242,8 +248,8 @@ __device__ __forceinline__ void attend_unit(const char* k_tile, const char* v_ti
         const int token = 16 * np + (lane & 7) + (lane >> 4) * 8;
         ldmatrix_x4(b, k_tile + token * Tile::kRowPitch + (2 * ks + ((lane >> 3) & 1)) * 16);
       }
-      mma_16816(s[2 * np], a, b[0], b[1]);
-      mma_16816(s[2 * np + 1], a, b[2], b[3]);
+      Elem16<E>::mma_16816(s[2 * np], a, b[0], b[1]);
+      Elem16<E>::mma_16816(s[2 * np + 1], a, b[2], b[3]);
     }
   }
 
@@ -288,24 +294,23 @@ __device__ __forceinline__ void attend_unit(const char* k_tile, const char* v_ti
   // ---- O += P V, P as A fragments straight from the S accumulators
 #pragma unroll
   for (int kt = 0; kt < S / 16; ++kt) {
-    const uint32_t a[4] = {pack_half2(s[2 * kt][0], s[2 * kt][1]), pack_half2(s[2 * kt][2], s[2 * kt][3]),
-                           pack_half2(s[2 * kt + 1][0], s[2 * kt + 1][1]),
-                           pack_half2(s[2 * kt + 1][2], s[2 * kt + 1][3])};
+    const uint32_t a[4] = {pack2<E>(s[2 * kt][0], s[2 * kt][1]), pack2<E>(s[2 * kt][2], s[2 * kt][3]),
+                           pack2<E>(s[2 * kt + 1][0], s[2 * kt + 1][1]), pack2<E>(s[2 * kt + 1][2], s[2 * kt + 1][3])};
     const int token = 16 * kt + (lane & 7) + ((lane >> 3) & 1) * 8;
     const char* v_row = v_tile + token * Tile::kRowPitch;
 #pragma unroll
     for (int np = 0; np < D / 16; ++np) {  // channel tiles 2 np, 2 np + 1
       uint32_t b[4];
       ldmatrix_x4_trans(b, v_row + (2 * np + (lane >> 4)) * 16);
-      mma_16816(st.o[2 * np], a, b[0], b[1]);
-      mma_16816(st.o[2 * np + 1], a, b[2], b[3]);
+      Elem16<E>::mma_16816(st.o[2 * np], a, b[0], b[1]);
+      Elem16<E>::mma_16816(st.o[2 * np + 1], a, b[2], b[3]);
     }
   }
 }
 
 // ---------------------------------------------------------------- kernel --
 
-template <int D, int S>
+template <typename E, int D, int S>
 __global__ void __launch_bounds__(kExtendThreads, ExtendTile<D, S>::kMinCtasPerSm)
     paged_extend_kernel(const __grid_constant__ ExtendParams p) {
   using Tile = ExtendTile<D, S>;
@@ -347,7 +352,8 @@ __global__ void __launch_bounds__(kExtendThreads, ExtendTile<D, S>::kMinCtasPerS
       const std::size_t row =
           in ? (static_cast<std::size_t>(item.q_begin + j) * p.num_q_heads + item.kv_head * group + (m - j * group))
              : 0;
-      cp_async_16(q_smem + i * Tile::kRowPitch + chunk * 16, p.q + row * D + chunk * 8, in ? 16 : 0);
+      cp_async_16(q_smem + i * Tile::kRowPitch + chunk * 16, static_cast<const E*>(p.q) + row * D + chunk * 8,
+                  in ? 16 : 0);
     }
   }
 
@@ -380,8 +386,9 @@ __global__ void __launch_bounds__(kExtendThreads, ExtendTile<D, S>::kMinCtasPerS
     } else {
       const int t0 = (u - nc) * S;
       const std::size_t first = (static_cast<std::size_t>(item.q_begin + t0) * p.num_kv_heads + item.kv_head) * D;
-      load_token_rows<D, S>(k_stage(stage), v_stage(stage), reinterpret_cast<const char*>(p.k + first),
-                            reinterpret_cast<const char*>(p.v + first), kv_row_bytes, j_last + 1 - t0, tid);
+      load_token_rows<D, S>(
+          k_stage(stage), v_stage(stage), reinterpret_cast<const char*>(static_cast<const E*>(p.k) + first),
+          reinterpret_cast<const char*>(static_cast<const E*>(p.v) + first), kv_row_bytes, j_last + 1 - t0, tid);
     }
   };
 
@@ -420,26 +427,26 @@ __global__ void __launch_bounds__(kExtendThreads, ExtendTile<D, S>::kMinCtasPerS
     if (u < n0) {
       const int last = (u == n0 - 1 ? item.fill : S) - 1;
       const int limit[2] = {last, last};
-      attend_unit<D, S, false>(k_stage(stage), v_stage(stage), q_rows, qf, limit, p.scale_log2, st, lane);
+      attend_unit<E, D, S, false>(k_stage(stage), v_stage(stage), q_rows, qf, limit, p.scale_log2, st, lane);
     } else if (u < nc) {
       if (u < n01) {
-        dequantize_block<D, S, Precision::INT4>(raw_stage(stage), k_stage(stage), v_stage(stage), tid);
+        dequantize_block<E, D, S, Precision::INT4>(raw_stage(stage), k_stage(stage), v_stage(stage), tid);
       } else {
-        dequantize_block<D, S, Precision::INT2>(raw_stage(stage), k_stage(stage), v_stage(stage), tid);
+        dequantize_block<E, D, S, Precision::INT2>(raw_stage(stage), k_stage(stage), v_stage(stage), tid);
       }
       __syncthreads();
       const int limit[2] = {S - 1, S - 1};
-      attend_unit<D, S, true>(k_stage(stage), v_stage(stage), q_rows, qf, limit, p.scale_log2, st, lane);
+      attend_unit<E, D, S, true>(k_stage(stage), v_stage(stage), q_rows, qf, limit, p.scale_log2, st, lane);
     } else {
       const int t0 = (u - nc) * S;
       const int limit[2] = {row_j[0] - t0, row_j[1] - t0};
-      attend_unit<D, S, false>(k_stage(stage), v_stage(stage), q_rows, qf, limit, p.scale_log2, st, lane);
+      attend_unit<E, D, S, false>(k_stage(stage), v_stage(stage), q_rows, qf, limit, p.scale_log2, st, lane);
     }
     __syncthreads();  // every warp is done with this stage before unit u + 2 is copied into it
   }
   cp_async_wait<0>();
 
-  // ---- normalize and write: the output (FP16, natural-log LSE) or this piece's partial state
+  // ---- normalize and write: the output (E, natural-log LSE) or this piece's partial state
   constexpr float kLn2 = 0.6931471805599453f;
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
@@ -461,10 +468,11 @@ __global__ void __launch_bounds__(kExtendThreads, ExtendTile<D, S>::kMinCtasPerS
       const int j = m / group;
       const std::size_t row =
           static_cast<std::size_t>(item.q_begin + j) * p.num_q_heads + item.kv_head * group + (m - j * group);
-      __half* dst = p.out + row * D + 2 * r;
+      E* dst = static_cast<E*>(p.out) + row * D + 2 * r;
 #pragma unroll
       for (int nd = 0; nd < D / 8; ++nd) {
-        *reinterpret_cast<__half2*>(dst + 8 * nd) = __floats2half2_rn(st.o[nd][2 * i] * inv, st.o[nd][2 * i + 1] * inv);
+        *reinterpret_cast<typename Elem16<E>::T2*>(dst + 8 * nd) =
+            Elem16<E>::round2(st.o[nd][2 * i] * inv, st.o[nd][2 * i + 1] * inv);
       }
       if (r == 0 && p.lse != nullptr) p.lse[row] = lse2 * kLn2;
     }

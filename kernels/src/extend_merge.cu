@@ -1,11 +1,13 @@
 // The merge of split extend tiles: each piece of a tile wrote its rows'
 // normalized output and base-2 LSE into the partial workspace; one CTA a
-// tile merges them by log-sum-exp into the FP16 output and the natural-log
-// LSE. Pieces with an empty state (LSE -inf: a piece of new-row units a
+// tile merges them by log-sum-exp into the output (of the cache's 16-bit
+// type E) and the natural-log LSE. Pieces with an empty state (LSE -inf: a piece of new-row units a
 // row does not see) weigh 0; a row always sees itself, so the merged sum
 // is positive.
+#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "elem16.cuh"
 #include "extend_dispatch.cuh"
 #include "mixkv/kernels/detail/cuda_check.h"
 
@@ -14,6 +16,7 @@ namespace {
 
 inline constexpr int kMergeThreads = 256;
 
+template <typename E>
 __global__ void __launch_bounds__(kMergeThreads) extend_merge_kernel(const __grid_constant__ ExtendMergeParams p) {
   const int2 range = p.task_range != nullptr ? *p.task_range : p.launch_range;
   if (static_cast<int>(blockIdx.x) >= range.y) return;
@@ -48,17 +51,21 @@ __global__ void __launch_bounds__(kMergeThreads) extend_merge_kernel(const __gri
     const int j = m / group;
     const std::size_t out_row =
         static_cast<std::size_t>(task.q_begin + j) * p.num_q_heads + task.kv_head * group + (m - j * group);
-    __half2* dst = reinterpret_cast<__half2*>(p.out + out_row * p.head_dim + 4 * c4);
-    dst[0] = __floats2half2_rn(o.x * inv, o.y * inv);
-    dst[1] = __floats2half2_rn(o.z * inv, o.w * inv);
+    auto* dst = reinterpret_cast<typename Elem16<E>::T2*>(static_cast<E*>(p.out) + out_row * p.head_dim + 4 * c4);
+    dst[0] = Elem16<E>::round2(o.x * inv, o.y * inv);
+    dst[1] = Elem16<E>::round2(o.z * inv, o.w * inv);
     if (c4 == 0 && p.lse != nullptr) p.lse[out_row] = sum > 0.0f ? (mx + log2f(sum)) * kLn2 : -INFINITY;
   }
 }
 
 }  // namespace
 
-void launch_extend_merge(const ExtendMergeParams& params, int grid, cudaStream_t stream) {
-  extend_merge_kernel<<<grid, kMergeThreads, 0, stream>>>(params);
+void launch_extend_merge(const ExtendMergeParams& params, DType dtype, int grid, cudaStream_t stream) {
+  if (dtype == DType::BF16) {
+    extend_merge_kernel<__nv_bfloat16><<<grid, kMergeThreads, 0, stream>>>(params);
+  } else {
+    extend_merge_kernel<__half><<<grid, kMergeThreads, 0, stream>>>(params);
+  }
   MIXKV_CUDA_CHECK_LAUNCH("extend_merge_kernel");
 }
 

@@ -50,12 +50,13 @@ struct ExtendMergeTask {
   std::int32_t pieces = 0;
 };
 
+// q, k, v and out are of the cache's 16-bit type, the kernel instance's E.
 struct ExtendParams {
-  const __half* q = nullptr;  // [rows][num_q_heads][head_dim]
-  const __half* k = nullptr;  // [rows][num_kv_heads][head_dim]: the new rows' keys
-  const __half* v = nullptr;  // [rows][num_kv_heads][head_dim]
-  __half* out = nullptr;      // [rows][num_q_heads][head_dim]
-  float* lse = nullptr;       // [rows][num_q_heads], natural log, or null
+  const void* q = nullptr;  // [rows][num_q_heads][head_dim]
+  const void* k = nullptr;  // [rows][num_kv_heads][head_dim]: the new rows' keys
+  const void* v = nullptr;  // [rows][num_kv_heads][head_dim]
+  void* out = nullptr;      // [rows][num_q_heads][head_dim]
+  float* lse = nullptr;     // [rows][num_q_heads], natural log, or null
 
   // This layer's device page tables (DeviceTablesView offset to the layer).
   const std::int32_t* blocks = nullptr;  // [pool][slot][max_blocks]
@@ -87,7 +88,7 @@ struct ExtendMergeParams {
   int2 launch_range{0, 0};
   const float* partial_out = nullptr;
   const float* partial_lse = nullptr;
-  __half* out = nullptr;
+  void* out = nullptr;  // of the cache's 16-bit type
   float* lse = nullptr;
   std::int32_t num_q_heads = 0;
   std::int32_t group = 0;

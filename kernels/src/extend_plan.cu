@@ -83,7 +83,7 @@ ExtendPlan::ExtendPlan(const ExtendPlanConfig& config, const DevicePageTables& t
   require(config.num_kv_heads >= 1, [&] { return field("num_kv_heads", config.num_kv_heads, ">= 1"); });
   require(config.num_q_heads >= 1 && config.num_q_heads % config.num_kv_heads == 0,
           [&] { return field("num_q_heads", config.num_q_heads, "a positive multiple of num_kv_heads"); });
-  detail::check_extend_supported(config.head_dim, config.block_size);
+  detail::check_extend_supported(DType::F16, config.head_dim, config.block_size);
   require(config.max_batch >= 1, [&] { return field("max_batch", config.max_batch, ">= 1"); });
   require(config.max_batch <= tables.config().max_sequences,
           [&] { return field("max_batch", config.max_batch, "<= the page tables' max_sequences"); });
@@ -104,10 +104,16 @@ ExtendPlan::ExtendPlan(const ExtendPlanConfig& config, const DevicePageTables& t
     MIXKV_CUDA_CHECK(cudaGetDevice(&device));
     MIXKV_CUDA_CHECK(cudaDeviceGetAttribute(&s.config.num_sms, cudaDevAttrMultiProcessorCount, device));
   }
-  // Set the kernel's shared-memory limit now (run() may be under graph
-  // capture) and learn how many of its CTAs share an SM.
-  s.ctas_per_sm =
-      std::max(1, detail::launch_extend(detail::ExtendParams{}, config.head_dim, config.block_size, 0, nullptr));
+  // Set the kernels' shared-memory limit now (run() may be under graph
+  // capture), for the BF16 instance too where one is built (the plan does
+  // not know the cache's type before run()), and learn how many CTAs share
+  // an SM: the same shared memory and register cap give both types the
+  // same occupancy.
+  s.ctas_per_sm = std::max(
+      1, detail::launch_extend(detail::ExtendParams{}, DType::F16, config.head_dim, config.block_size, 0, nullptr));
+  if (detail::extend_built(DType::BF16, config.head_dim, config.block_size)) {
+    detail::launch_extend(detail::ExtendParams{}, DType::BF16, config.head_dim, config.block_size, 0, nullptr);
+  }
   const std::int64_t wave = static_cast<std::int64_t>(s.ctas_per_sm) * s.config.num_sms;
   const std::int64_t tiles =
       config.num_kv_heads *
@@ -327,15 +333,21 @@ void ExtendPlan::run(const ExtendRunArgs& args) const {
   const Impl& s = *impl_;
   const ExtendPlanConfig& c = s.config;
   require(!s.slots.empty(), "ExtendPlan::run: no plan: call plan() first");
-  detail::require_fp16_pools("ExtendPlan::run", args.pools);
+  const DType dtype = detail::require_pool_dtypes("ExtendPlan::run", args.pools);
+  detail::require_input_dtype("ExtendPlan::run", "dtype (of q, k, v, out)", args.dtype, dtype, "pools[FP16]");
+  try {
+    detail::check_extend_supported(dtype, c.head_dim, c.block_size);
+  } catch (const InvalidArgument& e) {
+    throw InvalidArgument(std::string("ExtendPlan::run: ") + e.what());
+  }
   require(args.layer >= 0 && args.layer < c.num_layers, [&] {
     return "ExtendPlan::run: layer = " + std::to_string(args.layer) + ": expected [0, " + std::to_string(c.num_layers) +
            ")";
   });
-  require(args.q != nullptr, "ExtendPlan::run: q is null: expected device [rows][num_q_heads][head_dim] halves");
-  require(args.k != nullptr, "ExtendPlan::run: k is null: expected device [rows][num_kv_heads][head_dim] halves");
-  require(args.v != nullptr, "ExtendPlan::run: v is null: expected device [rows][num_kv_heads][head_dim] halves");
-  require(args.out != nullptr, "ExtendPlan::run: out is null: expected device [rows][num_q_heads][head_dim] halves");
+  require(args.q != nullptr, "ExtendPlan::run: q is null: expected device [rows][num_q_heads][head_dim] values");
+  require(args.k != nullptr, "ExtendPlan::run: k is null: expected device [rows][num_kv_heads][head_dim] values");
+  require(args.v != nullptr, "ExtendPlan::run: v is null: expected device [rows][num_kv_heads][head_dim] values");
+  require(args.out != nullptr, "ExtendPlan::run: out is null: expected device [rows][num_q_heads][head_dim] values");
   require(std::isfinite(args.sm_scale) && args.sm_scale > 0.0f, [&] {
     return "ExtendPlan::run: sm_scale = " + std::to_string(args.sm_scale) + ": expected a finite value > 0";
   });
@@ -368,10 +380,10 @@ void ExtendPlan::run(const ExtendRunArgs& args) const {
 
   const DeviceTablesView view = s.tables->device_view();
   detail::ExtendParams p;
-  p.q = reinterpret_cast<const __half*>(args.q);
-  p.k = reinterpret_cast<const __half*>(args.k);
-  p.v = reinterpret_cast<const __half*>(args.v);
-  p.out = reinterpret_cast<__half*>(args.out);
+  p.q = args.q;
+  p.k = args.k;
+  p.v = args.v;
+  p.out = args.out;
   p.lse = args.lse;
   const std::size_t layer_pools = static_cast<std::size_t>(args.layer) * kNumPrecisions;
   p.blocks = view.blocks + layer_pools * view.max_sequences * view.max_blocks;
@@ -394,7 +406,7 @@ void ExtendPlan::run(const ExtendRunArgs& args) const {
 
   const Impl::LayerPlan& lp = s.layers[args.layer];
   const int grid = args.fixed_grid ? s.max_items : static_cast<int>(lp.items.size());
-  if (grid > 0) detail::launch_extend(p, c.head_dim, c.block_size, grid, args.stream);
+  if (grid > 0) detail::launch_extend(p, dtype, c.head_dim, c.block_size, grid, args.stream);
 
   detail::ExtendMergeParams m;
   m.tasks = reinterpret_cast<const ExtendMergeTask*>(s.d_plan.get() + s.items_offset);
@@ -411,7 +423,7 @@ void ExtendPlan::run(const ExtendRunArgs& args) const {
   m.group = s.group;
   m.head_dim = c.head_dim;
   const int merge_grid = args.fixed_grid ? s.max_tasks : static_cast<int>(lp.tasks.size());
-  if (merge_grid > 0) detail::launch_extend_merge(m, merge_grid, args.stream);
+  if (merge_grid > 0) detail::launch_extend_merge(m, dtype, merge_grid, args.stream);
 }
 
 const ExtendPlanConfig& ExtendPlan::config() const { return impl_->config; }

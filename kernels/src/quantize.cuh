@@ -3,20 +3,24 @@
 // memory, with the rounding of quant_math.h written with explicit IEEE
 // intrinsics (its FMAs as __fmaf_rn, nothing else contracted) so that codes
 // and (scale, min) match the CPU reference bit for bit. Shared by
-// store_prefill and demote.
+// store_prefill and demote. Templates over the cache's 16-bit type E
+// (elem16.cuh): the stored (scale, min) are of E, and so are the tile's
+// values where it holds the input as it came (T = E).
+#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include <cstdint>
 #include <type_traits>
 
+#include "elem16.cuh"
 #include "mixkv/core/block_format.h"
 
 namespace mixkv::gpu::detail {
 
 struct GroupParamsDevice {
-  float inverse_step;  // quant_inverse_step of the stored FP16 scale
-  float bias;          // quant_bias of the stored FP16 minimum
-  uint32_t packed;     // (scale, min) halves as stored
+  float inverse_step;  // quant_inverse_step of the stored scale
+  float bias;          // quant_bias of the stored minimum
+  uint32_t packed;     // (scale, min) of the cache's type as stored
 };
 
 // quant_step's IEEE quotient (hi - lo) / kMaxCode in three instructions:
@@ -50,15 +54,30 @@ __device__ __forceinline__ float reciprocal_of_half(float x) {
 // max_code (biased_code).
 __device__ __forceinline__ bool has_subnormal_scale(uint32_t packed) { return (packed & 0xffffu) - 1u < 0x3ffu; }
 
-template <uint32_t kMaxCode>
+// The (scale, min) of a group spanning [lo, hi], rounded to E, and the
+// constants its codes are computed with. BF16 takes the IEEE quotient and
+// reciprocal (__fdiv_rn, __frcp_rn): a bfloat16 range may reach float's
+// overflow and its scale float's subnormals, outside both FP16 shortcuts'
+// domains.
+template <uint32_t kMaxCode, typename E = __half>
 __device__ __forceinline__ GroupParamsDevice group_params(float lo, float hi) {
-  const __half scale = __float2half_rn(range_over_max_code<kMaxCode>(__fsub_rn(hi, lo)));
-  const __half min = __float2half_rn(lo);
-  const float widened = __half2float(scale);
   GroupParamsDevice g;
-  g.inverse_step = widened > 0.0f ? reciprocal_of_half(widened) : 0.0f;
-  g.bias = __fmaf_rn(-__half2float(min), g.inverse_step, 0.5f);
-  g.packed = static_cast<uint32_t>(__half_as_ushort(scale)) | (static_cast<uint32_t>(__half_as_ushort(min)) << 16);
+  if constexpr (std::is_same_v<E, __half>) {
+    const __half scale = __float2half_rn(range_over_max_code<kMaxCode>(__fsub_rn(hi, lo)));
+    const __half min = __float2half_rn(lo);
+    const float widened = __half2float(scale);
+    g.inverse_step = widened > 0.0f ? reciprocal_of_half(widened) : 0.0f;
+    g.bias = __fmaf_rn(-__half2float(min), g.inverse_step, 0.5f);
+    g.packed = static_cast<uint32_t>(__half_as_ushort(scale)) | (static_cast<uint32_t>(__half_as_ushort(min)) << 16);
+  } else {
+    using Elem = Elem16<E>;
+    const E scale = Elem::round(__fdiv_rn(__fsub_rn(hi, lo), static_cast<float>(kMaxCode)));
+    const E min = Elem::round(lo);
+    const float widened = Elem::widen(scale);
+    g.inverse_step = widened > 0.0f ? __frcp_rn(widened) : 0.0f;
+    g.bias = __fmaf_rn(-Elem::widen(min), g.inverse_step, 0.5f);
+    g.packed = static_cast<uint32_t>(Elem::as_ushort(scale)) | (static_cast<uint32_t>(Elem::as_ushort(min)) << 16);
+  }
   return g;
 }
 
@@ -84,6 +103,28 @@ __device__ __forceinline__ uint32_t biased_code(float x, float inverse_step, flo
   return __float_as_uint(__fadd_rd(y, 8388608.0f));
 }
 
+// biased_code with both clamps in quant_code's exact form, NaN coding as 0
+// (fmaxf(fminf(NaN, m), 0) would give m): the codes of a BF16 cache, whose
+// scale may be a float subnormal with an infinite reciprocal.
+template <uint32_t kMaxCode>
+__device__ __forceinline__ uint32_t exact_biased_code(float x, float inverse_step, float bias) {
+  float y = __fmaf_rn(x, inverse_step, bias);
+  y = y >= 0.0f ? fminf(y, static_cast<float>(kMaxCode)) : 0.0f;
+  return __float_as_uint(__fadd_rd(y, 8388608.0f));
+}
+
+// The code rule of a cache of type E: biased_code's skipped clamps where
+// FP16 allows them (kClampLow, kClampHigh as there), exact_biased_code for
+// BF16.
+template <typename E, uint32_t kMaxCode, bool kClampLow, bool kClampHigh>
+__device__ __forceinline__ uint32_t code_of(float x, float inverse_step, float bias) {
+  if constexpr (std::is_same_v<E, __half>) {
+    return biased_code<kMaxCode, kClampLow, kClampHigh>(x, inverse_step, bias);
+  } else {
+    return exact_biased_code<kMaxCode>(x, inverse_step, bias);
+  }
+}
+
 // What a run of kCodes biased codes (a word's 32 / kBits by default), each
 // shifted to its place and summed, holds beyond the codes themselves (mod
 // 2^32): subtracting it once per run leaves exactly the packed codes.
@@ -106,6 +147,10 @@ struct Half4 {
   __half2 lo, hi;
 };
 __device__ __forceinline__ __half2 as_half2(uint32_t bits) { return *reinterpret_cast<const __half2*>(&bits); }
+// The same for BF16 tiles: bfloat16 widens exactly and monotonically too.
+struct Bf16x4 {
+  __nv_bfloat162 lo, hi;
+};
 
 // The tile types' four-value vectors (Half4 for FP16 tiles, float4 for
 // demote's float tiles) with the same operations, so one quantizer serves
@@ -133,6 +178,23 @@ struct Vec4<__half> {
   }
 };
 template <>
+struct Vec4<__nv_bfloat16> {
+  using type = Bf16x4;
+  __device__ static Bf16x4 load(const __nv_bfloat16* at) {
+    const uint2 x = *reinterpret_cast<const uint2*>(at);
+    return {Elem16<__nv_bfloat16>::pair(x.x), Elem16<__nv_bfloat16>::pair(x.y)};
+  }
+  __device__ static void load8(const __nv_bfloat16* at, Bf16x4& a, Bf16x4& b) {
+    const uint4 x = *reinterpret_cast<const uint4*>(at);
+    a = {Elem16<__nv_bfloat16>::pair(x.x), Elem16<__nv_bfloat16>::pair(x.y)};
+    b = {Elem16<__nv_bfloat16>::pair(x.z), Elem16<__nv_bfloat16>::pair(x.w)};
+  }
+  __device__ static Bf16x4 fill(float x) {
+    const __nv_bfloat162 h = __float2bfloat162_rn(x);
+    return {h, h};
+  }
+};
+template <>
 struct Vec4<float> {
   using type = float4;
   __device__ static float4 load(const float* at) { return *reinterpret_cast<const float4*>(at); }
@@ -145,6 +207,8 @@ struct Vec4<float> {
 
 __device__ __forceinline__ Half4 vmin(Half4 a, Half4 b) { return {__hmin2(a.lo, b.lo), __hmin2(a.hi, b.hi)}; }
 __device__ __forceinline__ Half4 vmax(Half4 a, Half4 b) { return {__hmax2(a.lo, b.lo), __hmax2(a.hi, b.hi)}; }
+__device__ __forceinline__ Bf16x4 vmin(Bf16x4 a, Bf16x4 b) { return {__hmin2(a.lo, b.lo), __hmin2(a.hi, b.hi)}; }
+__device__ __forceinline__ Bf16x4 vmax(Bf16x4 a, Bf16x4 b) { return {__hmax2(a.lo, b.lo), __hmax2(a.hi, b.hi)}; }
 __device__ __forceinline__ float4 vmin(float4 a, float4 b) {
   return make_float4(fminf(a.x, b.x), fminf(a.y, b.y), fminf(a.z, b.z), fminf(a.w, b.w));
 }
@@ -152,6 +216,9 @@ __device__ __forceinline__ float4 vmax(float4 a, float4 b) {
   return make_float4(fmaxf(a.x, b.x), fmaxf(a.y, b.y), fmaxf(a.z, b.z), fmaxf(a.w, b.w));
 }
 __device__ __forceinline__ Half4 shfl_xor(Half4 a, int offset) {
+  return {__shfl_xor_sync(0xffffffffu, a.lo, offset), __shfl_xor_sync(0xffffffffu, a.hi, offset)};
+}
+__device__ __forceinline__ Bf16x4 shfl_xor(Bf16x4 a, int offset) {
   return {__shfl_xor_sync(0xffffffffu, a.lo, offset), __shfl_xor_sync(0xffffffffu, a.hi, offset)};
 }
 __device__ __forceinline__ float4 shfl_xor(float4 a, int offset) {
@@ -162,6 +229,10 @@ __device__ __forceinline__ float4 widen(Half4 a) {
   const float2 lo = __half22float2(a.lo), hi = __half22float2(a.hi);
   return make_float4(lo.x, lo.y, hi.x, hi.y);
 }
+__device__ __forceinline__ float4 widen(Bf16x4 a) {
+  const float2 lo = __bfloat1622float2(a.lo), hi = __bfloat1622float2(a.hi);
+  return make_float4(lo.x, lo.y, hi.x, hi.y);
+}
 __device__ __forceinline__ float4 widen(float4 a) { return a; }
 __device__ __forceinline__ float component(float4 a, int i) { return i == 0 ? a.x : i == 1 ? a.y : i == 2 ? a.z : a.w; }
 // Value i of four halves, widening only that one: a select of the word and
@@ -169,6 +240,10 @@ __device__ __forceinline__ float component(float4 a, int i) { return i == 0 ? a.
 __device__ __forceinline__ float component(Half4 a, int i) {
   const __half2 pair = i & 2 ? a.hi : a.lo;
   return __half2float(i & 1 ? __high2half(pair) : __low2half(pair));
+}
+__device__ __forceinline__ float component(Bf16x4 a, int i) {
+  const __nv_bfloat162 pair = i & 2 ? a.hi : a.lo;
+  return __bfloat162float(i & 1 ? __high2bfloat16(pair) : __low2bfloat16(pair));
 }
 
 // Eight adjacent tile values as floats, from 16-byte aligned `at`.
@@ -240,7 +315,9 @@ struct QuantTile {
 // shape the loop bounds, strides and offsets are integer arithmetic and the
 // loops run with remainders (about twice the instructions of a fixed
 // shape's nearly straight-line code).
-template <typename T, int kThreads, int kBits, int kHeadDim, int kBlockSize>
+// E: the cache's 16-bit type, of the stored (scale, min) and of the codes'
+// rounding rule (code_of); T is E, or float.
+template <typename T, int kThreads, int kBits, int kHeadDim, int kBlockSize, typename E = __half>
 __device__ void quantize_tile_bits(const BlockFormat& format, const T* tile, float* scratch, char* out) {
   using V = Vec4<T>;
   using V4 = typename V::type;
@@ -311,7 +388,7 @@ __device__ void quantize_tile_bits(const BlockFormat& format, const T* tile, flo
     // partner's (scale, min), the even part writes the pair's mins word and
     // the odd part its scales word.
     const int c = 4 * q + part;
-    const GroupParamsDevice gp = group_params<kMaxCode>(component(lo, part), component(hi, part));
+    const GroupParamsDevice gp = group_params<kMaxCode, E>(component(lo, part), component(hi, part));
     const uint32_t partner = __shfl_xor_sync(0xffffffffu, gp.packed, 8);
     if (q < quads) {
       k_inverse[c] = gp.inverse_step;
@@ -343,7 +420,7 @@ __device__ void quantize_tile_bits(const BlockFormat& format, const T* tile, flo
     if (part == 0) {
       const float4 l = widen(lo), h = widen(hi);
       const GroupParamsDevice gp =
-          group_params<kMaxCode>(fminf(fminf(l.x, l.y), fminf(l.z, l.w)), fmaxf(fmaxf(h.x, h.y), fmaxf(h.z, h.w)));
+          group_params<kMaxCode, E>(fminf(fminf(l.x, l.y), fminf(l.z, l.w)), fmaxf(fmaxf(h.x, h.y), fmaxf(h.z, h.w)));
       v_inverse[t] = gp.inverse_step;
       v_bias[t] = gp.bias;
       v_params[t] = gp.packed;
@@ -389,10 +466,10 @@ __device__ void quantize_tile_bits(const BlockFormat& format, const T* tile, flo
 #pragma unroll
       for (int r = 0; r < kPerWord; ++r) {
         const float4 x = widen(V::load(column + r * P));
-        w0 += biased_code<kMaxCode, !kFp16, kClampHigh>(x.x, inverse.x, bias.x) << (r * kBits);
-        w1 += biased_code<kMaxCode, !kFp16, kClampHigh>(x.y, inverse.y, bias.y) << (r * kBits);
-        w2 += biased_code<kMaxCode, !kFp16, kClampHigh>(x.z, inverse.z, bias.z) << (r * kBits);
-        w3 += biased_code<kMaxCode, !kFp16, kClampHigh>(x.w, inverse.w, bias.w) << (r * kBits);
+        w0 += code_of<E, kMaxCode, !kFp16, kClampHigh>(x.x, inverse.x, bias.x) << (r * kBits);
+        w1 += code_of<E, kMaxCode, !kFp16, kClampHigh>(x.y, inverse.y, bias.y) << (r * kBits);
+        w2 += code_of<E, kMaxCode, !kFp16, kClampHigh>(x.z, inverse.z, bias.z) << (r * kBits);
+        w3 += code_of<E, kMaxCode, !kFp16, kClampHigh>(x.w, inverse.w, bias.w) << (r * kBits);
       }
       store_k_word(4 * q, j, w0 - kWordBias);
       store_k_word(4 * q + 1, j, w1 - kWordBias);
@@ -423,7 +500,7 @@ __device__ void quantize_tile_bits(const BlockFormat& format, const T* tile, flo
         tile_eight(row + (e ^ first), x);
 #pragma unroll
         for (int u = 0; u < 8; ++u) {
-          words[(e + u) / kPerWord] += biased_code<kMaxCode, !kFp16, kClampHigh>(x[u], inverse, bias)
+          words[(e + u) / kPerWord] += code_of<E, kMaxCode, !kFp16, kClampHigh>(x[u], inverse, bias)
                                        << ((e + u) % kPerWord * kBits);
         }
       }
@@ -448,12 +525,12 @@ __device__ void quantize_tile_bits(const BlockFormat& format, const T* tile, flo
 // multiple of 32) into the head region `out` of `format` (INT4 or INT2; head
 // region 8-byte aligned), for any shape `format` holds. Ends with no barrier
 // pending; the caller's next use of the tile needs __syncthreads().
-template <typename T, int kThreads>
+template <typename T, int kThreads, typename E = __half>
 __device__ inline void quantize_tile(const BlockFormat& format, const T* tile, float* scratch, char* out) {
   if (format.bits() == 4) {
-    quantize_tile_bits<T, kThreads, 4, 0, 0>(format, tile, scratch, out);
+    quantize_tile_bits<T, kThreads, 4, 0, 0, E>(format, tile, scratch, out);
   } else {
-    quantize_tile_bits<T, kThreads, 2, 0, 0>(format, tile, scratch, out);
+    quantize_tile_bits<T, kThreads, 2, 0, 0, E>(format, tile, scratch, out);
   }
 }
 

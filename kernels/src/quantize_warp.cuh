@@ -8,12 +8,15 @@
 // warp owns a fixed share of one tile, loads it with all its loads in
 // flight at once, and needs no barrier: the groups a share holds are whole,
 // or complete within the warp by shuffles. Codes and (scale, min) are those
-// of quantize.cuh bit for bit (the same group_params and biased_code).
+// of quantize.cuh bit for bit (the same group_params and code rule), for
+// either 16-bit type E of a cache (elem16.cuh).
+#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include <cstdint>
 #include <type_traits>
 
+#include "elem16.cuh"
 #include "mixkv/core/block_format.h"
 #include "quantize.cuh"
 
@@ -51,11 +54,12 @@ template <int kBits>
 using CodeRun = std::conditional_t<kBits == 4, uint32_t, uint16_t>;
 
 // The tile's input is read once: streaming loads (evict first).
-__device__ __forceinline__ uint4 load_streaming(const __half* at) { return __ldcs(reinterpret_cast<const uint4*>(at)); }
+__device__ __forceinline__ uint4 load_streaming(const void* at) { return __ldcs(reinterpret_cast<const uint4*>(at)); }
 
 // Word j (channels 2j, 2j + 1 of the octet) of a row.
-__device__ __forceinline__ __half2 half_pair(const uint4& row, int j) {
-  return as_half2(j == 0 ? row.x : j == 1 ? row.y : j == 2 ? row.z : row.w);
+template <typename E>
+__device__ __forceinline__ typename Elem16<E>::T2 value_pair(const uint4& row, int j) {
+  return Elem16<E>::pair(j == 0 ? row.x : j == 1 ? row.y : j == 2 ? row.z : row.w);
 }
 
 // The element of `values` at runtime index i (< N), by selects: indexing a
@@ -71,8 +75,8 @@ __device__ __forceinline__ T element_at(const T (&values)[N], int i) {
 // Quantizes K unit `channel0 / kKChannels` of a tile: `k` points at the
 // tile's token 0, channel 0; rows are `row_halves` apart. `out` is the
 // head's region in the kBits pool.
-template <int kBits, int kHeadDim, int kBlockSize>
-__device__ __forceinline__ void quantize_k_unit(const __half* k, std::size_t row_halves, int channel0, char* out) {
+template <typename E, int kBits, int kHeadDim, int kBlockSize>
+__device__ __forceinline__ void quantize_k_unit(const E* k, std::size_t row_halves, int channel0, char* out) {
   using Units = WarpTileUnits<kHeadDim, kBlockSize>;
   static_assert(Units::kApplies);
   constexpr uint32_t kMaxCode = (1u << kBits) - 1u;
@@ -86,20 +90,21 @@ __device__ __forceinline__ void quantize_k_unit(const __half* k, std::size_t row
   const int c0 = channel0 + 8 * g;  // the lane's first channel
 
   uint4 x[8];
-  const __half* at = k + static_cast<std::size_t>(8 * s) * row_halves + c0;
+  const E* at = k + static_cast<std::size_t>(8 * s) * row_halves + c0;
 #pragma unroll
   for (int i = 0; i < 8; ++i) x[i] = load_streaming(at + i * row_halves);
 
   // Ranges of the lane's channel pairs over its 8 tokens, then over the
   // channel octet's kSlices lanes.
-  __half2 lo[4], hi[4];
+  using Elem = Elem16<E>;
+  typename Elem::T2 lo[4], hi[4];
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
-    lo[j] = hi[j] = half_pair(x[0], j);
+    lo[j] = hi[j] = value_pair<E>(x[0], j);
 #pragma unroll
     for (int i = 1; i < 8; ++i) {
-      lo[j] = __hmin2(lo[j], half_pair(x[i], j));
-      hi[j] = __hmax2(hi[j], half_pair(x[i], j));
+      lo[j] = __hmin2(lo[j], value_pair<E>(x[i], j));
+      hi[j] = __hmax2(hi[j], value_pair<E>(x[i], j));
     }
 #pragma unroll
     for (int offset = kOctets; offset < 32; offset <<= 1) {
@@ -119,10 +124,10 @@ __device__ __forceinline__ void quantize_k_unit(const __half* k, std::size_t row
 #pragma unroll
   for (int m = 0; m < kTaken; ++m) {
     const int pair = s % kTakers + kTakers * m;
-    const float2 l = __half22float2(element_at(lo, pair));
-    const float2 h = __half22float2(element_at(hi, pair));
-    const GroupParamsDevice a = group_params<kMaxCode>(l.x, h.x);
-    const GroupParamsDevice b = group_params<kMaxCode>(l.y, h.y);
+    const float2 l = Elem::widen2(element_at(lo, pair));
+    const float2 h = Elem::widen2(element_at(hi, pair));
+    const GroupParamsDevice a = group_params<kMaxCode, E>(l.x, h.x);
+    const GroupParamsDevice b = group_params<kMaxCode, E>(l.y, h.y);
     inverse_taken[m][0] = a.inverse_step, inverse_taken[m][1] = b.inverse_step;
     bias_taken[m][0] = a.bias, bias_taken[m][1] = b.bias;
     subnormal_scale |= has_subnormal_scale(a.packed) || has_subnormal_scale(b.packed);
@@ -165,9 +170,9 @@ __device__ __forceinline__ void quantize_k_unit(const __half* k, std::size_t row
       for (int i = 0; i < 8; ++i) {
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
-          const float2 f = __half22float2(half_pair(x[i], 2 * half + j));
-          run[2 * j] += biased_code<kMaxCode, false, kClampHigh>(f.x, inverse[2 * j], bias[2 * j]) << (i * kBits);
-          run[2 * j + 1] += biased_code<kMaxCode, false, kClampHigh>(f.y, inverse[2 * j + 1], bias[2 * j + 1])
+          const float2 f = Elem::widen2(value_pair<E>(x[i], 2 * half + j));
+          run[2 * j] += code_of<E, kMaxCode, false, kClampHigh>(f.x, inverse[2 * j], bias[2 * j]) << (i * kBits);
+          run[2 * j + 1] += code_of<E, kMaxCode, false, kClampHigh>(f.y, inverse[2 * j + 1], bias[2 * j + 1])
                             << (i * kBits);
         }
       }
@@ -219,8 +224,8 @@ __device__ __forceinline__ void quantize_k_unit(const __half* k, std::size_t row
 
 // Quantizes V unit `token0 / kVTokens` of a tile: `v` points at the tile's
 // token 0, channel 0; rows are `row_halves` apart.
-template <int kBits, int kHeadDim, int kBlockSize>
-__device__ __forceinline__ void quantize_v_unit(const __half* v, std::size_t row_halves, int token0, char* out) {
+template <typename E, int kBits, int kHeadDim, int kBlockSize>
+__device__ __forceinline__ void quantize_v_unit(const E* v, std::size_t row_halves, int token0, char* out) {
   static_assert(WarpTileUnits<kHeadDim, kBlockSize>::kApplies);
   constexpr uint32_t kMaxCode = (1u << kBits) - 1u;
   constexpr int kOctets = kHeadDim / 8;  // lanes a token row
@@ -230,7 +235,7 @@ __device__ __forceinline__ void quantize_v_unit(const __half* v, std::size_t row
   const int t0 = token0 + 8 * (lane / kOctets);  // the lane's first token
 
   uint4 x[8];
-  const __half* at = v + static_cast<std::size_t>(t0) * row_halves + 8 * g;
+  const E* at = v + static_cast<std::size_t>(t0) * row_halves + 8 * g;
 #pragma unroll
   for (int i = 0; i < 8; ++i) x[i] = load_streaming(at + i * row_halves);
 
@@ -238,17 +243,20 @@ __device__ __forceinline__ void quantize_v_unit(const __half* v, std::size_t row
   // step combines both; over the lane's 8 channels, then the row's lanes.
   // The negation and the pairing as bit operations (through __hneg2 and
   // __lows2half2 they compiled to HADD2s and PRMTs that spilled).
-  __half2 range[8];
+  // The sign is bit 15 of either type.
+  using Elem = Elem16<E>;
+  using T2 = typename Elem::T2;
+  T2 range[8];
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
-    const __half2 lo =
-        __hmin2(__hmin2(as_half2(x[i].x), as_half2(x[i].y)), __hmin2(as_half2(x[i].z), as_half2(x[i].w)));
-    const __half2 hi =
-        __hmax2(__hmax2(as_half2(x[i].x), as_half2(x[i].y)), __hmax2(as_half2(x[i].z), as_half2(x[i].w)));
+    const T2 lo =
+        __hmin2(__hmin2(Elem::pair(x[i].x), Elem::pair(x[i].y)), __hmin2(Elem::pair(x[i].z), Elem::pair(x[i].w)));
+    const T2 hi =
+        __hmax2(__hmax2(Elem::pair(x[i].x), Elem::pair(x[i].y)), __hmax2(Elem::pair(x[i].z), Elem::pair(x[i].w)));
     const uint32_t lo_bits = *reinterpret_cast<const uint32_t*>(&lo);
     const uint32_t negated_hi_bits = *reinterpret_cast<const uint32_t*>(&hi) ^ 0x80008000u;
-    range[i] = __hmin2(as_half2(__byte_perm(lo_bits, negated_hi_bits, 0x5410)),
-                       as_half2(__byte_perm(lo_bits, negated_hi_bits, 0x7632)));
+    range[i] = __hmin2(Elem::pair(__byte_perm(lo_bits, negated_hi_bits, 0x5410)),
+                       Elem::pair(__byte_perm(lo_bits, negated_hi_bits, 0x7632)));
 #pragma unroll
     for (int offset = 1; offset < kOctets; offset <<= 1) {
       range[i] = __hmin2(range[i], __shfl_xor_sync(0xffffffffu, range[i], offset));
@@ -258,8 +266,8 @@ __device__ __forceinline__ void quantize_v_unit(const __half* v, std::size_t row
   // Parameters: lane g < 8 of a row takes token t0 + g and stores its
   // word; each token's (inverse step, bias) reaches the row's lanes by
   // shuffles just before its codes.
-  const float2 r = __half22float2(element_at(range, g % 8));
-  const GroupParamsDevice gp = group_params<kMaxCode>(r.x, -r.y);
+  const float2 r = Elem::widen2(element_at(range, g % 8));
+  const GroupParamsDevice gp = group_params<kMaxCode, E>(r.x, -r.y);
   if (g < 8) *reinterpret_cast<uint32_t*>(out + layout.v_scale_offset(t0 + g)) = gp.packed;
   const int row_lane0 = lane - g;
 
@@ -273,9 +281,9 @@ __device__ __forceinline__ void quantize_v_unit(const __half* v, std::size_t row
       uint32_t run = 0;
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        const float2 f = __half22float2(half_pair(x[i], j));
-        run += biased_code<kMaxCode, false, kClampHigh>(f.x, inverse, bias) << (2 * j * kBits);
-        run += biased_code<kMaxCode, false, kClampHigh>(f.y, inverse, bias) << ((2 * j + 1) * kBits);
+        const float2 f = Elem::widen2(value_pair<E>(x[i], j));
+        run += code_of<E, kMaxCode, false, kClampHigh>(f.x, inverse, bias) << (2 * j * kBits);
+        run += code_of<E, kMaxCode, false, kClampHigh>(f.y, inverse, bias) << ((2 * j + 1) * kBits);
       }
       runs[(t0 + i) * kOctets + g] = static_cast<CodeRun<kBits>>(run - word_bias<kBits, 8>());
     }

@@ -373,9 +373,10 @@ TEST(StoreCudaBadInput, NamesTheArgument) {
   MIXKV_EXPECT_INVALID(dmap.upload(bad, 32, nullptr), "fp16_slots[1]");
 }
 
-// The quantizing kernels interpret FP16 caches only: BF16 pools are refused
-// on the host before any CUDA call; byte copies (append) take them.
-TEST(StoreCudaBadInput, RefusesBf16Pools) {
+// The quantizing kernels take FP16 and BF16 caches: rows of the other
+// 16-bit type, or pools of different types, are refused on the host before
+// any CUDA call (tests/cuda/bf16_store_test.cpp runs BF16 caches).
+TEST(StoreCudaBadInput, RefusesMismatchedDtypes) {
   std::byte arena[16];
   alignas(16) const Half values[8] = {};
   gpu::StorePrefillArgs args;
@@ -384,13 +385,13 @@ TEST(StoreCudaBadInput, RefusesBf16Pools) {
   }
   args.k = args.v = values;
   args.rows = 1;
-  MIXKV_EXPECT_INVALID(gpu::store_prefill(args), "pools[FP16].format.dtype = bfloat16: expected float16");
+  MIXKV_EXPECT_INVALID(gpu::store_prefill(args), "store_prefill: dtype (of k, v) = float16: expected bfloat16");
   args.pools[0].format.dtype = DType::F16;
-  MIXKV_EXPECT_INVALID(gpu::store_prefill(args), "pools[INT4].format.dtype = bfloat16");
+  MIXKV_EXPECT_INVALID(gpu::store_prefill(args), "pools[INT4].format.dtype = bfloat16: expected float16");
   gpu::DemoteArgs demote;
   demote.src_pool = args.pools[0];
   demote.dst_pool = args.pools[1];
-  MIXKV_EXPECT_INVALID(gpu::demote(demote), "demote: dst_pool.format.dtype = bfloat16");
+  MIXKV_EXPECT_INVALID(gpu::demote(demote), "demote: dst_pool.format.dtype = bfloat16: expected float16");
 }
 
 // Shapes and inputs the store kernels cannot index, fit or read, rejected on the host

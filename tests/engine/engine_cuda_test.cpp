@@ -254,18 +254,34 @@ TEST(EngineCuda, BadDeviceIsNamed) {
   }
 }
 
-// The CUDA kernels of this build interpret FP16 caches only: a BF16 cache is
-// refused when the backend is made, naming the field.
-TEST(EngineCuda, Bf16CacheIsRefused) {
+// A BF16 cache runs on the CUDA backend; float16 arrays for it are refused
+// naming the argument before anything is enqueued, and bfloat16 ones are
+// stored (tests/cuda/bf16_*_test.cpp check the kernels against the CPU).
+TEST(EngineCuda, Bf16CacheTakesBf16ArraysOnly) {
   MIXKV_REQUIRE_CUDA();
   EngineConfig c = config(BackendKind::CUDA, true);
   c.cache.shape.dtype = DType::BF16;
+  Engine engine(c);
+  Request r;
+  r.id = 1;
+  r.layout = TokenLayout({{TokenKind::Text, 20}});
+  r.max_new_tokens = 2;
+  engine.add_request(r);
+  engine.step();
+  DeviceMemory device;
+  const std::vector<Half> rows(20 * 2 * 64);
+  const TensorView f16 = device.input(rows, {20, 2, 64});
   try {
-    Engine e(c);
+    engine.store(0, f16, f16);
     ADD_FAILURE() << "expected InvalidArgument";
   } catch (const InvalidArgument& e) {
-    EXPECT_NE(std::string(e.what()).find("cache.shape.dtype = bfloat16"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("Engine::store: k: expected dtype bfloat16"), std::string::npos) << e.what();
   }
+  TensorView bf16 = f16;  // zeros: the same bytes in either type
+  bf16.dtype = DType::BF16;
+  engine.store(0, bf16, bf16);
+  engine.store(1, bf16, bf16);
+  engine.backend().synchronize();
 }
 
 }  // namespace

@@ -5,7 +5,7 @@
 
 #include <cuda_runtime_api.h>
 
-#include "mixkv/core/half.h"
+#include "mixkv/core/dtype.h"
 #include "mixkv/kernels/device_arena.h"
 #include "mixkv/kernels/device_page_tables.h"
 
@@ -40,10 +40,12 @@ struct DecodePlanConfig {
   std::int32_t max_heads_per_item = 0;
 };
 
+// q and out are of the cache's 16-bit type (the pools' format.dtype, FP16
+// or BF16), which `dtype` states.
 struct DecodeRunArgs {
   std::int32_t layer = 0;
-  const Half* q = nullptr;  // device [batch][num_q_heads][head_dim]
-  Half* out = nullptr;      // device [batch][num_q_heads][head_dim]
+  const void* q = nullptr;  // device [batch][num_q_heads][head_dim]
+  void* out = nullptr;      // device [batch][num_q_heads][head_dim]
   float* lse = nullptr;     // optional device [batch][num_q_heads], natural log; -inf when empty
   float sm_scale = 0.0f;    // usually 1/sqrt(head_dim)
   DevicePools pools{};
@@ -51,6 +53,7 @@ struct DecodeRunArgs {
   // Launch grids sized for the plan's capacity rather than this step's
   // items, so that a captured CUDA graph stays valid across re-plans.
   bool fixed_grid = false;
+  DType dtype = DType::F16;  // of q and out
 };
 
 // Paged decode attention, FlashInfer's plan/run split.
@@ -87,6 +90,10 @@ class DecodePlan {
   // OutOfMemory when a layer needs more items than its capacity; a call
   // that throws leaves the previous plan (every layer) as it was.
   void plan(std::span<const std::int32_t> slots, cudaStream_t stream);
+  // Throws InvalidArgument naming the argument (no plan, layer, a null
+  // pointer, sm_scale, pools that do not match, a dtype other than the
+  // pools', a BF16 cache at a shape without a BF16 instance) before
+  // launching anything.
   void run(const DecodeRunArgs& args) const;
 
   const DecodePlanConfig& config() const;

@@ -25,7 +25,9 @@ struct DemoteArgs {
   DeviceStatus* status = nullptr;
 };
 // Throws InvalidArgument unless (src, dst) is (FP16, INT4), (FP16, INT2) or
-// (INT4, INT2) with the same num_kv_heads, head_dim and block_size. The
+// (INT4, INT2) with the same num_kv_heads, head_dim, block_size and 16-bit
+// type (format.dtype: FP16 or BF16, the codes and (scale, min) as
+// cpu::demote makes them for that type). The
 // kernel skips a move with an id out of range and records it in the status.
 void demote(const DemoteArgs& args);
 

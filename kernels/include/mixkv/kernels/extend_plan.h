@@ -5,7 +5,7 @@
 
 #include <cuda_runtime_api.h>
 
-#include "mixkv/core/half.h"
+#include "mixkv/core/dtype.h"
 #include "mixkv/kernels/device_arena.h"
 #include "mixkv/kernels/device_page_tables.h"
 
@@ -32,12 +32,14 @@ struct ExtendPlanConfig {
   std::int32_t chunks_per_tile = 0;
 };
 
+// q, k, v and out are of the cache's 16-bit type (the pools' format.dtype,
+// FP16 or BF16), which `dtype` states.
 struct ExtendRunArgs {
   std::int32_t layer = 0;
-  const Half* q = nullptr;  // device [rows][num_q_heads][head_dim]
-  const Half* k = nullptr;  // device [rows][num_kv_heads][head_dim]: the new rows' keys, not in the cache yet
-  const Half* v = nullptr;  // device [rows][num_kv_heads][head_dim]: their values
-  Half* out = nullptr;      // device [rows][num_q_heads][head_dim]
+  const void* q = nullptr;  // device [rows][num_q_heads][head_dim]
+  const void* k = nullptr;  // device [rows][num_kv_heads][head_dim]: the new rows' keys, not in the cache yet
+  const void* v = nullptr;  // device [rows][num_kv_heads][head_dim]: their values
+  void* out = nullptr;      // device [rows][num_q_heads][head_dim]
   float* lse = nullptr;     // optional device [rows][num_q_heads], natural log
   float sm_scale = 0.0f;    // usually 1/sqrt(head_dim)
   DevicePools pools{};
@@ -45,6 +47,7 @@ struct ExtendRunArgs {
   // Launch grids sized for the plan's capacity rather than this step's
   // items, so that a captured CUDA graph stays valid across re-plans.
   bool fixed_grid = false;
+  DType dtype = DType::F16;  // of q, k, v and out
 };
 
 // Paged extend (chunked-prefill) attention: the semantics of
@@ -90,7 +93,9 @@ class ExtendPlan {
   void plan(std::span<const std::int32_t> slots, std::span<const std::int32_t> qo_indptr, cudaStream_t stream,
             std::span<const std::int32_t> fp16_exclude = {});
   // Throws InvalidArgument naming the argument (no plan, layer, a null
-  // pointer, sm_scale, pools that do not match) before launching anything.
+  // pointer, sm_scale, pools that do not match, a dtype other than the
+  // pools', a BF16 cache at a shape without a BF16 instance) before
+  // launching anything.
   void run(const ExtendRunArgs& args) const;
 
   const ExtendPlanConfig& config() const;

@@ -5,7 +5,7 @@
 
 #include <cuda_runtime_api.h>
 
-#include "mixkv/core/half.h"
+#include "mixkv/core/dtype.h"
 #include "mixkv/core/op_types.h"
 #include "mixkv/core/pool_view.h"
 #include "mixkv/kernels/device_arena.h"
@@ -25,14 +25,16 @@ struct RowSlot {
 // over the window's tokens, V per token over the channels, min-max RTN with
 // the rounding of quant_math.h) and packed. Codes and (scale, min) are
 // bit-identical to cpu::store_prefill. All pointers are device memory.
+// k and v are of the cache's 16-bit type (the pools' format.dtype, FP16 or
+// BF16), which `dtype` states: InvalidArgument naming k, v otherwise.
 //
 // The lists are trusted as DeviceStoreMapping::upload validated them; fill()
 // also sets max_block_ids, which store_prefill checks against these pools
 // before the launch, so a mapping validated for a larger cache cannot write
 // past this one's arena.
 struct StorePrefillArgs {
-  const Half* k = nullptr;  // [rows][num_kv_heads][head_dim], 16-byte aligned (as v)
-  const Half* v = nullptr;  // [rows][num_kv_heads][head_dim]
+  const void* k = nullptr;  // [rows][num_kv_heads][head_dim] of dtype, 16-byte aligned (as v)
+  const void* v = nullptr;  // [rows][num_kv_heads][head_dim] of dtype
   std::int32_t rows = 0;
   const RowSlot* fp16_rows = nullptr;  // [num_fp16_rows]: the rows copied as they are, rows ascending
   std::int32_t num_fp16_rows = 0;
@@ -45,6 +47,7 @@ struct StorePrefillArgs {
   std::array<std::int32_t, kNumPrecisions> max_block_ids{-1, -1, -1};
   DevicePools pools{};
   cudaStream_t stream = nullptr;
+  DType dtype = DType::F16;  // of k and v: the pools' format.dtype
 };
 void store_prefill(const StorePrefillArgs& args);
 
@@ -77,10 +80,11 @@ class DeviceStoreMapping {
   std::unique_ptr<Impl> impl_;
 };
 
-// One decode token per sequence into its FP16 tail slot.
+// One decode token per sequence into its FP16 tail slot (the cache's
+// 16-bit type, copied as it is).
 struct AppendArgs {
-  const Half* k = nullptr;  // [batch][num_kv_heads][head_dim], 16-byte aligned (as v)
-  const Half* v = nullptr;
+  const void* k = nullptr;  // [batch][num_kv_heads][head_dim] of dtype, 16-byte aligned (as v)
+  const void* v = nullptr;
   // [batch] (AppendResult::slots of one layer); -1: a padding row, not
   // written (a graph captured at a larger batch than the step's).
   const std::int32_t* fp16_slots = nullptr;
@@ -90,6 +94,7 @@ struct AppendArgs {
   // Where a slot outside [0, fp16_pool.num_blocks * block_size) (other than
   // -1) is recorded; null: DeviceStatus::for_current_device().
   DeviceStatus* status = nullptr;
+  DType dtype = DType::F16;  // of k and v: fp16_pool.format.dtype, else InvalidArgument
 };
 // The kernel skips a row whose slot is out of range and records it in the
 // status (the caller's next raise_if_set()/check() throws IndexOutOfRange).
