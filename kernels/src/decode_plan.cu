@@ -103,6 +103,11 @@ DecodePlan::DecodePlan(const DecodePlanConfig& config, const DevicePageTables& t
   require(config.num_sms >= 0, [&] { return field("num_sms", config.num_sms, ">= 0"); });
   require(config.chunks_per_sequence >= 0,
           [&] { return field("chunks_per_sequence", config.chunks_per_sequence, ">= 0"); });
+  require(config.batch_invariant_blocks >= 0,
+          [&] { return field("batch_invariant_blocks", config.batch_invariant_blocks, ">= 0"); });
+  require(config.batch_invariant_blocks == 0 || config.chunks_per_sequence == 0, [&] {
+    return field("batch_invariant_blocks", config.batch_invariant_blocks, "0 when chunks_per_sequence is set");
+  });
 
   Impl& s = *impl_;
   s.config = config;
@@ -126,10 +131,19 @@ DecodePlan::DecodePlan(const DecodePlanConfig& config, const DevicePageTables& t
   s.head_tiles = detail::decode_head_tiles(full_group, max_heads);
   s.group = full_group / s.head_tiles;
   const std::int32_t pairs = config.max_batch * config.num_kv_heads * s.head_tiles;
+  // With batch_invariant_blocks a pair takes one chunk a that many blocks
+  // of its three page lists, at most kMaxMergePieces.
+  const std::int64_t invariant_chunks =
+      config.batch_invariant_blocks > 0
+          ? std::min<std::int64_t>(detail::kMaxMergePieces,
+                                   (3LL * tables.config().max_blocks_per_sequence + config.batch_invariant_blocks - 1) /
+                                       config.batch_invariant_blocks)
+          : 0;
   s.max_items = config.max_items_per_layer > 0
                     ? config.max_items_per_layer
                     : pairs + 3 * detail::kMaxCtasPerSm * s.config.num_sms +
-                          (config.chunks_per_sequence > 0 ? pairs * config.chunks_per_sequence : 0);
+                          (config.chunks_per_sequence > 0 ? pairs * config.chunks_per_sequence : 0) +
+                          static_cast<std::int32_t>(pairs * invariant_chunks);
   s.max_partials = s.max_items;
   s.fp16_block_bytes =
       static_cast<std::int64_t>(BlockFormat{Precision::FP16, 1, config.head_dim, config.block_size}.head_bytes());
@@ -329,10 +343,16 @@ void DecodePlan::Impl::plan_layer(int layer, int target_items, std::int32_t shar
     // Chunks: each (sequence, KV head) cut into chunks of equal work.
     for (int b = 0; b < batch; ++b) {
       const std::int32_t n_total = counts[b][0] + counts[b][1] + counts[b][2];
-      const int chunks =
-          c.chunks_per_sequence > 0
-              ? std::clamp(c.chunks_per_sequence, 1, std::min(detail::kMaxMergePieces, std::max(1, n_total)))
-              : detail::decode_pair_chunks(cost[b], total_cost, kvh, target_items, tiles, n_total);
+      const int most = std::min(detail::kMaxMergePieces, std::max(1, n_total));
+      int chunks = 0;
+      if (c.chunks_per_sequence > 0) {
+        chunks = std::clamp(c.chunks_per_sequence, 1, most);
+      } else if (c.batch_invariant_blocks > 0) {
+        // By this sequence's blocks alone: nothing of the batch decides it.
+        chunks = std::clamp((n_total + c.batch_invariant_blocks - 1) / c.batch_invariant_blocks, 1, most);
+      } else {
+        chunks = detail::decode_pair_chunks(cost[b], total_cost, kvh, target_items, tiles, n_total);
+      }
       // Chunk boundaries at equal work along FP16 | INT4 | INT2.
       cuts.assign(1, 0);
       for (int k = 1; k < chunks; ++k) {
@@ -384,7 +404,8 @@ void DecodePlan::plan(std::span<const std::int32_t> slots, cudaStream_t stream) 
   const int wave = detail::decode_wave(pairs, c.num_sms, s.ctas_per_sm);
   const int target = std::min(detail::decode_target_items(pairs, wave), s.max_items);
   const std::int32_t shares =
-      detail::decode_shares(pairs, wave, c.num_sms, s.max_items, s.head_tiles, c.chunks_per_sequence != 0);
+      detail::decode_shares(pairs, wave, c.num_sms, s.max_items, s.head_tiles,
+                            c.chunks_per_sequence != 0 || c.batch_invariant_blocks != 0);
   const bool whole_pairs = detail::decode_whole_pairs(pairs, c.num_sms, s.ctas_per_sm, shares);
   for (int layer = 0; layer < c.num_layers; ++layer) s.plan_layer(layer, target, shares, whole_pairs);
   std::swap(s.slots, s.next_slots);

@@ -5,6 +5,7 @@
 // a cuBLAS dense reference for a shape too large for the CPU.
 #include <gtest/gtest.h>
 
+#include <bit>
 #include <cmath>
 #include <functional>
 #include <numeric>
@@ -81,11 +82,13 @@ std::int32_t longest_list(const PlacedBatch& placed) {
 // Runs the CUDA decode for one layer of `placed` (stored in `arena`).
 DecodeResult run_gpu(TestArena& arena, const PlacedBatch& placed, const std::vector<Half>& q, int q_heads,
                      float sm_scale, int chunks = 0, int layers = 1, int layer = 0, int num_sms = 0,
-                     std::int32_t* num_items = nullptr, int max_heads_per_item = 0) {
+                     std::int32_t* num_items = nullptr, int max_heads_per_item = 0, int invariant_blocks = 0,
+                     int max_batch = 0) {
   const BlockFormat f = arena.format(Precision::FP16);
   const auto batch = static_cast<std::int32_t>(placed.tables[0].indptr.size() - 1);
   DeviceArenaCopy device(arena);
-  gpu::DevicePageTables tables({layers, batch, longest_list(placed)}, layout_of(arena));
+  max_batch = std::max(max_batch, batch);
+  gpu::DevicePageTables tables({layers, max_batch, longest_list(placed)}, layout_of(arena));
   fill_tables(tables, placed, layer);
   tables.upload(nullptr);
   gpu::DecodePlanConfig config;
@@ -94,8 +97,9 @@ DecodeResult run_gpu(TestArena& arena, const PlacedBatch& placed, const std::vec
   config.num_kv_heads = f.num_kv_heads;
   config.head_dim = f.head_dim;
   config.block_size = f.block_size;
-  config.max_batch = batch;
+  config.max_batch = max_batch;
   config.chunks_per_sequence = chunks;
+  config.batch_invariant_blocks = invariant_blocks;
   config.num_sms = num_sms;
   config.max_heads_per_item = max_heads_per_item;
   gpu::DecodePlan plan(config, tables);
@@ -394,6 +398,84 @@ TEST(DecodeCudaInvariance, SplitAndLayerDoNotChangeTheResult) {
   const DecodeResult layer2 = run_gpu(arena, placed, q, qh, scale, 0, /*layers=*/3, /*layer=*/2);
   EXPECT_LE(row_errors(layer2.out, one.out, dim).mean, 1e-3);
   EXPECT_LE(row_errors(layer2.out, one.out, dim).max, 2.5e-3);
+}
+
+// Sequences `order` of `placed`, in that order.
+PlacedBatch select(const PlacedBatch& placed, const std::vector<std::size_t>& order) {
+  PlacedBatch out;
+  for (int p = 0; p < kNumPrecisions; ++p) {
+    const PagedPoolTable& from = placed.tables[p];
+    PagedPoolTable& to = out.tables[p];
+    to.indptr.assign(1, 0);
+    for (const std::size_t i : order) {
+      to.indices.insert(to.indices.end(), from.indices.begin() + from.indptr[i],
+                        from.indices.begin() + from.indptr[i + 1]);
+      to.indptr.push_back(static_cast<std::int32_t>(to.indices.size()));
+      to.last_block_len.push_back(from.last_block_len[i]);
+    }
+  }
+  for (const std::size_t i : order) out.expected.push_back(placed.expected[i]);
+  return out;
+}
+
+// Batch-invariant decode: a sequence's output and LSE are bitwise the same
+// decoded alone, inside a batch of 17 and in that batch reversed, at 8 KV
+// heads and mixed pools (where the automatic split depends on the batch),
+// and stay within the usual bounds of the automatic split's result.
+TEST(DecodeCudaInvariance, BatchInvariantBlocksMakeTheBatchIrrelevant) {
+  MIXKV_REQUIRE_CUDA();
+  const int kvh = 8, qh = 32, dim = 128, block = 32, n = 17;
+  Rng rng(21);
+  std::vector<int> contexts;
+  for (int i = 0; i < n; ++i) contexts.push_back(40 + std::uniform_int_distribution<int>(0, 3000)(rng));
+  TestArena arena(kvh, dim, block, blocks_needed(contexts, block), 2);
+  const PlacedBatch placed = place_batch(arena, make_sequences(contexts, kvh, dim, block, kMixed, rng));
+  const auto q = random_halves(rng, contexts.size() * qh * dim);
+  const float scale = 1.0f / std::sqrt(128.0f);
+  const std::size_t row = static_cast<std::size_t>(qh) * dim;
+  const auto q_of = [&](const std::vector<std::size_t>& order) {
+    std::vector<Half> out;
+    for (const std::size_t i : order) out.insert(out.end(), q.begin() + i * row, q.begin() + (i + 1) * row);
+    return out;
+  };
+  constexpr int kInvariantBlocks = 16;
+  std::vector<std::size_t> forward(n), backward(n);
+  std::iota(forward.begin(), forward.end(), 0);
+  std::iota(backward.rbegin(), backward.rend(), 0);
+  const auto run = [&](const std::vector<std::size_t>& order) {
+    return run_gpu(arena, select(placed, order), q_of(order), qh, scale, 0, 1, 0, 0, nullptr, 0, kInvariantBlocks, n);
+  };
+  const DecodeResult all = run(forward);
+  const DecodeResult reversed = run(backward);
+  for (std::size_t i = 0; i < static_cast<std::size_t>(n); ++i) {
+    const DecodeResult alone = run({i});
+    const std::size_t j = static_cast<std::size_t>(n) - 1 - i;  // its place when reversed
+    for (std::size_t e = 0; e < row; ++e) {
+      ASSERT_EQ(std::bit_cast<std::uint32_t>(all.out[i * row + e]), std::bit_cast<std::uint32_t>(alone.out[e]))
+          << "sequence " << i << " element " << e;
+      ASSERT_EQ(std::bit_cast<std::uint32_t>(reversed.out[j * row + e]), std::bit_cast<std::uint32_t>(alone.out[e]))
+          << "sequence " << i << " element " << e;
+    }
+    for (int h = 0; h < qh; ++h) {
+      ASSERT_EQ(std::bit_cast<std::uint32_t>(all.lse[i * qh + h]), std::bit_cast<std::uint32_t>(alone.lse[h]));
+      ASSERT_EQ(std::bit_cast<std::uint32_t>(reversed.lse[j * qh + h]), std::bit_cast<std::uint32_t>(alone.lse[h]));
+    }
+  }
+  const DecodeResult automatic = run_gpu(arena, placed, q, qh, scale);
+  const ErrorStats e = row_errors(all.out, automatic.out, dim);
+  EXPECT_LE(e.mean, 1e-3);
+  EXPECT_LE(e.max, 2.5e-3);
+  gpu::DecodePlanConfig both;
+  both.num_layers = 1;
+  both.num_q_heads = qh;
+  both.num_kv_heads = kvh;
+  both.head_dim = dim;
+  both.block_size = block;
+  both.max_batch = 1;
+  both.chunks_per_sequence = 2;
+  both.batch_invariant_blocks = kInvariantBlocks;
+  gpu::DevicePageTables tables({1, 1, 8});
+  MIXKV_EXPECT_INVALID((gpu::DecodePlan{both, tables}), "batch_invariant_blocks");
 }
 
 // A captured graph of run() (fixed grids) replays correctly after the

@@ -19,7 +19,8 @@ struct DecodePlanConfig {
   std::int32_t block_size = 0;  // 16, 32, 64 (the built instances)
   std::int32_t max_batch = 0;
   // Work items one layer may hold; 0 = P + 12 * SMs (+ P * chunks_per_sequence
-  // when that is set), P = max_batch * num_kv_heads * the head tiles.
+  // when that is set, + P * the chunks of the longest page lists with
+  // batch_invariant_blocks), P = max_batch * num_kv_heads * the head tiles.
   std::int32_t max_items_per_layer = 0;
   // Multiprocessors to plan for; 0 = those of the current device.
   std::int32_t num_sms = 0;
@@ -31,6 +32,13 @@ struct DecodePlanConfig {
   // work waits on memory or is short: then one piece a pair. At least 8
   // blocks a piece either way (tests force other splits).
   std::int32_t chunks_per_sequence = 0;
+  // Batch-invariant decode: > 0 cuts each (sequence, KV head) into
+  // ceil(blocks / batch_invariant_blocks) chunks of equal work by its own
+  // page lists alone (no shares, no whole pairs), so a sequence's output is
+  // bitwise the same whatever else is in the batch and in whatever order
+  // (with the same config: max_batch fixes the head tiles). 0 = off; not
+  // with chunks_per_sequence.
+  std::int32_t batch_invariant_blocks = 0;
   // Query heads one work item computes at most: 8 (one MMA n-tile) or 16
   // (two, each dequantized block feeding both; needs that instance). 0 =
   // 16 where it is built and max_batch * num_kv_heads >= 16, else 8 (a
