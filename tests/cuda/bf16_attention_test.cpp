@@ -43,51 +43,8 @@ struct Bounds {
 constexpr Bounds kDecodeBounds{8e-3, 2.5e-2, 1.6e-2};
 constexpr Bounds kExtendBounds{2e-3, 1.6e-2, 4e-3};
 
-// Fractions of full windows in FP16 / INT4 (the rest INT2).
-struct Mix {
-  double fp16, int4;
-};
+// Fractions of full windows in FP16 / INT4 (the rest INT2) of the mixed cases.
 constexpr Mix kMixed{0.3, 0.4};
-constexpr Mix kAllFp16{1.0, 0.0};
-constexpr Mix kAllInt4{0.0, 1.0};
-constexpr Mix kAllInt2{0.0, 0.0};
-
-std::vector<SequenceDataBF16> sequences(const std::vector<int>& contexts, int heads, int dim, int block, Mix mix,
-                                        Rng& rng) {
-  std::vector<SequenceDataBF16> seqs;
-  for (int tokens : contexts) {
-    SequenceDataBF16 s;
-    s.tokens = tokens;
-    s.k = random_bfloats(rng, static_cast<std::size_t>(tokens) * heads * dim, 1.0);
-    s.v = random_bfloats(rng, s.k.size(), 1.0);
-    for (int w = 0; w < tokens / block; ++w) {
-      const double u = std::uniform_real_distribution<double>(0.0, 1.0)(rng);
-      s.windows.push_back(u < mix.fp16 ? Precision::FP16
-                                       : (u < mix.fp16 + mix.int4 ? Precision::INT4 : Precision::INT2));
-    }
-    seqs.push_back(std::move(s));
-  }
-  return seqs;
-}
-
-void fill_tables(gpu::DevicePageTables& tables, const PlacedBatch& placed) {
-  const std::size_t batch = placed.tables[0].indptr.size() - 1;
-  for (std::size_t b = 0; b < batch; ++b) {
-    for (Precision p : kAllPrecisions) {
-      const PagedPoolTable& t = placed.tables[pool_index(p)];
-      const std::span<const std::int32_t> list(t.indices.data() + t.indptr[b], t.indptr[b + 1] - t.indptr[b]);
-      tables.set_blocks(static_cast<std::int32_t>(b), 0, p, list, p == Precision::FP16 ? t.last_block_len[b] : 0);
-    }
-  }
-}
-
-std::int32_t longest_list(const PlacedBatch& placed) {
-  std::int32_t longest = 1;
-  for (const auto& t : placed.tables) {
-    for (std::size_t b = 0; b + 1 < t.indptr.size(); ++b) longest = std::max(longest, t.indptr[b + 1] - t.indptr[b]);
-  }
-  return longest;
-}
 
 void expect_close(const DecodeResult& got, const DecodeResult& ref, int dim, Bounds bounds, const std::string& what) {
   ASSERT_EQ(got.out.size(), ref.out.size()) << what;
@@ -123,7 +80,7 @@ struct Data {
 
 Data make_data(const std::vector<int>& contexts, int q_heads, int kv_heads, int dim, int block, Mix mix, Rng& rng) {
   Data d;
-  const auto seqs = sequences(contexts, kv_heads, dim, block, mix, rng);
+  const auto seqs = mixed_sequences<BFloat16>(contexts, kv_heads, dim, block, mix, rng);
   d.arena = std::make_unique<TestArena>(kv_heads, dim, block, blocks_needed(seqs, block, 1), 3, DType::BF16);
   d.placed = place_batch(*d.arena, seqs);
   d.q_heads = q_heads;

@@ -9,12 +9,15 @@
 #include <cstddef>
 #include <cstring>
 #include <initializer_list>
+#include <random>
+#include <span>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "../cpu/cpu_test_util.h"
 #include "mixkv/kernels/device_arena.h"
+#include "mixkv/kernels/device_page_tables.h"
 
 // Every GPU test starts with this: on a machine without a CUDA device the
 // test is reported as skipped, visibly, instead of passing silently.
@@ -143,6 +146,63 @@ void expect_error_naming(Call&& call, std::initializer_list<std::string> parts) 
           << "message does not name '" << part << "': " << e.what();
     }
   }
+}
+
+// Fractions of full windows in FP16 / INT4 (the rest INT2).
+struct Mix {
+  double fp16, int4;
+};
+inline constexpr Mix kAllFp16{1.0, 0.0};
+inline constexpr Mix kAllInt4{0.0, 1.0};
+inline constexpr Mix kAllInt2{0.0, 0.0};
+
+// Sequences of `contexts` tokens of random K/V of the cache's type T, each
+// full window at a precision drawn by `mix`.
+template <Float16Element T>
+std::vector<BasicSequenceData<T>> mixed_sequences(const std::vector<int>& contexts, int heads, int dim, int block,
+                                                  Mix mix, Rng& rng) {
+  std::vector<BasicSequenceData<T>> seqs;
+  for (int tokens : contexts) {
+    BasicSequenceData<T> s;
+    s.tokens = tokens;
+    s.k = random_values<T>(rng, static_cast<std::size_t>(tokens) * heads * dim, 1.0);
+    s.v = random_values<T>(rng, s.k.size(), 1.0);
+    for (int w = 0; w < tokens / block; ++w) {
+      const double u = std::uniform_real_distribution<double>(0.0, 1.0)(rng);
+      s.windows.push_back(u < mix.fp16 ? Precision::FP16
+                                       : (u < mix.fp16 + mix.int4 ? Precision::INT4 : Precision::INT2));
+    }
+    seqs.push_back(std::move(s));
+  }
+  return seqs;
+}
+
+// Blocks of each pool enough for `contexts` whatever their windows' mix.
+inline std::array<std::int32_t, kNumPrecisions> blocks_needed(const std::vector<int>& contexts, int block) {
+  std::int32_t total = 0;
+  for (int t : contexts) total += t / block + 2;
+  return {total, total, total};
+}
+
+// Page lists of `placed` into slots 0.. of `layer`.
+inline void fill_tables(gpu::DevicePageTables& tables, const PlacedBatch& placed, int layer = 0) {
+  const std::size_t batch = placed.tables[0].indptr.size() - 1;
+  for (std::size_t b = 0; b < batch; ++b) {
+    for (Precision p : kAllPrecisions) {
+      const PagedPoolTable& t = placed.tables[pool_index(p)];
+      const std::span<const std::int32_t> list(t.indices.data() + t.indptr[b], t.indptr[b + 1] - t.indptr[b]);
+      tables.set_blocks(static_cast<std::int32_t>(b), layer, p, list, p == Precision::FP16 ? t.last_block_len[b] : 0);
+    }
+  }
+}
+
+// The longest page list of `placed` (at least 1): the tables' bound.
+inline std::int32_t longest_list(const PlacedBatch& placed) {
+  std::int32_t longest = 1;
+  for (const auto& t : placed.tables) {
+    for (std::size_t b = 0; b + 1 < t.indptr.size(); ++b) longest = std::max(longest, t.indptr[b + 1] - t.indptr[b]);
+  }
+  return longest;
 }
 
 }  // namespace mixkv::test

@@ -19,14 +19,8 @@
 namespace mixkv::test {
 namespace {
 
-// Fractions of full windows in FP16 / INT4 (the rest INT2).
-struct Mix {
-  double fp16, int4;
-};
+// Fractions of full windows in FP16 / INT4 (the rest INT2) of the mixed cases.
 constexpr Mix kMixed{0.1, 0.3};
-constexpr Mix kAllFp16{1.0, 0.0};
-constexpr Mix kAllInt4{0.0, 1.0};
-constexpr Mix kAllInt2{0.0, 0.0};
 
 struct Batch {
   std::vector<SequenceData> seqs;
@@ -34,50 +28,6 @@ struct Batch {
   std::vector<Half> q;
   std::int32_t max_blocks = 1;
 };
-
-std::vector<SequenceData> make_sequences(const std::vector<int>& contexts, int heads, int dim, int block, Mix mix,
-                                         Rng& rng) {
-  std::vector<SequenceData> seqs;
-  for (int tokens : contexts) {
-    SequenceData s;
-    s.tokens = tokens;
-    s.k = random_halves(rng, static_cast<std::size_t>(tokens) * heads * dim, 1.0);
-    s.v = random_halves(rng, s.k.size(), 1.0);
-    for (int w = 0; w < tokens / block; ++w) {
-      const double u = std::uniform_real_distribution<double>(0.0, 1.0)(rng);
-      s.windows.push_back(u < mix.fp16 ? Precision::FP16
-                                       : (u < mix.fp16 + mix.int4 ? Precision::INT4 : Precision::INT2));
-    }
-    seqs.push_back(std::move(s));
-  }
-  return seqs;
-}
-
-std::array<std::int32_t, kNumPrecisions> blocks_needed(const std::vector<int>& contexts, int block) {
-  std::int32_t total = 0;
-  for (int t : contexts) total += t / block + 2;
-  return {total, total, total};
-}
-
-// Page lists of `placed` into slots 0.. of `layer`.
-void fill_tables(gpu::DevicePageTables& tables, const PlacedBatch& placed, int layer) {
-  const std::size_t batch = placed.tables[0].indptr.size() - 1;
-  for (std::size_t b = 0; b < batch; ++b) {
-    for (Precision p : kAllPrecisions) {
-      const PagedPoolTable& t = placed.tables[pool_index(p)];
-      const std::span<const std::int32_t> list(t.indices.data() + t.indptr[b], t.indptr[b + 1] - t.indptr[b]);
-      tables.set_blocks(static_cast<std::int32_t>(b), layer, p, list, p == Precision::FP16 ? t.last_block_len[b] : 0);
-    }
-  }
-}
-
-std::int32_t longest_list(const PlacedBatch& placed) {
-  std::int32_t longest = 1;
-  for (const auto& t : placed.tables) {
-    for (std::size_t b = 0; b + 1 < t.indptr.size(); ++b) longest = std::max(longest, t.indptr[b + 1] - t.indptr[b]);
-  }
-  return longest;
-}
 
 // Runs the CUDA decode for one layer of `placed` (stored in `arena`).
 DecodeResult run_gpu(TestArena& arena, const PlacedBatch& placed, const std::vector<Half>& q, int q_heads,
@@ -155,7 +105,7 @@ TEST_P(DecodeCuda, MatchesCpuReference) {
   const DecodeCase c = GetParam();
   Rng rng(42);
   TestArena arena(c.kv_heads, c.dim, c.block, blocks_needed(c.contexts, c.block), 17);
-  const auto seqs = make_sequences(c.contexts, c.kv_heads, c.dim, c.block, c.mix, rng);
+  const auto seqs = mixed_sequences<Half>(c.contexts, c.kv_heads, c.dim, c.block, c.mix, rng);
   const PlacedBatch placed = place_batch(arena, seqs);
   const auto q = random_halves(rng, c.contexts.size() * c.q_heads * c.dim);
   const float scale = 1.0f / std::sqrt(static_cast<float>(c.dim));
@@ -211,7 +161,7 @@ void expect_scores_match(const std::vector<int>& contexts, std::uint64_t seed, c
   const int kvh = 4, qh = 28, dim = 128, block = 32;
   Rng rng(seed);
   TestArena arena(kvh, dim, block, blocks_needed(contexts, block), 6);
-  std::vector<SequenceData> seqs = make_sequences(contexts, kvh, dim, block, kMixed, rng);
+  std::vector<SequenceData> seqs = mixed_sequences<Half>(contexts, kvh, dim, block, kMixed, rng);
   const float scale = 1.0f / std::sqrt(static_cast<float>(dim));
   const double bits_per_level = scale * 0.5 * dim / std::log(2.0);
   for (SequenceData& s : seqs) {
@@ -260,7 +210,7 @@ void expect_shares_match(int kvh, int qh, int batch, std::uint64_t seed, std::in
   Rng rng(seed);
   std::vector<int> contexts = cycle({1, 97, 500, 1000, 33, 2000, 31, 0, 64}, batch);
   TestArena arena(kvh, dim, block, blocks_needed(contexts, block), 9);
-  const PlacedBatch placed = place_batch(arena, make_sequences(contexts, kvh, dim, block, kMixed, rng));
+  const PlacedBatch placed = place_batch(arena, mixed_sequences<Half>(contexts, kvh, dim, block, kMixed, rng));
   const auto q = random_halves(rng, contexts.size() * qh * dim);
   const float scale = 1.0f / std::sqrt(static_cast<float>(dim));
   const DecodeResult ref = cpu_decode(arena, placed, q, qh, scale);
@@ -282,7 +232,7 @@ TEST(DecodeCudaHeads, ItemWidthsMatchCpuReference) {
     Rng rng(21);
     const std::vector<int> contexts = cycle({1, 700, 2000}, batch);
     TestArena arena(kvh, dim, block, blocks_needed(contexts, block), 7);
-    const PlacedBatch placed = place_batch(arena, make_sequences(contexts, kvh, dim, block, kMixed, rng));
+    const PlacedBatch placed = place_batch(arena, mixed_sequences<Half>(contexts, kvh, dim, block, kMixed, rng));
     const auto q = random_halves(rng, contexts.size() * qh * dim);
     const float scale = 1.0f / std::sqrt(static_cast<float>(dim));
     const DecodeResult ref = cpu_decode(arena, placed, q, qh, scale);
@@ -334,7 +284,7 @@ TEST(DecodeCudaBalanced, WholePairsWhenTheyFillTheSmsEvenly) {
                         Case{{1000, 600, 1000, 1000}, kAllInt4, false, "unequal INT4"}}) {
     Rng rng(31);
     TestArena arena(kvh, dim, block, blocks_needed(c.contexts, block), 7);
-    const PlacedBatch placed = place_batch(arena, make_sequences(c.contexts, kvh, dim, block, c.mix, rng));
+    const PlacedBatch placed = place_batch(arena, mixed_sequences<Half>(c.contexts, kvh, dim, block, c.mix, rng));
     const auto q = random_halves(rng, c.contexts.size() * qh * dim);
     const float scale = 1.0f / std::sqrt(static_cast<float>(dim));
     const DecodeResult ref = cpu_decode(arena, placed, q, qh, scale);
@@ -356,7 +306,7 @@ TEST(DecodeCudaEmpty, EmptySequencesAndPoolsMakeNoNaN) {
   const int kvh = 4, qh = 28, dim = 128, block = 32;
   Rng rng(3);
   TestArena arena(kvh, dim, block, {8, 8, 8}, 5);
-  std::vector<SequenceData> seqs = make_sequences({64, 20, 64}, kvh, dim, block, kAllInt2, rng);
+  std::vector<SequenceData> seqs = mixed_sequences<Half>({64, 20, 64}, kvh, dim, block, kAllInt2, rng);
   seqs[1].windows.clear();  // 20 tokens: FP16 only
   SequenceData empty;
   seqs.insert(seqs.begin() + 1, empty);
@@ -382,7 +332,7 @@ TEST(DecodeCudaInvariance, SplitAndLayerDoNotChangeTheResult) {
   Rng rng(8);
   const std::vector<int> contexts = {2000, 1500};
   TestArena arena(kvh, dim, block, blocks_needed(contexts, block), 2);
-  const PlacedBatch placed = place_batch(arena, make_sequences(contexts, kvh, dim, block, kMixed, rng));
+  const PlacedBatch placed = place_batch(arena, mixed_sequences<Half>(contexts, kvh, dim, block, kMixed, rng));
   const auto q = random_halves(rng, contexts.size() * qh * dim);
   const float scale = 1.0f / std::sqrt(128.0f);
   // Chunks differ only in rounding: P is rounded to FP16 relative to each
@@ -429,7 +379,7 @@ TEST(DecodeCudaInvariance, BatchInvariantBlocksMakeTheBatchIrrelevant) {
   std::vector<int> contexts;
   for (int i = 0; i < n; ++i) contexts.push_back(40 + std::uniform_int_distribution<int>(0, 3000)(rng));
   TestArena arena(kvh, dim, block, blocks_needed(contexts, block), 2);
-  const PlacedBatch placed = place_batch(arena, make_sequences(contexts, kvh, dim, block, kMixed, rng));
+  const PlacedBatch placed = place_batch(arena, mixed_sequences<Half>(contexts, kvh, dim, block, kMixed, rng));
   const auto q = random_halves(rng, contexts.size() * qh * dim);
   const float scale = 1.0f / std::sqrt(128.0f);
   const std::size_t row = static_cast<std::size_t>(qh) * dim;
@@ -486,7 +436,7 @@ TEST(DecodeCudaGraph, CapturedRunSurvivesReplanning) {
   Rng rng(12);
   const std::vector<int> contexts = {700, 300};
   TestArena arena(kvh, dim, block, blocks_needed(contexts, block), 4);
-  const PlacedBatch placed = place_batch(arena, make_sequences(contexts, kvh, dim, block, kMixed, rng));
+  const PlacedBatch placed = place_batch(arena, mixed_sequences<Half>(contexts, kvh, dim, block, kMixed, rng));
   const auto q = random_halves(rng, contexts.size() * qh * dim);
   const float scale = 1.0f / std::sqrt(128.0f);
   const DecodeResult ref = cpu_decode(arena, placed, q, qh, scale);
@@ -553,7 +503,7 @@ TEST(DecodeCudaDense, LargeBatchMatchesCublasReference) {
   Rng rng(99);
   const std::vector<int> contexts(batch, tokens);
   TestArena arena(kvh, dim, block, blocks_needed(contexts, block), 6);
-  const PlacedBatch placed = place_batch(arena, make_sequences(contexts, kvh, dim, block, kMixed, rng));
+  const PlacedBatch placed = place_batch(arena, mixed_sequences<Half>(contexts, kvh, dim, block, kMixed, rng));
   const auto q = random_halves(rng, static_cast<std::size_t>(batch) * qh * dim);
   const float scale = 1.0f / std::sqrt(128.0f);
   const DecodeResult got = run_gpu(arena, placed, q, qh, scale);

@@ -27,58 +27,8 @@
 namespace mixkv::test {
 namespace {
 
-// Fractions of full windows in FP16 / INT4 (the rest INT2).
-struct Mix {
-  double fp16, int4;
-};
+// Fractions of full windows in FP16 / INT4 (the rest INT2) of the mixed cases.
 constexpr Mix kMixed{0.2, 0.4};
-constexpr Mix kAllFp16{1.0, 0.0};
-constexpr Mix kAllInt4{0.0, 1.0};
-constexpr Mix kAllInt2{0.0, 0.0};
-
-std::vector<SequenceData> make_sequences(const std::vector<int>& contexts, int heads, int dim, int block, Mix mix,
-                                         Rng& rng) {
-  std::vector<SequenceData> seqs;
-  for (int tokens : contexts) {
-    SequenceData s;
-    s.tokens = tokens;
-    s.k = random_halves(rng, static_cast<std::size_t>(tokens) * heads * dim, 1.0);
-    s.v = random_halves(rng, s.k.size(), 1.0);
-    for (int w = 0; w < tokens / block; ++w) {
-      const double u = std::uniform_real_distribution<double>(0.0, 1.0)(rng);
-      s.windows.push_back(u < mix.fp16 ? Precision::FP16
-                                       : (u < mix.fp16 + mix.int4 ? Precision::INT4 : Precision::INT2));
-    }
-    seqs.push_back(std::move(s));
-  }
-  return seqs;
-}
-
-std::array<std::int32_t, kNumPrecisions> blocks_needed(const std::vector<int>& contexts, int block) {
-  std::int32_t total = 0;
-  for (int t : contexts) total += t / block + 2;
-  return {total, total, total};
-}
-
-// Page lists of `placed` into slots 0.. of `layer`.
-void fill_tables(gpu::DevicePageTables& tables, const PlacedBatch& placed, int layer) {
-  const std::size_t batch = placed.tables[0].indptr.size() - 1;
-  for (std::size_t b = 0; b < batch; ++b) {
-    for (Precision p : kAllPrecisions) {
-      const PagedPoolTable& t = placed.tables[pool_index(p)];
-      const std::span<const std::int32_t> list(t.indices.data() + t.indptr[b], t.indptr[b + 1] - t.indptr[b]);
-      tables.set_blocks(static_cast<std::int32_t>(b), layer, p, list, p == Precision::FP16 ? t.last_block_len[b] : 0);
-    }
-  }
-}
-
-std::int32_t longest_list(const PlacedBatch& placed) {
-  std::int32_t longest = 1;
-  for (const auto& t : placed.tables) {
-    for (std::size_t b = 0; b + 1 < t.indptr.size(); ++b) longest = std::max(longest, t.indptr[b + 1] - t.indptr[b]);
-  }
-  return longest;
-}
 
 // A step's new rows: qo_indptr, q [rows][q_heads][dim], k and v [rows][kv_heads][dim].
 struct NewRows {
@@ -112,7 +62,7 @@ ExtendData make_data(const std::vector<int>& contexts, const std::vector<int>& c
   ExtendData d;
   Rng rng(seed);
   d.arena = std::make_unique<TestArena>(kv_heads, dim, block, blocks_needed(contexts, block), seed + 1);
-  d.seqs = make_sequences(contexts, kv_heads, dim, block, mix, rng);
+  d.seqs = mixed_sequences<Half>(contexts, kv_heads, dim, block, mix, rng);
   d.placed = place_batch(*d.arena, d.seqs);
   d.rows = make_new_rows(chunks, q_heads, kv_heads, dim, rng);
   d.q_heads = q_heads;
