@@ -111,15 +111,16 @@ class _caller_ids:
         return False
 
 
-def _torch_capsules(arrays: tuple) -> tuple:
-    """torch tensors as DLPack capsules from torch.utils.dlpack.to_dlpack, for a call on torch's current stream.
+def _torch_capsules(stream: Any, arrays: tuple) -> tuple:
+    """torch tensors as DLPack capsules from torch.utils.dlpack.to_dlpack, for a call on torch's current stream
+    (``stream`` None); with a stream given, ``arrays`` as they are.
 
     The protocol's ``__dlpack_device__()`` and ``__dlpack__(stream)`` pair costs about 7 us a tensor in
     Python (four tensors, thirty layers: about 1 ms a decode step), to_dlpack well under 1 us; it orders
     nothing between streams, which a call on the producer's own stream does not need. Anything other
     than plain tensors that need no gradient is passed as given, to go through the protocol."""
     torch = sys.modules.get("torch")
-    if torch is None:
+    if stream is not None or torch is None:
         return arrays
     tensor = torch.Tensor
     for a in arrays:
@@ -448,7 +449,7 @@ class Engine:
         For an engine that ran its own prefill attention; ``prefill`` does
         both. Per layer, call ``prefill`` or ``store``, not both."""
         s = self._stream("Engine.store", stream)
-        self._core.store(layer, *(_torch_capsules((k, v)) if stream is None else (k, v)), s)
+        self._core.store(layer, *_torch_capsules(stream, (k, v)), s)
 
     def attend(
         self, layer: int, q: Any, k: Any, v: Any, out: Any = None, lse: Any = None, *, stream: Any = None
@@ -468,8 +469,7 @@ class Engine:
         s = self._stream("Engine.attend", stream)
         if out is None:
             out = self._empty_like(q, self._decode_rows, "Engine.attend")
-        arrays = (q, k, v, out, lse) if stream is not None else _torch_capsules((q, k, v, out, lse))
-        self._core.attend(layer, *arrays, s)
+        self._core.attend(layer, *_torch_capsules(stream, (q, k, v, out, lse)), s)
         return out
 
     def prefill(
@@ -489,8 +489,7 @@ class Engine:
         s = self._stream("Engine.prefill", stream)
         if out is None:
             out = self._empty_like(q, self._prefill_rows, "Engine.prefill")
-        arrays = (q, k, v, out, lse) if stream is not None else _torch_capsules((q, k, v, out, lse))
-        self._core.prefill(layer, *arrays, s)
+        self._core.prefill(layer, *_torch_capsules(stream, (q, k, v, out, lse)), s)
         return out
 
     def _empty_like(self, q: Any, rows: int, fn: str) -> Any:
