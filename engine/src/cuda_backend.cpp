@@ -114,7 +114,8 @@ class CudaBackend final : public Backend {
         plan_(gpu::DecodePlanConfig{config.cache.shape.num_layers, config.num_q_heads, config.cache.shape.num_kv_heads,
                                     config.cache.shape.head_dim, config.cache.shape.block_size, config.max_num_seqs},
               tables_),
-        mappings_(static_cast<std::size_t>(config.cache.shape.num_layers)) {
+        mappings_(static_cast<std::size_t>(config.cache.shape.num_layers)),
+        synced_(static_cast<std::size_t>(config.max_num_seqs), kNoRequest) {
     if (manager_.swap_bytes() > 0) {
       swap_.emplace(manager_.swap_layout());
       host_pools_ = swap_->device_views(manager_.swap_layout());
@@ -328,9 +329,6 @@ class CudaBackend final : public Backend {
   // scheduler a harness may have edited any list, so every table is
   // compared whole.
   void sync_tables(const StepOutput& step, bool from_scheduler) {
-    if (synced_.size() != static_cast<std::size_t>(config_.max_num_seqs)) {
-      synced_.assign(static_cast<std::size_t>(config_.max_num_seqs), kNoRequest);
-    }
     if (from_scheduler) {
       for (const RequestId id : step.tables_changed) stale_.insert(id);
       for (const FinishedRequest& f : step.finished) stale_.erase(f.id);
@@ -451,12 +449,6 @@ class CudaBackend final : public Backend {
   std::optional<gpu::PinnedSwapBuffer> swap_;
   gpu::DevicePools host_pools_{};
   gpu::DevicePageTables tables_;
-  // [slot]: the request tables_ last synced that slot from (kNoRequest when
-  // unknown), and requests whose tables changed since then other than at
-  // their FP16 end (sync_tables).
-  static constexpr RequestId kNoRequest = std::numeric_limits<RequestId>::min();
-  std::vector<RequestId> synced_;
-  boost::unordered_flat_set<RequestId> stale_;
   gpu::DecodePlan plan_;
   // Extend attention, made on first use: prefill() through the cache
   // (prefix_tables_ hold the page lists before each chunk) and decodes
@@ -467,6 +459,12 @@ class CudaBackend final : public Backend {
   std::unique_ptr<gpu::ExtendPlan> verify_plan_;
   bool prefix_planned_ = false;
   std::vector<gpu::DeviceStoreMapping> mappings_;  // [layer], uploaded in apply()
+  // [slot]: the request tables_ last synced that slot from (kNoRequest when
+  // unknown), and requests whose tables changed since then other than at
+  // their FP16 end (sync_tables).
+  static constexpr RequestId kNoRequest = std::numeric_limits<RequestId>::min();
+  std::vector<RequestId> synced_;
+  boost::unordered_flat_set<RequestId> stale_;
   gpu::DeviceSwapList swap_out_list_;
   gpu::DeviceSwapList swap_in_list_;
   gpu::DeviceStatus status_;
