@@ -83,7 +83,7 @@ struct Variant {
 
 struct Arrival {
   std::int64_t step = 0;
-  std::int32_t video = -1;  // -1: the text trace
+  std::int32_t video = -1;    // -1: the text trace
   std::int32_t question = 0;  // the video's how-manieth question
   std::int32_t text = 0;      // question or user-turn tokens
   std::int32_t max_new = 1;
@@ -281,7 +281,8 @@ Result run(const Trace& trace, const Variant& v, std::int64_t probe_every) {
   Scheduler sched(cache, sc);
 
   std::array<double, kNumPrecisions> block_bytes{};
-  for (const Precision p : kAllPrecisions) block_bytes[pool_index(p)] = static_cast<double>(cache.format(p).block_bytes());
+  for (const Precision p : kAllPrecisions)
+    block_bytes[pool_index(p)] = static_cast<double>(cache.format(p).block_bytes());
   auto gib = [&](const BlockCounts& c) {
     double b = 0.0;
     for (const Precision p : kAllPrecisions) b += static_cast<double>(c[pool_index(p)]) * block_bytes[pool_index(p)];
@@ -345,7 +346,8 @@ Result run(const Trace& trace, const Variant& v, std::int64_t probe_every) {
     for (const RequestId id : out.decodes) {
       if (!cache.contains(id)) continue;
       const BlockCounts held = cache.blocks_held(id);
-      for (const Precision p : kAllPrecisions) bytes += static_cast<double>(held[pool_index(p)]) * block_bytes[pool_index(p)];
+      for (const Precision p : kAllPrecisions)
+        bytes += static_cast<double>(held[pool_index(p)]) * block_bytes[pool_index(p)];
       flops += 2.0 * kParams + 4.0 * kLayers * kQueryHidden * cache.num_tokens(id);
     }
     const bool busy = !out.prefills.empty() || !out.decodes.empty();
@@ -407,7 +409,8 @@ Result run(const Trace& trace, const Variant& v, std::int64_t probe_every) {
   s["videos_held_mean"] = held_sum / n_probes;
   s["cached_gib_mean"] = gib_sum / n_probes;
   s["videos_per_gib_mean"] = per_gib(held_sum, gib_sum);
-  s["decode_tokens_per_step"] = static_cast<double>(st.decode_tokens) / static_cast<double>(std::max<std::int64_t>(step, 1));
+  s["decode_tokens_per_step"] =
+      static_cast<double>(st.decode_tokens) / static_cast<double>(std::max<std::int64_t>(step, 1));
   s["output_tokens"] = output_tokens;
   s["modelled_seconds"] = total_s;
   s["output_tokens_per_s"] = total_s > 0.0 ? static_cast<double>(output_tokens) / total_s : 0.0;
@@ -446,8 +449,8 @@ void print_row(const Trace& t, const json::object& s, bool videos) {
 
 void print_header() {
   std::printf("%-20s %-34s %12s %12s %7s %7s %7s %8s %8s %11s %6s %6s %8s %8s %6s %6s %7s\n", "trace", "variant",
-              "prefill req", "computed", "cached", "TTFTp50", "TTFTp99", "ms p50", "ms p99", "held/GiB", "v/GiB",
-              "avg", "dec/step", "tok/s", "preem", "demot", "host");
+              "prefill req", "computed", "cached", "TTFTp50", "TTFTp99", "ms p50", "ms p99", "held/GiB", "v/GiB", "avg",
+              "dec/step", "tok/s", "preem", "demot", "host");
 }
 
 }  // namespace
@@ -495,12 +498,21 @@ int main(int argc, char** argv) {
 
   json::object doc;
   doc["arena_gb"] = 126;
-  doc["shape"] = {{"model", "Qwen2-7B"}, {"layers", kLayers}, {"kv_heads", kKvHeads}, {"head_dim", kHeadDim},
+  doc["shape"] = {{"model", "Qwen2-7B"},
+                  {"layers", kLayers},
+                  {"kv_heads", kKvHeads},
+                  {"head_dim", kHeadDim},
                   {"block_size", kBlock}};
-  doc["scheduler"] = {{"max_num_seqs", 1024}, {"max_num_batched_tokens", 32768}, {"watermark", 0.0},
-                      {"policy", "FCFS"}, {"preemption", "recompute"}};
-  doc["step_model"] = {{"params", kParams}, {"weight_bytes", kWeightBytes}, {"flops_per_s", kFlops},
-                       {"bytes_per_s", kBandwidth}, {"rule", "max(compute, memory) per step"}};
+  doc["scheduler"] = {{"max_num_seqs", 1024},
+                      {"max_num_batched_tokens", 32768},
+                      {"watermark", 0.0},
+                      {"policy", "FCFS"},
+                      {"preemption", "recompute"}};
+  doc["step_model"] = {{"params", kParams},
+                       {"weight_bytes", kWeightBytes},
+                       {"flops_per_s", kFlops},
+                       {"bytes_per_s", kBandwidth},
+                       {"rule", "max(compute, memory) per step"}};
   doc["quick"] = quick;
   doc["rho"] = rho;
   json::array traces;
@@ -524,9 +536,13 @@ int main(int argc, char** argv) {
     json::array points;
     for (const double r : {0.5, 0.9, 0.99, 1.0}) {
       for (const bool higher : {true, false}) {
-        const Variant v{"WindowQuant, prefix, rho " + std::to_string(r).substr(0, 4) +
-                            (higher ? ", share_higher" : ", exact only"),
-                        PlanKind::WindowQuant, true, higher, r, true};
+        const Variant v{
+            "WindowQuant, prefix, rho " + std::to_string(r).substr(0, 4) + (higher ? ", share_higher" : ", exact only"),
+            PlanKind::WindowQuant,
+            true,
+            higher,
+            r,
+            true};
         Result res = run(video, v, probe_every);
         print_row(video, res.summary, true);
         res.summary.erase("probes_step_videos_gib");

@@ -403,9 +403,8 @@ void DecodePlan::plan(std::span<const std::int32_t> slots, cudaStream_t stream) 
   // resident CTAs, or one equal share a CTA slot, or one item a pair.
   const int wave = detail::decode_wave(pairs, c.num_sms, s.ctas_per_sm);
   const int target = std::min(detail::decode_target_items(pairs, wave), s.max_items);
-  const std::int32_t shares =
-      detail::decode_shares(pairs, wave, c.num_sms, s.max_items, s.head_tiles,
-                            c.chunks_per_sequence != 0 || c.batch_invariant_blocks != 0);
+  const std::int32_t shares = detail::decode_shares(pairs, wave, c.num_sms, s.max_items, s.head_tiles,
+                                                    c.chunks_per_sequence != 0 || c.batch_invariant_blocks != 0);
   const bool whole_pairs = detail::decode_whole_pairs(pairs, c.num_sms, s.ctas_per_sm, shares);
   for (int layer = 0; layer < c.num_layers; ++layer) s.plan_layer(layer, target, shares, whole_pairs);
   std::swap(s.slots, s.next_slots);

@@ -265,7 +265,7 @@ TEST(PrefixCache, CachedBlocksCountWithoutAWalkWhenTheirPoolsSuffice) {
   ASSERT_EQ(cache.free_slabs(), 1);
   ASSERT_EQ(cache.pool_stats(Precision::FP16).free_blocks, 0);
   ASSERT_EQ(cache.prefix_stats().evictable, (BlockCounts{1, 4, 0}));
-  EXPECT_TRUE(cache.can_allocate({0, 10, 0}));  // the INT4 pool's own blocks
+  EXPECT_TRUE(cache.can_allocate({0, 10, 0}));     // the INT4 pool's own blocks
   EXPECT_TRUE(cache.can_allocate({1 + 4, 0, 0}));  // the cached FP16 block and the free slab
   EXPECT_TRUE(cache.can_allocate({1 + 8, 0, 0}));  // and the INT4 slab eviction empties
   EXPECT_FALSE(cache.can_allocate({1 + 9, 0, 0}));
