@@ -201,18 +201,37 @@ void bind_cuda_cache(py::module_& cuda) {
           },
           py::arg("slot"), py::arg("layer"), py::arg("pool"), "Host mirror of one list (a copy).");
 
+  py::enum_<gpu::LayerSharing>(cuda, "LayerSharing",
+                               "Whether a DecodePlan's layers of equal list lengths share work items.")
+      .value("Auto", gpu::LayerSharing::kAuto, "from a batch of as many (sequence, KV head) pairs as SMs")
+      .value("Never", gpu::LayerSharing::kNever, "every layer planned on its own")
+      .value("Always", gpu::LayerSharing::kAlways, "at any batch");
+
   py::class_<gpu::DecodePlanConfig>(cuda, "DecodePlanConfig", init_only(), "Shapes and capacity of a DecodePlan.")
       .def(py::init([](std::int32_t num_layers, std::int32_t num_q_heads, std::int32_t num_kv_heads,
                        std::int32_t head_dim, std::int32_t block_size, std::int32_t max_batch,
                        std::int32_t max_items_per_layer, std::int32_t num_sms, std::int32_t chunks_per_sequence,
-                       std::int32_t max_heads_per_item) {
-             return gpu::DecodePlanConfig{num_layers,          num_q_heads,       num_kv_heads,        head_dim,
-                                          block_size,          max_batch,         max_items_per_layer, num_sms,
-                                          chunks_per_sequence, max_heads_per_item};
+                       std::int32_t max_heads_per_item, std::int32_t batch_invariant_blocks,
+                       gpu::LayerSharing layer_sharing) {
+             gpu::DecodePlanConfig c;
+             c.num_layers = num_layers;
+             c.num_q_heads = num_q_heads;
+             c.num_kv_heads = num_kv_heads;
+             c.head_dim = head_dim;
+             c.block_size = block_size;
+             c.max_batch = max_batch;
+             c.max_items_per_layer = max_items_per_layer;
+             c.num_sms = num_sms;
+             c.chunks_per_sequence = chunks_per_sequence;
+             c.max_heads_per_item = max_heads_per_item;
+             c.batch_invariant_blocks = batch_invariant_blocks;
+             c.layer_sharing = layer_sharing;
+             return c;
            }),
            py::arg("num_layers"), py::arg("num_q_heads"), py::arg("num_kv_heads"), py::arg("head_dim"),
            py::arg("block_size"), py::arg("max_batch"), py::arg("max_items_per_layer") = 0, py::arg("num_sms") = 0,
-           py::arg("chunks_per_sequence") = 0, py::arg("max_heads_per_item") = 0)
+           py::arg("chunks_per_sequence") = 0, py::arg("max_heads_per_item") = 0, py::arg("batch_invariant_blocks") = 0,
+           py::arg("layer_sharing") = gpu::LayerSharing::kAuto)
       .def_readwrite("num_layers", &gpu::DecodePlanConfig::num_layers)
       .def_readwrite("num_q_heads", &gpu::DecodePlanConfig::num_q_heads)
       .def_readwrite("num_kv_heads", &gpu::DecodePlanConfig::num_kv_heads)
@@ -227,7 +246,12 @@ void bind_cuda_cache(py::module_& cuda) {
                      "split-KV chunks per (sequence, KV head); 0: chosen from the batch")
       .def_readwrite("max_heads_per_item", &gpu::DecodePlanConfig::max_heads_per_item,
                      "query heads one work item computes at most: 8 or 16 (that instance built); 0: 16 where "
-                     "built and max_batch * num_kv_heads >= 16, else 8");
+                     "built and max_batch * num_kv_heads >= 16, else 8")
+      .def_readwrite("batch_invariant_blocks", &gpu::DecodePlanConfig::batch_invariant_blocks,
+                     "> 0: each (sequence, KV head) cut into chunks of that many blocks of its own lists, so its "
+                     "output does not depend on the batch; 0: split by the batch")
+      .def_readwrite("layer_sharing", &gpu::DecodePlanConfig::layer_sharing,
+                     "whether layers of equal list lengths share work items (LayerSharing)");
 
   py::class_<gpu::DecodePlan>(
       cuda, "DecodePlan", init_only(),
@@ -256,6 +280,9 @@ void bind_cuda_cache(py::module_& cuda) {
           "config", [](const gpu::DecodePlan& p) { return p.config(); }, "A copy of the configuration.")
       .def_property_readonly("batch_size", &gpu::DecodePlan::batch_size)
       .def("num_items", &gpu::DecodePlan::num_items, py::arg("layer"))
+      .def("planned_layer", &gpu::DecodePlan::planned_layer, py::arg("layer"),
+           "The layer whose work items `layer` runs (itself, or an earlier layer of equal list lengths).")
+      .def("num_planned_layers", &gpu::DecodePlan::num_planned_layers, "Distinct sets of work items of the plan.")
       .def("num_split_items", &gpu::DecodePlan::num_split_items, py::arg("layer"))
       .def("bytes_read", &gpu::DecodePlan::bytes_read, py::arg("layer"),
            "Bytes one run of `layer` must read from HBM (codes, parameters, FP16 rows, tables, queries).");

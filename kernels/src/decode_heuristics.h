@@ -115,4 +115,13 @@ inline bool decode_one_item_per_pair(bool whole_pairs, std::int64_t total_work, 
          static_cast<double>(max_pair_work) * kv_heads * batch <= 1.05 * static_cast<double>(total_work);
 }
 
+// Layers share work items (DecodePlanConfig::layer_sharing, kAuto) from
+// as many pairs as SMs, where the plan leaves the latency-bound regime
+// (decode_wave): one layer's launch then streams for long enough that the
+// lead page ids sharing drops save a small part of it (one page-table load
+// a CTA start), while planning and uploading every layer's items costs
+// host time in proportion to batch x layers. Below it each layer is a few
+// waves of short CTAs whose starts the lead ids shorten, and few items.
+inline bool decode_share_layers(int pairs, int num_sms) { return pairs >= num_sms; }
+
 }  // namespace mixkv::gpu::detail

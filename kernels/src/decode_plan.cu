@@ -1,7 +1,6 @@
 #include "mixkv/kernels/decode_plan.h"
 
 #include <algorithm>
-#include <array>
 #include <cmath>
 #include <cstddef>
 #include <cstring>
@@ -14,6 +13,7 @@
 #include "decode_dispatch.h"
 #include "decode_heuristics.h"
 #include "decode_params.cuh"
+#include "decode_plan_impl.h"
 #include "dtype_guard.h"
 #include "mixkv/core/block_format.h"
 #include "mixkv/kernels/detail/cuda_check.h"
@@ -30,61 +30,6 @@ std::string field(const char* name, std::int64_t value, const char* expected) {
 }
 
 }  // namespace
-
-struct DecodePlan::Impl {
-  DecodePlanConfig config;
-  const DevicePageTables* tables = nullptr;
-  // Query heads an item computes, and items per (sequence, KV head, piece):
-  // a group over the instance's 8 or 16 heads runs as head_tiles equal tiles.
-  std::int32_t group = 0;
-  std::int32_t head_tiles = 1;
-  // The kernel's n-tiles of 8 heads for `group`.
-  int n_tiles() const { return group > detail::kHeadsPerTileHost ? 2 : 1; }
-  std::int32_t max_items = 0;     // per layer
-  std::int32_t max_partials = 0;  // per layer (the workspace is shared by the layers run one after another)
-  std::int32_t ctas_per_sm = 3;   // of the decode instance
-  std::int64_t fp16_block_bytes = 0, int4_block_bytes = 0, int2_block_bytes = 0;  // per head
-
-  struct LayerPlan {
-    std::vector<DecodeWorkItem> items;  // in launch order
-    std::int32_t partials = 0;          // rows of the partial-state workspace
-    std::int64_t bytes = 0;             // the kernel reads
-  };
-  // Host state of the current plan (slots[i]: batch entry i's page-table
-  // slot), and the one plan() builds: swapped in only when every layer is
-  // planned (a failed call changes nothing); both keep their capacity from
-  // call to call.
-  std::vector<std::int32_t> slots, next_slots;
-  std::vector<LayerPlan> layers, next_layers;
-
-  // plan_layer's scratch, kept for its capacity.
-  std::vector<std::int64_t> cost;                                  // [sequence]
-  std::vector<std::array<std::int32_t, 3>> counts;                 // [sequence]
-  std::vector<std::int32_t> fills;                                 // [sequence]
-  std::vector<DecodeWorkItem> emitted;                             // pair by pair
-  std::vector<std::pair<std::int64_t, std::int32_t>> launch_keys;  // (start in share, emitted index)
-  std::vector<std::int32_t> cuts;                                  // of the current pair
-  std::vector<std::int64_t> starts;                                // of its pieces
-
-  // The plan on the device, one blob uploaded by one copy: each layer's
-  // item range {offset, count} (an int2 the kernel reads in one load), then
-  // from items_offset (16-byte aligned) the layers' items back to back.
-  std::size_t items_offset = 0;
-  detail::DeviceBuffer<std::byte> d_plan;
-  detail::DeviceBuffer<float> d_partial_out;
-  detail::DeviceBuffer<float> d_partial_lse;
-  detail::DeviceBuffer<std::int32_t> d_counters;  // group then pair arrival counters, zeroed once
-  detail::PinnedBuffer<std::byte> h_plan;         // its staging copy
-  detail::Event staging_free;
-  std::vector<int2> ranges;  // [layer], for launches that pass the range by value
-
-  // Plans `layer` of the batch in next_slots into next_layers[layer]:
-  // `shares` > 0 cuts the layer into that many shares (else chunks,
-  // about chunks_auto_target items); whole_pairs: the pairs fill at least
-  // 2 CTAs on every SM evenly (plan()), so a layer of equal pairs whose
-  // work waits on memory takes one item per pair instead of the shares.
-  void plan_layer(int layer, int chunks_auto_target, std::int32_t shares, bool whole_pairs);
-};
 
 DecodePlan::DecodePlan(const DecodePlanConfig& config, const DevicePageTables& tables)
     : impl_(std::make_unique<Impl>()) {
@@ -108,6 +53,13 @@ DecodePlan::DecodePlan(const DecodePlanConfig& config, const DevicePageTables& t
   require(config.batch_invariant_blocks == 0 || config.chunks_per_sequence == 0, [&] {
     return field("batch_invariant_blocks", config.batch_invariant_blocks, "0 when chunks_per_sequence is set");
   });
+
+  require(config.layer_sharing == LayerSharing::kAuto || config.layer_sharing == LayerSharing::kNever ||
+              config.layer_sharing == LayerSharing::kAlways,
+          [&] {
+            return field("layer_sharing", static_cast<std::int32_t>(config.layer_sharing),
+                         "kAuto (0), kNever (1) or kAlways (2)");
+          });
 
   Impl& s = *impl_;
   s.config = config;
@@ -159,6 +111,7 @@ DecodePlan::DecodePlan(const DecodePlanConfig& config, const DevicePageTables& t
   MIXKV_CUDA_CHECK(cudaMemset(s.d_plan.get(), 0, s.items_offset));
   s.h_plan.reserve(plan_bytes);
   s.ranges.assign(config.num_layers, make_int2(0, 0));
+  s.layer_set.assign(config.num_layers, -1);
   s.d_partial_out.allocate(static_cast<std::size_t>(s.max_partials) * s.group * config.head_dim);
   s.d_partial_lse.allocate(static_cast<std::size_t>(s.max_partials) * s.group);
   s.d_counters.allocate(2 * static_cast<std::size_t>(s.max_partials));
@@ -175,212 +128,15 @@ DecodePlan::DecodePlan(const DecodePlanConfig& config, const DevicePageTables& t
     detail::launch_decode(detail::DecodeParams{}, DType::BF16, config.head_dim, config.block_size, s.n_tiles(), 0,
                           nullptr);
   }
-  s.layers.resize(config.num_layers);
-  s.next_layers.resize(config.num_layers);
 }
 
 DecodePlan::~DecodePlan() = default;
 
-void DecodePlan::Impl::plan_layer(int layer, int target_items, std::int32_t shares, bool whole_pairs) {
-  const DecodePlanConfig& c = config;
-  const int kvh = c.num_kv_heads;
-  const int S = c.block_size;
-  LayerPlan& out = next_layers[layer];
-  const auto batch = static_cast<std::int32_t>(next_slots.size());
-  std::int64_t total_bytes = static_cast<std::int64_t>(batch) * c.num_q_heads * c.head_dim * 2;  // q
-
-  // Work per KV head of each sequence (decode_heuristics.h).
-  const std::array<std::int64_t, 3> work =
-      detail::decode_block_work(c.head_dim, S, fp16_block_bytes, int4_block_bytes, int2_block_bytes);
-  cost.resize(batch);
-  counts.resize(batch);
-  fills.resize(batch);
-  std::int64_t total_cost = 0, int2_cost = 0, max_cost = 0;
-  for (int b = 0; b < batch; ++b) {
-    for (int p = 0; p < kNumPrecisions; ++p) counts[b][p] = tables->num_blocks(next_slots[b], layer, kAllPrecisions[p]);
-    fills[b] = tables->fp16_fill(next_slots[b], layer);
-    const std::int64_t fp16_rows =
-        counts[b][0] == 0 ? 0 : static_cast<std::int64_t>(counts[b][0] - 1) * S + (fills[b] + 15) / 16 * 16;
-    const std::int64_t data =
-        fp16_rows * c.head_dim * 4 + counts[b][1] * int4_block_bytes + counts[b][2] * int2_block_bytes;
-    cost[b] = counts[b][0] * work[0] + counts[b][1] * work[1] + counts[b][2] * work[2];
-    total_cost += cost[b] * kvh;
-    int2_cost += counts[b][2] * work[2] * kvh;
-    max_cost = std::max(max_cost, cost[b]);
-    const std::int64_t blocks = counts[b][0] + counts[b][1] + counts[b][2];
-    total_bytes += (data + blocks * 4) * kvh + 4 * kNumPrecisions + 4;  // data + page-table entries + counts
+void DecodePlan::Impl::check_layer(const char* fn, std::int32_t layer) const {
+  if (layer < 0 || layer >= config.num_layers) {
+    throw IndexOutOfRange(std::string("DecodePlan::") + fn + ": layer = " + std::to_string(layer) + ": expected [0, " +
+                          std::to_string(config.num_layers) + ")");
   }
-  out.bytes = total_bytes;
-
-  const bool one_per_pair =
-      detail::decode_one_item_per_pair(whole_pairs, total_cost, int2_cost, max_cost, kvh, batch, work[1]);
-  const int tiles = head_tiles;
-  // As chunks, every pair's count rounds to 1: its work is at most 1.05x
-  // the mean.
-  if (one_per_pair) {
-    shares = 0;
-    target_items = batch * kvh * tiles;
-  }
-
-  // Work of a sequence's blocks [0, block) and the first block whose
-  // cumulative work reaches `target` (blocks in FP16 | INT4 | INT2 order).
-  auto work_before = [&](int b, std::int32_t block) {
-    std::int64_t w = 0;
-    for (int p = 0, first = 0; p < kNumPrecisions; first += counts[b][p], ++p) {
-      w += std::clamp(block - first, 0, counts[b][p]) * work[p];
-    }
-    return w;
-  };
-  auto block_at = [&](int b, std::int64_t target) {
-    std::int32_t first = 0;
-    for (int p = 0; p < kNumPrecisions; ++p) {
-      const std::int64_t pool_work = counts[b][p] * work[p];
-      if (target < pool_work) return first + static_cast<std::int32_t>((target + work[p] - 1) / work[p]);
-      target -= pool_work;
-      first += counts[b][p];
-    }
-    return first;
-  };
-  // The items of one (sequence, KV head) cut at `cuts` (first 0, last its
-  // block count); piece k starts after starts[k] of work in its share (0
-  // for chunks), the key of the launch order below.
-  emitted.clear();
-  launch_keys.clear();
-  std::int32_t next_partial = 0;
-  // DecodeWorkItem::lead_ids: the page id of the block of warp w's first
-  // unit (unit w) in the item's first segment, from the host mirror the
-  // counts come from too.
-  auto set_lead_ids = [&](DecodeWorkItem& item, int b) {
-    for (int p = 0, first = 0; p < kNumPrecisions; first += counts[b][p], ++p) {
-      const std::int32_t lo = std::max(item.begin - first, 0);
-      const std::int32_t hi = std::min(item.end - first, counts[b][p]);
-      if (lo >= hi) continue;
-      const int units_per_block = p == 0 ? S / 16 : 1;
-      const std::span<const std::int32_t> ids = tables->blocks(next_slots[b], layer, kAllPrecisions[p]);
-      for (int w = 0; w < detail::kDecodeWarps; ++w) {
-        const std::int32_t block = lo + w / units_per_block;
-        item.lead_ids[w] = block < hi ? ids[block] : -1;
-      }
-      return;
-    }
-  };
-  // A piece's head tiles are emitted together, so they are launched
-  // together and the tiles after the first find its blocks in L2.
-  auto emit = [&](int b, int h) {
-    const int pieces = static_cast<int>(cuts.size()) - 1;
-    // The in-kernel merge: one level up to 16 pieces, else two levels of
-    // ceil(sqrt(pieces)) rows (<= 32 each at kMaxMergePieces = 1024).
-    int fan_in = pieces;
-    if (pieces > 16) {
-      fan_in = 1;
-      while (fan_in * fan_in < pieces) ++fan_in;
-    }
-    DecodeWorkItem item;
-    item.seq = b;
-    item.slot = next_slots[b];
-    for (int p = 0; p < kNumPrecisions; ++p) item.counts[p] = counts[b][p];
-    item.fill = fills[b];
-    item.kv_head = h;
-    // Tile t's pieces take partial rows first + t * pieces ..: each tile
-    // merges on its own.
-    const std::int32_t first = next_partial;
-    if (pieces > 1) {
-      item.pieces = pieces;
-      item.fan_in = fan_in;
-      next_partial += pieces * tiles;
-    }
-    for (int k = 0; k < pieces; ++k) {
-      item.begin = cuts[k];
-      item.end = cuts[k + 1];
-      set_lead_ids(item, b);
-      for (int t = 0; t < tiles; ++t) {
-        item.q_head = (h * tiles + t) * group;
-        if (pieces > 1) item.first = first + t * pieces;
-        item.partial = pieces > 1 ? item.first + k : -1;
-        launch_keys.emplace_back(starts[k], static_cast<std::int32_t>(emitted.size()));
-        emitted.push_back(item);
-      }
-    }
-  };
-  if (shares > 0 && total_cost > 0) {
-    // Shares: the layer's work laid end to end over the pairs (b, h) and
-    // cut into `shares` equal shares, one per resident CTA: a pair may be
-    // cut where a share ends. Pieces under kMinBlocksPerChunk are not cut
-    // off (a share moves by less than that); a piece belongs to the share
-    // holding its midpoint.
-    const double share = static_cast<double>(total_cost) / shares;
-    std::int64_t start = 0;  // work before the pair
-    std::int32_t current_share = -1;
-    std::int64_t share_work = 0;  // of the current share's pieces so far
-    for (int b = 0; b < batch; ++b) {
-      const std::int32_t n_total = counts[b][0] + counts[b][1] + counts[b][2];
-      for (int h = 0; h < kvh; ++h, start += cost[b]) {
-        cuts.assign(1, 0);
-        for (auto k = static_cast<std::int64_t>(start / share) + 1; k < shares && k * share < start + cost[b]; ++k) {
-          const std::int32_t cut = block_at(b, std::llround(k * share) - start);
-          if (cut - cuts.back() >= detail::kMinBlocksPerChunk && n_total - cut >= detail::kMinBlocksPerChunk) {
-            cuts.push_back(cut);
-          }
-        }
-        cuts.push_back(n_total);
-        starts.clear();
-        std::int64_t lo = 0;  // work before piece k (cuts[0] is 0)
-        for (std::size_t k = 0; k + 1 < cuts.size(); ++k) {
-          const std::int64_t hi = work_before(b, cuts[k + 1]);
-          const auto in_share = std::min(shares - 1, static_cast<std::int32_t>((start + 0.5 * (lo + hi)) / share));
-          if (in_share != current_share) {
-            current_share = in_share;
-            share_work = 0;
-          }
-          starts.push_back(share_work);
-          share_work += hi - lo;
-          lo = hi;
-        }
-        emit(b, h);
-      }
-    }
-  } else {
-    // Chunks: each (sequence, KV head) cut into chunks of equal work.
-    for (int b = 0; b < batch; ++b) {
-      const std::int32_t n_total = counts[b][0] + counts[b][1] + counts[b][2];
-      const int most = std::min(detail::kMaxMergePieces, std::max(1, n_total));
-      int chunks = 0;
-      if (c.chunks_per_sequence > 0) {
-        chunks = std::clamp(c.chunks_per_sequence, 1, most);
-      } else if (c.batch_invariant_blocks > 0) {
-        // By this sequence's blocks alone: nothing of the batch decides it.
-        chunks = std::clamp((n_total + c.batch_invariant_blocks - 1) / c.batch_invariant_blocks, 1, most);
-      } else {
-        chunks = detail::decode_pair_chunks(cost[b], total_cost, kvh, target_items, tiles, n_total);
-      }
-      // Chunk boundaries at equal work along FP16 | INT4 | INT2.
-      cuts.assign(1, 0);
-      for (int k = 1; k < chunks; ++k) {
-        const std::int32_t cut = std::clamp(block_at(b, cost[b] * k / chunks), cuts.back(), n_total);
-        if (cut > cuts.back() && cut < n_total) cuts.push_back(cut);
-      }
-      cuts.push_back(n_total);
-      starts.assign(cuts.size() - 1, 0);
-      for (int h = 0; h < kvh; ++h) emit(b, h);
-    }
-  }
-
-  if (static_cast<std::int32_t>(emitted.size()) > max_items || next_partial > max_partials) {
-    throw OutOfMemory("DecodePlan::plan: layer " + std::to_string(layer) + " needs " + std::to_string(emitted.size()) +
-                      " work items: expected <= max_items_per_layer = " + std::to_string(max_items));
-  }
-  // A CTA an item, launched in the order of the work before the item in its
-  // share: the block scheduler starts the shares' first pieces as the first
-  // wave and then hands each freed CTA slot the next item, so the slot freed
-  // first (the shortest first piece) takes the longest second piece, the
-  // one that completes that share, and every slot ends with its share.
-  // Chunks, all starting at 0, keep their order: pair by pair. The keys are
-  // unique by their index, so a plain sort keeps the emission order among
-  // equal starts (and moves 16-byte keys, not 56-byte items).
-  if (shares > 0) std::sort(launch_keys.begin(), launch_keys.end());
-  out.items.resize(emitted.size());
-  for (std::size_t i = 0; i < launch_keys.size(); ++i) out.items[i] = emitted[launch_keys[i].second];
-  out.partials = next_partial;
 }
 
 void DecodePlan::plan(std::span<const std::int32_t> slots, cudaStream_t stream) {
@@ -397,8 +153,9 @@ void DecodePlan::plan(std::span<const std::int32_t> slots, cudaStream_t stream) 
     });
   }
   s.next_slots.assign(slots.begin(), slots.end());
+  const auto batch = slots.size();
   // Items of unsplit (sequence, KV head) pairs: one per head tile.
-  const int pairs = static_cast<int>(slots.size()) * c.num_kv_heads * s.head_tiles;
+  const int pairs = static_cast<int>(batch) * c.num_kv_heads * s.head_tiles;
   // The work model of decode_heuristics.h: chunks filling whole waves of
   // resident CTAs, or one equal share a CTA slot, or one item a pair.
   const int wave = detail::decode_wave(pairs, c.num_sms, s.ctas_per_sm);
@@ -406,23 +163,58 @@ void DecodePlan::plan(std::span<const std::int32_t> slots, cudaStream_t stream) 
   const std::int32_t shares = detail::decode_shares(pairs, wave, c.num_sms, s.max_items, s.head_tiles,
                                                     c.chunks_per_sequence != 0 || c.batch_invariant_blocks != 0);
   const bool whole_pairs = detail::decode_whole_pairs(pairs, c.num_sms, s.ctas_per_sm, shares);
-  for (int layer = 0; layer < c.num_layers; ++layer) s.plan_layer(layer, target, shares, whole_pairs);
-  std::swap(s.slots, s.next_slots);
-  std::swap(s.layers, s.next_layers);
+  const bool share = c.layer_sharing == LayerSharing::kAlways ||
+                     (c.layer_sharing == LayerSharing::kAuto && detail::decode_share_layers(pairs, c.num_sms));
 
-  // Stage the ranges and the items, and upload them in one copy.
+  // The items go straight into the staging copy once the previous upload
+  // has read it: a layer of the same lengths as an earlier one (found by
+  // hash, then compared) takes that layer's set, the others are planned.
   s.staging_free.synchronize();
-  std::byte* staged = s.h_plan.get();
-  std::size_t item_total = 0;
+  auto* const staged = reinterpret_cast<DecodeWorkItem*>(s.h_plan.get() + s.items_offset);
+  s.next_sets.clear();
+  s.next_layer_set.resize(c.num_layers);
+  std::int32_t item_total = 0;
   for (int layer = 0; layer < c.num_layers; ++layer) {
-    const std::vector<DecodeWorkItem>& items = s.layers[layer].items;
-    s.ranges[layer] = make_int2(static_cast<std::int32_t>(item_total), static_cast<std::int32_t>(items.size()));
-    std::memcpy(staged + sizeof(int2) * layer, &s.ranges[layer], sizeof(int2));
-    std::memcpy(staged + s.items_offset + sizeof(DecodeWorkItem) * item_total, items.data(),
-                sizeof(DecodeWorkItem) * items.size());
-    item_total += items.size();
+    const std::size_t at = share ? s.next_sets.size() * batch : 0;
+    if (s.lengths.size() < at + batch) s.lengths.resize(at + batch);
+    const std::span<Impl::Lengths> lengths(s.lengths.data() + at, batch);
+    const std::uint64_t hash = s.gather(layer, lengths);
+    std::size_t found = s.next_sets.size();
+    for (std::size_t g = 0; share && g < s.next_sets.size(); ++g) {
+      if (s.next_sets[g].hash == hash && std::equal(lengths.begin(), lengths.end(), s.lengths.begin() + g * batch)) {
+        found = g;
+        break;
+      }
+    }
+    if (found < s.next_sets.size()) {
+      ++s.next_sets[found].layers;
+    } else {
+      Impl::ItemSet& set = s.next_sets.emplace_back();
+      set.layer = layer;
+      set.layers = 1;
+      set.offset = item_total;
+      set.hash = hash;
+      s.plan_items(set, lengths, staged + item_total, target, shares, whole_pairs);
+      item_total += set.count;
+    }
+    s.next_layer_set[layer] = static_cast<std::int32_t>(found);
   }
-  MIXKV_CUDA_CHECK(cudaMemcpyAsync(s.d_plan.get(), staged, s.items_offset + sizeof(DecodeWorkItem) * item_total,
+  // Lead page ids are one layer's: only a set that one layer runs has them.
+  for (const Impl::ItemSet& set : s.next_sets) {
+    if (set.layers == 1) s.set_lead_ids({staged + set.offset, static_cast<std::size_t>(set.count)}, set.layer);
+  }
+  std::swap(s.slots, s.next_slots);
+  std::swap(s.sets, s.next_sets);
+  std::swap(s.layer_set, s.next_layer_set);
+
+  // The ranges go in front of the items; one copy uploads both.
+  for (int layer = 0; layer < c.num_layers; ++layer) {
+    const Impl::ItemSet& set = s.sets[s.layer_set[layer]];
+    s.ranges[layer] = make_int2(set.offset, set.count);
+  }
+  std::memcpy(s.h_plan.get(), s.ranges.data(), sizeof(int2) * s.ranges.size());
+  MIXKV_CUDA_CHECK(cudaMemcpyAsync(s.d_plan.get(), s.h_plan.get(),
+                                   s.items_offset + sizeof(DecodeWorkItem) * static_cast<std::size_t>(item_total),
                                    cudaMemcpyHostToDevice, stream));
   s.staging_free.record(stream);
 }
@@ -508,16 +300,31 @@ void DecodePlan::run(const DecodeRunArgs& args) const {
     p.code_score_scale[k] = std::ldexp(p.scale_log2, -code_exponent - static_cast<int>(k));
   }
 
-  const int grid = args.fixed_grid ? s.max_items : static_cast<int>(s.layers[args.layer].items.size());
+  const int grid = args.fixed_grid ? s.max_items : s.ranges[args.layer].y;
   if (grid > 0) detail::launch_decode(p, dtype, c.head_dim, c.block_size, s.n_tiles(), grid, args.stream);
 }
 
 const DecodePlanConfig& DecodePlan::config() const { return impl_->config; }
 std::int32_t DecodePlan::batch_size() const { return static_cast<std::int32_t>(impl_->slots.size()); }
 std::int32_t DecodePlan::num_items(std::int32_t layer) const {
-  return static_cast<std::int32_t>(impl_->layers.at(layer).items.size());
+  impl_->check_layer("num_items", layer);
+  return impl_->ranges[layer].y;
 }
-std::int32_t DecodePlan::num_split_items(std::int32_t layer) const { return impl_->layers.at(layer).partials; }
-std::int64_t DecodePlan::bytes_read(std::int32_t layer) const { return impl_->layers.at(layer).bytes; }
+std::int32_t DecodePlan::num_split_items(std::int32_t layer) const {
+  impl_->check_layer("num_split_items", layer);
+  const std::int32_t set = impl_->layer_set[layer];
+  return set < 0 ? 0 : impl_->sets[set].partials;
+}
+std::int64_t DecodePlan::bytes_read(std::int32_t layer) const {
+  impl_->check_layer("bytes_read", layer);
+  const std::int32_t set = impl_->layer_set[layer];
+  return set < 0 ? 0 : impl_->sets[set].bytes;
+}
+std::int32_t DecodePlan::planned_layer(std::int32_t layer) const {
+  impl_->check_layer("planned_layer", layer);
+  const std::int32_t set = impl_->layer_set[layer];
+  return set < 0 ? -1 : impl_->sets[set].layer;
+}
+std::int32_t DecodePlan::num_planned_layers() const { return static_cast<std::int32_t>(impl_->sets.size()); }
 
 }  // namespace mixkv::gpu

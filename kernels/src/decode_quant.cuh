@@ -176,6 +176,15 @@ __device__ __forceinline__ uint32_t mul2(uint32_t a, uint32_t b) {
   }
 }
 
+// a * b - hi of two packed pairs of E in one rounding (a fused multiply-add):
+// with hi = mul2(a, b), what that product's rounding dropped, so hi + lo
+// carries a * b to about twice E's precision.
+template <typename E>
+__device__ __forceinline__ uint32_t mul2_rest(uint32_t a, uint32_t b, uint32_t hi) {
+  using Elem = Elem16<E>;
+  return Elem::bits(__hfma2(Elem::pair(a), Elem::pair(b), __hneg2(Elem::pair(hi))));
+}
+
 // The thread's K code runs of every k-step, paired as the MMA wants them:
 // x[ks][0] holds channels c0 = 16 ks + 2r and c0 + 1, x[ks][1] channels
 // c0 + 8 and c0 + 9; [..][h] has bits 16h..16h+15 of each run (low channel
@@ -261,11 +270,12 @@ __device__ __forceinline__ void quant_block_scores(const DecodeParams& p, const 
   constexpr int MT = S / 16;
   using Field = CodeField<E, Bits>;
   const int r = lane & 3;
+  constexpr bool kTwoTermK = Bits == 4;
 
   // ---- S^T = K Q'^T, plus the rank-1 terms
-  // One MMA chain per m-tile, D/16 deep: as deep as the rank-1 chain, so
-  // splitting it (even and odd k-steps) would not shorten the block's
-  // critical path and would cost a 4-FADD merge per m-tile.
+  // One MMA chain per m-tile (two MMAs a k-step with kTwoTermK): splitting
+  // it would cost a 4-FADD merge per m-tile and registers the INT2 loop
+  // has no room for.
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
@@ -291,11 +301,22 @@ __device__ __forceinline__ void quant_block_scores(const DecodeParams& p, const 
                       F.k_min_offset(16) == F.k_min_offset(0) + 64,
                   "a channel pair's K params: its two minimums, then its two scales; pairs r, r + 4 adjacent");
     const uint4 params = *reinterpret_cast<const uint4*>(slot + F.k_min_offset(16 * ks + 2 * r));
-    uint32_t qb[NT][2];
+    // INT4: q s_K as two terms (hi + lo), each a B operand of its own MMA:
+    // one rounded product costs every score a relative error of E's unit
+    // roundoff, which the exponential turns into that much error in every
+    // probability (the largest arithmetic error of a quantized pool); the
+    // codes (A) are exact either way. INT4 blocks wait on memory, so the
+    // MMAs are free there; INT2 blocks wait on issued instructions, and
+    // the second term would cost them about a tenth of their rate.
+    uint32_t qb[NT][2], ql[NT][2];
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
       qb[nt][0] = mul2<E>(qf[nt][ks][0], params.y);
       qb[nt][1] = mul2<E>(qf[nt][ks][1], params.w);
+      if constexpr (kTwoTermK) {
+        ql[nt][0] = mul2_rest<E>(qf[nt][ks][0], params.y, qb[nt][0]);
+        ql[nt][1] = mul2_rest<E>(qf[nt][ks][1], params.w, qb[nt][1]);
+      }
     }
     const uint32_t am[4] = {params.x, params.y, params.z, params.w};
 #pragma unroll
@@ -305,7 +326,10 @@ __device__ __forceinline__ void quant_block_scores(const DecodeParams& p, const 
       const uint32_t a[4] = {Field::k_codes(kx[ks][0], 2 * mt), Field::k_codes(kx[ks][0], 2 * mt + 1),
                              Field::k_codes(kx[ks][1], 2 * mt), Field::k_codes(kx[ks][1], 2 * mt + 1)};
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt) Elem16<E>::mma_16816(s[nt][mt], a, qb[nt][0], qb[nt][1]);
+      for (int nt = 0; nt < NT; ++nt) {
+        Elem16<E>::mma_16816(s[nt][mt], a, qb[nt][0], qb[nt][1]);
+        if constexpr (kTwoTermK) Elem16<E>::mma_16816(s[nt][mt], a, ql[nt][0], ql[nt][1]);
+      }
     }
   }
   static_assert(Field::k_of(S / 8 - 1) < 9 && Field::k_of(S / 8 - 2) < 9, "code_score_scale's range");

@@ -16,6 +16,7 @@ DeviceBytes = _cuda.DeviceBytes
 DeviceKVCache = _cuda.DeviceKVCache
 PageTableConfig = _cuda.PageTableConfig
 DevicePageTables = _cuda.DevicePageTables
+LayerSharing = _cuda.LayerSharing
 DecodePlanConfig = _cuda.DecodePlanConfig
 DecodePlan = _cuda.DecodePlan
 DeviceStoreMapping = _cuda.DeviceStoreMapping
@@ -28,6 +29,7 @@ __all__ = [
     "DeviceKVCache",
     "PageTableConfig",
     "DevicePageTables",
+    "LayerSharing",
     "DecodePlanConfig",
     "DecodePlan",
     "DeviceStoreMapping",

@@ -1,4 +1,5 @@
 # Type stubs of mixkv.cuda (present when mixkv.built_with_cuda).
+import enum
 from collections.abc import Sequence
 from typing import Any, SupportsIndex
 
@@ -67,6 +68,11 @@ class DevicePageTables:
     def fp16_fill(self, slot: int, layer: int) -> int: ...
     def blocks(self, slot: int, layer: int, pool: Precision) -> npt.NDArray[np.int32]: ...
 
+class LayerSharing(enum.Enum):
+    Auto = ...
+    Never = ...
+    Always = ...
+
 class DecodePlanConfig:
     num_layers: int
     num_q_heads: int
@@ -78,6 +84,8 @@ class DecodePlanConfig:
     num_sms: int
     chunks_per_sequence: int
     max_heads_per_item: int
+    batch_invariant_blocks: int
+    layer_sharing: LayerSharing
     def __init__(
         self,
         num_layers: int,
@@ -90,6 +98,8 @@ class DecodePlanConfig:
         num_sms: int = 0,
         chunks_per_sequence: int = 0,
         max_heads_per_item: int = 0,
+        batch_invariant_blocks: int = 0,
+        layer_sharing: LayerSharing = ...,
     ) -> None: ...
 
 class DecodePlan:
@@ -100,6 +110,8 @@ class DecodePlan:
     @property
     def batch_size(self) -> int: ...
     def num_items(self, layer: int) -> int: ...
+    def planned_layer(self, layer: int) -> int: ...
+    def num_planned_layers(self) -> int: ...
     def num_split_items(self, layer: int) -> int: ...
     def bytes_read(self, layer: int) -> int: ...
 

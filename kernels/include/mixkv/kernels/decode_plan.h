@@ -11,6 +11,13 @@
 
 namespace mixkv::gpu {
 
+// Whether layers share work items (DecodePlanConfig::layer_sharing).
+enum class LayerSharing : std::int32_t {
+  kAuto,    // from a batch of as many (sequence, KV head) pairs as SMs
+  kNever,   // every layer planned on its own, with its lead page ids
+  kAlways,  // at any batch
+};
+
 struct DecodePlanConfig {
   std::int32_t num_layers = 0;
   std::int32_t num_q_heads = 0;
@@ -46,6 +53,14 @@ struct DecodePlanConfig {
   // KV head's larger group is cut into equal head tiles, an item each.
   // Fixed for the plan's life, so a captured run() stays valid.
   std::int32_t max_heads_per_item = 0;
+  // A layer whose every sequence has the same FP16, INT4 and INT2 list
+  // lengths and FP16 fill as an earlier layer's runs that layer's work
+  // items, planned and uploaded once (an FP16-only batch plans one layer).
+  // Shared items carry no lead page ids (a layer's own), so their CTAs look
+  // their first blocks up in the page table: kAuto shares only where that
+  // load is a small part of a layer's launch (decode_heuristics.h). The
+  // outputs are bitwise the same either way.
+  LayerSharing layer_sharing = LayerSharing::kAuto;
 };
 
 // q and out are of the cache's 16-bit type (the pools' format.dtype, FP16
@@ -69,8 +84,9 @@ struct DecodeRunArgs {
 // page tables it cuts every (sequence, KV head) of every layer into work
 // items over the concatenation of its FP16, INT4 and INT2 page lists
 // (split-KV chunks balanced by bytes when the batch is too small to fill
-// the GPU) and uploads them with one asynchronous copy into fixed-capacity
-// device buffers. run() launches, per layer, ONE kernel over all work items
+// the GPU), once for all layers of equal list lengths (layer_sharing), and
+// uploads them with one asynchronous copy into fixed-capacity device
+// buffers. run() launches, per layer, ONE kernel over all work items
 // (every pool, every chunk; dequantization fused, tensor cores with the
 // query-head group as the N dimension); split chunks are merged by the last
 // CTAs to finish them, inside the same kernel.
@@ -106,12 +122,19 @@ class DecodePlan {
 
   const DecodePlanConfig& config() const;
   std::int32_t batch_size() const;
+  // Per layer; IndexOutOfRange naming `layer` outside [0, num_layers).
   std::int32_t num_items(std::int32_t layer) const;
   std::int32_t num_split_items(std::int32_t layer) const;
   // Bytes one run() of `layer` must read from HBM: K/V codes, parameters
   // and FP16 rows actually visited (once, also when head tiles share
   // them), plus page-table entries and queries.
   std::int64_t bytes_read(std::int32_t layer) const;
+  // The layer whose work items `layer` runs: itself, or the first layer of
+  // the same list lengths when it shares that layer's (-1 before a plan).
+  std::int32_t planned_layer(std::int32_t layer) const;
+  // Layers the current plan planned, i.e. its distinct sets of work items
+  // (0 before a plan).
+  std::int32_t num_planned_layers() const;
 
  private:
   struct Impl;
