@@ -299,7 +299,8 @@ PYBIND11_MODULE(_engine, m) {
 
   py::class_<EngineConfig>(m, "EngineConfig", init_only, "Configuration of an Engine (engine.h).")
       .def(py::init([](CacheConfig cache, SchedulerConfig scheduler, std::int32_t num_q_heads, BackendKind backend,
-                       std::int32_t cuda_device, float sm_scale, std::int32_t max_blocks_per_sequence) {
+                       std::int32_t cuda_device, float sm_scale, std::int32_t max_blocks_per_sequence,
+                       std::int32_t batch_invariant_blocks) {
              EngineConfig c;
              c.cache = std::move(cache);
              c.scheduler = std::move(scheduler);
@@ -308,11 +309,12 @@ PYBIND11_MODULE(_engine, m) {
              c.cuda_device = cuda_device;
              c.sm_scale = sm_scale;
              c.max_blocks_per_sequence = max_blocks_per_sequence;
+             c.batch_invariant_blocks = batch_invariant_blocks;
              return c;
            }),
            py::arg("cache"), py::arg("scheduler"), py::kw_only(), py::arg("num_q_heads"),
            py::arg("backend") = BackendKind::CPU, py::arg("cuda_device") = 0, py::arg("sm_scale") = 0.0f,
-           py::arg("max_blocks_per_sequence") = 0)
+           py::arg("max_blocks_per_sequence") = 0, py::arg("batch_invariant_blocks") = 0)
       .def_readwrite("cache", &EngineConfig::cache)
       .def_readwrite("scheduler", &EngineConfig::scheduler)
       .def_readwrite("num_q_heads", &EngineConfig::num_q_heads)
@@ -320,7 +322,10 @@ PYBIND11_MODULE(_engine, m) {
       .def_readwrite("cuda_device", &EngineConfig::cuda_device)
       .def_readwrite("sm_scale", &EngineConfig::sm_scale, "attention scale; 0: 1/sqrt(head_dim)")
       .def_readwrite("max_blocks_per_sequence", &EngineConfig::max_blocks_per_sequence,
-                     "CUDA page-table width; 0: what the cache could give one sequence");
+                     "CUDA page-table width; 0: what the cache could give one sequence")
+      .def_readwrite("batch_invariant_blocks", &EngineConfig::batch_invariant_blocks,
+                     "batch-invariant decode's chunk in blocks; 0: off (engine.h)");
+  m.attr("BATCH_INVARIANT_BLOCKS") = kBatchInvariantBlocks;
 
   py::class_<PyEngine, std::unique_ptr<PyEngine>>(
       m, "Engine", init_only,

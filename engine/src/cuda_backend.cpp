@@ -12,6 +12,7 @@
 #include <limits>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -87,6 +88,40 @@ std::int32_t list_bound(const BackendConfig& config, const PoolLayout& arena) {
   return static_cast<std::int32_t>(std::max<std::int64_t>(1, most / config.cache.shape.num_layers));
 }
 
+// Query-head tiles of a KV head's group at 8 heads an item, the narrower of
+// the decode plan's two widths: its tiles are at least the plan's.
+std::int32_t head_tiles_bound(std::int32_t group) {
+  constexpr std::int32_t kNarrowHeads = 8;
+  std::int32_t tiles = 1;
+  while (group % tiles != 0 || group / tiles > kNarrowHeads) ++tiles;
+  return tiles;
+}
+
+// The decode plan of the backend's config. With batch_invariant_blocks its
+// item capacity is `invariant_items` (the kernel's own bound assumes every
+// sequence of max_batch at its longest lists, gigabytes for a large arena);
+// apply() grows it when a step needs more.
+gpu::DecodePlanConfig decode_plan_config(const BackendConfig& config, std::int32_t invariant_items) {
+  gpu::DecodePlanConfig c;
+  c.num_layers = config.cache.shape.num_layers;
+  c.num_q_heads = config.num_q_heads;
+  c.num_kv_heads = config.cache.shape.num_kv_heads;
+  c.head_dim = config.cache.shape.head_dim;
+  c.block_size = config.cache.shape.block_size;
+  c.max_batch = config.max_num_seqs;
+  c.batch_invariant_blocks = config.batch_invariant_blocks;
+  if (config.batch_invariant_blocks > 0) c.max_items_per_layer = invariant_items;
+  return c;
+}
+
+// Items a batch-invariant plan starts with: two chunks for every sequence
+// of max_num_seqs, at the narrow width's head tiles.
+std::int32_t initial_invariant_items(const BackendConfig& config) {
+  const std::int64_t pairs = std::int64_t{config.max_num_seqs} * config.cache.shape.num_kv_heads *
+                             head_tiles_bound(config.num_q_heads / config.cache.shape.num_kv_heads);
+  return static_cast<std::int32_t>(std::min<std::int64_t>(2 * pairs, std::numeric_limits<std::int32_t>::max()));
+}
+
 constexpr std::array<std::pair<Precision, Precision>, 3> kDemotePairs{
     {{Precision::FP16, Precision::INT4}, {Precision::FP16, Precision::INT2}, {Precision::INT4, Precision::INT2}}};
 
@@ -111,9 +146,8 @@ class CudaBackend final : public Backend {
         pools_(arena_.pool_views(layout_)),
         tables_(gpu::PageTableConfig{config.cache.shape.num_layers, config.max_num_seqs, list_bound(config, layout_)},
                 layout_),
-        plan_(gpu::DecodePlanConfig{config.cache.shape.num_layers, config.num_q_heads, config.cache.shape.num_kv_heads,
-                                    config.cache.shape.head_dim, config.cache.shape.block_size, config.max_num_seqs},
-              tables_),
+        invariant_items_(initial_invariant_items(config)),
+        plan_(std::make_unique<gpu::DecodePlan>(decode_plan_config(config, invariant_items_), tables_)),
         mappings_(static_cast<std::size_t>(config.cache.shape.num_layers)),
         synced_(static_cast<std::size_t>(config.max_num_seqs), kNoRequest) {
     if (manager_.swap_bytes() > 0) {
@@ -184,7 +218,7 @@ class CudaBackend final : public Backend {
     run.sm_scale = engine_detail::sm_scale(config_);
     run.pools = pools_;
     run.stream = stream_;
-    plan_.run(run);
+    plan_->run(run);
   }
 
   void set_stream(void* stream) override { stream_ = static_cast<cudaStream_t>(stream); }
@@ -269,7 +303,10 @@ class CudaBackend final : public Backend {
     // the decode plan, and every layer's prefill mapping.
     sync_tables(step, scheduler != nullptr);
     tables_.upload(stream_);
-    if (batch > 0 && inputs_.decode_indptr.empty()) plan_.plan(step.decode_slots, stream_);
+    if (batch > 0 && inputs_.decode_indptr.empty()) {
+      if (config_.batch_invariant_blocks > 0) reserve_invariant_items(step.decode_slots);
+      plan_->plan(step.decode_slots, stream_);
+    }
     if (batch > 0 && !inputs_.decode_indptr.empty()) {
       if (!verify_plan_) verify_plan_ = make_extend_plan(tables_);
       std::vector<std::int32_t> exclude(batch);
@@ -350,6 +387,38 @@ class CudaBackend final : public Backend {
         stale_.erase(id);
       }
     }
+  }
+
+  // Batch-invariant decode cuts every (sequence, KV head, head tile) into
+  // clamp(ceil(blocks / B), 1, min(kMaxMergePieces, blocks)) chunks by its
+  // own lists (decode_plan.h), so a layer needs that many items summed over
+  // the batch. A step that needs more than the plan holds rebuilds it with
+  // at least twice the items, after the stream has drained (the old plan's
+  // buffers may still be read): the same config but the capacity, so the
+  // same chunks and the same bits.
+  void reserve_invariant_items(std::span<const std::int32_t> slots) {
+    constexpr std::int64_t kMaxMergePieces = 1024;  // the decode kernel's merge bound (decode_plan.h)
+    const CacheShape& s = config_.cache.shape;
+    const std::int64_t b_blocks = config_.batch_invariant_blocks;
+    const std::int64_t per_chunk =
+        std::int64_t{s.num_kv_heads} * head_tiles_bound(config_.num_q_heads / s.num_kv_heads);
+    std::int64_t need = 0;
+    for (std::int32_t layer = 0; layer < s.num_layers; ++layer) {
+      std::int64_t chunks = 0;
+      for (const std::int32_t slot : slots) {
+        std::int64_t blocks = 0;
+        for (const Precision p : kAllPrecisions) blocks += tables_.num_blocks(slot, layer, p);
+        chunks += std::clamp((blocks + b_blocks - 1) / b_blocks, std::int64_t{1},
+                             std::max<std::int64_t>(1, std::min(kMaxMergePieces, blocks)));
+      }
+      need = std::max(need, chunks * per_chunk);
+    }
+    if (need <= invariant_items_) return;
+    const auto items = static_cast<std::int32_t>(std::min<std::int64_t>(
+        std::max<std::int64_t>(need, 2 * std::int64_t{invariant_items_}), std::numeric_limits<std::int32_t>::max()));
+    MIXKV_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    plan_ = std::make_unique<gpu::DecodePlan>(decode_plan_config(config_, items), tables_);
+    invariant_items_ = items;
   }
 
   void launch_store(std::int32_t layer, const TensorView& k, const TensorView& v) {
@@ -449,7 +518,10 @@ class CudaBackend final : public Backend {
   std::optional<gpu::PinnedSwapBuffer> swap_;
   gpu::DevicePools host_pools_{};
   gpu::DevicePageTables tables_;
-  gpu::DecodePlan plan_;
+  // Work items a layer of the batch-invariant decode plan holds (unused
+  // without batch_invariant_blocks); grown by reserve_invariant_items().
+  std::int32_t invariant_items_ = 0;
+  std::unique_ptr<gpu::DecodePlan> plan_;
   // Extend attention, made on first use: prefill() through the cache
   // (prefix_tables_ hold the page lists before each chunk) and decodes
   // with drafts (over tables_).

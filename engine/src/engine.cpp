@@ -24,6 +24,7 @@ BackendConfig backend_config(const EngineConfig& c) {
   b.cuda_device = c.cuda_device;
   b.sm_scale = c.sm_scale;
   b.max_blocks_per_sequence = c.max_blocks_per_sequence;
+  b.batch_invariant_blocks = c.batch_invariant_blocks;
   return b;
 }
 

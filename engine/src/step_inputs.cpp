@@ -70,6 +70,12 @@ void check_config(const char* fn, const BackendConfig& config) {
   require(config.max_blocks_per_sequence >= 0, fn, [&] {
     return "max_blocks_per_sequence = " + str(config.max_blocks_per_sequence) + ": expected >= 0 (0: from the arena)";
   });
+  // A chunk longer than any page list is one chunk a sequence; the bound
+  // keeps the planner's ceil(blocks / chunk) within int32.
+  require(config.batch_invariant_blocks >= 0 && config.batch_invariant_blocks <= (1 << 20), fn, [&] {
+    return "batch_invariant_blocks = " + str(config.batch_invariant_blocks) +
+           ": expected 0 (off) or a chunk of 1 .. 2^20 blocks";
+  });
   require(std::isfinite(config.sm_scale) && config.sm_scale >= 0.0f, fn, [&] {
     return "sm_scale = " + std::to_string(config.sm_scale) + ": expected a finite value >= 0 (0: 1/sqrt(head_dim))";
   });

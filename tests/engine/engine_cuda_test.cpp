@@ -6,12 +6,17 @@
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <string>
 #include <vector>
 
+#include "../cuda/cuda_test_util.h"
 #include "engine_loop.h"
+#include "invariance_loop.h"
 #include "mixkv/core/errors.h"
+#include "mixkv/kernels/decode_plan.h"
 #include "mixkv/kernels/device_arena.h"
 
 namespace mixkv {
@@ -207,6 +212,153 @@ TEST_P(CudaLoop, AgeTiersMatchTheCpuBackend) {
 
 INSTANTIATE_TEST_SUITE_P(Plans, CudaLoop, ::testing::Values(false, true),
                          [](const auto& info) { return info.param ? std::string("Mixed") : std::string("Fp16"); });
+
+// Batch-invariant decode (EngineConfig::batch_invariant_blocks): a request
+// whose 25-block lists are cut into 7 chunks of 4 blocks gives bitwise the
+// same outputs and LSEs alone, after or before eleven others (1-28 blocks
+// each, so the batch outgrows the plan's first item capacity and the plan
+// is rebuilt), and among others arriving while it decodes. They match the
+// CPU backend within the mixed plans' tolerance. Without the option the
+// automatic split follows the batch; how many rows then differ is printed,
+// not asserted.
+TEST(EngineCuda, BatchInvariantDecodeIgnoresTheBatch) {
+  MIXKV_REQUIRE_CUDA();
+  const auto runs = test::invariance_runs();
+  test::TargetRows cpu;
+  {
+    Engine engine(test::invariance_config(BackendKind::CPU, 0));
+    test::HostMemory host;
+    cpu = test::run_for_target(engine, runs[0].second, host);
+  }
+  for (const std::int32_t blocks : {4, kBatchInvariantBlocks, 0}) {
+    std::vector<test::TargetRows> got;
+    for (const auto& [name, arrivals] : runs) {
+      Engine engine(test::invariance_config(BackendKind::CUDA, blocks));
+      DeviceMemory device;
+      got.push_back(test::run_for_target(engine, arrivals, device));
+      EXPECT_NO_THROW(engine.backend().synchronize()) << name;
+    }
+    ASSERT_GE(got[0].size(), 40u);  // 23 decodes x 2 layers
+    test::Outputs want, alone;
+    for (const auto& [key, rows] : cpu) want.rows[{test::kTargetId, key.first, key.second}] = rows;
+    for (const auto& [key, rows] : got[0]) alone.rows[{test::kTargetId, key.first, key.second}] = rows;
+    const test::Diff d = test::compare(alone, want);
+    EXPECT_LE(d.out, 5e-3) << "blocks " << blocks;
+    EXPECT_LE(d.lse, 1e-3) << "blocks " << blocks;
+    for (std::size_t i = 1; i < runs.size(); ++i) {
+      if (blocks > 0) {
+        test::expect_same_bits(got[0], got[i], runs[i].first);
+        continue;
+      }
+      int differing = 0;
+      for (const auto& [key, rows] : got[0]) differing += got[i].count(key) && got[i].at(key) != rows ? 1 : 0;
+      std::printf("automatic split, %s: %d of %zu rows differ from alone\n", runs[i].first, differing, got[0].size());
+    }
+  }
+}
+
+// The invariant plan's item capacity grows with the batch: a batch whose
+// chunks need many times the first capacity (16 sequences of 1 block chunks
+// over ~30 blocks) plans and decodes, and later steps reuse the grown plan.
+TEST(EngineCuda, BatchInvariantPlanGrowsWithTheBatch) {
+  MIXKV_REQUIRE_CUDA();
+  Engine engine(test::invariance_config(BackendKind::CUDA, 1));
+  std::vector<std::pair<std::int64_t, Request>> arrivals;
+  for (std::int32_t i = 0; i < 15; ++i) arrivals.emplace_back(0, test::invariance_request(200 + i, 28, 3, i));
+  arrivals.emplace_back(0, test::invariance_target());
+  DeviceMemory device;
+  const test::TargetRows rows = test::run_for_target(engine, arrivals, device);
+  EXPECT_NO_THROW(engine.backend().synchronize());
+  EXPECT_GE(rows.size(), 40u);
+  for (const auto& [key, r] : rows) {
+    for (const float x : r.first) ASSERT_TRUE(std::isfinite(x)) << "position " << key.first;
+  }
+}
+
+// A decode plan configured as the CUDA backend configures a batch-invariant
+// one (batch_invariant_blocks, max_items_per_layer) and captured in a CUDA
+// graph with fixed grids replays after re-planning other batches: each
+// sequence's rows are bitwise its rows of the eager run, in another order,
+// in a smaller batch, and again over poisoned outputs (the merge's arrival
+// counters were reset by the replay before).
+TEST(EngineCuda, BatchInvariantPlanReplaysInACapturedGraph) {
+  MIXKV_REQUIRE_CUDA();
+  using namespace test;
+  const int kvh = 4, qh = 28, dim = 128, block = 32;
+  Rng rng(31);
+  const std::vector<int> contexts = {700, 300, 1250};
+  TestArena arena(kvh, dim, block, blocks_needed(contexts, block), 4);
+  const PlacedBatch placed = place_batch(arena, mixed_sequences<Half>(contexts, kvh, dim, block, Mix{0.1, 0.3}, rng));
+  const auto n = static_cast<std::int32_t>(contexts.size());
+  const auto q = random_halves(rng, contexts.size() * qh * dim);
+  const std::size_t row = static_cast<std::size_t>(qh) * dim;
+  DeviceArenaCopy device(arena);
+  gpu::DevicePageTables tables({1, n, longest_list(placed)}, layout_of(arena));
+  fill_tables(tables, placed, 0);  // sequence i in slot i
+  cudaStream_t stream;
+  cuda_ok(cudaStreamCreate(&stream), "stream");
+  tables.upload(stream);
+  gpu::DecodePlanConfig plan_config;
+  plan_config.num_layers = 1;
+  plan_config.num_q_heads = qh;
+  plan_config.num_kv_heads = kvh;
+  plan_config.head_dim = dim;
+  plan_config.block_size = block;
+  plan_config.max_batch = n;
+  plan_config.batch_invariant_blocks = 4;
+  plan_config.max_items_per_layer = 128;  // 3 sequences x 4 KV heads x <= 10 chunks
+  gpu::DecodePlan plan(plan_config, tables);
+  DeviceVector<Half> dq(q), dout(q.size());
+  DeviceVector<float> dlse(contexts.size() * qh);
+  gpu::DecodeRunArgs run;
+  run.q = dq.get();
+  run.out = dout.get();
+  run.lse = dlse.get();
+  run.sm_scale = 1.0f / std::sqrt(static_cast<float>(dim));
+  run.pools = device.pools;
+  run.stream = stream;
+  // Eager, the batch in slot order: sequence i's rows at entry i.
+  const std::vector<std::int32_t> in_order = {0, 1, 2};
+  plan.plan(in_order, stream);
+  plan.run(run);
+  const std::vector<Half> want_out = dout.to_host();
+  const std::vector<float> want_lse = dlse.to_host();
+  for (const Half h : want_out) ASSERT_NE(h.bits & 0x7c00, 0x7c00) << "non-finite eager output";
+
+  run.fixed_grid = true;
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  cuda_ok(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), "capture");
+  plan.run(run);
+  cuda_ok(cudaStreamEndCapture(stream, &graph), "end capture");
+  cuda_ok(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
+  const std::vector<std::vector<std::int32_t>> batches = {{2, 0, 1}, {1}, {1, 2}, {2, 0, 1}};
+  for (const auto& slots : batches) {
+    std::vector<Half> permuted;
+    for (const std::int32_t s : slots) {
+      permuted.insert(permuted.end(), q.begin() + static_cast<std::ptrdiff_t>(s * row),
+                      q.begin() + static_cast<std::ptrdiff_t>((s + 1) * row));
+    }
+    cuda_ok(cudaMemcpy(dq.get(), permuted.data(), permuted.size() * sizeof(Half), cudaMemcpyHostToDevice), "H2D q");
+    dout.fill_bytes(0x7e);
+    dlse.fill_bytes(0x7f);
+    plan.plan(slots, stream);
+    cuda_ok(cudaGraphLaunch(exec, stream), "replay");
+    cuda_ok(cudaStreamSynchronize(stream), "sync");
+    const std::vector<Half> got_out = dout.to_host();
+    const std::vector<float> got_lse = dlse.to_host();
+    for (std::size_t b = 0; b < slots.size(); ++b) {
+      const auto s = static_cast<std::size_t>(slots[b]);
+      EXPECT_EQ(std::memcmp(got_out.data() + b * row, want_out.data() + s * row, row * sizeof(Half)), 0)
+          << "sequence " << s << " at entry " << b << " of a batch of " << slots.size();
+      EXPECT_EQ(std::memcmp(got_lse.data() + b * qh, want_lse.data() + s * qh, qh * sizeof(float)), 0)
+          << "sequence " << s << " LSE at entry " << b << " of a batch of " << slots.size();
+    }
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+}
 
 TEST(EngineCuda, HostArraysAreRefusedByName) {
   MIXKV_REQUIRE_CUDA();

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "engine_loop.h"
+#include "invariance_loop.h"
 #include "mixkv/core/errors.h"
 
 namespace mixkv {
@@ -169,6 +170,49 @@ TEST(EngineCpu, BadConfigIsNamed) {
   c.backend = BackendKind::CUDA;
   expect_error<InvalidArgument>([&] { Engine e(c); }, "built without CUDA");
 #endif
+}
+
+// batch_invariant_blocks outside [0, 2^20] is refused naming it, on either
+// backend kind (the config is checked before a device is looked for); a
+// valid one reaches the backend's config.
+TEST(EngineCpu, BatchInvariantBlocksIsCheckedAndPassedOn) {
+  for (const BackendKind kind : {BackendKind::CPU, BackendKind::CUDA}) {
+#if !defined(MIXKV_ENGINE_TEST_CUDA)
+    if (kind == BackendKind::CUDA) continue;  // "built without CUDA" comes first
+#endif
+    EngineConfig c = config(8, PreemptionMode::Swap, true, false);
+    c.backend = kind;
+    c.batch_invariant_blocks = -1;
+    expect_error<InvalidArgument>([&] { Engine e(c); }, "batch_invariant_blocks = -1: expected 0 (off)");
+    c.batch_invariant_blocks = (1 << 20) + 1;
+    expect_error<InvalidArgument>([&] { Engine e(c); }, "batch_invariant_blocks = 1048577");
+  }
+  EngineConfig c = config(8, PreemptionMode::Swap, true, false);
+  c.batch_invariant_blocks = kBatchInvariantBlocks;
+  Engine e(c);
+  EXPECT_EQ(e.config().batch_invariant_blocks, kBatchInvariantBlocks);
+  EXPECT_EQ(e.backend().config().batch_invariant_blocks, kBatchInvariantBlocks);
+  c.batch_invariant_blocks = 1 << 20;
+  EXPECT_NO_THROW(Engine{c});
+}
+
+// The CPU backend's decode is batch-invariant with or without the option:
+// a request's outputs are bitwise the same alone, after or before eleven
+// others, and among others arriving while it decodes.
+TEST(EngineCpu, DecodeIsBatchInvariant) {
+  for (const std::int32_t blocks : {0, 4}) {
+    std::vector<test::TargetRows> got;
+    const auto runs = test::invariance_runs();
+    for (const auto& [name, arrivals] : runs) {
+      Engine engine(test::invariance_config(BackendKind::CPU, blocks));
+      HostMemory host;
+      got.push_back(test::run_for_target(engine, arrivals, host));
+    }
+    ASSERT_GE(got[0].size(), 40u);  // 23 decodes x 2 layers
+    for (std::size_t i = 1; i < runs.size(); ++i) {
+      test::expect_same_bits(got[0], got[i], runs[i].first);
+    }
+  }
 }
 
 TEST(EngineCpu, BadArraysAreNamedAndChangeNothing) {

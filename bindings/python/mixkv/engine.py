@@ -44,6 +44,8 @@ __all__ = ["BackendKind", "CacheView", "Engine", "EngineConfig", "EngineStep", "
 
 BackendKind = _engine.BackendKind if _engine is not None else None
 EngineConfig = _engine.EngineConfig if _engine is not None else None
+# Engine(batch_invariant=True)'s chunk in blocks (kBatchInvariantBlocks, engine.h).
+BATCH_INVARIANT_BLOCKS = int(_engine.BATCH_INVARIANT_BLOCKS) if _engine is not None else None
 
 
 def _check_key(fn: str, arg: str, key: Any) -> RequestKey:
@@ -134,6 +136,24 @@ def _library(array: Any) -> str:
     return type(array).__module__.split(".", 1)[0]
 
 
+def _invariant_blocks(fn: str, batch_invariant: Any) -> int:
+    """EngineConfig.batch_invariant_blocks for Engine(batch_invariant=...): False or 0: 0 (off), True: the
+    default chunk, an int: that many blocks a chunk."""
+    if batch_invariant is False:
+        return 0
+    if batch_invariant is True:
+        return BATCH_INVARIANT_BLOCKS
+    if not isinstance(batch_invariant, int):
+        raise InvalidArgument(
+            f"{fn}: batch_invariant: expected a bool or an int (blocks a chunk), got {type(batch_invariant).__name__}"
+        )
+    if not 0 <= batch_invariant <= 1 << 20:
+        raise InvalidArgument(
+            f"{fn}: batch_invariant = {batch_invariant}: expected True, False or a chunk of 0 (off) .. 2^20 blocks"
+        )
+    return batch_invariant
+
+
 class Engine:
     """A serving engine's loop over mixkv: the continuous-batching scheduler
     and a backend holding the KV memory, on the CPU or a CUDA device.
@@ -154,6 +174,12 @@ class Engine:
     ``num_q_heads`` is the model's query heads (a multiple of the cache's KV
     heads). ``backend``: "cpu" or "cuda" (mixkv built with CUDA; ``device``
     is the CUDA device). ``sm_scale``: attention scale (None: 1/sqrt(head_dim)).
+    ``batch_invariant``: True makes ``attend()``'s output of a decode bitwise
+    the same whatever else is in the batch and in whatever order (deterministic
+    serving), by splitting each sequence's attention by its own blocks alone,
+    in chunks of mixkv.engine.BATCH_INVARIANT_BLOCKS blocks (an int > 0 picks
+    the chunk); steps with drafts are not covered. The CPU backend is batch-invariant
+    either way. docs/python.md, "Batch-invariant decode", has the cost.
 
     Request ids are the caller's: str or int, unique among live requests.
     Every bad argument raises mixkv.InvalidArgument (a ValueError) or
@@ -172,6 +198,7 @@ class Engine:
         device: int = 0,
         sm_scale: Optional[float] = None,
         max_blocks_per_sequence: int = 0,
+        batch_invariant: Union[bool, int] = False,
     ) -> None:
         fn = "Engine"
         if _engine is None:
@@ -189,6 +216,7 @@ class Engine:
         _check_int(fn, "num_q_heads", num_q_heads, 1)
         _check_int(fn, "device", device, 0)
         _check_int(fn, "max_blocks_per_sequence", max_blocks_per_sequence, 0)
+        invariant_blocks = _invariant_blocks(fn, batch_invariant)
         if isinstance(backend, str) and backend.lower() in ("cpu", "cuda"):
             kind = BackendKind.CPU if backend.lower() == "cpu" else BackendKind.CUDA
         elif isinstance(backend, BackendKind):
@@ -218,6 +246,7 @@ class Engine:
             cuda_device=device,
             sm_scale=float(sm_scale or 0.0),
             max_blocks_per_sequence=max_blocks_per_sequence,
+            batch_invariant_blocks=invariant_blocks,
         )
         if planner is not None:
             config.scheduler.planner = planner
@@ -537,6 +566,11 @@ class Engine:
     @property
     def num_q_heads(self) -> int:
         return self._num_q_heads
+
+    @property
+    def batch_invariant_blocks(self) -> int:
+        """Batch-invariant decode's chunk in blocks; 0: off."""
+        return self._core.config.batch_invariant_blocks
 
     @property
     def config(self):

@@ -29,6 +29,8 @@ class BackendKind(enum.IntEnum):
     CPU = 0
     CUDA = 1
 
+BATCH_INVARIANT_BLOCKS: int
+
 class EngineConfig:
     cache: CacheConfig
     scheduler: SchedulerConfig
@@ -37,6 +39,7 @@ class EngineConfig:
     cuda_device: int
     sm_scale: float
     max_blocks_per_sequence: int
+    batch_invariant_blocks: int
     def __init__(
         self,
         cache: CacheConfig,
@@ -47,6 +50,7 @@ class EngineConfig:
         cuda_device: int = 0,
         sm_scale: float = 0.0,
         max_blocks_per_sequence: int = 0,
+        batch_invariant_blocks: int = 0,
     ) -> None: ...
 
 class Prefill(NamedTuple):
@@ -118,7 +122,10 @@ class Engine:
         device: int = 0,
         sm_scale: Optional[float] = None,
         max_blocks_per_sequence: int = 0,
+        batch_invariant: Union[bool, int] = False,
     ) -> None: ...
+    @property
+    def batch_invariant_blocks(self) -> int: ...
     def add_request(
         self,
         request_id: RequestKey,

@@ -29,6 +29,12 @@ struct BackendConfig {
   // host memory (num_layers x 3 x max_num_seqs x bound ids); a step whose
   // tables exceed it is refused before anything is enqueued.
   std::int32_t max_blocks_per_sequence = 0;
+  // Batch-invariant decode (EngineConfig::batch_invariant_blocks): > 0 cuts
+  // every decode's attention into chunks of this many blocks of its own
+  // page lists (gpu::DecodePlanConfig::batch_invariant_blocks), so that its
+  // output does not depend on the rest of the batch; 0 = off. The CPU
+  // backend's decode is batch-invariant either way and only checks it.
+  std::int32_t batch_invariant_blocks = 0;
 };
 
 // One cache's KV memory and the ops over it, behind one interface for the

@@ -8,6 +8,12 @@
 
 namespace mixkv {
 
+// The chunk of batch-invariant decode that mixkv.Engine(batch_invariant=True)
+// takes, in blocks: the one whose cost against the automatic split stays
+// smallest at both ends of the decode matrix (at most 1.36x on an H200,
+// batch 1 and 64; docs/kernels.md, "Batch-invariant decode").
+inline constexpr std::int32_t kBatchInvariantBlocks = 32;
+
 struct EngineConfig {
   CacheConfig cache;
   SchedulerConfig scheduler;
@@ -16,6 +22,16 @@ struct EngineConfig {
   std::int32_t cuda_device = 0;
   float sm_scale = 0.0f;                     // BackendConfig::sm_scale (0: 1/sqrt(head_dim))
   std::int32_t max_blocks_per_sequence = 0;  // BackendConfig::max_blocks_per_sequence (CUDA)
+  // Batch-invariant decode: > 0 makes attend()'s output and LSE of a decode
+  // bitwise the same whatever else is in the batch, in whatever order and
+  // slot (under one config), by cutting its attention into chunks of this
+  // many blocks of its own page lists alone (kBatchInvariantBlocks is the
+  // usual choice); 0 = the automatic split, which looks at the whole batch.
+  // Covers steps without drafts: a step with drafts runs every decode of
+  // the batch through extend attention, split by the batch (docs/kernels.md,
+  // "Batch-invariant decode"). The CPU backend is batch-invariant either
+  // way. InvalidArgument naming it outside [0, 2^20].
+  std::int32_t batch_invariant_blocks = 0;
 };
 
 // A serving engine's loop over mixkv: the scheduler and a backend. Each step
