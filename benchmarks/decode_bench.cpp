@@ -15,7 +15,9 @@
 // 4-byte memset timed the same way) is printed for scale. --chunk-sweep
 // also times every plan at fixed split-KV chunk counts (1..128 up to batch
 // 8, 1..16 above) and at the plan's own choice, with
-// L2 flushed and with L2 warm.
+// L2 flushed and with L2 warm. At batch 1 and 64 every plan is also timed
+// with DecodePlanConfig::batch_invariant_blocks = 16, 32, 64 (--invariant-
+// blocks LIST, 0 for none), each against the automatic plan of the same run.
 // Prints a table and writes JSON (--out).
 #include <cuda_runtime_api.h>
 
@@ -95,6 +97,10 @@ int main(int argc, char** argv) {
   int q_heads = 28, kv_heads = 4;  // --heads Q/KV
   int head_dim = 128;              // --head-dim: 64, 128 or 256
   int heads_per_item = 0;          // --heads-per-item: 8 or 16 (DecodePlanConfig::max_heads_per_item)
+  // --invariant-blocks: the batch-invariant chunk sizes timed beside the
+  // automatic plan (16 is the engine's default, docs/kernels.md).
+  std::vector<int> invariant_blocks = {16, 32, 64};
+  const std::vector<int> invariant_batches = {1, 64};
   auto parse_list = [](const char* text) {
     std::vector<int> v;
     std::stringstream ss(text);
@@ -123,6 +129,8 @@ int main(int argc, char** argv) {
       head_dim = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--heads-per-item") && i + 1 < argc)
       heads_per_item = std::atoi(argv[++i]);
+    else if (!std::strcmp(argv[i], "--invariant-blocks") && i + 1 < argc)
+      invariant_blocks = parse_list(argv[++i]);
     else if (!std::strcmp(argv[i], "--heads") && i + 1 < argc) {
       if (std::sscanf(argv[++i], "%d/%d", &q_heads, &kv_heads) != 2) q_heads = kv_heads = 0;
     } else if (!std::strcmp(argv[i], "--flush") && i + 1 < argc) {
@@ -144,6 +152,11 @@ int main(int argc, char** argv) {
   }
   if (kv_heads < 1 || q_heads < 1 || q_heads % kv_heads != 0) {
     std::fprintf(stderr, "--heads: expected Q/KV with Q a positive multiple of KV, got %d/%d\n", q_heads, kv_heads);
+    return 2;
+  }
+  std::erase(invariant_blocks, 0);
+  if (std::any_of(invariant_blocks.begin(), invariant_blocks.end(), [](int b) { return b < 0; })) {
+    std::fprintf(stderr, "--invariant-blocks: expected block counts >= 1 (0: none)\n");
     return 2;
   }
   if (!gpu::cuda_device_available()) {
@@ -219,6 +232,7 @@ int main(int argc, char** argv) {
   gpu::DenseAttention dense;
   Json json;
   Json store_json;
+  Json invariant_json;
   std::printf("\n%-6s %-7s %-6s %10s %10s %9s %7s %8s %7s\n", "batch", "context", "plan", "time_us", "MB_read", "GB/s",
               "%BW", "vs_dense", "items");
 
@@ -335,7 +349,14 @@ int main(int argc, char** argv) {
         }
         (void)tail;
         tables.upload(stream);
-        gpu::DecodePlanConfig config{1, q_heads, kv_heads, head_dim, block_size, batch, 0, 0, 0, heads_per_item};
+        gpu::DecodePlanConfig config;
+        config.num_layers = 1;
+        config.num_q_heads = q_heads;
+        config.num_kv_heads = kv_heads;
+        config.head_dim = head_dim;
+        config.block_size = block_size;
+        config.max_batch = batch;
+        config.max_heads_per_item = heads_per_item;
         gpu::DecodePlan dplan(config, tables);
         std::vector<std::int32_t> slots(batch);
         std::iota(slots.begin(), slots.end(), 0);
@@ -368,6 +389,26 @@ int main(int argc, char** argv) {
                         mix.name, chunks == 0 ? "auto" : std::to_string(chunks).c_str(), sweep_plan.num_items(0), cold,
                         warm);
           }
+        }
+        // Batch-invariant splits: the same tables and queries, each timed
+        // right after the automatic plan above, as a ratio to it.
+        if (std::find(invariant_batches.begin(), invariant_batches.end(), batch) != invariant_batches.end()) {
+          for (const int blocks : invariant_blocks) {
+            gpu::DecodePlanConfig inv = config;
+            inv.batch_invariant_blocks = blocks;
+            gpu::DecodePlan inv_plan(inv, tables);
+            inv_plan.plan(slots, stream);
+            const double inv_us = median_us(reps, flusher, stream, [&] { inv_plan.run(run); });
+            std::printf("  batch-invariant b%d %-6s blocks %3d: %8.1f us, x auto %.3f, items %5d (auto %d)\n", batch,
+                        mix.name, blocks, inv_us, inv_us / us, inv_plan.num_items(0), dplan.num_items(0));
+            std::ostringstream io;
+            io << "\"batch\": " << batch << ", \"context\": " << ctx << ", \"plan\": \"" << mix.name
+               << "\", \"batch_invariant_blocks\": " << blocks << ", \"time_us\": " << inv_us << ", \"auto_us\": " << us
+               << ", \"ratio_auto\": " << inv_us / us << ", \"items\": " << inv_plan.num_items(0)
+               << ", \"split_items\": " << inv_plan.num_split_items(0) << ", \"auto_items\": " << dplan.num_items(0);
+            invariant_json.item(io.str());
+          }
+          dplan.run(run);  // the output checked below is the automatic plan's
         }
         // Sanity: the output is finite.
         std::vector<Half> out(static_cast<std::size_t>(batch) * q_heads * head_dim);
@@ -408,7 +449,8 @@ int main(int argc, char** argv) {
     << ", \"kv_heads\": " << kv_heads << ", \"head_dim\": " << head_dim << ", \"block_size\": " << block_size
     << "},\n  \"reps\": " << reps << ",\n  \"l2_flush\": \"" << flush_name
     << "\",\n  \"launch_floor_us\": " << launch_floor_us << ",\n  \"decode\": [" << json.s.str()
-    << "\n  ],\n  \"store_prefill\": [" << store_json.s.str() << "\n  ]\n}\n";
+    << "\n  ],\n  \"store_prefill\": [" << store_json.s.str() << "\n  ],\n  \"batch_invariant\": ["
+    << invariant_json.s.str() << "\n  ]\n}\n";
   std::printf("\nwrote %s\n", out_path.c_str());
   return 0;
 }

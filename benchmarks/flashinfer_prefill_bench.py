@@ -32,12 +32,14 @@ Writes JSON (--out).
 """
 
 import argparse
-import concurrent.futures
 import json
 import math
 import os
 import sys
 import time
+
+import flashinfer_common
+from flashinfer_common import build_modules, is_built
 
 os.environ.setdefault("FLASHINFER_WORKSPACE_BASE", "/tmp/fi-ws")
 
@@ -88,53 +90,13 @@ def prefill_specs(variants):
     return specs
 
 
-def is_built(spec):
-    try:
-        return bool(spec.is_compiled)
-    except Exception:
-        return spec.jit_library_path.exists()
-
-
 def compile_modules(variants):
     """Builds the prefill JIT modules of `variants` concurrently (one ninja each)."""
-    specs = prefill_specs(variants)
-    # 1.5 jobs a core over the modules: the CPUs stay busy while one module's
-    # last sources finish, and memory stays bounded (a CUTLASS source takes GBs).
-    jobs = max(2, (3 * (os.cpu_count() or 4)) // (2 * max(1, len(specs))))
-    os.environ.setdefault("MAX_JOBS", str(jobs))
-    print(f"flashinfer JIT: {len(specs)} modules, MAX_JOBS={os.environ['MAX_JOBS']} each", flush=True)
-
-    def build(item):
-        name, spec = item
-        t0 = time.time()
-        if is_built(spec):
-            return name, "already built"
-        spec.build(need_lock=True)
-        return name, f"built in {time.time() - t0:.0f} s"
-
-    with concurrent.futures.ThreadPoolExecutor(max(1, len(specs))) as ex:
-        for name, what in ex.map(build, specs.items()):
-            print(f"flashinfer JIT {name}: {what}", flush=True)
+    build_modules(prefill_specs(variants))
 
 
 def median_us(fn, reps, flush):
-    start = torch.cuda.Event(enable_timing=True)
-    stop = torch.cuda.Event(enable_timing=True)
-    times = []
-    for i in range(reps + 3):
-        flush()
-        # Keep the GPU busy (~200 us) while Python enqueues the timed launch,
-        # so that the host's launch overhead is not timed (C++ pays ~5 us).
-        if hasattr(torch.cuda, "_sleep"):
-            torch.cuda._sleep(SLEEP_CYCLES)
-        start.record()
-        fn()
-        stop.record()
-        torch.cuda.synchronize()
-        if i >= 3:
-            times.append(start.elapsed_time(stop) * 1000.0)
-    times.sort()
-    return times[len(times) // 2]
+    return flashinfer_common.median_us(torch, fn, reps, flush, SLEEP_CYCLES)
 
 
 def flops_of(batch, n, ctx):

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Build, test, memcheck and benchmark the CUDA backend on the device machine
 # (one H200). Results go to $OUT (the device tool fetches them):
-#   ctest.log, memcheck.log, decode_bench.json, sdpa_bench.json, bench.log
+#   ctest.log, memcheck.log, decode_bench.json, sdpa_bench.json, bench.log,
+#   flashinfer_decode_bench.json, flashinfer_decode.log, flashinfer_jit.log,
+#   decode.json (the three merged, every ratio from this one run: summarize.py)
 # Usage: benchmarks/run_on_device.sh [--bench-only] [--tests-only]
 #          [--skip-sanitizer] [--skip-sdpa] [--quick] [--filter GTEST_FILTER]
 #          [--mine]  (build only mixkv_cuda_tests + mixkv_decode_bench, no ctest)
@@ -14,6 +16,19 @@
 #          [--shapes] (other models' head shapes, mixkv and SDPA, into shapes/)
 #          [--ncu]   (Nsight Compute sections of the decode kernel: batch 64 x 19,600 INT2
 #                     and batch 1 x 19,600 mixed, into ncu.log)
+#          [--decode] (the decode comparison alone, ~3-4 minutes: builds only
+#                     mixkv_decode_bench; runs it (with its batch-invariant variants), SDPA and
+#                     FlashInfer's paged decode; no tests)
+#          [--skip-flashinfer] (no FlashInfer decode beside the bench)
+#          [--engine GTEST_FILTER] (builds only engine_test and runs it with that filter into
+#                     engine_test.log, e.g. 'EngineCuda.BatchInvariant*:EngineCpu.*BatchInvariant*')
+# FlashInfer 0.7.2.post1's paged decode (benchmarks/flashinfer_decode_bench.py,
+# FP16 and FP8 KV, tensor-core path) runs with every decode bench: it needs
+# .whl/ (scripts/pack_flashinfer.sh: the flashinfer-python wheel and
+# apache-tvm-ffi) carried along, is installed from it offline and
+# JIT-compiles its two modules in the background while mixkv builds
+# (~25-60 s; nothing is timed while anything compiles). Without .whl/ or a
+# working install it is skipped with a message and the mixkv part still runs.
 # Boost, GoogleTest and Google Benchmark are taken from the system when
 # present, else from .devdeps/, carried along and made on the build machine:
 #   Google Benchmark: /usr/include/benchmark -> .devdeps/include/, and
@@ -24,7 +39,7 @@ set -uo pipefail
 OUT=${OUT:-$PWD/device-out}
 mkdir -p "$OUT"
 TESTS=1 SANITIZER=1 BENCH=1 SDPA=1 QUICK="" FILTER="*" MINE=0 NCU=0 VALIDATE=0 CONTEXTS=() FLUSH=read SHAPES=0
-WANT_BENCH=0
+WANT_BENCH=0 DECODE=0 FI=1 ENGINE_FILTER=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --bench-only) TESTS=0; SANITIZER=0 ;;
@@ -36,6 +51,9 @@ while [ $# -gt 0 ]; do
     --ncu) NCU=1 ;;
     --validate) VALIDATE=1; BENCH=0; SDPA=0; TESTS=0; SANITIZER=0 ;;
     --bench) WANT_BENCH=1 ;;
+    --decode) DECODE=1; TESTS=0; SANITIZER=0; BENCH=1; SDPA=1 ;;
+    --skip-flashinfer) FI=0 ;;
+    --engine) ENGINE_FILTER="$2"; TESTS=0; SANITIZER=0; [ "$DECODE" = 1 ] || { BENCH=0; SDPA=0; }; shift ;;
     --shapes) SHAPES=1 ;;
     --flush) FLUSH="$2"; shift ;;
     --filter) FILTER="$2"; shift ;;
@@ -54,7 +72,7 @@ if [ -d .devsnap ]; then
   # name what differs (expected only where this tree has uncommitted work).
   stale=$(for area in cache scheduler bindings tests benchmarks examples; do
             diff -rq --exclude=cuda --exclude=__pycache__ --exclude=decode_bench.cpp --exclude=sdpa_bench.py \
-              --exclude=summarize.py "$area" ".devsnap/$area" 2>&1
+              --exclude=summarize.py --exclude=flashinfer_decode_bench.py "$area" ".devsnap/$area" 2>&1
           done | sed -nE -e 's/^Files ([^ ]+) and .*/\1/p' -e 's/^Only in ([^.][^:]*): (.*)/\1\/\2/p' | sort -u)
   if [ -n "$stale" ]; then
     echo "WARNING: .devsnap differs from this tree in:" $stale
@@ -62,7 +80,8 @@ if [ -d .devsnap ]; then
   fi
   cp -r kernels/. .devsnap/kernels/
   cp -r tests/cuda/. .devsnap/tests/cuda/
-  cp benchmarks/decode_bench.cpp benchmarks/sdpa_bench.py benchmarks/summarize.py .devsnap/benchmarks/
+  cp benchmarks/decode_bench.cpp benchmarks/sdpa_bench.py benchmarks/summarize.py \
+    benchmarks/flashinfer_decode_bench.py .devsnap/benchmarks/
   cd .devsnap
 fi
 JOBS=$(nproc)
@@ -72,13 +91,16 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
 
 # --- dependencies
 CMAKE_ARGS=()
-if [ ! -f /usr/include/boost/unordered/unordered_flat_map.hpp ]; then
+if [ -d "$ROOT/.devdeps/lib/cmake/Boost" ] && [ ! -f /usr/include/boost/unordered/unordered_flat_map.hpp ]; then
   CMAKE_ARGS+=("-DBoost_DIR=$ROOT/.devdeps/lib/cmake/Boost")
 fi
-if ! ls /usr/lib/x86_64-linux-gnu/cmake/benchmark /usr/lib/cmake/benchmark /usr/local/lib/cmake/benchmark >/dev/null 2>&1; then
+if [ -d "$ROOT/.devdeps/lib" ] &&
+  ! ls /usr/lib/x86_64-linux-gnu/cmake/benchmark /usr/lib/cmake/benchmark /usr/local/lib/cmake/benchmark >/dev/null 2>&1; then
   CMAKE_ARGS+=("-Dbenchmark_DIR=$ROOT/.devdeps/lib/x86_64-linux-gnu/cmake/benchmark")
 fi
-if ! ls /usr/lib/x86_64-linux-gnu/cmake/GTest/GTestConfig.cmake /usr/lib/cmake/GTest/GTestConfig.cmake >/dev/null 2>&1; then
+if [ -d "$ROOT/.devdeps/googletest" ] &&
+  ! ls /usr/lib/x86_64-linux-gnu/cmake/GTest/GTestConfig.cmake /usr/lib/cmake/GTest/GTestConfig.cmake \
+    /usr/local/lib/cmake/GTest/GTestConfig.cmake >/dev/null 2>&1; then
   if [ ! -f /tmp/gtest/lib/cmake/GTest/GTestConfig.cmake ]; then
     cmake -S "$ROOT/.devdeps/googletest" -B /tmp/gtest-build -G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_GMOCK=OFF \
       -DCMAKE_INSTALL_PREFIX=/tmp/gtest >/tmp/gtest.log 2>&1 &&
@@ -86,6 +108,32 @@ if ! ls /usr/lib/x86_64-linux-gnu/cmake/GTest/GTestConfig.cmake /usr/lib/cmake/G
       cmake --install /tmp/gtest-build >>/tmp/gtest.log 2>&1 || { tail -20 /tmp/gtest.log; exit 1; }
   fi
   CMAKE_ARGS+=("-DGTest_DIR=/tmp/gtest/lib/cmake/GTest")
+fi
+
+# --- FlashInfer: install the carried wheels, start its JIT build in the background
+T_START=$(date +%s)
+FI_PID=""
+[ "$BENCH" = 1 ] || FI=0
+export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-/tmp/fi-ws}
+[ -d /usr/local/cuda ] && export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
+if [ "$FI" = 1 ]; then
+  if ! ls "$ROOT"/.whl/flashinfer_python-*.whl >/dev/null 2>&1; then
+    echo "FlashInfer decode SKIPPED: no .whl/flashinfer_python-*.whl (run scripts/pack_flashinfer.sh and carry .whl)"
+    FI=0
+  elif python3 -m pip show flashinfer-python 2>/dev/null | grep -q "^Version: 0.7.2.post1$" &&
+    python3 -m pip show apache-tvm-ffi >/dev/null 2>&1; then
+    echo "flashinfer-python 0.7.2.post1 already installed"
+  else
+    python3 -m pip install --no-deps --no-index "$ROOT"/.whl/*.whl >"$OUT/pip.log" 2>&1 ||
+      python3 -m pip install --no-deps --no-index --break-system-packages "$ROOT"/.whl/*.whl >>"$OUT/pip.log" 2>&1 ||
+      { tail -5 "$OUT/pip.log"; echo "FlashInfer decode SKIPPED: pip install failed (pip.log)"; FI=0; }
+  fi
+fi
+if [ "$FI" = 1 ]; then
+  # --compile-only makes itself a process-group leader, so that the deadline ends ninja and nvcc with it.
+  PYTHONUNBUFFERED=1 python3 benchmarks/flashinfer_decode_bench.py --compile-only >"$OUT/flashinfer_jit.log" 2>&1 &
+  FI_PID=$!
+  echo "FlashInfer JIT build started in the background (flashinfer_jit.log)"
 fi
 
 # --- build (keep going: a broken target of another area must not hide ours)
@@ -99,6 +147,11 @@ if [ "$VALIDATE" = 1 ]; then
   cmake "$BUILD" -DMIXKV_PYTHON=ON -Dpybind11_DIR="$(python3 -m pybind11 --cmakedir)" >>"$OUT/build.log" 2>&1
   cmake --build "$BUILD" -j"$JOBS" --target mixkv_cuda_tests planner_cuda_test gpu_planner_bench mixkv_python \
     mixkv_decode_bench -- -k 0 >>"$OUT/build.log" 2>&1
+elif [ -n "$ENGINE_FILTER" ] || [ "$DECODE" = 1 ]; then
+  targets=()
+  [ -n "$ENGINE_FILTER" ] && targets+=(engine_test)
+  [ "$DECODE" = 1 ] && targets+=(mixkv_decode_bench)
+  cmake --build "$BUILD" -j"$JOBS" --target "${targets[@]}" -- -k 0 >>"$OUT/build.log" 2>&1
 elif [ "$MINE" = 1 ]; then
   cmake --build "$BUILD" -j"$JOBS" --target mixkv_cuda_tests mixkv_decode_bench -- -k 0 >>"$OUT/build.log" 2>&1
 else
@@ -107,6 +160,19 @@ fi
 echo "build: rc=$? in $(( $(date +%s) - t0 )) s"; grep -E "error|FAILED" "$OUT/build.log" | head -20
 
 # --- benchmarks first: their numbers must survive a later timeout
+# FlashInfer's JIT modules must be built before anything is timed.
+if [ -n "$FI_PID" ]; then
+  JIT_DEADLINE=${JIT_DEADLINE:-150}  # seconds since the start
+  while kill -0 "$FI_PID" 2>/dev/null && [ $(( $(date +%s) - T_START )) -lt "$JIT_DEADLINE" ]; do sleep 2; done
+  if kill -0 "$FI_PID" 2>/dev/null; then
+    echo "FlashInfer JIT build past its deadline (${JIT_DEADLINE} s): stopped; its variants are skipped"
+    kill -TERM -- "-$FI_PID" 2>/dev/null
+    sleep 2
+    kill -KILL -- "-$FI_PID" 2>/dev/null
+  fi
+  wait "$FI_PID" 2>/dev/null
+  echo "FlashInfer JIT: rc=$? at $(( $(date +%s) - T_START )) s"; grep -E "flashinfer JIT|skipped|Error|error:" "$OUT/flashinfer_jit.log" | head -8
+fi
 if [ "$NCU" = 1 ] && [ "$VALIDATE" = 0 ]; then
   BENCHBIN="$BUILD/benchmarks/mixkv_decode_bench"
   {
@@ -122,10 +188,16 @@ if [ "$NCU" = 1 ] && [ "$VALIDATE" = 0 ]; then
   echo "ncu: rc=$?"; grep -E "Duration|Warp Cycles Per Issued|Issued Warp|No Eligible|Achieved Occupancy|Registers|Stall|Memory Throughput|Compute \(SM\)" "$OUT/ncu.log" | head -40
 fi
 if [ "$BENCH" = 1 ]; then
-  timeout 150 "$BUILD/benchmarks/mixkv_decode_bench" --out "$OUT/decode_bench.json" --flush "$FLUSH" $QUICK ${CONTEXTS[@]+"${CONTEXTS[@]}"} 2>&1 | tee "$OUT/bench.log"
+  timeout 180 "$BUILD/benchmarks/mixkv_decode_bench" --out "$OUT/decode_bench.json" --flush "$FLUSH" $QUICK ${CONTEXTS[@]+"${CONTEXTS[@]}"} 2>&1 | tee "$OUT/bench.log"
 fi
 if [ "$SDPA" = 1 ]; then
-  PYTHONUNBUFFERED=1 timeout 100 python3 benchmarks/sdpa_bench.py --out "$OUT/sdpa_bench.json" --flush "$FLUSH" $QUICK 2>&1
+  PYTHONUNBUFFERED=1 timeout 100 python3 benchmarks/sdpa_bench.py --out "$OUT/sdpa_bench.json" --flush "$FLUSH" $QUICK ${CONTEXTS[@]+"${CONTEXTS[@]}"} 2>&1
+fi
+if [ "$FI" = 1 ]; then
+  PYTHONUNBUFFERED=1 timeout 100 python3 benchmarks/flashinfer_decode_bench.py --out "$OUT/flashinfer_decode_bench.json" \
+    --flush "$FLUSH" --require-built $QUICK ${CONTEXTS[@]+"${CONTEXTS[@]}"} 2>&1 |
+    grep -v "^\s*warnings.warn\|UserWarning" | tee "$OUT/flashinfer_decode.log"
+  echo "flashinfer_decode_bench: rc=${PIPESTATUS[0]}"
 fi
 # Other models' decode shapes (one GPU's heads): mixkv and SDPA at batch 1
 # and 64 x 19,600 tokens, JSON in $OUT/shapes/ (benchmarks/plot_shapes.py).
@@ -156,6 +228,10 @@ if [ "$TESTS" = 1 ]; then
     timeout "${TEST_TIMEOUT:-300}" "$BUILD/tests/mixkv_cuda_tests" --gtest_filter="$FILTER" >"$OUT/cuda_tests.log" 2>&1
     echo "mixkv_cuda_tests: rc=$?"; grep -E "^\[  (PASSED|FAILED|SKIPPED) |Failure|Expected|Which is|error" "$OUT/cuda_tests.log" | head -40
   fi
+fi
+if [ -n "$ENGINE_FILTER" ]; then
+  timeout "${TEST_TIMEOUT:-300}" "$BUILD/tests/engine_test" --gtest_filter="$ENGINE_FILTER" >"$OUT/engine_test.log" 2>&1
+  echo "engine_test: rc=$?"; grep -E "^\[  (PASSED|FAILED|SKIPPED) |Failure|Expected|Which is|differ|error" "$OUT/engine_test.log" | head -40
 fi
 if [ "$SANITIZER" = 1 ]; then
   t0=$(date +%s)
@@ -190,5 +266,6 @@ if [ "$VALIDATE" = 1 ]; then
   done
 fi
 if [ -f "$OUT/decode_bench.json" ]; then
-  python3 benchmarks/summarize.py "$OUT/decode_bench.json" "$OUT/sdpa_bench.json" || true
+  python3 benchmarks/summarize.py "$OUT/decode_bench.json" "$OUT/sdpa_bench.json" \
+    --flashinfer "$OUT/flashinfer_decode_bench.json" --out "$OUT/decode.json" || true
 fi
