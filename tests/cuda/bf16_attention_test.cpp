@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "cuda_test_util.h"
+#include "extend_test_util.h"
 #include "mixkv/core/errors.h"
 #include "mixkv/cpu/extend_attention.h"
 #include "mixkv/kernels/decode_plan.h"
@@ -185,70 +186,18 @@ INSTANTIATE_TEST_SUITE_P(
 
 // ------------------------------------------------------------------ extend --
 
-struct NewRows {
-  std::vector<std::int32_t> indptr;
-  std::vector<BFloat16> q, k, v;
-  std::int32_t rows() const { return indptr.back(); }
-};
+using NewRows = BasicNewRows<BFloat16>;
 
 NewRows new_rows(const Data& d, const std::vector<int>& chunks, Rng& rng) {
-  NewRows n;
-  n.indptr.push_back(0);
-  for (int c : chunks) n.indptr.push_back(n.indptr.back() + c);
-  n.q = random_bfloats(rng, static_cast<std::size_t>(n.rows()) * d.q_heads * d.dim);
-  n.k = random_bfloats(rng, static_cast<std::size_t>(n.rows()) * d.kv_heads * d.dim);
-  n.v = random_bfloats(rng, n.k.size());
-  return n;
+  return make_new_rows<BFloat16>(chunks, d.q_heads, d.kv_heads, d.dim, rng);
 }
 
-// Float64 attention of every new row over its sequence's cached tokens and
-// its causal prefix of new rows.
 DecodeResult dense_extend(const Data& d, const NewRows& rows) {
-  const int kvh = d.kv_heads, dim = d.dim, qh = d.q_heads, group = qh / kvh;
-  DecodeResult r{std::vector<float>(static_cast<std::size_t>(rows.rows()) * qh * dim),
-                 std::vector<float>(static_cast<std::size_t>(rows.rows()) * qh)};
-  const std::vector<float> k_new = widen(rows.k), v_new = widen(rows.v), q = widen(rows.q);
-  for (std::size_t b = 0; b + 1 < rows.indptr.size(); ++b) {
-    const int n = rows.indptr[b + 1] - rows.indptr[b];
-    for (int h = 0; h < kvh; ++h) {
-      std::vector<float> keys = d.placed.expected[b].k[h], values = d.placed.expected[b].v[h];
-      const std::size_t cached = keys.size() / dim;
-      for (int j = 0; j < n; ++j) {
-        const std::size_t at = (static_cast<std::size_t>(rows.indptr[b] + j) * kvh + h) * dim;
-        keys.insert(keys.end(), k_new.begin() + at, k_new.begin() + at + dim);
-        values.insert(values.end(), v_new.begin() + at, v_new.begin() + at + dim);
-      }
-      for (int j = 0; j < n; ++j) {
-        for (int g = 0; g < group; ++g) {
-          const std::size_t row = static_cast<std::size_t>(rows.indptr[b] + j) * qh + h * group + g;
-          const std::vector<double> qd(q.begin() + row * dim, q.begin() + (row + 1) * dim);
-          const DenseState s = dense_attention(qd.data(), keys.data(), values.data(), cached + j + 1, dim, d.scale);
-          for (int c = 0; c < dim; ++c) r.out[row * dim + c] = static_cast<float>(s.out[c]);
-          r.lse[row] = static_cast<float>(s.lse);
-        }
-      }
-    }
-  }
-  return r;
+  return test::dense_extend(d.placed, d.kv_heads, d.dim, d.q_heads, d.scale, rows);
 }
 
 DecodeResult cpu_extend(const Data& d, const NewRows& rows) {
-  constexpr float nan = std::numeric_limits<float>::quiet_NaN();
-  DecodeResult r{std::vector<float>(static_cast<std::size_t>(rows.rows()) * d.q_heads * d.dim, nan),
-                 std::vector<float>(static_cast<std::size_t>(rows.rows()) * d.q_heads, nan)};
-  cpu::ExtendAttentionArgs args;
-  args.qo_indptr = rows.indptr;
-  args.q = rows.q;
-  args.k = rows.k;
-  args.v = rows.v;
-  args.num_q_heads = d.q_heads;
-  args.sm_scale = d.scale;
-  args.tables = &d.placed.tables;
-  args.pools = d.arena->views();
-  args.out = r.out;
-  args.lse = r.lse;
-  cpu::extend_attention(args);
-  return r;
+  return test::cpu_extend(*d.arena, d.placed, d.q_heads, d.scale, rows);
 }
 
 // The CUDA extend with `chunks_per_tile` pieces a tile (0: the plan's choice).

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "cuda_test_util.h"
+#include "extend_test_util.h"
 #include "mixkv/core/errors.h"
 #include "mixkv/cpu/extend_attention.h"
 #include "mixkv/kernels/decode_plan.h"
@@ -30,22 +31,7 @@ namespace {
 // Fractions of full windows in FP16 / INT4 (the rest INT2) of the mixed cases.
 constexpr Mix kMixed{0.2, 0.4};
 
-// A step's new rows: qo_indptr, q [rows][q_heads][dim], k and v [rows][kv_heads][dim].
-struct NewRows {
-  std::vector<std::int32_t> indptr;
-  std::vector<Half> q, k, v;
-  std::int32_t rows() const { return indptr.back(); }
-};
-
-NewRows make_new_rows(const std::vector<int>& chunks, int q_heads, int kv_heads, int dim, Rng& rng) {
-  NewRows n;
-  n.indptr.push_back(0);
-  for (int c : chunks) n.indptr.push_back(n.indptr.back() + c);
-  n.q = random_halves(rng, static_cast<std::size_t>(n.rows()) * q_heads * dim);
-  n.k = random_halves(rng, static_cast<std::size_t>(n.rows()) * kv_heads * dim);
-  n.v = random_halves(rng, n.k.size());
-  return n;
-}
+using NewRows = BasicNewRows<Half>;
 
 // The cached part of a batch (an arena holding its blocks) and one step.
 struct ExtendData {
@@ -64,64 +50,20 @@ ExtendData make_data(const std::vector<int>& contexts, const std::vector<int>& c
   d.arena = std::make_unique<TestArena>(kv_heads, dim, block, blocks_needed(contexts, block), seed + 1);
   d.seqs = mixed_sequences<Half>(contexts, kv_heads, dim, block, mix, rng);
   d.placed = place_batch(*d.arena, d.seqs);
-  d.rows = make_new_rows(chunks, q_heads, kv_heads, dim, rng);
+  d.rows = make_new_rows<Half>(chunks, q_heads, kv_heads, dim, rng);
   d.q_heads = q_heads;
   d.scale = 1.0f / std::sqrt(static_cast<float>(dim));
   return d;
 }
 
-// Float64 attention of every new row over its sequence's cached tokens
-// (prompt order, quantized windows as their reference dequantization) and
-// its causal prefix of new rows.
+// The two references over `d`'s blocks (extend_test_util.h).
 DecodeResult dense_extend(const ExtendData& d, const NewRows& rows) {
   const BlockFormat f = d.arena->format(Precision::FP16);
-  const int kvh = f.num_kv_heads, dim = f.head_dim, qh = d.q_heads, group = qh / kvh;
-  DecodeResult r{std::vector<float>(static_cast<std::size_t>(rows.rows()) * qh * dim),
-                 std::vector<float>(static_cast<std::size_t>(rows.rows()) * qh)};
-  const std::vector<float> k_new = widen(rows.k), v_new = widen(rows.v), q = widen(rows.q);
-  for (std::size_t b = 0; b + 1 < rows.indptr.size(); ++b) {
-    const int n = rows.indptr[b + 1] - rows.indptr[b];
-    for (int h = 0; h < kvh; ++h) {
-      std::vector<float> keys = d.placed.expected[b].k[h], values = d.placed.expected[b].v[h];
-      const std::size_t cached = keys.size() / dim;
-      for (int j = 0; j < n; ++j) {
-        const std::size_t at = (static_cast<std::size_t>(rows.indptr[b] + j) * kvh + h) * dim;
-        keys.insert(keys.end(), k_new.begin() + at, k_new.begin() + at + dim);
-        values.insert(values.end(), v_new.begin() + at, v_new.begin() + at + dim);
-      }
-      for (int j = 0; j < n; ++j) {
-        for (int g = 0; g < group; ++g) {
-          const std::size_t row = static_cast<std::size_t>(rows.indptr[b] + j) * qh + h * group + g;
-          const std::vector<double> qd(q.begin() + row * dim, q.begin() + (row + 1) * dim);
-          const DenseState s = dense_attention(qd.data(), keys.data(), values.data(), cached + j + 1, dim, d.scale);
-          for (int c = 0; c < dim; ++c) r.out[row * dim + c] = static_cast<float>(s.out[c]);
-          r.lse[row] = static_cast<float>(s.lse);
-        }
-      }
-    }
-  }
-  return r;
+  return test::dense_extend(d.placed, f.num_kv_heads, f.head_dim, d.q_heads, d.scale, rows);
 }
 
-// cpu::extend_attention over the same blocks; outputs start as NaN.
 DecodeResult cpu_extend(const ExtendData& d, const NewRows& rows) {
-  const int dim = d.arena->format(Precision::FP16).head_dim;
-  constexpr float nan = std::numeric_limits<float>::quiet_NaN();
-  DecodeResult r{std::vector<float>(static_cast<std::size_t>(rows.rows()) * d.q_heads * dim, nan),
-                 std::vector<float>(static_cast<std::size_t>(rows.rows()) * d.q_heads, nan)};
-  cpu::ExtendAttentionArgs args;
-  args.qo_indptr = rows.indptr;
-  args.q = rows.q;
-  args.k = rows.k;
-  args.v = rows.v;
-  args.num_q_heads = d.q_heads;
-  args.sm_scale = d.scale;
-  args.tables = &d.placed.tables;
-  args.pools = d.arena->views();
-  args.out = r.out;
-  args.lse = r.lse;
-  cpu::extend_attention(args);
-  return r;
+  return test::cpu_extend(*d.arena, d.placed, d.q_heads, d.scale, rows);
 }
 
 struct GpuOptions {
@@ -351,7 +293,7 @@ TEST(ExtendCudaGraph, CapturedRunSurvivesReplanning) {
   const int dim = 128;
   ExtendData d = make_data({700, 300}, {5, 40}, 28, 4, dim, 32, kMixed, 12);
   Rng rng(13);
-  const NewRows next = make_new_rows({33, 12}, 28, 4, dim, rng);  // the same 45 rows, cut otherwise
+  const NewRows next = make_new_rows<Half>({33, 12}, 28, 4, dim, rng);  // the same 45 rows, cut otherwise
   const DecodeResult ref = dense_extend(d, next);
 
   DeviceArenaCopy device(*d.arena);
