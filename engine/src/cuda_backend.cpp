@@ -389,30 +389,13 @@ class CudaBackend final : public Backend {
     }
   }
 
-  // Batch-invariant decode cuts every (sequence, KV head, head tile) into
-  // clamp(ceil(blocks / B), 1, min(kMaxMergePieces, blocks)) chunks by its
-  // own lists (decode_plan.h), so a layer needs that many items summed over
-  // the batch. A step that needs more than the plan holds rebuilds it with
-  // at least twice the items, after the stream has drained (the old plan's
-  // buffers may still be read): the same config but the capacity, so the
-  // same chunks and the same bits.
+  // A batch-invariant plan holds the items its config's capacity allows,
+  // and a step may need more (gpu::DecodePlan::invariant_items_needed): it
+  // is then rebuilt with at least twice the items, after the stream has
+  // drained (the old plan's buffers may still be read). The same config but
+  // the capacity, so the same chunks and the same bits.
   void reserve_invariant_items(std::span<const std::int32_t> slots) {
-    constexpr std::int64_t kMaxMergePieces = 1024;  // the decode kernel's merge bound (decode_plan.h)
-    const CacheShape& s = config_.cache.shape;
-    const std::int64_t b_blocks = config_.batch_invariant_blocks;
-    const std::int64_t per_chunk =
-        std::int64_t{s.num_kv_heads} * head_tiles_bound(config_.num_q_heads / s.num_kv_heads);
-    std::int64_t need = 0;
-    for (std::int32_t layer = 0; layer < s.num_layers; ++layer) {
-      std::int64_t chunks = 0;
-      for (const std::int32_t slot : slots) {
-        std::int64_t blocks = 0;
-        for (const Precision p : kAllPrecisions) blocks += tables_.num_blocks(slot, layer, p);
-        chunks += std::clamp((blocks + b_blocks - 1) / b_blocks, std::int64_t{1},
-                             std::max<std::int64_t>(1, std::min(kMaxMergePieces, blocks)));
-      }
-      need = std::max(need, chunks * per_chunk);
-    }
+    const std::int64_t need = plan_->invariant_items_needed(slots);
     if (need <= invariant_items_) return;
     const auto items = static_cast<std::int32_t>(std::min<std::int64_t>(
         std::max<std::int64_t>(need, 2 * std::int64_t{invariant_items_}), std::numeric_limits<std::int32_t>::max()));

@@ -88,6 +88,12 @@ inline int decode_pair_chunks(std::int64_t pair_work, std::int64_t total_work, i
   chunks = std::min(chunks, std::max(1, blocks / kMinBlocksPerChunk));
   return std::clamp(chunks, 1, std::min(kMaxMergePieces, std::max(1, blocks)));
 }
+// Chunks of a (sequence, KV head) of `blocks` blocks in a batch-invariant
+// plan of `chunk_blocks` a chunk: from its own lists alone, so nothing of
+// the batch decides them.
+inline int decode_invariant_chunks(std::int32_t blocks, std::int32_t chunk_blocks) {
+  return std::clamp((blocks + chunk_blocks - 1) / chunk_blocks, 1, std::min(kMaxMergePieces, std::max(1, blocks)));
+}
 // With a pair for every SM, the layer is cut into one equal share a CTA
 // slot instead (chunks of unequal pairs leave the last wave ragged), a pair
 // cut where a share ends; 0: chunks. A share's head tiles run side by side.

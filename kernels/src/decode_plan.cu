@@ -327,4 +327,28 @@ std::int32_t DecodePlan::planned_layer(std::int32_t layer) const {
 }
 std::int32_t DecodePlan::num_planned_layers() const { return static_cast<std::int32_t>(impl_->sets.size()); }
 
+std::int64_t DecodePlan::invariant_items_needed(std::span<const std::int32_t> slots) const {
+  const Impl& s = *impl_;
+  const DecodePlanConfig& c = s.config;
+  for (std::size_t i = 0; i < slots.size(); ++i) {
+    if (slots[i] < 0 || slots[i] >= s.tables->config().max_sequences) {
+      throw IndexOutOfRange("DecodePlan::invariant_items_needed: slots[" + std::to_string(i) +
+                            "] = " + std::to_string(slots[i]) + ": expected a page-table slot in [0, " +
+                            std::to_string(s.tables->config().max_sequences) + ")");
+    }
+  }
+  if (c.batch_invariant_blocks == 0) return 0;
+  std::int64_t most = 0;
+  for (std::int32_t layer = 0; layer < c.num_layers; ++layer) {
+    std::int64_t chunks = 0;
+    for (const std::int32_t slot : slots) {
+      std::int32_t blocks = 0;
+      for (const Precision p : kAllPrecisions) blocks += s.tables->num_blocks(slot, layer, p);
+      chunks += detail::decode_invariant_chunks(blocks, c.batch_invariant_blocks);
+    }
+    most = std::max(most, chunks);
+  }
+  return most * c.num_kv_heads * s.head_tiles;
+}
+
 }  // namespace mixkv::gpu

@@ -182,8 +182,7 @@ void DecodePlan::Impl::plan_items(ItemSet& out, std::span<const Lengths> lengths
       if (c.chunks_per_sequence > 0) {
         chunks = std::clamp(c.chunks_per_sequence, 1, most);
       } else if (c.batch_invariant_blocks > 0) {
-        // By this sequence's blocks alone: nothing of the batch decides it.
-        chunks = std::clamp((n_total + c.batch_invariant_blocks - 1) / c.batch_invariant_blocks, 1, most);
+        chunks = detail::decode_invariant_chunks(n_total, c.batch_invariant_blocks);
       } else {
         chunks = detail::decode_pair_chunks(cost[b], total_cost, kvh, target_items, tiles, n_total);
       }

@@ -291,5 +291,33 @@ TEST(DecodePlanShare, FailedPlanKeepsSharingAndBadInputIsNamed) {
   cuda_ok(cudaDeviceSynchronize(), "sync");
 }
 
+// invariant_items_needed() is what a batch-invariant plan of those slots
+// takes in its largest layer; 0 without the mode; a bad slot is named.
+TEST(DecodePlanShare, InvariantItemsNeededIsWhatThePlanTakes) {
+  MIXKV_REQUIRE_CUDA();
+  const int layers = 3;
+  gpu::DevicePageTables tables({layers, 4, 64});
+  fill_fp16(tables, layers, 4, 200);  // 13 blocks: 4 chunks of 4
+  const std::vector<std::int32_t> one_block = {5000};
+  for (int l = 0; l < 2; ++l) tables.set_blocks(3, l, Precision::FP16, one_block, 1);  // 1 chunk
+  gpu::DecodePlanConfig config{layers, kQHeads, kKVHeads, kDim, kBlock, 4};
+  config.batch_invariant_blocks = 4;
+  gpu::DecodePlan plan(config, tables);
+  const std::vector<std::int32_t> all = {0, 1, 2, 3};
+  const std::int64_t need = plan.invariant_items_needed(all);
+  plan.plan(all, nullptr);
+  std::int64_t most = 0;
+  for (int l = 0; l < layers; ++l) most = std::max<std::int64_t>(most, plan.num_items(l));
+  EXPECT_EQ(need, most);
+  EXPECT_EQ(plan.num_items(0) * 16, plan.num_items(2) * 13);  // 13 chunks in layer 0, 16 in layer 2
+
+  gpu::DecodePlanConfig automatic = config;
+  automatic.batch_invariant_blocks = 0;
+  EXPECT_EQ(gpu::DecodePlan(automatic, tables).invariant_items_needed(all), 0);
+  const std::vector<std::int32_t> bad = {0, 4};
+  expect_error_naming<IndexOutOfRange>([&] { plan.invariant_items_needed(bad); }, {"slots[1] = 4"});
+  cuda_ok(cudaDeviceSynchronize(), "sync");
+}
+
 }  // namespace
 }  // namespace mixkv::test

@@ -135,6 +135,12 @@ class DecodePlan {
   // Layers the current plan planned, i.e. its distinct sets of work items
   // (0 before a plan).
   std::int32_t num_planned_layers() const;
+  // Work items a layer of `slots` takes under batch_invariant_blocks (the
+  // most over layers, from the page tables as they are now): what
+  // max_items_per_layer must hold for plan(slots) to fit; 0 without
+  // batch_invariant_blocks. IndexOutOfRange naming slots[i] for a slot
+  // outside the tables.
+  std::int64_t invariant_items_needed(std::span<const std::int32_t> slots) const;
 
  private:
   struct Impl;
