@@ -38,6 +38,24 @@ def build_modules(specs: dict) -> None:
             print(f"flashinfer JIT {name}: {what}", flush=True)
 
 
+def announce(flashinfer, torch) -> None:
+    print(
+        f"flashinfer {flashinfer.__version__}, torch {torch.__version__}, "
+        f"workspace {os.environ['FLASHINFER_WORKSPACE_BASE']}",
+        flush=True,
+    )
+
+
+def compile_only(build) -> None:
+    """--compile-only: runs `build` in a process group of its own (ninja and
+    nvcc join it), so that the device script can end the group at its
+    deadline."""
+    os.setpgrp()
+    t0 = time.time()
+    build()
+    print(f"flashinfer JIT: all built in {time.time() - t0:.0f} s", flush=True)
+
+
 def median_us(torch, fn, reps: int, flush, sleep_cycles: int) -> float:
     """`sleep_cycles` of GPU sleep go before each timed launch: Python
     enqueues the launch while the GPU is busy, so the host's launch overhead

@@ -36,7 +36,6 @@ import json
 import math
 import os
 import sys
-import time
 
 import flashinfer_common
 from flashinfer_common import build_modules, is_built
@@ -270,17 +269,9 @@ def main():
 
     import flashinfer
 
-    print(
-        f"flashinfer {flashinfer.__version__}, torch {torch.__version__}, "
-        f"workspace {os.environ['FLASHINFER_WORKSPACE_BASE']}",
-        flush=True,
-    )
+    flashinfer_common.announce(flashinfer, torch)
     if args.compile_only:
-        # A process group of its own (ninja and nvcc join it): extend_on_device.sh ends the group at its deadline.
-        os.setpgrp()
-        t0 = time.time()
-        compile_modules(variants)
-        print(f"flashinfer JIT: all built in {time.time() - t0:.0f} s", flush=True)
+        flashinfer_common.compile_only(lambda: compile_modules(variants))
         return
 
     if not torch.cuda.is_available():
