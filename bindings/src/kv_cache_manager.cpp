@@ -110,14 +110,19 @@ void bind_kv_cache_manager(py::module_& m) {
       });
 
   py::class_<Demotion>(m, "Demotion", init_only(), "One window of one layer to move to a lower precision (demote()).")
-      .def(py::init([](SequenceId id, std::int32_t layer, std::int32_t window, Precision target) {
-             return Demotion{id, layer, window, target};
+      .def(py::init([](SequenceId id, std::int32_t layer, std::int32_t window, Precision target, bool leave_shared) {
+             return Demotion{
+                 .id = id, .layer = layer, .window = window, .target = target, .leave_shared = leave_shared};
            }),
-           py::arg("id"), py::arg("layer"), py::arg("window"), py::arg("target") = Precision::INT4)
+           py::arg("id"), py::arg("layer"), py::arg("window"), py::arg("target") = Precision::INT4,
+           py::arg("leave_shared") = false)
       .def_readwrite("id", &Demotion::id)
       .def_readwrite("layer", &Demotion::layer)
       .def_readwrite("window", &Demotion::window, "1 .. num_windows - 1 (window 0 always stays FP16)")
-      .def_readwrite("target", &Demotion::target);
+      .def_readwrite("target", &Demotion::target)
+      .def_readwrite("leave_shared", &Demotion::leave_shared,
+                     "False: the window's block must be this sequence's alone (the demotion frees it). True: other "
+                     "sequences may share it; this one moves to its own copy and they keep the original.");
 
   py::class_<DemoteOp>(m, "DemoteOp", init_only(),
                        "The requantization one Demotion asks of ops.demote: src_block of the src pool into "
@@ -280,7 +285,8 @@ void bind_kv_cache_manager(py::module_& m) {
            "Brings `id` back into fresh device blocks; returns the copies to make (host -> device). All or "
            "nothing: MemoryError when the device pools lack blocks.")
       .def("why_not_demotable", &KVCacheManager::why_not_demotable, py::arg("id"), py::arg("layer"), py::arg("window"),
-           py::arg("target"), "None when (id, layer, window) could move down to `target` now, else the reason.")
+           py::arg("target"), py::arg("leave_shared") = false,
+           "None when (id, layer, window) could move down to `target` now, else the reason.")
       .def(
           "demote", [](KVCacheManager& mgr, const std::vector<Demotion>& demotions) { return mgr.demote(demotions); },
           py::arg("demotions"),

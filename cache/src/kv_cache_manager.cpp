@@ -103,6 +103,21 @@ const CacheConfig& checked(const CacheConfig& c) {
   }
   check_arena(c);
   check_swap(c);
+  const auto identity = static_cast<int>(c.prefix_cache.identity);
+  if (identity < 0 || identity > static_cast<int>(PrefixIdentity::Content)) {
+    throw InvalidArgument("prefix_cache.identity = " + std::to_string(identity) + ", expected Precision or Content");
+  }
+  const auto higher = static_cast<int>(c.prefix_cache.higher);
+  if (higher < 0 || higher > static_cast<int>(PrefixHigher::Keep)) {
+    throw InvalidArgument("prefix_cache.higher = " + std::to_string(higher) + ", expected Demote or Keep");
+  }
+  // A block's rows sit where the layout alone puts them only when FP16
+  // windows are blocks of their own: a node's copies then agree in rows.
+  if (c.prefix_cache.identity == PrefixIdentity::Content && !c.fp16_windows_first) {
+    throw InvalidArgument(
+        "prefix_cache.identity = Content needs fp16_windows_first = true (a window's copies at "
+        "every precision must hold the same rows)");
+  }
   return c;
 }
 
@@ -122,7 +137,8 @@ KVCacheManager::Impl::Impl(const CacheConfig& c) : config(checked(c)), arena(c.a
   slot_rows.resize(static_cast<std::size_t>(num_layers()));
   if (c.prefix_cache.enabled) {
     index = std::make_unique<PrefixIndex>(
-        num_layers(), std::array<BlockPool*, kNumPrecisions>{pools[0].get(), pools[1].get(), pools[2].get()});
+        num_layers(), std::array<BlockPool*, kNumPrecisions>{pools[0].get(), pools[1].get(), pools[2].get()},
+        c.prefix_cache.identity);
   }
 }
 
@@ -212,6 +228,14 @@ void KVCacheManager::Impl::require_prompt(const TokenLayout& layout, const Preci
   if (plan.num_windows() != windows) {
     throw InvalidArgument("plan.num_windows() = " + std::to_string(plan.num_windows()) + ", expected " +
                           std::to_string(windows) + " for this layout and block_size " + std::to_string(block_size()));
+  }
+}
+
+void KVCacheManager::Impl::require_wanted(const PrecisionPlan& plan, const PrecisionPlan& wanted) const {
+  if (wanted.num_layers() != plan.num_layers() || wanted.num_windows() != plan.num_windows()) {
+    throw InvalidArgument("wanted has " + std::to_string(wanted.num_layers()) + " layers x " +
+                          std::to_string(wanted.num_windows()) + " windows, expected the plan's " +
+                          std::to_string(plan.num_layers()) + " x " + std::to_string(plan.num_windows()));
   }
 }
 
@@ -483,6 +507,7 @@ void KVCacheManager::Impl::add(SequenceId id, const TokenLayout& layout, const P
       seq.table.reserve(layer, p, static_cast<std::size_t>(windows[at(p)]));
     }
   }
+  if (shares != nullptr) seq.publish_rows = shares->publish_rows;
   m.reserve_handle();
   // Last: emplace either inserts or changes nothing (Boost's strong guarantee).
   Sequence& added = m.sequences.emplace(id, std::move(seq)).first->second;

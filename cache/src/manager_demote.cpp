@@ -49,7 +49,7 @@ std::int32_t KVCacheManager::Impl::block_index(const Prompt& prompt, std::int32_
 }
 
 std::optional<std::string> KVCacheManager::Impl::why_not(const Sequence& seq, std::int32_t layer, std::int32_t window,
-                                                         Precision target) const {
+                                                         Precision target, bool leave_shared) const {
   const PrecisionPlan& plan = seq.prompt->plan;
   const Precision current = plan.at(layer, window);
   if (bits_of(target) >= bits_of(current)) {
@@ -66,7 +66,7 @@ std::optional<std::string> KVCacheManager::Impl::why_not(const Sequence& seq, st
   // demotion only reads: the sequence moves to the copy.
   const bool cached = this->index && this->index->node_of(current, block) != nullptr;
   const std::int32_t refs = pool(current).ref_count(block) - (cached ? 1 : 0);
-  if (refs != 1) {
+  if (refs != 1 && !leave_shared) {
     return "its " + std::string(to_string(current)) + " block " + std::to_string(block) + " is shared by " +
            std::to_string(refs) + " sequences (a shared block is never demoted in place)";
   }
@@ -74,14 +74,14 @@ std::optional<std::string> KVCacheManager::Impl::why_not(const Sequence& seq, st
 }
 
 std::optional<std::string> KVCacheManager::why_not_demotable(SequenceId id, std::int32_t layer, std::int32_t window,
-                                                             Precision target) const {
+                                                             Precision target, bool leave_shared) const {
   const Impl& m = *impl_;
   const Sequence& seq = m.resident(id, "id");
   m.require_layer(layer);
   require_index("window", window, seq.prompt->plan.num_windows());
   require_precision(target, "target");
   if (window == 0) return std::string("window 0 (the first visual window) always stays FP16");
-  return m.why_not(seq, layer, window, target);
+  return m.why_not(seq, layer, window, target, leave_shared);
 }
 
 std::vector<DemoteOp> KVCacheManager::demote(std::span<const Demotion> demotions) {
@@ -121,7 +121,7 @@ std::vector<DemoteOp> KVCacheManager::demote(std::span<const Demotion> demotions
     if (d.window == 0) {
       throw InvalidArgument(name + ".window = 0: the first visual window always stays FP16, expected >= 1");
     }
-    if (auto reason = m.why_not(seq, d.layer, d.window, d.target)) {
+    if (auto reason = m.why_not(seq, d.layer, d.window, d.target, d.leave_shared)) {
       throw InvalidArgument(name + " (id " + std::to_string(d.id) + ", layer " + std::to_string(d.layer) + ", window " +
                             std::to_string(d.window) + ") cannot be demoted: " + *reason);
     }

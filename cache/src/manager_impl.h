@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <span>
@@ -68,6 +69,10 @@ struct Sequence {
   // Set on both sides of a fork: only such sequences can share blocks, so
   // the others append without looking at ref counts.
   bool forked = false;
+  // Prefix caching: rows [0, publish_rows) may be published. Under content
+  // identity a hit that shared a window below FP16 ends it at the hit: the
+  // rows after read quantized keys, so their K/V is not the content's.
+  std::int32_t publish_rows = std::numeric_limits<std::int32_t>::max();
   SequenceHandle handle{};
   // Batch validation (require_ids) marks each sequence it has seen with the
   // batch's epoch, instead of hashing the ids a second time; demote() marks
@@ -107,6 +112,7 @@ using Supplies = std::array<Supply, kNumPrecisions>;
 struct PrefixShares {
   PrefixMatch match;
   std::vector<BlockIds> lists;  // [layer][pool_index][position]; empty: no block shared
+  std::int32_t publish_rows = std::numeric_limits<std::int32_t>::max();  // Sequence::publish_rows
 };
 
 }  // namespace detail
@@ -190,8 +196,8 @@ struct KVCacheManager::Impl {
   }
   std::int64_t fp16_rank(const Prompt& prompt, std::int32_t layer, std::int32_t window) const;
   std::int32_t block_index(const Prompt& prompt, std::int32_t layer, std::int32_t window, std::int64_t& rank) const;
-  std::optional<std::string> why_not(const Sequence& seq, std::int32_t layer, std::int32_t window,
-                                     Precision target) const;
+  std::optional<std::string> why_not(const Sequence& seq, std::int32_t layer, std::int32_t window, Precision target,
+                                     bool leave_shared) const;
   // Age tiers (manager_stream.cpp): full blocks of the FP16 stream, one
   // block's precision, why it cannot move to `target`, its position in pool
   // p's list of `layer`, demoted blocks in pool p, and whether any stream
@@ -205,6 +211,7 @@ struct KVCacheManager::Impl {
   static bool has_aged(const Sequence& seq);
   void require_layer(std::int32_t layer) const { require_index("layer", layer, num_layers()); }
   void require_prompt(const TokenLayout& layout, const PrecisionPlan& plan) const;
+  void require_wanted(const PrecisionPlan& plan, const PrecisionPlan& wanted) const;
   BlockCounts prompt_demand(const TokenLayout& layout, const PrecisionPlan& plan) const;
   // add_sequence, sharing shares->lists' blocks when given.
   void add(SequenceId id, const TokenLayout& layout, const PrecisionPlan& plan, const PrefixShares* shares);
@@ -212,7 +219,10 @@ struct KVCacheManager::Impl {
   // Prefix caching (manager_prefix.cpp): the prompt's match with the shared
   // blocks' places; after a sequence retained or released `block`, the
   // index's view of it.
-  PrefixShares match(const TokenLayout& layout, const PrecisionPlan& plan, std::span<const TokenKey> keys) const;
+  // `wanted` chooses the copies of shared windows under content identity
+  // (KVCacheManager::match_prefix); `plan` stores the rest.
+  PrefixShares match(const TokenLayout& layout, const PrecisionPlan& plan, std::span<const TokenKey> keys,
+                     const PrecisionPlan& wanted) const;
   void holders_changed(Precision p, std::int32_t block) {
     if (index) index->holders_changed(p, block);
   }

@@ -71,9 +71,10 @@ void layer_events(const TokenLayout& layout, const PrecisionPlan& plan, std::int
   }
 }
 
-// Roles of rows [0, limit) of `layer` under `plan` (prefix_index.h).
+// Roles of rows [0, limit) of `layer` under `plan` (prefix_index.h); under
+// content identity a window's rows name no precision.
 void layer_roles(const TokenLayout& layout, const PrecisionPlan& plan, std::int32_t layer, std::int32_t bs,
-                 std::int32_t limit, std::vector<detail::RowRole>& roles) {
+                 std::int32_t limit, bool content, std::vector<detail::RowRole>& roles) {
   roles.clear();
   std::int32_t w = 0;
   auto add = [&](std::int32_t count, detail::RowRole role) {
@@ -87,7 +88,7 @@ void layer_roles(const TokenLayout& layout, const PrecisionPlan& plan, std::int3
     }
     const std::int32_t full = segment.length / bs;
     for (std::int32_t i = 0; i < full; ++i, ++w) {
-      add(bs, detail::row_role(TokenKind::Visual, 1 + pool_index(plan.at(layer, w))));
+      add(bs, detail::row_role(TokenKind::Visual, content ? 1 : 1 + pool_index(plan.at(layer, w))));
     }
     add(segment.length - full * bs, detail::row_role(TokenKind::Visual, 0));
   }
@@ -121,10 +122,28 @@ std::int32_t higher_cost(const PrefixNode& child, std::span<const TokenKey> keys
   return cost;
 }
 
+// Content identity: which of `node`'s copies a window takes that `wanted`
+// wants at `want` and an unshared prompt would store at `store`
+// (KVCacheManager::match_prefix), or nullopt.
+std::optional<Precision> copy_for(const PrefixNode& node, Precision want, Precision store,
+                                  const PrefixCacheConfig& pc) {
+  if (pc.higher == PrefixHigher::Demote && store == Precision::FP16 && node.has(Precision::FP16)) {
+    return Precision::FP16;
+  }
+  if (node.has(want)) return want;
+  if (pc.higher == PrefixHigher::Keep && node.has(Precision::FP16)) return Precision::FP16;
+  if (pc.share_higher) {
+    for (const Precision p : {Precision::INT4, Precision::FP16}) {
+      if (bits_of(p) > bits_of(want) && node.has(p)) return p;
+    }
+  }
+  return std::nullopt;
+}
+
 }  // namespace
 
 PrefixShares KVCacheManager::Impl::match(const TokenLayout& layout, const PrecisionPlan& plan,
-                                         std::span<const TokenKey> keys) const {
+                                         std::span<const TokenKey> keys, const PrecisionPlan& wanted) const {
   PrefixShares out;
   out.match.plan = plan;
   // The last row is always computed: its output samples the first token.
@@ -143,6 +162,7 @@ PrefixShares KVCacheManager::Impl::match(const TokenLayout& layout, const Precis
     const auto it = std::upper_bound(starts.begin(), starts.end(), row);
     return it != starts.begin() && row < *std::prev(it) + bs ? static_cast<std::int32_t>(it - starts.begin() - 1) : -1;
   };
+  const bool content = index->content();
   PrecisionPlan taken = plan;
   std::vector<std::vector<const PrefixNode*>> paths(static_cast<std::size_t>(layers));
   std::vector<std::vector<std::int32_t>> clean(static_cast<std::size_t>(layers), std::vector<std::int32_t>{0});
@@ -158,7 +178,8 @@ PrefixShares KVCacheManager::Impl::match(const TokenLayout& layout, const Precis
     auto read_roles = [&](std::int32_t row) {
       if (static_cast<std::int32_t>(roles.size()) >= row) return;
       const auto want = std::max<std::int64_t>(row, 2 * static_cast<std::int64_t>(roles.size()) + 4 * bs);
-      layer_roles(layout, taken, layer, bs, static_cast<std::int32_t>(std::min<std::int64_t>(want, bound)), roles);
+      layer_roles(layout, taken, layer, bs, static_cast<std::int32_t>(std::min<std::int64_t>(want, bound)), content,
+                  roles);
     };
     const PrefixNode* node = &index->root(layer);
     for (std::size_t i = 0; i < events.size() && events[i].end <= bound; ++i) {
@@ -167,7 +188,15 @@ PrefixShares KVCacheManager::Impl::match(const TokenLayout& layout, const Precis
       read_roles(e.end);
       const PrefixNode* next = index->find(*node, e.precision, keys.subspan(static_cast<std::size_t>(e.begin), n),
                                            std::span<const detail::RowRole>(roles).subspan(e.begin, n));
-      if (next == nullptr && config.prefix_cache.share_higher) {
+      if (next != nullptr && content) {
+        // Positions do not depend on the plan (fp16_windows_first): only
+        // the copy taken does. A window event ends at its window's end.
+        const std::int32_t w = window_at(e.end - 1);
+        const auto got = w >= 0 ? copy_for(*next, wanted.at(layer, w), plan.at(layer, w), config.prefix_cache)
+                                : (next->has(Precision::FP16) ? std::optional(Precision::FP16) : std::nullopt);
+        if (!got) break;
+        if (w >= 0) taken.set(layer, w, *got);
+      } else if (next == nullptr && config.prefix_cache.share_higher && !content) {
         std::int32_t best = -1;
         for (const PrefixNode* child : node->children) {
           if (child->end > bound) continue;
@@ -236,11 +265,11 @@ PrefixShares KVCacheManager::Impl::match(const TokenLayout& layout, const Precis
     const auto& path = paths[static_cast<std::size_t>(layer)];
     for (std::size_t k = 0; k < events.size() && events[k].end <= rows; ++k) {
       const BlockEvent& e = events[k];
-      if (k >= path.size() || path[k]->end != e.end || path[k]->precision != e.precision) {
+      if (k >= path.size() || path[k]->end != e.end || !path[k]->has(e.precision)) {
         throw InvariantViolation("match_prefix: layer " + std::to_string(layer) +
                                  ": the shared blocks and the plan's blocks disagree at row " + std::to_string(e.end));
       }
-      const std::int32_t block = path[k]->block;
+      const std::int32_t block = path[k]->block(e.precision);
       lists[at(e.precision)][static_cast<std::size_t>(e.index)] = block;
       ++shared[at(e.precision)];
       if (pool(e.precision).ref_count(block) == 1) {
@@ -251,6 +280,17 @@ PrefixShares KVCacheManager::Impl::match(const TokenLayout& layout, const Precis
   }
   out.match.rows = rows;
   out.match.shared = shared;
+  if (content) {
+    // Rows computed after a window shared below FP16 read quantized keys.
+    for (std::int32_t layer = 0; layer < layers && out.publish_rows > rows; ++layer) {
+      for (std::size_t w = 0; w < starts.size() && starts[w] + bs <= rows; ++w) {
+        if (final_plan.at(layer, static_cast<std::int32_t>(w)) != Precision::FP16) {
+          out.publish_rows = rows;
+          break;
+        }
+      }
+    }
+  }
   out.match.demand = prompt_demand(layout, final_plan);
   for (const Precision p : kAllPrecisions) out.match.demand[at(p)] -= shared[at(p)];
   return out;
@@ -258,20 +298,32 @@ PrefixShares KVCacheManager::Impl::match(const TokenLayout& layout, const Precis
 
 PrefixMatch KVCacheManager::match_prefix(const TokenLayout& layout, const PrecisionPlan& plan,
                                          std::span<const TokenKey> keys) const {
+  return match_prefix(layout, plan, keys, plan);
+}
+
+PrefixMatch KVCacheManager::match_prefix(const TokenLayout& layout, const PrecisionPlan& plan,
+                                         std::span<const TokenKey> keys, const PrecisionPlan& wanted) const {
   impl_->require_prompt(layout, plan);
   require_keys(keys, layout.num_tokens(), "one per prompt row at most");
-  return impl_->match(layout, plan, keys).match;
+  impl_->require_wanted(plan, wanted);
+  return impl_->match(layout, plan, keys, wanted).match;
 }
 
 PrefixMatch KVCacheManager::add_sequence(SequenceId id, const TokenLayout& layout, const PrecisionPlan& plan,
                                          std::span<const TokenKey> keys) {
+  return add_sequence(id, layout, plan, keys, plan);
+}
+
+PrefixMatch KVCacheManager::add_sequence(SequenceId id, const TokenLayout& layout, const PrecisionPlan& plan,
+                                         std::span<const TokenKey> keys, const PrecisionPlan& wanted) {
   Impl& m = *impl_;
   if (m.sequences.contains(id)) {
     throw InvalidArgument("id = " + std::to_string(id) + " is already a sequence of this cache, expected a new id");
   }
   m.require_prompt(layout, plan);
   require_keys(keys, layout.num_tokens(), "one per prompt row at most");
-  const PrefixShares shares = m.match(layout, plan, keys);
+  m.require_wanted(plan, wanted);
+  const PrefixShares shares = m.match(layout, plan, keys, wanted);
   m.add(id, layout, shares.match.plan, &shares);
   if (shares.match.rows > 0) {
     ++m.prefix_hits;
@@ -312,32 +364,38 @@ std::int64_t KVCacheManager::publish_prefix(SequenceId id, std::span<const Token
   if (!m.index || keys.empty()) return 0;
   const TokenLayout& layout = seq.prompt->layout;
   const PrecisionPlan& plan = seq.prompt->plan;
-  const auto limit = static_cast<std::int32_t>(keys.size());
+  const bool content = m.index->content();
+  const auto limit = static_cast<std::int32_t>(std::min<std::int64_t>(keys.size(), seq.publish_rows));
   const std::int32_t bs = m.block_size();
 
   // Prepare: every node to link, made in full (std::bad_alloc here leaves
-  // the index as it was), then room in the index's maps.
+  // the index as it was), every copy to add, then room in the index's maps.
   std::vector<std::unique_ptr<PrefixNode>> made;
+  std::vector<std::pair<const PrefixNode*, std::pair<Precision, std::int32_t>>> copies;
   boost::unordered_flat_set<std::uint64_t> hashes;  // of `made`: two equal ones cannot both be filed
   std::vector<BlockEvent> events;
   std::vector<detail::RowRole> roles;
   for (std::int32_t layer = 0; layer < m.num_layers(); ++layer) {
     layer_events(layout, plan, layer, bs, m.config.fp16_windows_first, events);
-    layer_roles(layout, plan, layer, bs, limit, roles);
+    layer_roles(layout, plan, layer, bs, limit, content, roles);
     PrefixNode* node = &m.index->root(layer);
     for (const BlockEvent& e : events) {
       if (e.end > limit) break;
       const auto n = static_cast<std::size_t>(e.end - e.begin);
       const auto k = keys.subspan(static_cast<std::size_t>(e.begin), n);
       const auto r = std::span<const detail::RowRole>(roles).subspan(static_cast<std::size_t>(e.begin), n);
+      const std::int32_t block = seq.table.blocks(layer, e.precision)[static_cast<std::size_t>(e.index)];
       // The same content cached already (this block, or another sequence's
-      // copy of it): the chain goes on through it.
+      // copy of it): the chain goes on through it; under content identity
+      // this block becomes the node's copy at its precision if it has none.
       if (const PrefixNode* found = m.index->find(*node, e.precision, k, r)) {
+        if (content && !found->has(e.precision) && m.index->node_of(e.precision, block) == nullptr) {
+          copies.push_back({found, {e.precision, block}});
+        }
         node = const_cast<PrefixNode*>(found);
         continue;
       }
-      const std::int32_t block = seq.table.blocks(layer, e.precision)[static_cast<std::size_t>(e.index)];
-      const std::uint64_t hash = PrefixIndex::content_hash(node->hash, e.precision, k, r);
+      const std::uint64_t hash = PrefixIndex::content_hash(node->hash, m.index->tag(e.precision), k, r);
       // A taken hash (another content's) or a block filed under other
       // content (its rows before changed precision since) ends the chain.
       if (m.index->hash_taken(hash) || hashes.contains(hash) || m.index->node_of(e.precision, block) != nullptr) break;
@@ -346,11 +404,13 @@ std::int64_t KVCacheManager::publish_prefix(SequenceId id, std::span<const Token
       node = made.back().get();
     }
   }
-  m.index->reserve(made.size());
+  m.index->reserve(made.size(), made.size() + copies.size());
   // Commit: links and retains, allocating nothing.
   for (auto& node : made) m.index->link(std::move(node));
-  m.prefix_published += static_cast<std::int64_t>(made.size());
-  return static_cast<std::int64_t>(made.size());
+  for (const auto& [node, copy] : copies) m.index->add_copy(*node, copy.first, copy.second);
+  const auto added = static_cast<std::int64_t>(made.size() + copies.size());
+  m.prefix_published += added;
+  return added;
 }
 
 std::int64_t KVCacheManager::evict_prefix_cache() {

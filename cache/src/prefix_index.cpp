@@ -16,14 +16,27 @@ std::uint64_t step(std::uint64_t h, std::uint64_t x) { return mix64(h ^ (x + 0x9
 std::uint64_t root_hash(std::int32_t layer) { return mix64(0x70726566697821ULL + static_cast<std::uint64_t>(layer)); }
 
 std::string where(const PrefixNode& n) {
-  return "prefix index: layer " + std::to_string(n.layer) + " " + std::string(to_string(n.precision)) + " block " +
-         std::to_string(n.block) + " (rows [" + std::to_string(n.begin) + ", " + std::to_string(n.end) + ")) ";
+  return "prefix index: layer " + std::to_string(n.layer) + " node of rows [" + std::to_string(n.begin) + ", " +
+         std::to_string(n.end) + ") ";
 }
 
 }  // namespace
 
-PrefixIndex::PrefixIndex(std::int32_t num_layers, std::array<BlockPool*, kNumPrecisions> pools)
-    : pools_(pools), roots_(static_cast<std::size_t>(num_layers)) {
+PrefixNode::PrefixNode() {
+  for (const Precision p : kAllPrecisions) {
+    PrefixCopy& c = copies[static_cast<std::size_t>(pool_index(p))];
+    c.node = this;
+    c.precision = p;
+  }
+}
+
+int PrefixNode::num_copies() const {
+  return static_cast<int>(
+      std::count_if(copies.begin(), copies.end(), [](const PrefixCopy& c) { return c.block >= 0; }));
+}
+
+PrefixIndex::PrefixIndex(std::int32_t num_layers, std::array<BlockPool*, kNumPrecisions> pools, PrefixIdentity identity)
+    : pools_(pools), identity_(identity), roots_(static_cast<std::size_t>(num_layers)) {
   for (std::int32_t l = 0; l < num_layers; ++l) {
     roots_[static_cast<std::size_t>(l)].layer = l;
     roots_[static_cast<std::size_t>(l)].hash = root_hash(l);
@@ -35,27 +48,27 @@ PrefixIndex::~PrefixIndex() {
   lru_.clear();
 }
 
-std::uint64_t PrefixIndex::content_hash(std::uint64_t parent, Precision p, std::span<const TokenKey> keys,
+std::uint64_t PrefixIndex::content_hash(std::uint64_t parent, int tag, std::span<const TokenKey> keys,
                                         std::span<const RowRole> roles) {
-  std::uint64_t h = step(parent, static_cast<std::uint64_t>(pool_index(p)) + (std::uint64_t{keys.size()} << 8));
+  std::uint64_t h = step(parent, static_cast<std::uint64_t>(tag) + (std::uint64_t{keys.size()} << 8));
   for (std::size_t i = 0; i < keys.size(); ++i) h = step(step(h, keys[i]), roles[i]);
   return h;
 }
 
 const PrefixNode* PrefixIndex::find(const PrefixNode& parent, Precision p, std::span<const TokenKey> keys,
                                     std::span<const RowRole> roles) const {
-  const auto it = by_hash_.find(content_hash(parent.hash, p, keys, roles));
+  const auto it = by_hash_.find(content_hash(parent.hash, tag(p), keys, roles));
   if (it == by_hash_.end()) return nullptr;
   const PrefixNode& n = *it->second;
   // Verified key by key: equal hashes of different content never share.
-  const bool same =
-      n.parent == &parent && n.precision == p && std::ranges::equal(n.keys, keys) && std::ranges::equal(n.roles, roles);
+  const bool same = n.parent == &parent && (content() || n.has(p)) && std::ranges::equal(n.keys, keys) &&
+                    std::ranges::equal(n.roles, roles);
   return same ? &n : nullptr;
 }
 
 const PrefixNode* PrefixIndex::node_of(Precision p, std::int32_t block) const {
   const auto it = by_block_.find(block_key(p, block));
-  return it == by_block_.end() ? nullptr : it->second.get();
+  return it == by_block_.end() ? nullptr : it->second->node;
 }
 
 std::unique_ptr<PrefixNode> PrefixIndex::make(PrefixNode& parent, Precision p, std::int32_t block, std::int32_t begin,
@@ -63,30 +76,41 @@ std::unique_ptr<PrefixNode> PrefixIndex::make(PrefixNode& parent, Precision p, s
   auto node = std::make_unique<PrefixNode>();
   node->parent = &parent;
   node->layer = parent.layer;
-  node->precision = p;
-  node->block = block;
   node->begin = begin;
   node->end = begin + static_cast<std::int32_t>(keys.size());
   node->keys.assign(keys.begin(), keys.end());
   node->roles.assign(roles.begin(), roles.end());
-  node->hash = content_hash(parent.hash, p, keys, roles);
+  node->hash = content_hash(parent.hash, tag(p), keys, roles);
+  node->copies[static_cast<std::size_t>(pool_index(p))].block = block;  // taken by link()
   // A parent gets at most one new child per call (a layer's chain is a path).
   parent.children.reserve(parent.children.size() + 1);
   return node;
 }
 
-void PrefixIndex::reserve(std::size_t count) {
-  by_hash_.reserve(by_hash_.size() + count);
-  by_block_.reserve(by_block_.size() + count);
+void PrefixIndex::reserve(std::size_t nodes, std::size_t copies) {
+  by_hash_.reserve(by_hash_.size() + nodes);
+  by_block_.reserve(by_block_.size() + copies);
+}
+
+void PrefixIndex::take_copy(PrefixCopy& copy, std::int32_t block) {
+  copy.block = block;
+  by_block_.emplace(block_key(copy.precision, block), &copy);
+  pool(copy.precision).retain(block);
+  set_evictable(copy, pool(copy.precision).ref_count(block) == 1);
 }
 
 void PrefixIndex::link(std::unique_ptr<PrefixNode> node) {
   PrefixNode* n = node.get();
-  by_hash_.emplace(n->hash, n);
-  by_block_.emplace(block_key(n->precision, n->block), std::move(node));
   n->parent->children.push_back(n);
-  pool(n->precision).retain(n->block);
-  set_evictable(*n, pool(n->precision).ref_count(n->block) == 1);
+  by_hash_.emplace(n->hash, std::move(node));
+  for (PrefixCopy& c : n->copies) {
+    if (c.block >= 0) take_copy(c, c.block);
+  }
+}
+
+void PrefixIndex::add_copy(const PrefixNode& node, Precision p, std::int32_t block) {
+  PrefixNode& n = const_cast<PrefixNode&>(node);  // the index's own node
+  take_copy(n.copies[static_cast<std::size_t>(pool_index(p))], block);
 }
 
 void PrefixIndex::holders_changed(Precision p, std::int32_t block) {
@@ -94,38 +118,52 @@ void PrefixIndex::holders_changed(Precision p, std::int32_t block) {
   if (it != by_block_.end()) set_evictable(*it->second, pool(p).ref_count(block) == 1);
 }
 
-void PrefixIndex::set_evictable(PrefixNode& node, bool evictable) {
-  if (evictable == node.hook.is_linked()) return;
+void PrefixIndex::set_evictable(PrefixCopy& copy, bool evictable) {
+  if (evictable == copy.hook.is_linked()) return;
   if (evictable) {
-    lru_.push_back(node);
+    lru_.push_back(copy);
   } else {
-    lru_.erase(lru_.iterator_to(node));
+    lru_.erase(lru_.iterator_to(copy));
   }
-  evictable_[static_cast<std::size_t>(pool_index(node.precision))] += evictable ? 1 : -1;
+  evictable_[static_cast<std::size_t>(pool_index(copy.precision))] += evictable ? 1 : -1;
 }
 
 BlockCounts PrefixIndex::cached() const {
   BlockCounts counts{};
-  for (const auto& [key, node] : by_block_) ++counts[static_cast<std::size_t>(pool_index(node->precision))];
+  for (const auto& [key, copy] : by_block_) ++counts[static_cast<std::size_t>(pool_index(copy->precision))];
   return counts;
 }
 
+void PrefixIndex::remove_copy(PrefixCopy& copy) {
+  set_evictable(copy, false);
+  const Precision p = copy.precision;
+  pool(p).release(copy.block);
+  ++evicted_[static_cast<std::size_t>(pool_index(p))];
+  by_block_.erase(block_key(p, copy.block));
+  copy.block = -1;
+}
+
 void PrefixIndex::remove_leaf(PrefixNode& node) {
-  set_evictable(node, false);
+  for (PrefixCopy& c : node.copies) {
+    if (c.block >= 0) remove_copy(c);
+  }
   std::vector<PrefixNode*>& siblings = node.parent->children;
   siblings.erase(std::find(siblings.begin(), siblings.end(), &node));
-  by_hash_.erase(node.hash);
-  const Precision p = node.precision;
-  pool(p).release(node.block);
-  ++evicted_[static_cast<std::size_t>(pool_index(p))];
-  by_block_.erase(block_key(p, node.block));  // destroys the node: last
+  const std::uint64_t hash = node.hash;
+  by_hash_.erase(hash);  // destroys the node: last
 }
 
 bool PrefixIndex::evict_one() {
   if (lru_.empty()) return false;
+  PrefixCopy& front = lru_.front();
+  PrefixNode* top = front.node;
+  if (top->num_copies() > 1) {
+    // Its other copies still hold the content the subtree continues.
+    remove_copy(front);
+    return true;
+  }
   // Post-order through the subtree, by the children lists themselves:
   // nothing to allocate.
-  PrefixNode* top = &lru_.front();
   PrefixNode* n = top;
   for (;;) {
     while (!n->children.empty()) n = n->children.back();
@@ -141,8 +179,7 @@ void PrefixIndex::check() const {
   auto fail = [](const std::string& what) { throw InvariantViolation(what); };
   for (std::size_t l = 0; l < roots_.size(); ++l) {
     const PrefixNode& r = roots_[l];
-    if (r.parent != nullptr || r.block != -1 || r.end != 0 || r.hash != root_hash(static_cast<std::int32_t>(l)) ||
-        r.hook.is_linked()) {
+    if (r.parent != nullptr || r.num_copies() != 0 || r.end != 0 || r.hash != root_hash(static_cast<std::int32_t>(l))) {
       fail("prefix index: the root of layer " + std::to_string(l) + " is not a bare root");
     }
     for (const PrefixNode* child : r.children) {
@@ -150,16 +187,13 @@ void PrefixIndex::check() const {
         fail("prefix index: a child of layer " + std::to_string(l) + "'s root names another parent");
     }
   }
-  if (by_hash_.size() != by_block_.size()) {
-    fail("prefix index: " + std::to_string(by_hash_.size()) + " hashes for " + std::to_string(by_block_.size()) +
-         " nodes");
-  }
   BlockCounts evictable{};
   std::size_t linked = 0;
-  for (const auto& [key, owned] : by_block_) {
+  std::size_t copies = 0;
+  for (const auto& [hash, owned] : by_hash_) {
     const PrefixNode& n = *owned;
     const std::string at = where(n);
-    if (key != block_key(n.precision, n.block) || n.block < 0) fail(at + "is filed under another block");
+    if (hash != n.hash) fail(at + "is filed under another hash");
     if (n.parent == nullptr) fail(at + "has no parent");
     if (n.layer != n.parent->layer || n.begin != n.parent->end || n.end <= n.begin ||
         n.keys.size() != static_cast<std::size_t>(n.end - n.begin) || n.roles.size() != n.keys.size()) {
@@ -171,31 +205,55 @@ void PrefixIndex::check() const {
     for (const PrefixNode* child : n.children) {
       if (child->parent != &n) fail(at + "lists a child that names another parent");
     }
-    if (n.hash != content_hash(n.parent->hash, n.precision, n.keys, n.roles)) fail(at + "has a stale hash");
-    const auto h = by_hash_.find(n.hash);
-    if (h == by_hash_.end() || h->second != &n) fail(at + "is not found by its hash");
+    const int held = n.num_copies();
+    if (held == 0 || (!content() && held != 1)) {
+      fail(at + "holds " + std::to_string(held) + " copies, expected " + (content() ? "at least 1" : "1"));
+    }
     // Reachable: the parent chain ends at this layer's root.
     const PrefixNode* up = &n;
-    for (std::size_t steps = 0; up->parent != nullptr && steps <= by_block_.size(); ++steps) up = up->parent;
+    for (std::size_t steps = 0; up->parent != nullptr && steps <= by_hash_.size(); ++steps) up = up->parent;
     if (up != &roots_[static_cast<std::size_t>(n.layer)]) fail(at + "is not reachable from its layer's root");
-    const std::int32_t refs = pool(n.precision).ref_count(n.block);
-    if (refs < 1) fail(at + "is free in its pool");
-    if (n.hook.is_linked() != (refs == 1)) {
-      fail(at + "has " + std::to_string(refs) + " holders but is " + (n.hook.is_linked() ? "" : "not ") +
-           "on the LRU list (only blocks no sequence holds are)");
+    for (const PrefixCopy& c : n.copies) {
+      if (c.node != &n) fail(at + "has a copy that names another node");
+      if (c.block < 0) {
+        if (c.hook.is_linked()) fail(at + "lists a missing " + std::string(to_string(c.precision)) + " copy as LRU");
+        continue;
+      }
+      ++copies;
+      const std::string copy_at = at + std::string(to_string(c.precision)) + " block " + std::to_string(c.block) + " ";
+      if (!content() && n.hash != content_hash(n.parent->hash, tag(c.precision), n.keys, n.roles)) {
+        fail(copy_at + "has a stale hash");
+      }
+      const auto b = by_block_.find(block_key(c.precision, c.block));
+      if (b == by_block_.end() || b->second != &c) fail(copy_at + "is filed under another block");
+      const std::int32_t refs = pool(c.precision).ref_count(c.block);
+      if (refs < 1) fail(copy_at + "is free in its pool");
+      if (c.hook.is_linked() != (refs == 1)) {
+        fail(copy_at + "has " + std::to_string(refs) + " holders but is " + (c.hook.is_linked() ? "" : "not ") +
+             "on the LRU list (only blocks no sequence holds are)");
+      }
+      if (c.hook.is_linked()) {
+        ++linked;
+        ++evictable[static_cast<std::size_t>(pool_index(c.precision))];
+      }
     }
-    if (n.hook.is_linked()) {
-      ++linked;
-      ++evictable[static_cast<std::size_t>(pool_index(n.precision))];
+    if (content() && n.hash != content_hash(n.parent->hash, kNumPrecisions, n.keys, n.roles)) {
+      fail(at + "has a stale hash");
     }
   }
+  if (copies != by_block_.size()) {
+    fail("prefix index: " + std::to_string(by_block_.size()) + " blocks filed for " + std::to_string(copies) +
+         " copies");
+  }
   std::size_t walked = 0;
-  for (const PrefixNode& n : lru_) {
-    if (node_of(n.precision, n.block) != &n) fail("prefix index: the LRU list holds a node the index does not");
+  for (const PrefixCopy& c : lru_) {
+    if (c.block < 0 || node_of(c.precision, c.block) != c.node) {
+      fail("prefix index: the LRU list holds a copy the index does not");
+    }
     if (++walked > by_block_.size()) fail("prefix index: the LRU list is longer than the index");
   }
   if (walked != linked || evictable != evictable_) {
-    fail("prefix index: " + std::to_string(walked) + " nodes on the LRU list, " + std::to_string(linked) +
+    fail("prefix index: " + std::to_string(walked) + " copies on the LRU list, " + std::to_string(linked) +
          " linked, counts per pool " + std::to_string(evictable_[0]) + "/" + std::to_string(evictable_[1]) + "/" +
          std::to_string(evictable_[2]) + " recorded");
   }
@@ -206,7 +264,8 @@ void PrefixIndex::describe(std::string& out) const {
     out += label;
     out += std::to_string(value);
   };
-  put("prefix index: blocks ", static_cast<std::int64_t>(by_block_.size()));
+  put("prefix index: nodes ", static_cast<std::int64_t>(by_hash_.size()));
+  put(" copies ", static_cast<std::int64_t>(by_block_.size()));
   out += "\n";
   // Depth first, children in the order they were indexed.
   std::vector<const PrefixNode*> stack;
@@ -216,24 +275,26 @@ void PrefixIndex::describe(std::string& out) const {
       const PrefixNode& n = *stack.back();
       stack.pop_back();
       put("  layer ", n.layer);
-      out += ' ';
-      out += to_string(n.precision);
-      put(" block ", n.block);
-      put(" after ", n.parent->block);
       put(" rows ", n.begin);
       put("-", n.end);
       out += " hash ";
       out += std::to_string(n.hash);
-      put(" refs ", pool(n.precision).ref_count(n.block));
+      for (const PrefixCopy& c : n.copies) {
+        if (c.block < 0) continue;
+        out += ' ';
+        out += to_string(c.precision);
+        put(":", c.block);
+        put(" refs ", pool(c.precision).ref_count(c.block));
+      }
       out += "\n";
       for (auto it = n.children.rbegin(); it != n.children.rend(); ++it) stack.push_back(*it);
     }
   }
   out += "  lru:";
-  for (const PrefixNode& n : lru_) {
+  for (const PrefixCopy& c : lru_) {
     out += ' ';
-    out += to_string(n.precision);
-    put(":", n.block);
+    out += to_string(c.precision);
+    put(":", c.block);
   }
   out += "\n";
 }

@@ -34,11 +34,14 @@ PrecisionPlan exact_plan(const PrecisionPlan& plan) {
 }  // namespace
 
 bool Scheduler::Impl::stores_fp16(const Entry& e, std::int32_t end) const {
-  // One chunk reads no earlier chunk: storing it at its plan is exact too.
-  return exact_mode() && end < e.prompt.num_tokens() && e.fp16_demand != e.demand;
+  // One chunk reads no earlier chunk: storing it at its plan is exact too,
+  // but under content identity its FP16 rows are what the cache keeps.
+  return exact_mode() && (end < e.prompt.num_tokens() || content_keyed(e)) && e.fp16_demand != e.demand;
 }
 
 PrecisionPlan Scheduler::Impl::admitted_plan(const Entry& e) const { return e.exact ? exact_plan(e.plan) : e.plan; }
+
+PrecisionPlan Scheduler::Impl::fp16_plan(const Entry& e) const { return exact_plan(e.plan); }
 
 void Scheduler::Impl::refresh_demand(Entry& e) const {
   e.demand = cache.demand(e.prompt, e.plan);
@@ -111,9 +114,14 @@ void Scheduler::Impl::collect_plans(PlanDemotions& plans) {
           all = false;
           break;
         }
-        plans.list.push_back({e->id, layer, w, to});
+        // A window shared from the prefix cache: the request moves to its
+        // own copy, the cache and other requests keep the FP16 one.
+        plans.list.push_back(
+            {.id = e->id, .layer = layer, .window = w, .target = to, .leave_shared = content_prefix()});
         plans.taken = next;
-        plans.freed += from == Precision::FP16 ? 1 : 0;
+        // A block others hold (the cache, another request) is not freed.
+        const bool alone = !content_prefix() || cache.ref_count(from, cache.window_block(e->id, layer, w)) == 1;
+        plans.freed += from == Precision::FP16 && alone ? 1 : 0;
       }
     }
     if (all) {
@@ -179,7 +187,9 @@ void Scheduler::Impl::check_plan(const Entry& e, const std::string& who) const {
       const Precision have = held.at(layer, w);
       const Precision want = e.plan.at(layer, w);
       const std::string where = " at layer " + std::to_string(layer) + " window " + std::to_string(w);
-      if (e.exact && !done && w > 0 && have != Precision::FP16) {
+      // Content identity shares a cached window at the copy the plan wants.
+      const bool cached = content_prefix() && e.window_starts[static_cast<std::size_t>(w)] + block_size <= e.cached;
+      if (e.exact && !done && w > 0 && have != Precision::FP16 && !cached) {
         fail("prefills exact but the manager holds " + std::string(to_string(have)) + where);
       }
       if (pool_index(have) >= pool_index(want)) continue;
@@ -190,7 +200,7 @@ void Scheduler::Impl::check_plan(const Entry& e, const std::string& who) const {
       ++pending;
       // What the next step's demote call will be given must be accepted.
       if (done && e.state == RequestState::Running) {
-        if (auto reason = cache.why_not_demotable(e.id, layer, w, want))
+        if (auto reason = cache.why_not_demotable(e.id, layer, w, want, content_prefix()))
           fail("cannot apply its plan" + where + ": " + *reason);
       }
     }

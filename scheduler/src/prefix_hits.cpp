@@ -25,6 +25,19 @@ std::span<const TokenKey> prompt_keys(const Entry& e) {
 
 Admission Scheduler::Impl::admission(const Entry& e, std::int32_t budget) const {
   Admission a;
+  if (content_keyed(e)) {
+    // Stored FP16 whatever is shared: the shared windows are taken for the
+    // plan (the FP16 copy to demote from, or the plan's own copy).
+    PrefixMatch match = cache.match_prefix(e.prompt, fp16_plan(e), prompt_keys(e), e.plan);
+    if (match.rows > 0) {
+      a.start = match.rows;
+      a.match = std::move(match);
+    }
+    a.end = chunk_end(e, budget, a.start);
+    a.exact = a.end != 0 && stores_fp16(e, a.end);
+    a.demand = a.match ? a.match->demand : (a.exact ? e.fp16_demand : e.demand);
+    return a;
+  }
   if (prefix_caching() && !e.keys.empty()) {
     PrefixMatch match = cache.match_prefix(e.prompt, e.plan, prompt_keys(e));
     if (match.rows > 0) {
@@ -54,8 +67,27 @@ void Scheduler::Impl::add_to_cache(Entry& e, const Admission& a) {
     return;
   }
   // The same call on the same state as admission()'s match: the same blocks.
-  const PrefixMatch got = cache.add_sequence(e.id, e.prompt, e.plan, prompt_keys(e));
-  e.plan = got.plan;  // windows shared at a higher precision stay there
+  PrefixMatch got;
+  if (content_keyed(e)) {
+    got = cache.add_sequence(e.id, e.prompt, fp16_plan(e), prompt_keys(e), e.plan);
+    // A window shared at a quantized copy stays there; one shared FP16 is
+    // demoted to the plan after the prefill, or kept (PrefixHigher::Keep).
+    const bool keep = cache.config().prefix_cache.higher == PrefixHigher::Keep;
+    bool pending = false;
+    for (std::int32_t layer = 0; layer < num_layers; ++layer) {
+      for (std::int32_t w = 0; w < e.plan.num_windows(); ++w) {
+        const Precision held = got.plan.at(layer, w);
+        const bool shared = e.window_starts[static_cast<std::size_t>(w)] + block_size <= got.rows;
+        // Window 0 is never demoted: it stays as shared.
+        if (shared && (held != Precision::FP16 || keep || w == 0)) e.plan.set(layer, w, held);
+        pending = pending || pool_index(e.plan.at(layer, w)) > pool_index(held);
+      }
+    }
+    e.exact = e.exact && pending;
+  } else {
+    got = cache.add_sequence(e.id, e.prompt, e.plan, prompt_keys(e));
+    e.plan = got.plan;  // windows shared at a higher precision stay there
+  }
   refresh_demand(e);
   e.computed = got.rows;
   e.cached = got.rows;
@@ -73,7 +105,7 @@ void Scheduler::Impl::publish_stored() {
     if (it == entries.end()) continue;
     const Entry& e = it->second;
     const bool resident = e.state == RequestState::Prefilling || e.state == RequestState::Running;
-    if (!resident || e.exact || vanished(e)) continue;
+    if (!resident || (e.exact && !content_prefix()) || vanished(e)) continue;
     const std::span<const TokenKey> keys = prompt_keys(e);
     stats.published_blocks +=
         cache.publish_prefix(e.id, keys.first(std::min(keys.size(), static_cast<std::size_t>(e.computed))));

@@ -50,6 +50,11 @@ Scheduler::Impl::Impl(KVCacheManager& c, SchedulerConfig cfg, std::shared_ptr<Pl
   const auto prefill = static_cast<int>(config.prefill_mode);
   if (prefill < 0 || prefill > 1)
     bad("prefill_mode = " + std::to_string(prefill) + ", expected Compact (0) or Exact (1)");
+  if (cc.prefix_cache.enabled && cc.prefix_cache.identity == PrefixIdentity::Content &&
+      config.prefill_mode != PrefillMode::Exact) {
+    bad("prefill_mode = Compact with the cache's prefix_cache.identity = Content, expected Exact: a block is "
+        "named by its content alone only when every row is computed reading FP16 keys");
+  }
   if (config.prefill_mode == PrefillMode::Exact && !cc.fp16_windows_first) {
     bad("prefill_mode = Exact needs the cache's fp16_windows_first = true (CacheConfig::fp16_windows_first): the "
         "plan's demotions after the prompt move whole FP16 blocks, one a window");
@@ -295,7 +300,8 @@ void Scheduler::Impl::schedule_chunk(Entry& e, std::int32_t end, StepOutput& out
   out.num_batched_tokens += end - e.computed;
   stats.prefill_tokens += end - e.computed;
   e.computed = end;
-  if (prefix_caching() && !e.keys.empty() && !e.exact) publishing.push_back(e.id);
+  // Rows stored FP16 are the content's too under content identity.
+  if (prefix_caching() && !e.keys.empty() && (!e.exact || content_prefix())) publishing.push_back(e.id);
   if (chunk.last) {
     if (e.exact) planning.push_back(&e);  // demoted to its plan at the next step
     set_state(e, RequestState::Running);

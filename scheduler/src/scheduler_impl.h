@@ -250,6 +250,8 @@ struct Scheduler::Impl {
   bool exact_mode() const { return config.prefill_mode == PrefillMode::Exact; }
   bool stores_fp16(const Entry& e, std::int32_t end) const;
   PrecisionPlan admitted_plan(const Entry& e) const;
+  // e.plan with every window but window 0 FP16: what an exact prefill stores.
+  PrecisionPlan fp16_plan(const Entry& e) const;
   void refresh_demand(Entry& e) const;
   PrecisionPlan eventual_plan(const Entry& e) const;
   void settle_plan(Entry& e) const { e.plan = eventual_plan(e); }
@@ -315,6 +317,12 @@ struct Scheduler::Impl {
   // added, sharing the match's blocks); publishing the rows the last step
   // stored.
   bool prefix_caching() const { return cache.config().prefix_cache.enabled; }
+  // Prefix caching by content (PrefixIdentity::Content): keyed prompts are
+  // stored FP16, published, then demoted to their plans.
+  bool content_prefix() const {
+    return prefix_caching() && cache.config().prefix_cache.identity == PrefixIdentity::Content;
+  }
+  bool content_keyed(const Entry& e) const { return content_prefix() && !e.keys.empty(); }
   Admission admission(const Entry& e, std::int32_t budget) const;
   void add_to_cache(Entry& e, const Admission& a);
   void publish_stored();

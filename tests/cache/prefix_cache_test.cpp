@@ -350,15 +350,16 @@ TEST(PrefixCache, EveryIndexCorruptionIsNamed) {
   {
     KVCacheManager cache(cached_config(1, 4));
     const PrefixNode* shared = fresh(cache);
-    Access::pool(cache, Precision::FP16).retain(shared->block);
+    Access::pool(cache, Precision::FP16).retain(shared->block(Precision::FP16));
     expect_named(cache, "page tables hold it and the prefix index");
   }
   {
     KVCacheManager cache(cached_config(1, 4));
     PrefixNode& node = *fresh(cache)->children.front()->children.front();  // block 2
-    Access::lru(Access::index(cache)).erase(Access::lru(Access::index(cache)).iterator_to(node));
+    detail::PrefixCopy& copy = node.copies[0];
+    Access::lru(Access::index(cache)).erase(Access::lru(Access::index(cache)).iterator_to(copy));
     expect_named(cache, "but is not on the LRU list");
-    Access::lru(Access::index(cache)).push_back(node);
+    Access::lru(Access::index(cache)).push_back(copy);
   }
   {
     KVCacheManager cache(cached_config(1, 4));
@@ -378,7 +379,7 @@ TEST(PrefixCache, EveryIndexCorruptionIsNamed) {
   {
     KVCacheManager cache(cached_config(1, 4));
     const PrefixNode* shared = fresh(cache);
-    const std::int32_t cached_only = shared->children.front()->children.front()->block;
+    const std::int32_t cached_only = shared->children.front()->children.front()->block(Precision::FP16);
     Access::pool(cache, Precision::FP16).release(cached_only);  // freed under the index
     expect_named(cache, "is free in its pool");
   }

@@ -23,6 +23,7 @@
 #include "engine_sim.h"
 #include "mixkv/core/errors.h"
 #include "mixkv/scheduler/scheduler.h"
+#include "scheduler_access.h"
 
 namespace mixkv {
 namespace {
@@ -36,11 +37,13 @@ struct Workload {
   bool prefix_caching = false;
   // Age tiers: old windows to INT4 in layer 0 and INT2 in layer 1.
   bool age_tiers = false;
+  // Content: shared prompts' plans depend on the question, not the video.
+  PrefixIdentity identity = PrefixIdentity::Precision;
 };
 
 // Age tiers shrink decode growth, so their runs get a smaller arena to meet
 // the same pressure.
-CacheConfig small_cache(bool prefix_caching, bool age_tiers) {
+CacheConfig small_cache(bool prefix_caching, bool age_tiers, PrefixIdentity identity) {
   CacheConfig c;
   c.shape = CacheShape{2, 1, 16, 16};  // FP16 block 1 KiB, INT4 384 B, INT2 256 B
   c.slab_bytes = 4096;                 // 4 FP16, 10 INT4 or 16 INT2 blocks a slab
@@ -48,6 +51,7 @@ CacheConfig small_cache(bool prefix_caching, bool age_tiers) {
   c.swap_blocks = {16, 12, 12};  // small: some swaps fall back to recompute
   c.fp16_windows_first = true;
   c.prefix_cache.enabled = prefix_caching;
+  c.prefix_cache.identity = identity;
   return c;
 }
 
@@ -56,7 +60,7 @@ class Simulation {
   explicit Simulation(const Workload& w)
       : w_(w),
         rng_(w.seed),
-        engine_(small_cache(w.prefix_caching, w.age_tiers), config(w)),
+        engine_(small_cache(w.prefix_caching, w.age_tiers, w.identity), config(w)),
         cache_(engine_.cache()),
         sched_(engine_.scheduler()) {}
 
@@ -99,7 +103,8 @@ class Simulation {
     for (std::int32_t i = 0; i < visual; ++i) r.token_keys.push_back(100000 * (video + 1) + i);
     for (std::int32_t i = 0; i < asked; ++i) r.token_keys.push_back(10000000 + 1000 * question + i);
     if (pick(0, 9) == 0) r.token_keys.clear();  // a request that takes no part
-    const int family = pick(0, 1);
+    int family = pick(0, 1);
+    if (w_.identity == PrefixIdentity::Content) family = question;
     PrecisionPlan plan(2, r.layout.num_windows(bs));
     for (std::int32_t win = 0; win < plan.num_windows(); ++win) {
       plan.set_score(win, static_cast<float>((video * 7 + win * 3) % 10) / 10.0f);
@@ -398,6 +403,7 @@ class Simulation {
       if (!cache_.contains(id) || cache_.is_swapped(id)) continue;  // preempted after the demotions
       if (sched_.status(id).plan_pending) continue;                 // its FP16 windows wait for the plan
       const PrecisionPlan& plan = cache_.plan(id);
+      if (waits_at_shared_window(id, plan)) continue;
       for (std::int32_t layer = 0; layer < plan.num_layers(); ++layer) {
         for (std::int32_t w = 1; w < plan.num_windows(); ++w) {
           if (plan.at(layer, w) != Precision::FP16) continue;
@@ -449,6 +455,22 @@ class Simulation {
       ASSERT_EQ(st.used_blocks + st.free_blocks, static_cast<std::int64_t>(st.slabs) * st.blocks_per_slab);
       ASSERT_EQ(host[pool_index(p)] + free_host[pool_index(p)], cache_.config().swap_blocks[pool_index(p)]);
     }
+  }
+
+  // A request's FP16 -> INT4 demotion stops at a window another request
+  // shares until they leave (pressure.cpp): its later windows wait.
+  bool waits_at_shared_window(RequestId id, const PrecisionPlan& plan) {
+    const scheduler_detail::Entry& e = test::SchedulerAccess::entry(sched_, id);
+    if (e.demote_cursor >= e.demote_order.size()) return false;
+    const std::int32_t w = e.demote_order[e.demote_cursor];
+    for (std::int32_t layer = 0; layer < plan.num_layers(); ++layer) {
+      if (plan.at(layer, w) != Precision::FP16) continue;
+      const std::int32_t block = cache_.window_block(id, layer, w);
+      if (cache_.ref_count(Precision::FP16, block) > 1 && cache_.why_not_demotable(id, layer, w, Precision::INT4)) {
+        return true;
+      }
+    }
+    return false;
   }
 
   Workload w_;
@@ -505,6 +527,25 @@ TEST(SchedulerRandomized, PrefixCachingUnderPressure) {
 
 TEST(SchedulerRandomized, PrefixCachingWithExactPrefill) {
   Simulation sim(Workload{6, 2000, SchedulingPolicy::Priority, /*per_layer_slots=*/false, PrefillMode::Exact, true});
+  sim.run();
+}
+
+// Prefix caching by content: the same videos asked with plans that depend
+// on the question share their FP16 copies while prefilled, then demote to
+// their own plans or share the copies earlier questions published, under
+// the same pressure, forks, cancels, swaps and recomputes.
+TEST(SchedulerRandomized, PrefixCachingByContentUnderPressure) {
+  Workload w{10, 3000, SchedulingPolicy::FCFS, /*per_layer_slots=*/true, PrefillMode::Exact, true};
+  w.identity = PrefixIdentity::Content;
+  Simulation sim(w);
+  sim.run();
+}
+
+TEST(SchedulerRandomized, PrefixCachingByContentWithAgeTiers) {
+  Workload w{11, 2000, SchedulingPolicy::Priority, /*per_layer_slots=*/false, PrefillMode::Exact, true};
+  w.identity = PrefixIdentity::Content;
+  w.age_tiers = true;
+  Simulation sim(w);
   sim.run();
 }
 

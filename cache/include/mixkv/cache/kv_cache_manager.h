@@ -26,13 +26,40 @@ struct ManagerTestAccess;
 // Prefix caching (docs/architecture.md, "Prefix index"): full prompt
 // blocks outlive their sequence in an index keyed by their content, and a
 // later prompt with the same prefix shares them instead of recomputing.
+// What names a cached block besides its rows' keys.
+enum class PrefixIdentity : std::uint8_t {
+  // The precision of every window up to its end, its own included: rows
+  // computed reading quantized windows (PrefillMode::Compact) hold other
+  // K/V behind other plans, so a block is shared only behind the same ones.
+  Precision = 0,
+  // Nothing else: every row's K/V is computed reading FP16 keys
+  // (PrefillMode::Exact), so it depends on the tokens alone. A window's
+  // node keeps copies at one or more precisions, and a plan takes the copy
+  // it wants, or reads the FP16 copy and demotes to its own.
+  Content = 1,
+};
+
+// Content identity: a window a plan wants below the FP16 copy the cache
+// holds (and holds at no lower copy the plan wants).
+enum class PrefixHigher : std::uint8_t {
+  // Shared FP16 while the prompt is prefilled (its rows read FP16 keys),
+  // then demoted to the plan's precision in a block of the sequence's own:
+  // each request decodes at its own plan, bytes and accuracy.
+  Demote = 0,
+  // Kept at FP16 for decoding too: more bytes, no demotion.
+  Keep = 1,
+};
+
 struct PrefixCacheConfig {
   bool enabled = false;
   // A window the cache holds at a higher precision than a plan wants is
   // shared at the cached precision (more bytes, better accuracy); false:
   // the match ends there and the window is recomputed. A lower cached
-  // precision is never shared.
+  // precision is never shared. Under content identity this covers copies
+  // above the plan's precision other than an FP16 one (see `higher`).
   bool share_higher = true;
+  PrefixIdentity identity = PrefixIdentity::Precision;
+  PrefixHigher higher = PrefixHigher::Demote;
 };
 
 struct CacheConfig {
@@ -109,6 +136,11 @@ struct Demotion {
   // block_size) in every layer; 0 .. stream_blocks(id) - 1. Its DemoteOp
   // names it as window plan(id).num_windows() + k.
   bool stream = false;
+  // false: the window's block must be this sequence's alone (besides the
+  // prefix index), so that the demotion frees it. true: other sequences
+  // may share it; this one moves to a copy of its own and they keep the
+  // original (a plan applied to windows shared from the prefix cache).
+  bool leave_shared = false;
 };
 
 // Names a sequence without a look-up by id, for callers that append every
@@ -208,13 +240,27 @@ class KVCacheManager {
   // difference in any layer ends the match. rows 0 (shared nothing) when
   // prefix caching is off or keys is empty. Errors as add_sequence's, and
   // InvalidArgument naming keys.
+  //
+  // Under PrefixIdentity::Content the precision is no part of a block's
+  // name: a window's node holds copies, and `wanted` (the plan the request
+  // will decode at; `plan` itself in the three-argument form) chooses, for
+  // each window below the match, among them: the FP16 copy where `plan`
+  // stores the window FP16 and PrefixHigher::Demote (the caller demotes it
+  // to `wanted` after the prefill), else the copy `wanted` names, else under
+  // PrefixHigher::Keep the FP16 copy, else with share_higher the lowest copy
+  // above it; a window with none of these ends the match. match.plan holds
+  // each shared window at the copy taken, the rest at `plan`.
   PrefixMatch match_prefix(const TokenLayout& layout, const PrecisionPlan& plan, std::span<const TokenKey> keys) const;
+  PrefixMatch match_prefix(const TokenLayout& layout, const PrecisionPlan& plan, std::span<const TokenKey> keys,
+                           const PrecisionPlan& wanted) const;
   // add_sequence sharing the blocks of match_prefix(layout, plan, keys)
   // (returned; the sequence is stored at its plan, and rows [0, rows) are
   // not to be stored again: prefill starts at `rows`). OutOfMemory when
   // match.demand cannot be had; all or nothing.
   PrefixMatch add_sequence(SequenceId id, const TokenLayout& layout, const PrecisionPlan& plan,
                            std::span<const TokenKey> keys);
+  PrefixMatch add_sequence(SequenceId id, const TokenLayout& layout, const PrecisionPlan& plan,
+                           std::span<const TokenKey> keys, const PrecisionPlan& wanted);
   // Indexes the full blocks of `id` that hold only prompt rows [0,
   // keys.size()), which the caller has stored (computed) and whose content
   // keys are `keys`: from now on they outlive the sequence and later
@@ -223,6 +269,10 @@ class KVCacheManager {
   // chain. Returns the blocks newly indexed (0 with prefix caching off).
   // UnknownId naming id; InvalidArgument for a swapped-out id or naming keys
   // (longer than the prompt). Indexed blocks are never written again.
+  // Under PrefixIdentity::Content a block whose content is cached adds its
+  // precision's copy to the node when it has none, and the caller states
+  // that every row it publishes was computed reading FP16 keys; rows after
+  // a hit that shared a window below FP16 are not published.
   std::int64_t publish_prefix(SequenceId id, std::span<const TokenKey> keys);
   // Evicts every indexed block no sequence holds; returns how many.
   std::int64_t evict_prefix_cache();
@@ -339,8 +389,9 @@ class KVCacheManager {
   // (and perhaps the prefix index, which keeps the original), and for an
   // FP16 window its tokens filling exactly one FP16 block
   // (always so with fp16_windows_first). Returns the reason when not.
-  std::optional<std::string> why_not_demotable(SequenceId id, std::int32_t layer, std::int32_t window,
-                                               Precision target) const;
+  // leave_shared: as Demotion::leave_shared, other sequences may share it.
+  std::optional<std::string> why_not_demotable(SequenceId id, std::int32_t layer, std::int32_t window, Precision target,
+                                               bool leave_shared = false) const;
   // Demotes every listed window: takes a target-pool block for each, moves
   // the window to it in the page table and the plan (so demand, mappings
   // and metadata stay consistent) and releases the source block. All or
