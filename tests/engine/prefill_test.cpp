@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdio>
 #include <map>
@@ -504,6 +505,37 @@ TEST_P(PrefixCacheLoop, HigherPrecisionWindowsAreSharedAsStored) {
   const test::Diff decode = test::compare(on.outputs, off.outputs);
   EXPECT_EQ(decode.out, 0.0);
   EXPECT_EQ(decode.lse, 0.0);
+}
+
+// Prefix caching by content (PrefixIdentity::Content, PrefillMode::Exact):
+// questions whose plans differ in every window prefill the video once, and
+// each decodes bit for bit as with prefix caching off, at its own plan.
+TEST(PrefixCacheContent, QuestionsWithTheirOwnPlansShareTheVideo) {
+  auto config = [](bool caching) {
+    EngineConfig c = prefix_config(true, caching);
+    c.cache.prefix_cache.identity = PrefixIdentity::Content;
+    c.scheduler.prefill_mode = PrefillMode::Exact;
+    return c;
+  };
+  constexpr std::array<Precision, 3> kCycle{Precision::FP16, Precision::INT4, Precision::INT2};
+  std::vector<PrefixRequest> requests{video_question(30, 0, 0, 7)};
+  for (std::int32_t q = 1; q <= 4; ++q) {
+    PrefixRequest r = video_question(30 + q, 4 + q, q, 5 + 2 * q);
+    for (std::int32_t l = 0; l < 2; ++l) {
+      for (std::int32_t w = 1; w < 4; ++w) r.request.plan->set(l, w, kCycle[static_cast<std::size_t>((q + w + l) % 3)]);
+    }
+    requests.push_back(r);
+  }
+  const PrefixRun on = run_prefix(config(true), requests);
+  const PrefixRun off = run_prefix(config(false), requests);
+  for (std::int32_t q = 1; q <= 4; ++q) EXPECT_EQ(on.first_start.at(30 + q), 96) << q;
+  EXPECT_EQ(on.stats.prefix_hits, 4);
+  EXPECT_EQ(on.stats.cached_prompt_tokens, 4 * 96);
+  EXPECT_EQ(on.stats.prefill_tokens, off.stats.prefill_tokens - 4 * 96);
+  const test::Diff decode = test::compare(on.outputs, off.outputs);
+  EXPECT_EQ(decode.out, 0.0);
+  EXPECT_EQ(decode.lse, 0.0);
+  EXPECT_LE(on.prefill_vs_dense.out, 1e-3);
 }
 
 INSTANTIATE_TEST_SUITE_P(Packing, PrefixCacheLoop, ::testing::Bool(),
