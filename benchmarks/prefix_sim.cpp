@@ -79,6 +79,9 @@ struct Variant {
   bool share_higher = true;
   double rho = 0.0;
   bool demote = false;  // demotion under pressure: mixkv's own, so with WindowQuant plans only
+  // PrefixIdentity::Content (with PrefillMode::Exact): blocks named by
+  // content, a copy per precision, each question demoting to its own plan.
+  bool content = false;
 };
 
 struct Arrival {
@@ -269,6 +272,7 @@ Result run(const Trace& trace, const Variant& v, std::int64_t probe_every) {
   cc.fp16_windows_first = true;
   cc.prefix_cache.enabled = v.prefix;
   cc.prefix_cache.share_higher = v.share_higher;
+  if (v.content) cc.prefix_cache.identity = PrefixIdentity::Content;
   KVCacheManager cache(cc);
   SchedulerConfig sc;
   sc.max_num_seqs = 1024;
@@ -278,6 +282,7 @@ Result run(const Trace& trace, const Variant& v, std::int64_t probe_every) {
   sc.build_mappings = false;
   sc.per_layer_slots = false;
   sc.demote_under_pressure = v.demote;
+  if (v.content) sc.prefill_mode = PrefillMode::Exact;
   Scheduler sched(cache, sc);
 
   std::array<double, kNumPrecisions> block_bytes{};
@@ -314,7 +319,12 @@ Result run(const Trace& trace, const Variant& v, std::int64_t probe_every) {
     for (const auto& list : asked) {
       for (auto it = list.rbegin(); it != list.rend(); ++it) {
         const Request r = make_request(0, work[*it], v);
-        if (cache.match_prefix(r.layout, *r.plan, r.token_keys).rows >= video_rows) {
+        // By content the prompt is stored FP16 and takes copies for its plan.
+        PrecisionPlan stored = *r.plan;
+        for (std::int32_t l = 0; v.content && l < stored.num_layers(); ++l) {
+          for (std::int32_t w = 1; w < stored.num_windows(); ++w) stored.set(l, w, Precision::FP16);
+        }
+        if (cache.match_prefix(r.layout, stored, r.token_keys, *r.plan).rows >= video_rows) {
           ++pr.videos_held;
           break;
         }
@@ -391,6 +401,7 @@ Result run(const Trace& trace, const Variant& v, std::int64_t probe_every) {
   s["plans"] = v.plans == PlanKind::FP16 ? "FP16" : "WindowQuant";
   s["prefix_cache"] = v.prefix;
   s["share_higher"] = v.share_higher;
+  s["identity"] = v.content ? "content" : "precision";
   s["rho"] = v.rho;
   s["demote_under_pressure"] = v.demote;
   s["steps"] = step;
@@ -490,6 +501,7 @@ int main(int argc, char** argv) {
       {"WindowQuant, no prefix cache", PlanKind::WindowQuant, false, true, rho, true},
       {"WindowQuant, prefix, share_higher", PlanKind::WindowQuant, true, true, rho, true},
       {"WindowQuant, prefix, exact only", PlanKind::WindowQuant, true, false, rho, true},
+      {"WindowQuant, prefix by content", PlanKind::WindowQuant, true, true, rho, true, true},
   };
   const std::vector<Variant> text_variants = {
       {"no prefix cache", PlanKind::FP16, false, true, 0.0, false},

@@ -98,33 +98,51 @@ void Scheduler::Impl::collect_plans(PlanDemotions& plans) {
   }
   for (Entry* e : gone) retire_vanished(*e);
   bool full = false;
+  std::vector<Demotion> mine;
+  std::vector<std::uint8_t> frees;  // [i]: mine[i] releases an FP16 block nobody else holds
+  auto counts_of = [&](std::size_t n) {
+    BlockCounts c = plans.taken;
+    for (std::size_t i = 0; i < n; ++i) ++c[at(mine[i].target)];
+    return c;
+  };
   for (Entry* e : planning) {
     if (e->state != RequestState::Running) continue;  // swapped out: once it is back
     const PrecisionPlan& held = cache.plan(e->id);
-    bool all = true;
-    for (std::int32_t layer = 0; layer < num_layers && all; ++layer) {
+    mine.clear();
+    frees.clear();
+    for (std::int32_t layer = 0; layer < num_layers; ++layer) {
       for (std::int32_t w = 1; w < held.num_windows(); ++w) {
         const Precision from = held.at(layer, w);
         const Precision to = e->plan.at(layer, w);
         if (pool_index(to) <= pool_index(from)) continue;
-        BlockCounts next = plans.taken;
-        ++next[at(to)];
-        if (full || !cache.can_allocate(next)) {
-          full = true;
-          all = false;
-          break;
-        }
         // A window shared from the prefix cache: the request moves to its
         // own copy, the cache and other requests keep the FP16 one.
-        plans.list.push_back(
-            {.id = e->id, .layer = layer, .window = w, .target = to, .leave_shared = content_prefix()});
-        plans.taken = next;
-        // A block others hold (the cache, another request) is not freed.
+        mine.push_back({.id = e->id, .layer = layer, .window = w, .target = to, .leave_shared = content_prefix()});
         const bool alone = !content_prefix() || cache.ref_count(from, cache.window_block(e->id, layer, w)) == 1;
-        plans.freed += from == Precision::FP16 && alone ? 1 : 0;
+        frees.push_back(from == Precision::FP16 && alone ? 1 : 0);
       }
     }
-    if (all) {
+    // The longest prefix of its demotions whose targets the pools give
+    // beside those taken before: all at once when they fit, else by
+    // bisection (can_allocate is monotone in the counts, and each call may
+    // walk the cached blocks).
+    std::size_t take = 0;
+    if (!full && cache.can_allocate(counts_of(mine.size()))) {
+      take = mine.size();
+    } else if (!full) {
+      std::size_t hi = mine.size();  // counts_of(hi) does not fit
+      while (take + 1 < hi) {
+        const std::size_t mid = take + (hi - take) / 2;
+        (cache.can_allocate(counts_of(mid)) ? take : hi) = mid;
+      }
+      full = true;
+    }
+    plans.taken = counts_of(take);
+    for (std::size_t i = 0; i < take; ++i) {
+      plans.list.push_back(mine[i]);
+      plans.freed += frees[i];
+    }
+    if (take == mine.size()) {
       plans.complete.push_back(e);
     } else {
       ++stats.plan_waits;
