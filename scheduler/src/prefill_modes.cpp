@@ -152,7 +152,11 @@ void Scheduler::Impl::collect_plans(PlanDemotions& plans) {
 
 bool Scheduler::Impl::room_for(std::int64_t blocks, const PlanDemotions& plans) const {
   if (plans.list.empty()) return cache.can_allocate({blocks, 0, 0});
-  return fp16_room(plans.taken, plans.freed) >= blocks;
+  // fp16_room(plans.taken, plans.freed) >= blocks in one call: the room is
+  // monotone in the FP16 count, and each call may walk the cached blocks.
+  BlockCounts probe = plans.taken;
+  probe[0] += std::max<std::int64_t>(blocks - plans.freed, 0);
+  return cache.can_allocate(probe);
 }
 
 // `demotions` holds plans.list first, then any pressure demotions: one
