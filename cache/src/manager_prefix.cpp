@@ -323,14 +323,15 @@ PrefixMatch KVCacheManager::add_sequence(SequenceId id, const TokenLayout& layou
   m.require_prompt(layout, plan);
   require_keys(keys, layout.num_tokens(), "one per prompt row at most");
   m.require_wanted(plan, wanted);
-  const PrefixShares shares = m.match(layout, plan, keys, wanted);
+  PrefixShares shares = m.match(layout, plan, keys, wanted);
   m.add(id, layout, shares.match.plan, &shares);
   if (shares.match.rows > 0) {
     ++m.prefix_hits;
     m.prefix_hit_rows += shares.match.rows;
     for (const Precision p : kAllPrecisions) m.prefix_shared[at(p)] += shares.match.shared[at(p)];
   }
-  return shares.match;
+  // Moved, not copied: nothing may allocate once the sequence is added.
+  return std::move(shares.match);
 }
 
 bool KVCacheManager::can_allocate(const BlockCounts& blocks, const PrefixMatch& match) const {

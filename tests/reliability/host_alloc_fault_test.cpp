@@ -200,5 +200,42 @@ INSTANTIATE_TEST_SUITE_P(
         Case{"prefill_mapping", [](KVCacheManager& m) { (void)m.prefill_mapping(0, 1); }}),
     case_name);
 
+// Prefix caching by content: a match that takes copies for another plan,
+// publishing copies beside a node's FP16 one, and a plan demotion off a
+// block that another sequence and the index share.
+TEST(HostAllocFailure, PrefixCachingByContentChangesNothing) {
+  CacheConfig c = config();
+  c.arena_bytes *= 2;
+  c.prefix_cache.enabled = true;
+  c.prefix_cache.identity = PrefixIdentity::Content;
+  KVCacheManager cache(c);
+  const TokenLayout layout(
+      {{TokenKind::Text, 2 * kTinyBlock}, {TokenKind::Visual, 3 * kTinyBlock}, {TokenKind::Text, 5}});
+  std::vector<TokenKey> keys(static_cast<std::size_t>(layout.num_tokens()));
+  for (std::size_t i = 0; i < keys.size(); ++i) keys[i] = 100 + i;
+  const PrecisionPlan fp16(2, 3);
+  PrecisionPlan wanted(2, 3);
+  wanted.set(0, 1, Precision::INT4);
+  wanted.set(1, 2, Precision::INT2);
+  cache.add_sequence(1, layout, fp16, keys, wanted);
+  cache.publish_prefix(1, keys);
+  std::vector<Demotion> plan1 = {{.id = 1, .layer = 0, .window = 1, .target = Precision::INT4},
+                                 {.id = 1, .layer = 1, .window = 2, .target = Precision::INT2}};
+  cache.demote(plan1);
+  const long published = fail_each_allocation(cache, "publish_prefix (copies)", [&] { cache.publish_prefix(1, keys); });
+  EXPECT_GT(published, 0);
+  PrecisionPlan other(2, 3);
+  other.set(0, 2, Precision::INT2);
+  other.set(1, 1, Precision::INT4);
+  fail_each_allocation(cache, "add_sequence (content hit)", [&] { cache.add_sequence(2, layout, fp16, keys, other); });
+  ASSERT_EQ(cache.match_prefix(layout, fp16, keys, other).rows, 5 * kTinyBlock);
+  cache.add_sequence(3, layout, fp16, keys, other);  // shares the FP16 blocks with 2
+  const std::vector<Demotion> plan3 = {
+      {.id = 3, .layer = 0, .window = 2, .target = Precision::INT2, .leave_shared = true},
+      {.id = 3, .layer = 1, .window = 1, .target = Precision::INT4, .leave_shared = true}};
+  fail_each_allocation(cache, "demote (leave_shared)", [&] { cache.demote(plan3); });
+  EXPECT_NO_THROW(cache.check_invariants());
+}
+
 }  // namespace
 }  // namespace mixkv
