@@ -168,12 +168,15 @@ PrefixShares KVCacheManager::Impl::match(const TokenLayout& layout, const Precis
   std::vector<std::vector<std::int32_t>> clean(static_cast<std::size_t>(layers), std::vector<std::int32_t>{0});
   std::vector<BlockEvent> events;
   std::vector<detail::RowRole> roles;
+  // Content identity: every layer walks the same rows under the same roles,
+  // so an event's hash is computed by the first layer that reaches it.
+  std::vector<std::uint64_t> hashes;
   // A layer's walk need not pass the last row clean in the layers before.
   std::int32_t bound = limit;
   for (std::int32_t layer = 0; layer < layers && bound > 0; ++layer) {
     auto& path = paths[static_cast<std::size_t>(layer)];
     layer_events(layout, taken, layer, bs, windows_first, events);
-    roles.clear();
+    if (!content) roles.clear();
     // Roles as far as the walk reads them, doubling: a miss costs O(block).
     auto read_roles = [&](std::int32_t row) {
       if (static_cast<std::int32_t>(roles.size()) >= row) return;
@@ -186,8 +189,13 @@ PrefixShares KVCacheManager::Impl::match(const TokenLayout& layout, const Precis
       const BlockEvent& e = events[i];
       const auto n = static_cast<std::size_t>(e.end - e.begin);
       read_roles(e.end);
-      const PrefixNode* next = index->find(*node, e.precision, keys.subspan(static_cast<std::size_t>(e.begin), n),
-                                           std::span<const detail::RowRole>(roles).subspan(e.begin, n));
+      const auto k = keys.subspan(static_cast<std::size_t>(e.begin), n);
+      const auto r = std::span<const detail::RowRole>(roles).subspan(e.begin, n);
+      if (content && i == hashes.size()) {
+        hashes.push_back(PrefixIndex::content_hash(node->hash, index->tag(e.precision), k, r));
+      }
+      const PrefixNode* next =
+          content ? index->find_hashed(*node, e.precision, hashes[i], k, r) : index->find(*node, e.precision, k, r);
       if (next != nullptr && content) {
         // Positions do not depend on the plan (fp16_windows_first): only
         // the copy taken does. A window event ends at its window's end.
@@ -373,35 +381,43 @@ std::int64_t KVCacheManager::publish_prefix(SequenceId id, std::span<const Token
   // the index as it was), every copy to add, then room in the index's maps.
   std::vector<std::unique_ptr<PrefixNode>> made;
   std::vector<std::pair<const PrefixNode*, std::pair<Precision, std::int32_t>>> copies;
-  boost::unordered_flat_set<std::uint64_t> hashes;  // of `made`: two equal ones cannot both be filed
+  boost::unordered_flat_set<std::pair<std::int32_t, std::uint64_t>> hashes;  // (layer, hash) of `made`
   std::vector<BlockEvent> events;
   std::vector<detail::RowRole> roles;
+  std::vector<std::uint64_t> event_hashes;  // content identity: [event], as in match()
   for (std::int32_t layer = 0; layer < m.num_layers(); ++layer) {
     layer_events(layout, plan, layer, bs, m.config.fp16_windows_first, events);
-    layer_roles(layout, plan, layer, bs, limit, content, roles);
+    if (!content || layer == 0) layer_roles(layout, plan, layer, bs, limit, content, roles);
     PrefixNode* node = &m.index->root(layer);
-    for (const BlockEvent& e : events) {
-      if (e.end > limit) break;
+    for (std::size_t i = 0; i < events.size() && events[i].end <= limit; ++i) {
+      const BlockEvent& e = events[i];
       const auto n = static_cast<std::size_t>(e.end - e.begin);
       const auto k = keys.subspan(static_cast<std::size_t>(e.begin), n);
       const auto r = std::span<const detail::RowRole>(roles).subspan(static_cast<std::size_t>(e.begin), n);
       const std::int32_t block = seq.table.blocks(layer, e.precision)[static_cast<std::size_t>(e.index)];
+      if (content && i == event_hashes.size()) {
+        event_hashes.push_back(PrefixIndex::content_hash(node->hash, m.index->tag(e.precision), k, r));
+      }
+      const std::uint64_t hash =
+          content ? event_hashes[i] : PrefixIndex::content_hash(node->hash, m.index->tag(e.precision), k, r);
       // The same content cached already (this block, or another sequence's
       // copy of it): the chain goes on through it; under content identity
       // this block becomes the node's copy at its precision if it has none.
-      if (const PrefixNode* found = m.index->find(*node, e.precision, k, r)) {
+      if (const PrefixNode* found = m.index->find_hashed(*node, e.precision, hash, k, r)) {
         if (content && !found->has(e.precision) && m.index->node_of(e.precision, block) == nullptr) {
           copies.push_back({found, {e.precision, block}});
         }
         node = const_cast<PrefixNode*>(found);
         continue;
       }
-      const std::uint64_t hash = PrefixIndex::content_hash(node->hash, m.index->tag(e.precision), k, r);
       // A taken hash (another content's) or a block filed under other
       // content (its rows before changed precision since) ends the chain.
-      if (m.index->hash_taken(hash) || hashes.contains(hash) || m.index->node_of(e.precision, block) != nullptr) break;
+      if (m.index->hash_taken(layer, hash) || hashes.contains({layer, hash}) ||
+          m.index->node_of(e.precision, block) != nullptr) {
+        break;
+      }
       made.push_back(m.index->make(*node, e.precision, block, e.begin, k, r));
-      hashes.insert(hash);
+      hashes.insert({layer, hash});
       node = made.back().get();
     }
   }

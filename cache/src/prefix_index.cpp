@@ -13,7 +13,7 @@ namespace {
 
 std::uint64_t step(std::uint64_t h, std::uint64_t x) { return mix64(h ^ (x + 0x9E3779B97F4A7C15ULL + (h << 6))); }
 
-std::uint64_t root_hash(std::int32_t layer) { return mix64(0x70726566697821ULL + static_cast<std::uint64_t>(layer)); }
+constexpr std::uint64_t kRootHash = 0x70726566697821ULL;
 
 std::string where(const PrefixNode& n) {
   return "prefix index: layer " + std::to_string(n.layer) + " node of rows [" + std::to_string(n.begin) + ", " +
@@ -39,7 +39,7 @@ PrefixIndex::PrefixIndex(std::int32_t num_layers, std::array<BlockPool*, kNumPre
     : pools_(pools), identity_(identity), roots_(static_cast<std::size_t>(num_layers)) {
   for (std::int32_t l = 0; l < num_layers; ++l) {
     roots_[static_cast<std::size_t>(l)].layer = l;
-    roots_[static_cast<std::size_t>(l)].hash = root_hash(l);
+    roots_[static_cast<std::size_t>(l)].hash = kRootHash;
   }
 }
 
@@ -55,9 +55,18 @@ std::uint64_t PrefixIndex::content_hash(std::uint64_t parent, int tag, std::span
   return h;
 }
 
+std::uint64_t PrefixIndex::node_key(std::int32_t layer, std::uint64_t hash) {
+  return hash ^ mix64(0x6c61796572ULL + static_cast<std::uint64_t>(layer));
+}
+
 const PrefixNode* PrefixIndex::find(const PrefixNode& parent, Precision p, std::span<const TokenKey> keys,
                                     std::span<const RowRole> roles) const {
-  const auto it = by_hash_.find(content_hash(parent.hash, tag(p), keys, roles));
+  return find_hashed(parent, p, content_hash(parent.hash, tag(p), keys, roles), keys, roles);
+}
+
+const PrefixNode* PrefixIndex::find_hashed(const PrefixNode& parent, Precision p, std::uint64_t hash,
+                                           std::span<const TokenKey> keys, std::span<const RowRole> roles) const {
+  const auto it = by_hash_.find(node_key(parent.layer, hash));
   if (it == by_hash_.end()) return nullptr;
   const PrefixNode& n = *it->second;
   // Verified key by key: equal hashes of different content never share.
@@ -102,7 +111,7 @@ void PrefixIndex::take_copy(PrefixCopy& copy, std::int32_t block) {
 void PrefixIndex::link(std::unique_ptr<PrefixNode> node) {
   PrefixNode* n = node.get();
   n->parent->children.push_back(n);
-  by_hash_.emplace(n->hash, std::move(node));
+  by_hash_.emplace(node_key(n->layer, n->hash), std::move(node));
   for (PrefixCopy& c : n->copies) {
     if (c.block >= 0) take_copy(c, c.block);
   }
@@ -149,8 +158,8 @@ void PrefixIndex::remove_leaf(PrefixNode& node) {
   }
   std::vector<PrefixNode*>& siblings = node.parent->children;
   siblings.erase(std::find(siblings.begin(), siblings.end(), &node));
-  const std::uint64_t hash = node.hash;
-  by_hash_.erase(hash);  // destroys the node: last
+  const std::uint64_t key = node_key(node.layer, node.hash);
+  by_hash_.erase(key);  // destroys the node: last
 }
 
 bool PrefixIndex::evict_one() {
@@ -179,7 +188,8 @@ void PrefixIndex::check() const {
   auto fail = [](const std::string& what) { throw InvariantViolation(what); };
   for (std::size_t l = 0; l < roots_.size(); ++l) {
     const PrefixNode& r = roots_[l];
-    if (r.parent != nullptr || r.num_copies() != 0 || r.end != 0 || r.hash != root_hash(static_cast<std::int32_t>(l))) {
+    if (r.parent != nullptr || r.num_copies() != 0 || r.end != 0 || r.hash != kRootHash ||
+        r.layer != static_cast<std::int32_t>(l)) {
       fail("prefix index: the root of layer " + std::to_string(l) + " is not a bare root");
     }
     for (const PrefixNode* child : r.children) {
@@ -190,10 +200,10 @@ void PrefixIndex::check() const {
   BlockCounts evictable{};
   std::size_t linked = 0;
   std::size_t copies = 0;
-  for (const auto& [hash, owned] : by_hash_) {
+  for (const auto& [key, owned] : by_hash_) {
     const PrefixNode& n = *owned;
     const std::string at = where(n);
-    if (hash != n.hash) fail(at + "is filed under another hash");
+    if (key != node_key(n.layer, n.hash)) fail(at + "is filed under another hash");
     if (n.parent == nullptr) fail(at + "has no parent");
     if (n.layer != n.parent->layer || n.begin != n.parent->end || n.end <= n.begin ||
         n.keys.size() != static_cast<std::size_t>(n.end - n.begin) || n.roles.size() != n.keys.size()) {

@@ -48,7 +48,7 @@ struct PrefixNode {
 
   PrefixNode* parent = nullptr;  // null for a layer's root
   std::vector<PrefixNode*> children;
-  std::uint64_t hash = 0;  // of (parent's hash, identity tag, keys, roles); a root's: its layer's seed
+  std::uint64_t hash = 0;  // of (parent's hash, identity tag, keys, roles); a root's: the seed
   std::int32_t layer = 0;
   std::int32_t begin = 0;  // rows [begin, end): since the parent's end, up to this block's last row
   std::int32_t end = 0;
@@ -85,11 +85,16 @@ class PrefixIndex {
   const PrefixNode& root(std::int32_t layer) const { return roots_[static_cast<std::size_t>(layer)]; }
   PrefixNode& root(std::int32_t layer) { return roots_[static_cast<std::size_t>(layer)]; }
   // The child of `parent` with exactly this content (verified), or null;
-  // under precision identity, the one holding `p`.
+  // under precision identity, the one holding `p`. find_hashed takes the
+  // content's hash, content_hash(parent.hash, tag(p), keys, roles): a
+  // node's hash does not depend on its layer (every root has the same), so
+  // layers that walk the same rows under the same roles hash them once.
   const PrefixNode* find(const PrefixNode& parent, Precision p, std::span<const TokenKey> keys,
                          std::span<const RowRole> roles) const;
-  // Whether a node with this hash exists (another content's, when find() says none).
-  bool hash_taken(std::uint64_t hash) const { return by_hash_.contains(hash); }
+  const PrefixNode* find_hashed(const PrefixNode& parent, Precision p, std::uint64_t hash,
+                                std::span<const TokenKey> keys, std::span<const RowRole> roles) const;
+  // Whether a node of `layer` has this hash (another content's, when find() says none).
+  bool hash_taken(std::int32_t layer, std::uint64_t hash) const { return by_hash_.contains(node_key(layer, hash)); }
   const PrefixNode* node_of(Precision p, std::int32_t block) const;
   std::size_t size() const { return by_block_.size(); }  // copies
 
@@ -139,6 +144,8 @@ class PrefixIndex {
   friend struct ManagerTestAccess;
   using Lru = boost::intrusive::list<PrefixCopy,
                                      boost::intrusive::member_hook<PrefixCopy, PrefixCopy::Hook, &PrefixCopy::hook>>;
+  // The maps' key of a node: its hash, told apart by its layer.
+  static std::uint64_t node_key(std::int32_t layer, std::uint64_t hash);
   static std::int64_t block_key(Precision p, std::int32_t block) {
     return (std::int64_t{pool_index(p)} << 32) | static_cast<std::uint32_t>(block);
   }
@@ -152,8 +159,8 @@ class PrefixIndex {
 
   std::array<BlockPool*, kNumPrecisions> pools_;
   PrefixIdentity identity_;
-  std::vector<PrefixNode> roots_;  // [layer]
-  boost::unordered_flat_map<std::uint64_t, std::unique_ptr<PrefixNode>> by_hash_;
+  std::vector<PrefixNode> roots_;                                                  // [layer]
+  boost::unordered_flat_map<std::uint64_t, std::unique_ptr<PrefixNode>> by_hash_;  // node_key -> node
   boost::unordered_flat_map<std::int64_t, PrefixCopy*> by_block_;
   Lru lru_;  // front: released longest ago
   BlockCounts evictable_{};
