@@ -210,6 +210,52 @@ TEST_P(CudaLoop, AgeTiersMatchTheCpuBackend) {
   test::expect_empty(gpu.cache());
 }
 
+// Prefix caching by content (Exact prefill): questions on two videos share
+// their FP16 copies, demote them to their own plans off shared blocks and
+// prefill their questions through the cache, as on the CPU backend.
+TEST_P(CudaLoop, PrefixCachingByContentMatchesTheCpuBackend) {
+  MIXKV_REQUIRE_CUDA();
+  const bool mixed = GetParam();
+  test::WorkloadOptions o;
+  o.seed = 4;
+  o.requests = 18;
+  o.max_new_tokens = 40;
+  o.mixed_plans = mixed;
+  o.shared_videos = true;
+  const test::Workload workload(CacheShape{2, 2, 64, 32}, o);
+  EngineConfig cc = config(BackendKind::CPU, mixed), gc = config(BackendKind::CUDA, mixed);
+  for (EngineConfig* c : {&cc, &gc}) {
+    c->cache.arena_bytes = 12 * c->cache.slab_bytes;
+    c->cache.prefix_cache.enabled = true;
+    c->cache.prefix_cache.identity = PrefixIdentity::Content;
+    c->scheduler.prefill_mode = PrefillMode::Exact;
+  }
+  Engine cpu(cc);
+  Engine gpu(gc);
+  test::HostMemory host;
+  DeviceMemory device;
+  test::Outputs want, got;
+  const test::RunStats sc = test::run_engine(cpu, workload, host, want, /*through_cache=*/true);
+  const test::RunStats sg = test::run_engine(gpu, workload, device, got, /*through_cache=*/true);
+  EXPECT_NO_THROW(gpu.backend().synchronize());
+  EXPECT_EQ(sg.steps, sc.steps);
+  const SchedulerStats st = gpu.scheduler().stats();
+  EXPECT_EQ(st.prefix_hits, cpu.scheduler().stats().prefix_hits);
+  EXPECT_GT(st.prefix_hits, 0);
+  const test::Diff d = test::compare(got, want);
+  const test::Diff p = test::compare(got.prefill, want.prefill);
+  std::printf(
+      "prefix by content %s: %lld hits, %lld rows from the cache, decode |out| %.2e |lse| %.2e, prefill "
+      "|out| %.2e\n",
+      mixed ? "mixed" : "fp16", static_cast<long long>(st.prefix_hits), static_cast<long long>(st.cached_prompt_tokens),
+      d.out, d.lse, p.out);
+  EXPECT_LE(d.out, mixed ? 5e-3 : 2e-3);
+  EXPECT_LE(d.lse, 1e-3);
+  EXPECT_LE(p.out, mixed ? 5e-3 : 2e-3);
+  const_cast<KVCacheManager&>(gpu.cache()).evict_prefix_cache();
+  test::expect_empty(gpu.cache());
+}
+
 INSTANTIATE_TEST_SUITE_P(Plans, CudaLoop, ::testing::Values(false, true),
                          [](const auto& info) { return info.param ? std::string("Mixed") : std::string("Fp16"); });
 

@@ -77,6 +77,9 @@ struct WorkloadOptions {
   bool forks = true;        // fork a running request every 5th step
   bool cancels = true;      // cancel the newest live request every 7th step
   int max_steps = 2000;
+  // Prefix caching: video requests ask one of two videos (a system text of
+  // one block, three windows) with their own question and keys.
+  bool shared_videos = false;
 };
 
 // The scripted workload: requests, when they arrive, and forks/cancels
@@ -89,7 +92,16 @@ class Workload {
       Request r;
       r.id = 100 + i;
       const bool video = i % 3 != 0;
-      if (video) {
+      if (video && o.shared_videos) {
+        const int which = static_cast<int>(rng() % 2);
+        const int question = 2 + static_cast<int>(rng() % 6);
+        r.layout = TokenLayout({{TokenKind::Text, shape.block_size},
+                                {TokenKind::Visual, 3 * shape.block_size},
+                                {TokenKind::Text, question}});
+        for (std::int32_t k = 0; k < shape.block_size; ++k) r.token_keys.push_back(1000 + k);
+        for (std::int32_t k = 0; k < 3 * shape.block_size; ++k) r.token_keys.push_back(100000 * (which + 1) + k);
+        for (std::int32_t k = 0; k < question; ++k) r.token_keys.push_back(10000000 + 1000 * i + k);
+      } else if (video) {
         const int windows = 1 + static_cast<int>(rng() % 4);
         const int tail = static_cast<int>(rng() % 9);
         r.layout = TokenLayout({{TokenKind::Text, 3 + static_cast<int>(rng() % 12)},

@@ -89,6 +89,38 @@ TEST_P(MixedLoop, EqualsTheCpuOpsAppliedByHand) {
   }
 }
 
+// Prefix caching by content (Exact prefill) under the same pressure, forks
+// and cancels: questions on two videos share FP16 copies and demote them to
+// their own plans; every output equals the reference's, bit for bit.
+TEST_P(MixedLoop, PrefixByContentEqualsTheCpuOpsAppliedByHand) {
+  const bool compact = GetParam();
+  for (const std::uint32_t seed : {1u, 2u}) {
+    EngineConfig c = config(2 * kTightSlabs, PreemptionMode::Swap, true, compact);
+    c.cache.prefix_cache.enabled = true;
+    c.cache.prefix_cache.identity = PrefixIdentity::Content;
+    c.scheduler.prefill_mode = PrefillMode::Exact;
+    WorkloadOptions o;
+    o.seed = seed;
+    o.requests = 18;
+    o.max_new_tokens = kMaxNew;
+    o.shared_videos = true;
+    const Workload workload(c.cache.shape, o);
+    Engine engine(c);
+    HostMemory mem;
+    Outputs got, want;
+    const RunStats stats = test::run_engine(engine, workload, mem, got);
+    print(compact ? "content, compact" : "content, full", stats);
+    test::run_reference(c, workload, want);
+    EXPECT_FALSE(engine.has_unfinished());
+    EXPECT_GT(engine.scheduler().stats().prefix_hits, 0) << "seed " << seed;
+    const_cast<KVCacheManager&>(engine.cache()).evict_prefix_cache();
+    test::expect_empty(engine.cache());
+    const test::Diff d = test::compare(got, want);
+    EXPECT_EQ(d.out, 0.0) << "seed " << seed;
+    EXPECT_EQ(d.lse, 0.0) << "seed " << seed;
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(StepForms, MixedLoop, ::testing::Values(false, true),
                          [](const auto& info) { return info.param ? std::string("Compact") : std::string("Full"); });
 

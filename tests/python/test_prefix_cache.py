@@ -153,7 +153,10 @@ def test_token_keys_errors_name_the_argument_and_change_nothing():
 def test_config_and_request_carry_the_prefix_fields():
     config = mixkv.CacheConfig(SHAPE, 1 << 20, 32 << 10, prefix_cache=mixkv.PrefixCacheConfig(True, share_higher=False))
     assert config.prefix_cache.enabled and not config.prefix_cache.share_higher
-    assert "prefix_cache=PrefixCacheConfig(enabled=True, share_higher=False)" in repr(config)
+    assert (
+        "prefix_cache=PrefixCacheConfig(enabled=True, share_higher=False, identity=PrefixIdentity.Precision, higher=PrefixHigher.Demote)"
+        in repr(config)
+    )
     assert not mixkv.CacheConfig(SHAPE, 1 << 20).prefix_cache.enabled
     r = mixkv.Request(1, TokenLayout([Segment(TokenKind.Text, 3)]), token_keys=[1, 2, 3])
     assert r.token_keys == [1, 2, 3]

@@ -48,6 +48,8 @@ from ._core import (
     PrefillMode,
     PrefixCacheConfig,
     PrefixCacheStats,
+    PrefixHigher,
+    PrefixIdentity,
     RejectedRequest,
     Request,
     RequestState,

@@ -57,10 +57,26 @@ class CacheShape:
     def validate(self) -> None: ...
     def __eq__(self, other: object) -> bool: ...
 
+class PrefixIdentity(enum.IntEnum):
+    Precision = 0
+    Content = 1
+
+class PrefixHigher(enum.IntEnum):
+    Demote = 0
+    Keep = 1
+
 class PrefixCacheConfig:
     enabled: bool
     share_higher: bool
-    def __init__(self, enabled: bool = False, share_higher: bool = True) -> None: ...
+    identity: PrefixIdentity
+    higher: PrefixHigher
+    def __init__(
+        self,
+        enabled: bool = False,
+        share_higher: bool = True,
+        identity: PrefixIdentity = PrefixIdentity.Precision,
+        higher: PrefixHigher = PrefixHigher.Demote,
+    ) -> None: ...
 
 class PrefixCacheStats:
     @property
@@ -212,7 +228,10 @@ class Demotion:
     layer: int
     window: int
     target: Precision
-    def __init__(self, id: int, layer: int, window: int, target: Precision = Precision.INT4) -> None: ...
+    leave_shared: bool
+    def __init__(
+        self, id: int, layer: int, window: int, target: Precision = Precision.INT4, leave_shared: bool = False
+    ) -> None: ...
 
 class DemoteOp:
     @property
@@ -303,7 +322,9 @@ class KVCacheManager:
     def is_swapped(self, id: int) -> bool: ...
     def swap_out(self, id: int) -> list[SwapCopy]: ...
     def swap_in(self, id: int) -> list[SwapCopy]: ...
-    def why_not_demotable(self, id: int, layer: int, window: int, target: Precision) -> str | None: ...
+    def why_not_demotable(
+        self, id: int, layer: int, window: int, target: Precision, leave_shared: bool = False
+    ) -> str | None: ...
     def demote(self, demotions: Sequence[Demotion]) -> list[DemoteOp]: ...
     def check_invariants(self) -> None: ...
     def describe_state(self) -> str: ...
