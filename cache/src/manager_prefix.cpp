@@ -416,7 +416,7 @@ std::int64_t KVCacheManager::publish_prefix(SequenceId id, std::span<const Token
           m.index->node_of(e.precision, block) != nullptr) {
         break;
       }
-      made.push_back(m.index->make(*node, e.precision, block, e.begin, k, r));
+      made.push_back(m.index->make(*node, e.precision, block, e.begin, hash, k, r));
       hashes.insert({layer, hash});
       node = made.back().get();
     }

@@ -81,7 +81,8 @@ const PrefixNode* PrefixIndex::node_of(Precision p, std::int32_t block) const {
 }
 
 std::unique_ptr<PrefixNode> PrefixIndex::make(PrefixNode& parent, Precision p, std::int32_t block, std::int32_t begin,
-                                              std::span<const TokenKey> keys, std::span<const RowRole> roles) const {
+                                              std::uint64_t hash, std::span<const TokenKey> keys,
+                                              std::span<const RowRole> roles) const {
   auto node = std::make_unique<PrefixNode>();
   node->parent = &parent;
   node->layer = parent.layer;
@@ -89,7 +90,7 @@ std::unique_ptr<PrefixNode> PrefixIndex::make(PrefixNode& parent, Precision p, s
   node->end = begin + static_cast<std::int32_t>(keys.size());
   node->keys.assign(keys.begin(), keys.end());
   node->roles.assign(roles.begin(), roles.end());
-  node->hash = content_hash(parent.hash, tag(p), keys, roles);
+  node->hash = hash;
   node->copies[static_cast<std::size_t>(pool_index(p))].block = block;  // taken by link()
   // A parent gets at most one new child per call (a layer's chain is a path).
   parent.children.reserve(parent.children.size() + 1);

@@ -103,8 +103,10 @@ class PrefixIndex {
   // for `nodes` more nodes and `copies` more copies (theirs included), and
   // link() and add_copy() take them in, retaining the block, without
   // allocating. `parent` is a linked node or a node made for the same call.
+  // `hash` is content_hash(parent.hash, tag(p), keys, roles).
   std::unique_ptr<PrefixNode> make(PrefixNode& parent, Precision p, std::int32_t block, std::int32_t begin,
-                                   std::span<const TokenKey> keys, std::span<const RowRole> roles) const;
+                                   std::uint64_t hash, std::span<const TokenKey> keys,
+                                   std::span<const RowRole> roles) const;
   void reserve(std::size_t nodes, std::size_t copies);
   void link(std::unique_ptr<PrefixNode> node);
   // Content identity: `block` becomes the node's copy at `p` (it has none).
