@@ -109,6 +109,42 @@ TEST(PrefixContent, TenQuestionsPrefillTheVideoOnce) {
   }
 }
 
+// PrefixHigher::Keep: a later question decodes at the FP16 copy it shares
+// (its plan takes FP16 there) or at a quantized copy its plan names; no
+// window it shares is demoted.
+TEST(PrefixContent, KeepDecodesAtTheSharedCopies) {
+  CacheConfig cc = content_cache(60);
+  cc.prefix_cache.higher = PrefixHigher::Keep;
+  KVCacheManager cache(cc);
+  Scheduler sched(cache, exact_config());
+  std::mt19937 rng(11);
+  const std::vector<Request> asked{question(1, 0, rng), question(2, 1, rng)};
+  sched.add_request(asked[0]);
+  for (int i = 0; i < 100 && sched.has_unfinished(); ++i) sched.step();
+  sched.add_request(asked[1]);
+  const std::int64_t demotions_before = sched.stats().plan_demotions;
+  int checked = 0;
+  for (int i = 0; i < 100 && sched.has_unfinished(); ++i) {
+    sched.step();
+    ASSERT_NO_THROW(sched.check_invariants());
+    if (!cache.contains(2) || sched.status(2).state != RequestState::Running) continue;
+    ++checked;
+    const PrecisionPlan& held = cache.plan(2);
+    for (std::int32_t l = 0; l < 2; ++l) {
+      for (std::int32_t w = 1; w < held.num_windows(); ++w) {
+        const Precision want = asked[1].plan->at(l, w);
+        const Precision first = asked[0].plan->at(l, w);
+        // The cache holds FP16 and the first question's copy of each window.
+        const Precision expect = want == first || want == Precision::FP16 ? want : Precision::FP16;
+        EXPECT_EQ(held.at(l, w), expect) << "layer " << l << " window " << w;
+      }
+    }
+  }
+  EXPECT_GT(checked, 0);
+  EXPECT_EQ(sched.stats().plan_demotions, demotions_before) << "a question sharing every window demotes none";
+  EXPECT_EQ(sched.stats().prefix_hits, 1);
+}
+
 TEST(PrefixContent, NeedsExactPrefill) {
   KVCacheManager cache(content_cache(8));
   SchedulerConfig c = test::base_config();
