@@ -231,14 +231,6 @@ void KVCacheManager::Impl::require_prompt(const TokenLayout& layout, const Preci
   }
 }
 
-void KVCacheManager::Impl::require_wanted(const PrecisionPlan& plan, const PrecisionPlan& wanted) const {
-  if (wanted.num_layers() != plan.num_layers() || wanted.num_windows() != plan.num_windows()) {
-    throw InvalidArgument("wanted has " + std::to_string(wanted.num_layers()) + " layers x " +
-                          std::to_string(wanted.num_windows()) + " windows, expected the plan's " +
-                          std::to_string(plan.num_layers()) + " x " + std::to_string(plan.num_windows()));
-  }
-}
-
 BlockCounts KVCacheManager::Impl::prompt_demand(const TokenLayout& layout, const PrecisionPlan& plan) const {
   BlockCounts need{};
   const std::int64_t bs = block_size();

@@ -142,6 +142,14 @@ std::optional<Precision> copy_for(const PrefixNode& node, Precision want, Precis
 
 }  // namespace
 
+void KVCacheManager::Impl::require_wanted(const PrecisionPlan& plan, const PrecisionPlan& wanted) const {
+  if (wanted.num_layers() != plan.num_layers() || wanted.num_windows() != plan.num_windows()) {
+    throw InvalidArgument("wanted has " + std::to_string(wanted.num_layers()) + " layers x " +
+                          std::to_string(wanted.num_windows()) + " windows, expected the plan's " +
+                          std::to_string(plan.num_layers()) + " x " + std::to_string(plan.num_windows()));
+  }
+}
+
 PrefixShares KVCacheManager::Impl::match(const TokenLayout& layout, const PrecisionPlan& plan,
                                          std::span<const TokenKey> keys, const PrecisionPlan& wanted) const {
   PrefixShares out;
