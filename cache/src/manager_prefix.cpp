@@ -122,6 +122,47 @@ std::int32_t higher_cost(const PrefixNode& child, std::span<const TokenKey> keys
   return cost;
 }
 
+// The event hashes of one prompt, shared by its layers: a layer's i-th
+// event hash depends only on the rows, roles and tags of its events 0..i,
+// so a layer whose events agree with the memo so far takes its hashes
+// (every layer under content identity, and layers with the same plan under
+// precision identity) and hashes the rest itself.
+class HashMemo {
+ public:
+  void start_layer() { same_ = true; }
+  void diverge() { same_ = false; }
+  std::uint64_t hash(std::size_t i, const BlockEvent& e, int tag, std::uint64_t parent, std::span<const TokenKey> keys,
+                     std::span<const detail::RowRole> roles) {
+    if (same_ && i < entries_.size()) {
+      const Entry& m = entries_[i];
+      if (m.begin == e.begin && m.end == e.end && m.tag == tag &&
+          std::equal(roles.begin(), roles.end(), roles_.begin() + e.begin)) {
+        return m.hash;
+      }
+      same_ = false;
+    }
+    const std::uint64_t h = PrefixIndex::content_hash(parent, tag, keys, roles);
+    if (same_ && i == entries_.size() && static_cast<std::size_t>(e.begin) == roles_.size()) {
+      entries_.push_back({e.begin, e.end, tag, h});
+      roles_.insert(roles_.end(), roles.begin(), roles.end());
+    } else {
+      same_ = false;
+    }
+    return h;
+  }
+
+ private:
+  struct Entry {
+    std::int32_t begin = 0;
+    std::int32_t end = 0;
+    int tag = 0;
+    std::uint64_t hash = 0;
+  };
+  std::vector<Entry> entries_;
+  std::vector<detail::RowRole> roles_;  // [row] of the memo's events
+  bool same_ = true;
+};
+
 // Content identity: which of `node`'s copies a window takes that `wanted`
 // wants at `want` and an unshared prompt would store at `store`
 // (KVCacheManager::match_prefix), or nullopt.
@@ -176,15 +217,14 @@ PrefixShares KVCacheManager::Impl::match(const TokenLayout& layout, const Precis
   std::vector<std::vector<std::int32_t>> clean(static_cast<std::size_t>(layers), std::vector<std::int32_t>{0});
   std::vector<BlockEvent> events;
   std::vector<detail::RowRole> roles;
-  // Content identity: every layer walks the same rows under the same roles,
-  // so an event's hash is computed by the first layer that reaches it.
-  std::vector<std::uint64_t> hashes;
+  HashMemo memo;
   // A layer's walk need not pass the last row clean in the layers before.
   std::int32_t bound = limit;
   for (std::int32_t layer = 0; layer < layers && bound > 0; ++layer) {
     auto& path = paths[static_cast<std::size_t>(layer)];
     layer_events(layout, taken, layer, bs, windows_first, events);
     if (!content) roles.clear();
+    memo.start_layer();
     // Roles as far as the walk reads them, doubling: a miss costs O(block).
     auto read_roles = [&](std::int32_t row) {
       if (static_cast<std::int32_t>(roles.size()) >= row) return;
@@ -199,11 +239,8 @@ PrefixShares KVCacheManager::Impl::match(const TokenLayout& layout, const Precis
       read_roles(e.end);
       const auto k = keys.subspan(static_cast<std::size_t>(e.begin), n);
       const auto r = std::span<const detail::RowRole>(roles).subspan(e.begin, n);
-      if (content && i == hashes.size()) {
-        hashes.push_back(PrefixIndex::content_hash(node->hash, index->tag(e.precision), k, r));
-      }
-      const PrefixNode* next =
-          content ? index->find_hashed(*node, e.precision, hashes[i], k, r) : index->find(*node, e.precision, k, r);
+      const std::uint64_t hash = memo.hash(i, e, index->tag(e.precision), node->hash, k, r);
+      const PrefixNode* next = index->find_hashed(*node, e.precision, hash, k, r);
       if (next != nullptr && content) {
         // Positions do not depend on the plan (fp16_windows_first): only
         // the copy taken does. A window event ends at its window's end.
@@ -230,6 +267,7 @@ PrefixShares KVCacheManager::Impl::match(const TokenLayout& layout, const Precis
           }
           layer_events(layout, taken, layer, bs, windows_first, events);
           roles.clear();
+          memo.diverge();
           // The prompt now has the child's roles up to its end, so it
           // completes a block there too.
           while (i < events.size() && events[i].end < next->end) ++i;
@@ -392,22 +430,19 @@ std::int64_t KVCacheManager::publish_prefix(SequenceId id, std::span<const Token
   boost::unordered_flat_set<std::pair<std::int32_t, std::uint64_t>> hashes;  // (layer, hash) of `made`
   std::vector<BlockEvent> events;
   std::vector<detail::RowRole> roles;
-  std::vector<std::uint64_t> event_hashes;  // content identity: [event], as in match()
+  HashMemo memo;
   for (std::int32_t layer = 0; layer < m.num_layers(); ++layer) {
     layer_events(layout, plan, layer, bs, m.config.fp16_windows_first, events);
     if (!content || layer == 0) layer_roles(layout, plan, layer, bs, limit, content, roles);
     PrefixNode* node = &m.index->root(layer);
+    memo.start_layer();
     for (std::size_t i = 0; i < events.size() && events[i].end <= limit; ++i) {
       const BlockEvent& e = events[i];
       const auto n = static_cast<std::size_t>(e.end - e.begin);
       const auto k = keys.subspan(static_cast<std::size_t>(e.begin), n);
       const auto r = std::span<const detail::RowRole>(roles).subspan(static_cast<std::size_t>(e.begin), n);
       const std::int32_t block = seq.table.blocks(layer, e.precision)[static_cast<std::size_t>(e.index)];
-      if (content && i == event_hashes.size()) {
-        event_hashes.push_back(PrefixIndex::content_hash(node->hash, m.index->tag(e.precision), k, r));
-      }
-      const std::uint64_t hash =
-          content ? event_hashes[i] : PrefixIndex::content_hash(node->hash, m.index->tag(e.precision), k, r);
+      const std::uint64_t hash = memo.hash(i, e, m.index->tag(e.precision), node->hash, k, r);
       // The same content cached already (this block, or another sequence's
       // copy of it): the chain goes on through it; under content identity
       // this block becomes the node's copy at its precision if it has none.
