@@ -2,6 +2,7 @@
 #include "manager_impl.h"
 
 #include <algorithm>
+#include <span>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -12,10 +13,10 @@ namespace mixkv {
 // `window`, an FP16 window of `layer`.
 std::int64_t KVCacheManager::Impl::fp16_rank(const Prompt& prompt, std::int32_t layer, std::int32_t window) const {
   const std::int32_t bs = block_size();
+  const std::span<const Precision> row = prompt.plan.layer(layer);
   std::int64_t rank = 0;
   if (config.fp16_windows_first) {
-    for (std::int32_t w = 0; w < window; ++w) rank += prompt.plan.at(layer, w) == Precision::FP16 ? bs : 0;
-    return rank;
+    return std::int64_t{bs} * std::count(row.begin(), row.begin() + window, Precision::FP16);
   }
   std::int32_t w = 0;
   for (const Segment& segment : prompt.layout.segments()) {
@@ -26,7 +27,7 @@ std::int64_t KVCacheManager::Impl::fp16_rank(const Prompt& prompt, std::int32_t 
     const std::int32_t full = segment.length / bs;
     for (std::int32_t i = 0; i < full; ++i, ++w) {
       if (w == window) return rank;
-      rank += prompt.plan.at(layer, w) == Precision::FP16 ? bs : 0;
+      rank += row[static_cast<std::size_t>(w)] == Precision::FP16 ? bs : 0;
     }
     rank += segment.length - full * bs;
   }
@@ -43,9 +44,8 @@ std::int32_t KVCacheManager::Impl::block_index(const Prompt& prompt, std::int32_
     rank = fp16_rank(prompt, layer, window);
     return rank % block_size() == 0 ? static_cast<std::int32_t>(rank / block_size()) : -1;
   }
-  std::int32_t index = 0;
-  for (std::int32_t w = 0; w < window; ++w) index += prompt.plan.at(layer, w) == current ? 1 : 0;
-  return index;
+  const std::span<const Precision> row = prompt.plan.layer(layer);
+  return static_cast<std::int32_t>(std::count(row.begin(), row.begin() + window, current));
 }
 
 std::optional<std::string> KVCacheManager::Impl::why_not(const Sequence& seq, std::int32_t layer, std::int32_t window,
@@ -196,16 +196,12 @@ std::vector<DemoteOp> KVCacheManager::demote(std::span<const Demotion> demotions
       continue;
     }
     const Precision current = prompt.plan.at(d.layer, d.window);
-    std::int32_t src_index = 0;
-    std::int32_t dst_index = 0;
-    if (current == Precision::FP16) {
-      src_index = static_cast<std::int32_t>(m.fp16_rank(prompt, d.layer, d.window) / bs);
-    }
-    for (std::int32_t w = 0; w < d.window; ++w) {
-      const Precision p = prompt.plan.at(d.layer, w);
-      src_index += current != Precision::FP16 && p == current ? 1 : 0;
-      dst_index += p == d.target ? 1 : 0;
-    }
+    // List positions: windows before it at each precision (FP16: its rank).
+    const std::span<const Precision> row = prompt.plan.layer(d.layer);
+    const auto src_index = static_cast<std::int32_t>(current == Precision::FP16
+                                                         ? m.fp16_rank(prompt, d.layer, d.window) / bs
+                                                         : std::count(row.begin(), row.begin() + d.window, current));
+    const auto dst_index = static_cast<std::int32_t>(std::count(row.begin(), row.begin() + d.window, d.target));
     const std::int32_t src = seq.table.remove_block(d.layer, current, src_index);
     const std::int32_t dst = fresh[at(d.target)][next[at(d.target)]++];
     seq.table.insert_block(d.layer, d.target, dst_index, dst);

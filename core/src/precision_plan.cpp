@@ -26,6 +26,12 @@ Precision PrecisionPlan::at(std::int32_t layer, std::int32_t window) const {
   return precisions_[static_cast<std::size_t>(layer) * num_windows_ + window];
 }
 
+std::span<const Precision> PrecisionPlan::layer(std::int32_t layer) const {
+  require_index("layer", layer, num_layers_);
+  return std::span<const Precision>(precisions_)
+      .subspan(static_cast<std::size_t>(layer) * num_windows_, static_cast<std::size_t>(num_windows_));
+}
+
 void PrecisionPlan::set(std::int32_t layer, std::int32_t window, Precision precision) {
   require_index("layer", layer, num_layers_);
   require_index("window", window, num_windows_);

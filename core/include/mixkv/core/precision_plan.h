@@ -1,6 +1,7 @@
 #pragma once
 #include <array>
 #include <cstdint>
+#include <span>
 #include <vector>
 
 #include "mixkv/core/precision.h"
@@ -24,6 +25,10 @@ class PrecisionPlan {
   // Throw IndexOutOfRange naming "layer" or "window".
   Precision at(std::int32_t layer, std::int32_t window) const;
   void set(std::int32_t layer, std::int32_t window, Precision precision);
+  // The precisions of one layer's windows, [window], for loops over a
+  // layer (at() checks both indices on every call). IndexOutOfRange naming
+  // "layer".
+  std::span<const Precision> layer(std::int32_t layer) const;
   float score(std::int32_t window) const;
   void set_score(std::int32_t window, float score);
 
