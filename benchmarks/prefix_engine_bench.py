@@ -71,6 +71,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from graphs import ModelRunner  # noqa: E402
 from progress import tqdm  # noqa: E402
+from serving_bench import parse_new_tokens, pick_device  # noqa: E402
 from torch_model import SMOLLM2_135M, Config, TorchSmolLM2  # noqa: E402
 from video_qa_trace import Trace  # noqa: E402
 
@@ -136,13 +137,7 @@ def parse_args(argv=None):
         ap.error(f"--step-tokens {args.step_tokens}: expected >= --block-size")
     if args.arrivals_per_step <= 0 or args.arena_gib <= 0:
         ap.error("--arrivals-per-step and --arena-gib: expected > 0")
-    try:
-        lo, hi = (int(x) for x in args.new_tokens.split(","))
-    except ValueError:
-        ap.error(f"--new-tokens {args.new_tokens!r}: expected lo,hi")
-    if not 1 <= lo <= hi:
-        ap.error(f"--new-tokens {args.new_tokens!r}: expected 1 <= lo <= hi")
-    args.new_range = (lo, hi)
+    args.new_range = parse_new_tokens(ap, args.new_tokens)
     args.run_list = [r.strip() for r in args.runs.split(",") if r.strip()]
     for r in args.run_list:
         if r not in ALL_RUNS:
@@ -150,13 +145,6 @@ def parse_args(argv=None):
     if not args.run_list:
         ap.error("--runs: expected at least one run")
     return args
-
-
-def pick_device(name):
-    cuda = torch.cuda.is_available() and mixkv.built_with_cuda
-    if name == "cuda" and not cuda:
-        raise SystemExit("--device cuda: needs torch with a visible GPU and mixkv built with CUDA")
-    return torch.device("cuda" if cuda and name != "cpu" else "cpu")
 
 
 # ---- one run -----------------------------------------------------------------------------------------------------

@@ -121,13 +121,7 @@ def parse_args(argv=None):
         if p not in ALL_PLANS:
             ap.error(f"--plans: unknown plan {p!r} (expected some of {', '.join(RUN_ORDER)})")
     args.plan_list = [p for p in RUN_ORDER if p in args.plan_list]
-    try:
-        lo, hi = (int(x) for x in args.new_tokens.split(","))
-    except ValueError:
-        ap.error(f"--new-tokens {args.new_tokens!r}: expected lo,hi")
-    if not 1 <= lo <= hi:
-        ap.error(f"--new-tokens {args.new_tokens!r}: expected 1 <= lo <= hi")
-    args.new_range = (lo, hi)
+    args.new_range = parse_new_tokens(ap, args.new_tokens)
     if args.weights not in ("gguf", "random"):
         ap.error(f"--weights {args.weights!r}: expected gguf or random")
     if args.device not in ("auto", "cuda", "cpu"):
@@ -154,6 +148,17 @@ def parse_args(argv=None):
     if args.step_tokens < 32:
         ap.error(f"--step-tokens {args.step_tokens}: expected >= 32 (one window)")
     return args
+
+
+def parse_new_tokens(ap, text):
+    """--new-tokens "lo,hi" as (lo, hi), 1 <= lo <= hi; ap.error names it otherwise."""
+    try:
+        lo, hi = (int(x) for x in text.split(","))
+    except ValueError:
+        ap.error(f"--new-tokens {text!r}: expected lo,hi")
+    if not 1 <= lo <= hi:
+        ap.error(f"--new-tokens {text!r}: expected 1 <= lo <= hi")
+    return lo, hi
 
 
 def pick_device(name):

@@ -240,7 +240,7 @@ PrefixShares KVCacheManager::Impl::match(const TokenLayout& layout, const Precis
       const auto k = keys.subspan(static_cast<std::size_t>(e.begin), n);
       const auto r = std::span<const detail::RowRole>(roles).subspan(e.begin, n);
       const std::uint64_t hash = memo.hash(i, e, index->tag(e.precision), node->hash, k, r);
-      const PrefixNode* next = index->find_hashed(*node, e.precision, hash, k, r);
+      const PrefixNode* next = index->find(*node, e.precision, hash, k, r);
       if (next != nullptr && content) {
         // Positions do not depend on the plan (fp16_windows_first): only
         // the copy taken does. A window event ends at its window's end.
@@ -446,7 +446,7 @@ std::int64_t KVCacheManager::publish_prefix(SequenceId id, std::span<const Token
       // The same content cached already (this block, or another sequence's
       // copy of it): the chain goes on through it; under content identity
       // this block becomes the node's copy at its precision if it has none.
-      if (const PrefixNode* found = m.index->find_hashed(*node, e.precision, hash, k, r)) {
+      if (const PrefixNode* found = m.index->find(*node, e.precision, hash, k, r)) {
         if (content && !found->has(e.precision) && m.index->node_of(e.precision, block) == nullptr) {
           copies.push_back({found, {e.precision, block}});
         }

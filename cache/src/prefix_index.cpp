@@ -59,13 +59,8 @@ std::uint64_t PrefixIndex::node_key(std::int32_t layer, std::uint64_t hash) {
   return hash ^ mix64(0x6c61796572ULL + static_cast<std::uint64_t>(layer));
 }
 
-const PrefixNode* PrefixIndex::find(const PrefixNode& parent, Precision p, std::span<const TokenKey> keys,
-                                    std::span<const RowRole> roles) const {
-  return find_hashed(parent, p, content_hash(parent.hash, tag(p), keys, roles), keys, roles);
-}
-
-const PrefixNode* PrefixIndex::find_hashed(const PrefixNode& parent, Precision p, std::uint64_t hash,
-                                           std::span<const TokenKey> keys, std::span<const RowRole> roles) const {
+const PrefixNode* PrefixIndex::find(const PrefixNode& parent, Precision p, std::uint64_t hash,
+                                    std::span<const TokenKey> keys, std::span<const RowRole> roles) const {
   const auto it = by_hash_.find(node_key(parent.layer, hash));
   if (it == by_hash_.end()) return nullptr;
   const PrefixNode& n = *it->second;

@@ -85,14 +85,12 @@ class PrefixIndex {
   const PrefixNode& root(std::int32_t layer) const { return roots_[static_cast<std::size_t>(layer)]; }
   PrefixNode& root(std::int32_t layer) { return roots_[static_cast<std::size_t>(layer)]; }
   // The child of `parent` with exactly this content (verified), or null;
-  // under precision identity, the one holding `p`. find_hashed takes the
-  // content's hash, content_hash(parent.hash, tag(p), keys, roles): a
-  // node's hash does not depend on its layer (every root has the same), so
-  // layers that walk the same rows under the same roles hash them once.
-  const PrefixNode* find(const PrefixNode& parent, Precision p, std::span<const TokenKey> keys,
+  // under precision identity, the one holding `p`. `hash` is the content's,
+  // content_hash(parent.hash, tag(p), keys, roles): a node's hash does not
+  // depend on its layer (every root has the same), so layers that walk the
+  // same rows under the same roles hash them once.
+  const PrefixNode* find(const PrefixNode& parent, Precision p, std::uint64_t hash, std::span<const TokenKey> keys,
                          std::span<const RowRole> roles) const;
-  const PrefixNode* find_hashed(const PrefixNode& parent, Precision p, std::uint64_t hash,
-                                std::span<const TokenKey> keys, std::span<const RowRole> roles) const;
   // Whether a node of `layer` has this hash (another content's, when find() says none).
   bool hash_taken(std::int32_t layer, std::uint64_t hash) const { return by_hash_.contains(node_key(layer, hash)); }
   const PrefixNode* node_of(Precision p, std::int32_t block) const;

@@ -25,21 +25,12 @@ std::span<const TokenKey> prompt_keys(const Entry& e) {
 
 Admission Scheduler::Impl::admission(const Entry& e, std::int32_t budget) const {
   Admission a;
-  if (content_keyed(e)) {
-    // Stored FP16 whatever is shared: the shared windows are taken for the
-    // plan (the FP16 copy to demote from, or the plan's own copy).
-    PrefixMatch match = cache.match_prefix(e.prompt, fp16_plan(e), prompt_keys(e), e.plan);
-    if (match.rows > 0) {
-      a.start = match.rows;
-      a.match = std::move(match);
-    }
-    a.end = chunk_end(e, budget, a.start);
-    a.exact = a.end != 0 && stores_fp16(e, a.end);
-    a.demand = a.match ? a.match->demand : (a.exact ? e.fp16_demand : e.demand);
-    return a;
-  }
   if (prefix_caching() && !e.keys.empty()) {
-    PrefixMatch match = cache.match_prefix(e.prompt, e.plan, prompt_keys(e));
+    // By content a prompt is stored FP16 whatever it shares, and the shared
+    // windows are taken for its plan (the FP16 copy to demote from, or the
+    // plan's own copy).
+    PrefixMatch match = content_keyed(e) ? cache.match_prefix(e.prompt, fp16_plan(e), prompt_keys(e), e.plan)
+                                         : cache.match_prefix(e.prompt, e.plan, prompt_keys(e));
     if (match.rows > 0) {
       a.start = match.rows;
       a.match = std::move(match);
@@ -47,7 +38,7 @@ Admission Scheduler::Impl::admission(const Entry& e, std::int32_t budget) const 
   }
   a.end = chunk_end(e, budget, a.start);
   a.exact = a.end != 0 && stores_fp16(e, a.end);
-  if (a.exact && a.match) {
+  if (a.exact && a.match && !content_prefix()) {
     // Held FP16 so that every chunk reads FP16 keys: a cached prefix (at
     // its plan's precisions) would not be, and its shared windows could
     // not be demoted to the plan after.
@@ -56,7 +47,7 @@ Admission Scheduler::Impl::admission(const Entry& e, std::int32_t budget) const 
     a.end = chunk_end(e, budget, 0);
     a.exact = a.end != 0 && stores_fp16(e, a.end);
   }
-  a.demand = a.exact ? e.fp16_demand : (a.match ? a.match->demand : e.demand);
+  a.demand = a.match ? a.match->demand : (a.exact ? e.fp16_demand : e.demand);
   return a;
 }
 
