@@ -6,6 +6,8 @@
 #include <gtest/gtest.h>
 
 #include <numeric>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "cache_test_util.h"
@@ -82,6 +84,21 @@ TEST(PrefixContent, NeedsWindowsFirst) {
     ADD_FAILURE() << "expected InvalidArgument";
   } catch (const InvalidArgument& e) {
     EXPECT_NE(std::string(e.what()).find("prefix_cache.identity"), std::string::npos) << e.what();
+  }
+}
+
+TEST(PrefixContent, BadPolicyValuesAreNamed) {
+  for (const auto& [set, name] : std::vector<std::pair<void (*)(CacheConfig&), std::string>>{
+           {[](CacheConfig& c) { c.prefix_cache.identity = static_cast<PrefixIdentity>(7); }, "prefix_cache.identity"},
+           {[](CacheConfig& c) { c.prefix_cache.higher = static_cast<PrefixHigher>(9); }, "prefix_cache.higher"}}) {
+    CacheConfig c = content_config(8);
+    set(c);
+    try {
+      KVCacheManager cache(c);
+      ADD_FAILURE() << "expected InvalidArgument naming " << name;
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find(name), std::string::npos) << e.what();
+    }
   }
 }
 

@@ -3,6 +3,8 @@
 #include <gtest/gtest.h>
 
 #include <limits>
+#include <span>
+#include <vector>
 
 #include "../cache/cache_test_util.h"
 #include "mixkv/core/cache_shape.h"
@@ -24,6 +26,9 @@ TEST(PrecisionPlan, FillSetAndCount) {
   EXPECT_EQ(plan.at(0, 0), Precision::INT4);  // other layers untouched
   EXPECT_EQ(plan.window_counts(1), (std::array<std::int32_t, 3>{1, 1, 2}));
   EXPECT_EQ(plan.window_counts(0), (std::array<std::int32_t, 3>{0, 4, 0}));
+  const std::span<const Precision> row = plan.layer(1);
+  EXPECT_EQ(std::vector<Precision>(row.begin(), row.end()),
+            (std::vector<Precision>{Precision::FP16, Precision::INT4, Precision::INT2, Precision::INT2}));
   EXPECT_EQ(plan.score(2), 0.0f);
   plan.set_score(2, 0.75f);
   EXPECT_EQ(plan.score(2), 0.75f);
@@ -48,6 +53,7 @@ TEST(PrecisionPlan, RejectsBadArguments) {
   expect_error<IndexOutOfRange>([&] { (void)plan.at(2, 0); }, "layer = 2");
   expect_error<IndexOutOfRange>([&] { (void)plan.at(-1, 0); }, "layer = -1");
   expect_error<IndexOutOfRange>([&] { (void)plan.at(0, 3); }, "window = 3");
+  expect_error<IndexOutOfRange>([&] { (void)plan.layer(2); }, "layer = 2");
   expect_error<IndexOutOfRange>([&] { plan.set(0, -1, Precision::INT2); }, "window = -1");
   expect_error<IndexOutOfRange>([&] { plan.set(5, 0, Precision::INT2); }, "layer = 5");
   expect_error<InvalidArgument>([&] { plan.set(0, 0, static_cast<Precision>(3)); }, "precision = 3");
